@@ -1,0 +1,28 @@
+# All set-up happens here: a fresh machine needs only `make test` or `make demo`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH ?= torch==2.13.0
+
+.PHONY: test demo venv clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: the CPU build of this version lies on local disk; a bare `torch`
+	# requirement with nothing installed would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --timeout=900 tests
+
+demo: $(STAMP)
+	$(BIN)/python -m entmtp_hf.demo
+
+clean:
+	rm -rf $(VENV)
