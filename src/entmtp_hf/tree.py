@@ -51,6 +51,7 @@ class TreeBuffers:
     attn_mask: torch.Tensor  # [N, N] additive: 0 where visible, finfo(dtype).min elsewhere
     position_ids: torch.Tensor  # [N] long: depth of each node
     retrieve_indices: torch.Tensor  # [P, D + 1] long: root→leaf node indices, -1 padded
+    ancestors: torch.Tensor  # [N, D + 1] long: root→node indices of every node, -1 padded
     parents: torch.Tensor  # [N] long: parent node index, -1 for the root
     ranks: torch.Tensor  # [N] long: child rank of each node (0 for the root)
     depth_plan: tuple[DepthStep, ...]  # one entry per depth 1..D
@@ -217,11 +218,11 @@ def compile_tree(tree: Tree, device: torch.device, dtype: torch.dtype) -> TreeBu
     children: list[list[int]] = [[] for _ in range(n)]
     for i in range(1, n):
         children[parents[i]].append(i)
-    leaves = [i for i in range(n) if not children[i]]
-    rows = []
-    for leaf in leaves:
-        row = [index[paths[leaf][:k]] for k in range(depths[leaf] + 1)]
-        rows.append(row + [-1] * (tree.depth + 1 - len(row)))
+    lineage = []
+    for i in range(n):
+        row = [index[paths[i][:k]] for k in range(depths[i] + 1)]
+        lineage.append(row + [-1] * (tree.depth + 1 - len(row)))
+    rows = [lineage[i] for i in range(n) if not children[i]]
 
     plan = []
     for d in range(1, tree.depth + 1):
@@ -243,6 +244,7 @@ def compile_tree(tree: Tree, device: torch.device, dtype: torch.dtype) -> TreeBu
         attn_mask=attn_mask.to(device),
         position_ids=torch.tensor(depths, dtype=torch.long, device=device),
         retrieve_indices=torch.tensor(rows, dtype=torch.long, device=device),
+        ancestors=torch.tensor(lineage, dtype=torch.long, device=device),
         parents=torch.tensor(parents, dtype=torch.long, device=device),
         ranks=torch.tensor(ranks, dtype=torch.long, device=device),
         depth_plan=tuple(plan),

@@ -1,0 +1,66 @@
+"""Drafting the scheduled tree from the heads.
+
+:class:`EntMTPCandidateGenerator` is built once per ``generate`` call. Each step it drafts
+the union of every tree the scheduler may pick (one batched head call per depth for Hydra,
+one call per head for Medusa), reads the confidence feature off the draft, lets the
+scheduler choose a tree, and returns that tree's tokens with its precompiled buffers: a
+switch between trees is an index lookup, never a recompilation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import DecodePlan
+from .scheduler import FeatureTracker, Scheduler
+from .tree import TreeBuffers
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """One step's drafted tree, ready for verification."""
+
+    tree_index: int
+    tokens: torch.Tensor  # [N] long, node 0 = root
+    buffers: TreeBuffers
+    feature: float | None
+
+
+class EntMTPCandidateGenerator:
+    """Owns the heads' per-call state, the scheduler and the compiled trees of one call."""
+
+    def __init__(self, model, heads, plan: DecodePlan, feature: FeatureTracker, device, dtype) -> None:
+        self.heads = heads
+        self.plan = plan
+        self.scheduler: Scheduler = plan.new_scheduler()
+        self.feature = feature
+        self.state = heads.new_state(model)
+        heads_device = next(heads.parameters()).device
+        # compiled once here, never inside the loop
+        self.union_buffers = plan.union.buffers(heads_device, dtype)
+        self.buffers = tuple(t.buffers(device, dtype) for t in plan.trees)
+        self.node_maps = tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for m in plan.node_maps)
+        self.chain_nodes = torch.tensor(plan.chain_nodes, dtype=torch.long, device=heads_device)
+        self.device = device
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """Feed the last hidden states of newly accepted positions ([T, H])."""
+        self.heads.observe(self.state, hidden)
+
+    def observe_accept(self, accept_length: int) -> None:
+        self.feature.observe_accept(accept_length)
+
+    def get_candidates(self, root_token: torch.Tensor, p0: float, entropy: float) -> Candidates:
+        """Draft the union tree, score the step's confidence and pick the tree to verify."""
+        proposal = self.heads.propose(self.state, root_token, self.union_buffers)
+        s = None
+        if self.scheduler.needs_feature:
+            chain = proposal.probs[self.chain_nodes].tolist() if len(self.chain_nodes) else []
+            s = self.feature.value(p0, entropy, chain)
+            k = self.scheduler.choose(s)
+        else:
+            k = self.scheduler.current
+        tokens = proposal.tokens[self.node_maps[k]].to(self.device)
+        return Candidates(k, tokens, self.buffers[k], s)

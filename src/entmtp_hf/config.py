@@ -1,0 +1,179 @@
+"""``EntMTPConfig``: the per-call decoding settings passed to ``model.generate``.
+
+Kept apart from the heads' config (saved with the weights) and from offline search or
+benchmark settings. Values are validated when the object is built; what needs the heads
+(tree depth) or the bank (task, scheduler defaults) is checked by :meth:`EntMTPConfig.resolve`
+before any forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .scheduler import FEATURES, POLICIES, Scheduler
+from .tree import Tree
+
+if TYPE_CHECKING:
+    from .bank import TopologyBank
+
+ACCEPTANCE_RULES = ("auto", "greedy", "exact", "typical")
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What one generate call decodes with: the trees, their union and the policy."""
+
+    trees: tuple[Tree, ...]
+    union: Tree  # every scheduled tree (and the greedy chain the feature reads) merged
+    node_maps: tuple[tuple[int, ...], ...]  # per tree: its nodes' indices in ``union``
+    chain_nodes: tuple[int, ...]  # union indices of the greedy chain [0], [0,0], ... (depth order)
+    scheduler_args: dict
+
+    def new_scheduler(self) -> Scheduler:
+        return Scheduler(num_trees=len(self.trees), **self.scheduler_args)
+
+
+@dataclass
+class EntMTPConfig:
+    """How ``generate`` drafts and verifies trees.
+
+    Give a ``bank`` (a :class:`~entmtp_hf.bank.TopologyBank`, a folder or a Hub repo id) and
+    its ``task``; or one explicit ``tree`` (a list of paths); or several ``trees`` (smallest
+    first). ``policy`` defaults to ``static`` for one tree, ``hysteresis`` for a bank or two
+    trees (T- = first, T+ = second) and ``ladder`` for more. ``tau_on``/``tau_off``/
+    ``thresholds`` default to the bank's calibrated values. ``acceptance="auto"`` means greedy
+    without sampling and exact (lossless) sampling with ``do_sample=True``.
+    """
+
+    bank: Any = None
+    task: str | None = None
+    tree: Sequence[Sequence[int]] | None = None
+    trees: Sequence[Sequence[Sequence[int]]] | None = None
+    policy: str | None = None
+    tau_on: float | None = None
+    tau_off: float | None = None
+    thresholds: Sequence[float] | None = None
+    feature: str = "best_path_value"
+    feature_window: int = 8
+    acceptance: str = "auto"
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+    revision: str | None = None
+    _resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("bank", "tree", "trees") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "EntMTPConfig needs exactly one of `bank` (with `task`), `tree` or `trees`; "
+                f"got {given or 'none'}"
+            )
+        if self.bank is not None and not self.task:
+            raise ValueError("EntMTPConfig(bank=...) also needs `task=` (e.g. task='gsm8k')")
+        if self.tree is not None:
+            Tree.from_choices(self.tree)
+        if self.trees is not None:
+            if len(self.trees) == 0:
+                raise ValueError("`trees` is empty; give at least one tree")
+            for t in self.trees:
+                Tree.from_choices(t)
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"unknown acceptance {self.acceptance!r}; choose one of {ACCEPTANCE_RULES}")
+        if self.feature not in FEATURES:
+            raise ValueError(f"unknown feature {self.feature!r}; choose one of {FEATURES}")
+        if self.tau_on is not None and self.tau_off is not None and self.tau_off > self.tau_on:
+            raise ValueError(f"tau_off ({self.tau_off}) must be <= tau_on ({self.tau_on}); lower tau_off")
+        if self.thresholds is not None:
+            th = list(self.thresholds)
+            if any(b <= a for a, b in zip(th, th[1:])):
+                raise ValueError(f"ladder thresholds must be strictly increasing, got {th}")
+        if not 0.0 < self.posterior_threshold <= 1.0:
+            raise ValueError(f"posterior_threshold must be in (0, 1], got {self.posterior_threshold}")
+        if self.posterior_alpha <= 0.0:
+            raise ValueError(f"posterior_alpha must be > 0, got {self.posterior_alpha}")
+        if self.policy == "ladder" and self.tree is not None:
+            raise ValueError("the ladder policy needs several trees: pass `trees=` or a `bank`")
+        if self.policy == "hysteresis" and self.trees is not None and len(self.trees) < 2:
+            raise ValueError("the hysteresis policy needs two trees (T-, T+) in `trees`")
+
+    # ------------------------------------------------------------------ resolution
+    def load_bank(self) -> "TopologyBank":
+        from .bank import TopologyBank
+
+        if isinstance(self.bank, TopologyBank):
+            if self.bank.task != self.task:
+                raise ValueError(f"the bank given is for task {self.bank.task!r}, not task={self.task!r}")
+            return self.bank
+        return TopologyBank.from_pretrained(self.bank, task=self.task, revision=self.revision)
+
+    def resolve(self, num_heads: int) -> DecodePlan:
+        """Turn this config into a :class:`DecodePlan` for heads with ``num_heads`` heads.
+
+        Cached on the config object, so trees are compiled once and later calls only look
+        the plan up.
+        """
+        plan = self._resolved.get(num_heads)
+        if plan is None:
+            plan = self._build_plan(num_heads)
+            self._resolved[num_heads] = plan
+        return plan
+
+    def _build_plan(self, num_heads: int) -> DecodePlan:
+        if self.bank is not None:
+            bank = self.load_bank()
+            trees, policy, args = self._from_bank(bank)
+        elif self.tree is not None:
+            trees, policy = (Tree.from_choices(self.tree),), self.policy or "static"
+            args = {}
+        else:
+            all_trees = tuple(Tree.from_choices(t) for t in self.trees)
+            policy = self.policy or ("static" if len(all_trees) == 1 else "hysteresis" if len(all_trees) == 2 else "ladder")
+            trees, args = all_trees, {"low": 0, "high": min(1, len(all_trees) - 1)}
+            if policy == "ladder":
+                if self.thresholds is None:
+                    raise ValueError(f"the ladder over {len(trees)} trees needs `thresholds` ({len(trees) - 1} values)")
+                args["thresholds"] = tuple(self.thresholds)
+        for i, t in enumerate(trees):
+            if t.depth > num_heads:
+                raise ValueError(
+                    f"tree #{i} has depth {t.depth} but the heads draft only {num_heads} tokens ahead; "
+                    f"use a tree of depth <= {num_heads} or heads with more heads"
+                )
+        args = {**args, "policy": policy}
+        if self.tau_on is not None:
+            args["tau_on"] = self.tau_on
+        if self.tau_off is not None:
+            args["tau_off"] = self.tau_off
+        elif self.tau_on is not None and args.get("tau_off", self.tau_on) > self.tau_on:
+            args["tau_off"] = self.tau_on
+        if policy != "static":
+            args.setdefault("tau_off", args.get("tau_on", 0.01))
+        Scheduler(num_trees=len(trees), **args)  # validate now, before any compute
+
+        depth = max(t.depth for t in trees)
+        chain = Tree.chain(depth) if policy != "static" else Tree.root_only()
+        union = trees[0].union(*trees[1:], chain)
+        index = union.node_index()
+        return DecodePlan(
+            trees=trees,
+            union=union,
+            node_maps=tuple(tuple(union.subtree_map(t)) for t in trees),
+            chain_nodes=tuple(index[(0,) * d] for d in range(1, chain.depth + 1)),
+            scheduler_args=args,
+        )
+
+    def _from_bank(self, bank: "TopologyBank") -> tuple[tuple[Tree, ...], str, dict]:
+        d = bank.scheduler
+        trees = tuple(bank.trees)
+        policy = self.policy or "hysteresis"
+        if policy == "static":
+            return (trees[d.static],), policy, {}
+        if policy == "hysteresis":
+            low, high = sorted((d.conservative, d.aggressive), key=lambda i: trees[i].num_nodes)
+            return (trees[low], trees[high]), policy, {"low": 0, "high": 1, "tau_on": d.tau_on, "tau_off": d.tau_off}
+        ladder = tuple(trees[i] for i in d.ladder)
+        thresholds = tuple(self.thresholds) if self.thresholds is not None else tuple(d.thresholds)
+        return ladder, policy, {"thresholds": thresholds}

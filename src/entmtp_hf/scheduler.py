@@ -1,0 +1,150 @@
+"""Per-step tree scheduling: confidence features and the policies that read them.
+
+Every decode step the scheduler picks one of a few precompiled trees from a scalar
+confidence ``s``. Features are small pure functions of tensors the loop already holds (the
+verifier's distribution at the last accepted position, the heads' probabilities along the
+top-1 chain, recent accept lengths); policies are deterministic objects that can be tested
+without a model.
+
+* ``best_path_value`` (the paper's feature): ``s = max(p0, g_1, ..., g_D)`` with ``p0`` the base
+  model's top-1 probability at the last accepted position, ``p_d`` head ``d``'s top-1
+  probability along the greedy chain and ``g_d = p0 * p_1 * ... * p_d`` (EAGLE-2's path
+  value). Since every ``p_d <= 1`` this equals ``p0``; it is kept as specified.
+* ``chain_value``: ``g_D``, the value of the deepest greedy chain node.
+* ``base_top1``: ``p0``;  ``confidence``: ``exp(-H)`` of the base distribution;
+  ``confidence_ema``: ``exp(-EMA(H))``;  ``accept_ema``: EMA of recent accept lengths.
+
+Policies: ``static`` (one tree: EntMTP*), ``hysteresis`` (EntMTPτ: switch up to T+ when
+``s > tau_on``, back down to T- when ``s <= tau_off``), ``ladder`` (EntMTP-l: K-1 increasing
+thresholds bin ``s`` into K trees).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+FEATURES = ("best_path_value", "chain_value", "base_top1", "confidence", "confidence_ema", "accept_ema")
+POLICIES = ("static", "hysteresis", "ladder")
+
+
+# ----------------------------------------------------------------------------- features
+def top1_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 probability and entropy (nats) of softmax(logits) over the last dimension."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    probs = logp.exp()
+    entropy = -(probs * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
+    return probs.max(-1).values, entropy
+
+
+def path_values(p0: float, chain_probs: list[float]) -> list[float]:
+    """EAGLE-2 path values ``g_d = p0 * p_1 * ... * p_d`` along the greedy chain."""
+    values, g = [], p0
+    for p in chain_probs:
+        g *= p
+        values.append(g)
+    return values
+
+
+def best_path_value(p0: float, chain_probs: list[float]) -> float:
+    """``max(p0, g_1, ..., g_D)``."""
+    return max([p0, *path_values(p0, chain_probs)])
+
+
+def ema(previous: float | None, value: float, window: int) -> float:
+    """Exponential moving average with smoothing ``2 / (window + 1)``."""
+    if previous is None:
+        return value
+    a = 2.0 / (window + 1.0)
+    return a * value + (1.0 - a) * previous
+
+
+@dataclass
+class FeatureTracker:
+    """Keeps the running averages a feature needs across steps of one generate call."""
+
+    name: str = "best_path_value"
+    window: int = 8
+    entropy_ema: float | None = None
+    accept_ema: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in FEATURES:
+            raise ValueError(f"unknown scheduler feature {self.name!r}; choose one of {FEATURES}")
+        if self.window < 1:
+            raise ValueError(f"feature window must be >= 1, got {self.window}")
+
+    def observe_accept(self, accept_length: int) -> None:
+        self.accept_ema = ema(self.accept_ema, float(accept_length), self.window)
+
+    def value(self, p0: float, entropy: float, chain_probs: list[float]) -> float:
+        """The scalar ``s`` for this step."""
+        self.entropy_ema = ema(self.entropy_ema, entropy, self.window)
+        if self.name == "best_path_value":
+            return best_path_value(p0, chain_probs)
+        if self.name == "chain_value":
+            return path_values(p0, chain_probs)[-1] if chain_probs else p0
+        if self.name == "base_top1":
+            return p0
+        if self.name == "confidence":
+            return math.exp(-entropy)
+        if self.name == "confidence_ema":
+            return math.exp(-self.entropy_ema)
+        return self.accept_ema if self.accept_ema is not None else 1.0  # accept_ema
+
+
+# ----------------------------------------------------------------------------- policies
+@dataclass
+class Scheduler:
+    """Maps the confidence ``s`` of each step to the index of the tree to verify.
+
+    ``num_trees`` trees are indexed smallest first. ``static`` always returns ``static_index``;
+    ``hysteresis`` moves between ``low`` (T-) and ``high`` (T+); ``ladder`` returns the number of
+    ``thresholds`` below ``s``.
+    """
+
+    policy: str
+    num_trees: int
+    static_index: int = 0
+    low: int = 0
+    high: int = 0
+    tau_on: float = 0.01
+    tau_off: float = 0.01
+    thresholds: tuple[float, ...] = ()
+    current: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
+        if self.tau_off > self.tau_on:
+            raise ValueError(f"tau_off ({self.tau_off}) must be <= tau_on ({self.tau_on})")
+        for name in ("static_index", "low", "high"):
+            if not 0 <= getattr(self, name) < self.num_trees:
+                raise ValueError(f"{name}={getattr(self, name)} is not a tree index (0..{self.num_trees - 1})")
+        if self.policy == "ladder":
+            if len(self.thresholds) != self.num_trees - 1:
+                raise ValueError(
+                    f"the ladder needs {self.num_trees - 1} thresholds for {self.num_trees} trees, "
+                    f"got {len(self.thresholds)}"
+                )
+            if any(b <= a for a, b in zip(self.thresholds, self.thresholds[1:])):
+                raise ValueError(f"ladder thresholds must be strictly increasing, got {list(self.thresholds)}")
+        self.current = {"static": self.static_index, "hysteresis": self.low, "ladder": 0}[self.policy]
+
+    @property
+    def needs_feature(self) -> bool:
+        return self.policy != "static"
+
+    def choose(self, s: float) -> int:
+        """Tree index for a step whose confidence is ``s``."""
+        if self.policy == "hysteresis":
+            if s > self.tau_on:
+                self.current = self.high
+            elif s <= self.tau_off:
+                self.current = self.low
+        elif self.policy == "ladder":
+            self.current = bisect.bisect_left(self.thresholds, s)
+        return self.current

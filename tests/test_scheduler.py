@@ -1,0 +1,73 @@
+"""Scheduler features and policies, without a model."""
+
+import math
+
+import pytest
+import torch
+
+from entmtp_hf.scheduler import FeatureTracker, Scheduler, best_path_value, ema, path_values, top1_and_entropy
+
+
+def test_path_values_and_best_path_value():
+    assert path_values(0.5, [0.5, 0.2]) == pytest.approx([0.25, 0.05])
+    assert best_path_value(0.5, [0.5, 0.2]) == pytest.approx(0.5)
+    assert best_path_value(0.9, []) == pytest.approx(0.9)
+
+
+def test_top1_and_entropy_against_formula():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    p = torch.softmax(logits, -1)
+    top1, h = top1_and_entropy(logits)
+    assert top1.item() == pytest.approx(p.max().item())
+    assert h.item() == pytest.approx(-(p * p.log()).sum().item(), rel=1e-6)
+    # a one-hot distribution has zero entropy and no NaN
+    top1, h = top1_and_entropy(torch.tensor([0.0, -float("inf"), -float("inf")]))
+    assert top1.item() == 1.0 and h.item() == pytest.approx(0.0)
+
+
+def test_ema():
+    assert ema(None, 3.0, 4) == 3.0
+    assert ema(1.0, 3.0, 3) == pytest.approx(0.5 * 3 + 0.5 * 1)
+
+
+def test_feature_tracker_values():
+    f = FeatureTracker("chain_value")
+    assert f.value(0.5, 1.0, [0.5, 0.5]) == pytest.approx(0.125)
+    f = FeatureTracker("confidence")
+    assert f.value(0.5, 2.0, []) == pytest.approx(math.exp(-2.0))
+    f = FeatureTracker("accept_ema", window=1)
+    f.observe_accept(3)
+    assert f.value(0.5, 2.0, []) == 3.0
+    with pytest.raises(ValueError, match="unknown scheduler feature"):
+        FeatureTracker("nope")
+
+
+def test_static_policy_never_moves():
+    s = Scheduler("static", num_trees=3, static_index=2)
+    assert [s.choose(x) for x in (0.0, 0.5, 1.0)] == [2, 2, 2]
+
+
+def test_hysteresis_switches_with_band():
+    s = Scheduler("hysteresis", num_trees=2, low=0, high=1, tau_on=0.5, tau_off=0.2)
+    seq = [0.1, 0.6, 0.4, 0.3, 0.2, 0.3, 0.51, 0.21]
+    assert [s.choose(x) for x in seq] == [0, 1, 1, 1, 0, 0, 1, 1]
+
+
+def test_ladder_bins():
+    s = Scheduler("ladder", num_trees=3, thresholds=(0.1, 0.5))
+    assert [s.choose(x) for x in (0.05, 0.1, 0.2, 0.5, 0.9)] == [0, 0, 1, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(policy="bogus", num_trees=1), "unknown policy"),
+        (dict(policy="hysteresis", num_trees=2, high=1, tau_on=0.1, tau_off=0.2), "tau_off"),
+        (dict(policy="ladder", num_trees=3, thresholds=(0.5,)), "needs 2 thresholds"),
+        (dict(policy="ladder", num_trees=3, thresholds=(0.5, 0.1)), "strictly increasing"),
+        (dict(policy="static", num_trees=2, static_index=2), "not a tree index"),
+    ],
+)
+def test_invalid_scheduler(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Scheduler(**kwargs)
