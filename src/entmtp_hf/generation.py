@@ -126,7 +126,7 @@ def enable_entmtp(model, heads) -> Any:
 
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("EntMTP supports decoder-only models; this model is an encoder-decoder")
-    heads = load_heads(heads)
+    heads = load_heads(heads, base_config=model.config)
     lm_head = model.get_output_embeddings()
     if lm_head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head) to verify with")

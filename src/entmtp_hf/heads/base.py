@@ -1,0 +1,391 @@
+"""The shared draft-head interface: proposal, per-call state, save/load/push.
+
+Conventions (shared with the generation loop):
+
+* Node 0 of a tree is the root, the base model's own next token x_{t+1}; nodes at depth
+  d = 1..D are drafted by head d-1, and head i predicts token t+i+2.
+* h_t is the base model's last hidden state after the final norm at the position whose
+  prediction is the root. :meth:`DraftHeads.observe` receives those states for every
+  newly accepted position; :meth:`DraftHeads.propose` drafts a whole tree from them.
+* All per-``generate`` state lives in a :class:`DraftState`; the heads object holds only
+  weights, so one set of heads can serve concurrent or successive calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..tree import DepthStep, TreeBuffers
+from .config import FORMAT_VERSION, HeadsConfig
+
+FORMAT_KEY = "entmtp_heads_format"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+#: family name -> heads class; filled by :func:`register_heads` when the modules import.
+HEADS_REGISTRY: dict[str, type["DraftHeads"]] = {}
+_H = TypeVar("_H", bound=type["DraftHeads"])
+
+
+def register_heads(family: str) -> Callable[[_H], _H]:
+    """Class decorator adding a heads class to :data:`HEADS_REGISTRY` under ``family``."""
+
+    def add(cls: _H) -> _H:
+        cls.family = family
+        HEADS_REGISTRY[family] = cls
+        return cls
+
+    return add
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A drafted tree: one entry per node, in the tree's canonical node order.
+
+    ``tokens`` are base-vocabulary ids (node 0 = the root token); ``probs`` is each node
+    token's softmax probability under the head that drafted it (1 for the root);
+    ``entropy`` the entropy in nats of that head distribution (0 for the root).
+    """
+
+    tokens: Tensor  # [N] long
+    probs: Tensor  # [N] float32 (float64 for float64 heads)
+    entropy: Tensor | None = None  # [N] same dtype as probs
+
+
+@dataclass
+class DraftState:
+    """Per-``generate``-call drafting state; create with :meth:`DraftHeads.new_state`.
+
+    The base model's embedding and LM head are referenced here rather than registered on
+    the heads, so they are neither saved with the heads nor moved twice.
+    """
+
+    embed: nn.Module
+    lm_weight: Tensor | None = None  # base LM head rows (restricted to draft_vocab) if used
+    lm_bias: Tensor | None = None
+    prefix_cache: Any = None  # the prefix layer's KV cache (prefix-mlp only)
+    num_observed: int = 0  # accepted positions seen so far (prefix-layer positions)
+    cond: Tensor | None = None  # [H] conditioning vector at the last accepted position
+
+
+class ResBlock(nn.Module):
+    """``res(x) + SiLU(linear(x))``; ``res`` is a learned projection only when widths differ."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+        self.res_connection = nn.Linear(in_features, out_features) if in_features != out_features else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.res_connection(x) + F.silu(self.linear(x))
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config of a (possibly multimodal) transformers config."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def check_draft_vocab(draft_vocab: Tensor | list[int] | None, vocab_size: int) -> Tensor | None:
+    """Validate a drafting vocabulary: 1-D, unique ids in ``[0, vocab_size)``."""
+    if draft_vocab is None:
+        return None
+    dv = torch.as_tensor(draft_vocab)
+    if dv.dim() != 1 or dv.numel() == 0 or dv.is_floating_point() or dv.is_complex() or dv.dtype == torch.bool:
+        raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of token ids, got shape {tuple(dv.shape)}")
+    dv = dv.long().cpu()
+    if int(dv.min()) < 0 or int(dv.max()) >= vocab_size:
+        raise ValueError(f"draft_vocab ids must lie in [0, {vocab_size}), got [{int(dv.min())}, {int(dv.max())}]")
+    if dv.unique().numel() != dv.numel():
+        raise ValueError("draft_vocab contains repeated token ids")
+    return dv
+
+
+class DraftHeads(nn.Module):
+    """Base class of draft heads; subclasses implement ``_build``, ``propose``, ``forward_train``."""
+
+    family: ClassVar[str] = ""
+    lm_head_bias: ClassVar[bool] = True  # whether per-head LM heads carry a bias
+
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__()
+        if config.family != self.family:
+            raise ValueError(f"{type(self).__name__} needs a config of family {self.family!r}, got {config.family!r}")
+        self.config = config
+        rows = config.draft_vocab_rows
+        self.register_buffer("draft_vocab", torch.arange(rows) if config.draft_vocab_size else None)
+        self.mlps = self._build_mlps()
+        self.lm_heads = None
+        if not config.use_base_lm_head:
+            h, bias = config.hidden_size, self.lm_head_bias
+            self.lm_heads = nn.ModuleList(nn.Linear(h, rows, bias=bias) for _ in range(config.num_heads))
+
+    # ------------------------------------------------------------------ building
+    def _build_mlps(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @classmethod
+    def for_model(
+        cls,
+        model: nn.Module,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        arch: str = "mlp",
+        draft_vocab: Tensor | list[int] | None = None,
+        use_base_lm_head: bool = False,
+    ) -> "DraftHeads":
+        """Randomly initialised heads sized for ``model`` (hidden size, vocabulary), on its device."""
+        if not cls.family:
+            raise TypeError("call for_model on a concrete class, e.g. HydraHeads.for_model(model)")
+        base = text_config(model.config)
+        dv = check_draft_vocab(draft_vocab, base.vocab_size)
+        config = HeadsConfig(
+            family=cls.family,
+            head_arch=arch,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            hidden_size=base.hidden_size,
+            vocab_size=base.vocab_size,
+            use_base_lm_head=use_base_lm_head,
+            draft_vocab_size=0 if dv is None else int(dv.numel()),
+            base_model_name_or_path=getattr(model, "name_or_path", None) or None,
+            prefix_layer_config=cls._prefix_layer_config(base) if arch == "prefix-mlp" else None,
+        )
+        heads = cls(config)
+        if dv is not None:
+            heads.draft_vocab.copy_(dv)
+        param = next(model.parameters(), None)
+        return heads.to(param.device) if param is not None else heads
+
+    @staticmethod
+    def _prefix_layer_config(base_config: Any) -> dict[str, Any]:
+        raise ValueError("this heads family has no prefix layer")
+
+    @torch.no_grad()
+    def init_lm_heads_from(self, model: nn.Module) -> "DraftHeads":
+        """Copy the base LM head's rows (restricted to ``draft_vocab``) into every head's LM head.
+
+        A common warm start: before training each head then predicts like the base model.
+        """
+        if self.lm_heads is None:
+            raise ValueError("these heads use the base LM head (use_base_lm_head=True); there is nothing to initialise")
+        weight, bias = self._base_lm_rows(model)
+        for lm in self.lm_heads:
+            lm.weight.copy_(weight)
+            if lm.bias is not None:
+                lm.bias.copy_(bias if bias is not None else torch.zeros_like(lm.bias))
+        return self
+
+    def _base_lm_rows(self, model_or_head: nn.Module) -> tuple[Tensor, Tensor | None]:
+        head = model_or_head
+        if hasattr(model_or_head, "get_output_embeddings"):
+            head = model_or_head.get_output_embeddings()
+        if head is None or not isinstance(getattr(head, "weight", None), Tensor):
+            raise ValueError("the base model exposes no output embeddings (LM head) with a weight")
+        weight, bias = head.weight, getattr(head, "bias", None)
+        if weight.shape[-1] != self.config.hidden_size or weight.shape[0] < self.config.vocab_size:
+            raise ValueError(
+                f"base LM head of shape {tuple(weight.shape)} does not fit hidden_size={self.config.hidden_size}, "
+                f"vocab_size={self.config.vocab_size}"
+            )
+        weight = weight[: self.config.vocab_size]
+        bias = bias[: self.config.vocab_size] if isinstance(bias, Tensor) else None
+        if self.draft_vocab is not None:
+            idx = self.draft_vocab.to(weight.device)
+            weight, bias = weight[idx], (bias[idx] if bias is not None else None)
+        dtype = self._dtype
+        return weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(p for p in self.parameters()).dtype
+
+    # ------------------------------------------------------------------ drafting
+    @torch.no_grad()
+    def new_state(self, model: nn.Module) -> DraftState:
+        """Fresh drafting state for one ``generate`` call on ``model``."""
+        embed = model.get_input_embeddings()
+        weight = getattr(embed, "weight", None)
+        if isinstance(weight, Tensor) and weight.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"base embeddings have width {weight.shape[-1]}, heads expect {self.config.hidden_size}")
+        lm_weight = lm_bias = None
+        if self.config.use_base_lm_head:
+            lm_weight, lm_bias = self._base_lm_rows(model)
+        return DraftState(embed=embed, lm_weight=lm_weight, lm_bias=lm_bias, prefix_cache=self._new_prefix_cache())
+
+    def _new_prefix_cache(self) -> Any:
+        return None
+
+    def _condition(self, state: DraftState, hidden: Tensor) -> Tensor:
+        """Conditioning vectors [T, H] for newly accepted states (identity unless prefix-mlp)."""
+        return hidden
+
+    @torch.no_grad()
+    def observe(self, state: DraftState, hidden: Tensor) -> None:
+        """Feed the last hidden states [T, H] of newly accepted positions, in order."""
+        if hidden.dim() == 3 and hidden.shape[0] == 1:
+            hidden = hidden[0]
+        if hidden.dim() != 2 or hidden.shape[-1] != self.config.hidden_size or hidden.shape[0] == 0:
+            raise ValueError(
+                f"observe expects hidden states [T>0, {self.config.hidden_size}] (batch size 1), "
+                f"got {tuple(hidden.shape)}"
+            )
+        cond = self._condition(state, hidden.to(self._dtype))
+        state.num_observed += hidden.shape[0]
+        state.cond = cond[-1]
+
+    def propose(self, state: DraftState, root_token: Tensor, buffers: TreeBuffers) -> Proposal:
+        raise NotImplementedError
+
+    def forward_train(
+        self, hidden: Tensor, input_ids: Tensor, embed: nn.Module | None, lm_head: nn.Module | None = None
+    ) -> list[Tensor]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared maths
+    def _head(self, i: int, x: Tensor, lm_weight: Tensor | None, lm_bias: Tensor | None) -> Tensor:
+        """Logits of head ``i`` (over the drafting vocabulary) for head inputs ``x``."""
+        for block in self.mlps[i]:
+            x = block(x)
+        if self.lm_heads is not None:
+            return self.lm_heads[i](x)
+        if lm_weight is None:
+            raise ValueError("these heads use the base LM head: pass it (new_state(model) / lm_head=...)")
+        return F.linear(x, lm_weight, lm_bias)
+
+    def _train_lm(self, lm_head: nn.Module | None) -> tuple[Tensor | None, Tensor | None]:
+        if self.lm_heads is not None:
+            return None, None
+        if lm_head is None:
+            raise ValueError("these heads use the base LM head: pass lm_head=model.get_output_embeddings()")
+        return self._base_lm_rows(lm_head)
+
+    def _start(self, state: DraftState, root_token: Tensor, buffers: TreeBuffers) -> tuple[Tensor, Tensor, Tensor]:
+        """Checked conditioning vector and empty proposal tensors with the root filled in."""
+        if state.cond is None:
+            raise ValueError("observe() the prompt's hidden states before propose()")
+        depth = len(buffers.depth_plan)
+        if depth > self.num_heads:
+            raise ValueError(f"tree depth {depth} exceeds the {self.num_heads} draft heads")
+        widest = max((s.topk for s in buffers.depth_plan), default=0)
+        if widest > self.config.draft_vocab_rows:
+            raise ValueError(f"tree asks for top-{widest} but heads draft from {self.config.draft_vocab_rows} tokens")
+        n, device = buffers.num_nodes, state.cond.device
+        tokens = torch.empty(n, dtype=torch.long, device=device)
+        tokens[:1] = root_token.reshape(1)
+        stat = torch.promote_types(self._dtype, torch.float32)  # float32 unless the heads run in float64
+        return tokens, torch.ones(n, dtype=stat, device=device), torch.zeros(n, dtype=stat, device=device)
+
+    def _children(self, logits: Tensor, rows: Tensor, step: DepthStep) -> tuple[Tensor, Tensor, Tensor]:
+        """Token, probability and head entropy of each child of ``step``.
+
+        ``logits`` [R, V'] are the head outputs of the parent rows; child c takes the
+        rank ``step.child_rank[c]`` token of row ``rows[c]``.
+        """
+        logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        entropy = torch.special.entr(logp.exp()).sum(-1)
+        top_logp, top_idx = logp.topk(step.topk, dim=-1)
+        idx = top_idx[rows, step.child_rank]
+        tokens = self.draft_vocab[idx] if self.draft_vocab is not None else idx
+        return tokens, top_logp[rows, step.child_rank].exp(), entropy[rows]
+
+    # ------------------------------------------------------------------ persistence
+    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write ``config.json``, ``model.safetensors`` and a model card ``README.md``."""
+        from safetensors.torch import save_file
+
+        if self.draft_vocab is not None:
+            check_draft_vocab(self.draft_vocab, self.config.vocab_size)
+        os.makedirs(save_directory, exist_ok=True)
+        config = {FORMAT_KEY: FORMAT_VERSION, **self.config.to_dict()}
+        with open(os.path.join(save_directory, CONFIG_NAME), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(save_directory, WEIGHTS_NAME), metadata={"format": "pt"})
+        with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as f:
+            f.write(model_card(self.config))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str | os.PathLike,
+        revision: str | None = None,
+        *,
+        base_config: Any = None,
+        cache_dir: str | os.PathLike | None = None,
+        token: str | bool | None = None,
+    ) -> "DraftHeads":
+        """Load heads from a folder or Hub repo, in this project's or a published format.
+
+        The class is chosen from the checkpoint via :data:`HEADS_REGISTRY`; calling it on a
+        subclass additionally checks the family. ``base_config`` (the base model's config)
+        is only needed for published prefix-mlp Hydra heads whose base model config cannot
+        be fetched.
+        """
+        from .loading import load_from_source
+
+        heads = load_from_source(
+            path_or_repo_id, revision=revision, base_config=base_config, cache_dir=cache_dir, token=token
+        )
+        if cls.family and not isinstance(heads, cls):
+            raise ValueError(f"{path_or_repo_id} holds {heads.family!r} heads, not {cls.family!r}")
+        return heads
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str = "Upload EntMTP draft heads",
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+    ) -> Any:
+        """Save to a temporary folder and upload it to a (created if needed) Hub model repo."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=tmp, commit_message=commit_message, revision=revision, create_pr=create_pr
+            )
+
+
+def model_card(config: HeadsConfig) -> str:
+    """A short model card so a Hub repo of heads says what it is and how to load it."""
+    base = config.base_model_name_or_path
+    front = ["---", "library_name: entmtp-hf", "tags:", "- speculative-decoding", f"- {config.family}"]
+    if base:
+        front.append(f"base_model: {base}")
+    front.append("---")
+    vocab = f"{config.draft_vocab_size} drafting tokens" if config.draft_vocab_size else "the full vocabulary"
+    body = [
+        f"# {config.family.capitalize()} draft heads",
+        "",
+        f"{config.num_heads} {config.family} heads ({config.head_arch}, {config.num_layers} block(s) each, "
+        f"hidden size {config.hidden_size}) drafting over {vocab}"
+        + (f" for `{base}`." if base else "."),
+        "They propose token trees for tree speculative decoding with entmtp-hf; the base model "
+        "verifies every draft, so outputs are unchanged.",
+        "",
+        "```python",
+        "from entmtp_hf.heads import DraftHeads",
+        'heads = DraftHeads.from_pretrained("<this repo>")',
+        "```",
+        "",
+    ]
+    return "\n".join(front + [""] + body)

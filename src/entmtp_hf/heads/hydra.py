@@ -1,0 +1,189 @@
+"""Hydra heads: sequentially dependent ("grounded") draft heads.
+
+Head i scores token t+i+2 from concat[c_t, E(x_{t+1}), ..., E(x_{t+i+1})], where c_t is
+h_t (arch ``mlp``) or the prefix layer's output at t (arch ``prefix-mlp``), x_{t+1} is the
+root token and x_{t+2..t+i+1} the drafted tokens on the node's path. Because a node's
+children depend on its path, a tree is drafted depth by depth: one batched head call per
+depth over that depth's expanded nodes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..tree import TreeBuffers
+from .base import DraftHeads, DraftState, Proposal, ResBlock, register_heads, text_config
+
+#: config entries that describe the checkpoint, not the layer; dropped from prefix_layer_config
+_NOISE_KEYS = (
+    "architectures", "_name_or_path", "transformers_version", "id2label", "label2id", "auto_map",
+    "quantization_config", "dtype", "torch_dtype", "_commit_hash", "output_hidden_states",
+    "output_attentions", "return_dict", "problem_type", "chunk_size_feed_forward",
+)  # fmt: skip
+
+
+def prefix_layer_config(base_config: Any) -> dict[str, Any]:
+    """JSON-ready one-layer copy of the base model's config, enough to rebuild the prefix layer."""
+    data = {k: v for k, v in text_config(base_config).to_dict().items() if k not in _NOISE_KEYS}
+    data["num_hidden_layers"] = 1
+    if isinstance(data.get("layer_types"), list):
+        data["layer_types"] = data["layer_types"][:1]
+    return data
+
+
+def build_prefix_config(data: dict[str, Any]) -> Any:
+    """Rebuild a transformers config object from :func:`prefix_layer_config`'s dict."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = data.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"prefix layer: unknown base model_type {model_type!r}")
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(dict(data))
+    except Exception as e:
+        raise ValueError(f"prefix layer: invalid base config for {model_type!r} ({e})") from e
+    if config._attn_implementation not in ("eager", "sdpa"):
+        config._attn_implementation = "sdpa"
+    return config
+
+
+def _architecture_classes(config: Any) -> tuple[type, type, type]:
+    """DecoderLayer, RMSNorm and RotaryEmbedding classes of the config's architecture."""
+    name = type(config).__name__.removesuffix("Config")
+    module_name = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+        return tuple(getattr(module, f"{name}{part}") for part in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"prefix-mlp heads need a Llama-like architecture (DecoderLayer, RMSNorm, RotaryEmbedding); "
+            f"{config.model_type!r} does not provide them ({e})"
+        ) from e
+
+
+def causal_mask(q_len: int, past: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive [1, 1, q_len, past + q_len] mask: query j sees keys 0..past+j."""
+    keys = torch.arange(past + q_len, device=device)
+    queries = torch.arange(past, past + q_len, device=device)
+    mask = torch.zeros(q_len, past + q_len, dtype=dtype, device=device)
+    mask.masked_fill_(keys[None, :] > queries[:, None], torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+class PrefixLayer(nn.Module):
+    """One decoder layer of the base architecture plus a final norm, over base hidden states.
+
+    It mirrors the published Hydra ``prefix_embeding_layer`` (a one-layer base model run on
+    ``inputs_embeds``), so its parameter names are ``layers.0.*`` and ``norm.weight``.
+    """
+
+    def __init__(self, config_dict: dict[str, Any]) -> None:
+        super().__init__()
+        config = build_prefix_config(config_dict)
+        layer_cls, norm_cls, rope_cls = _architecture_classes(config)
+        self.layers = nn.ModuleList([layer_cls(config, layer_idx=0)])
+        self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = rope_cls(config=config)  # buffers are non-persistent: not saved
+
+    def forward(self, hidden: Tensor, past: int = 0, cache: Any = None) -> Tensor:
+        """Run causally over ``hidden`` [B, T, H] at positions past..past+T-1, appending to ``cache``."""
+        seq = hidden.shape[1]
+        position_ids = torch.arange(past, past + seq, device=hidden.device)[None]
+        mask = causal_mask(seq, past, hidden.dtype, hidden.device)
+        out = self.layers[0](
+            hidden,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=self.rotary_emb(hidden, position_ids),
+        )
+        return self.norm(out)
+
+
+@register_heads("hydra")
+class HydraHeads(DraftHeads):
+    """Grounded Hydra heads (archs ``mlp`` and ``prefix-mlp``)."""
+
+    lm_head_bias = True
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        if config.head_arch == "prefix-mlp":
+            self.prefix_embeding_layer = PrefixLayer(config.prefix_layer_config)  # published name, sic
+        else:
+            self.prefix_embeding_layer = None
+
+    def _build_mlps(self) -> nn.ModuleList:
+        h, n = self.config.hidden_size, self.config.num_layers
+        # Block 0 of head i reads (i+2)·H features; every block owns its weights (no [Block]*n).
+        return nn.ModuleList(
+            nn.ModuleList([ResBlock((i + 2) * h, h)] + [ResBlock(h, h) for _ in range(n - 1)])
+            for i in range(self.config.num_heads)
+        )
+
+    @staticmethod
+    def _prefix_layer_config(base_config: Any) -> dict[str, Any]:
+        return prefix_layer_config(base_config)
+
+    def _new_prefix_cache(self) -> Any:
+        if self.prefix_embeding_layer is None:
+            return None
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def _condition(self, state: DraftState, hidden: Tensor) -> Tensor:
+        if self.prefix_embeding_layer is None:
+            return hidden
+        out = self.prefix_embeding_layer(hidden[None], past=state.num_observed, cache=state.prefix_cache)
+        return out[0]
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, root_token: Tensor, buffers: TreeBuffers) -> Proposal:
+        """Draft the tree depth by depth, one batched head call per depth.
+
+        ``feats`` holds, for every node of the previous depth, its head input
+        concat[c_t, E(root), E(path...)]; a parent's row is found through ``slot`` (each
+        node's position within its depth), children append their own token embedding.
+        """
+        tokens, probs, entropy = self._start(state, root_token, buffers)
+        embed = state.embed
+        dtype = self._dtype
+        feats = torch.cat([state.cond[None], embed(tokens[:1]).to(dtype)], dim=-1)  # depth 0: [1, 2H]
+        slot = torch.zeros(buffers.num_nodes, dtype=torch.long, device=tokens.device)
+        for i, step in enumerate(buffers.depth_plan):
+            parent_x = feats[slot[step.parents]]
+            logits = self._head(i, parent_x, state.lm_weight, state.lm_bias)
+            tok, p, h = self._children(logits, step.child_parent_row, step)
+            tokens[step.children], probs[step.children], entropy[step.children] = tok, p, h
+            slot[step.children] = torch.arange(step.children.shape[0], device=slot.device)
+            feats = torch.cat([parent_x[step.child_parent_row], embed(tok).to(dtype)], dim=-1)
+        return Proposal(tokens=tokens, probs=probs, entropy=entropy)
+
+    def forward_train(
+        self, hidden: Tensor, input_ids: Tensor, embed: nn.Module | None, lm_head: nn.Module | None = None
+    ) -> list[Tensor]:
+        """Teacher-forced logits; element i is [B, T-i-1, V'] and row t predicts token t+i+2.
+
+        Row t of head i reads c_t and E(input_ids[t+1..t+i+1]). The prefix layer runs at
+        positions 0..T-1, so sequences must not be left-padded.
+        """
+        if embed is None:
+            raise ValueError("Hydra heads need the base model's input embeddings (embed=model.get_input_embeddings())")
+        batch, seq, _ = hidden.shape
+        dtype = self._dtype
+        hidden = hidden.to(dtype)
+        base = self.prefix_embeding_layer(hidden) if self.prefix_embeding_layer is not None else hidden
+        emb = embed(input_ids).to(dtype)
+        lm_weight, lm_bias = self._train_lm(lm_head)
+        out = []
+        for i in range(self.num_heads):
+            n = max(seq - i - 1, 0)
+            x = torch.cat([base[:, :n]] + [emb[:, k : k + n] for k in range(1, i + 2)], dim=-1)
+            out.append(self._head(i, x, lm_weight, lm_bias))
+        return out

@@ -1,0 +1,227 @@
+"""Reading the published Hydra and Medusa checkpoints into this project's heads.
+
+Facts about the layouts (key names, quirks) are in docs/DESIGN §2. In short:
+
+* Hydra: ``config.json`` with ``hydra_*`` fields and a pickled ``hydra_lm_head.pt``;
+  keys ``hydra_mlp.{i}.{j}.(linear|res_connection).*`` and ``hydra_lm_head.{i}.*``. In
+  ``prefix-mlp`` the even entries of each ``hydra_mlp.{i}`` are Dropout (blocks sit at odd
+  indices), ``hydra_lm_head.{i}.1`` is the linear, and ``prefix_embeding_layer.*`` is a
+  one-layer base model (its ``embed_tokens`` copy is ignored, as is ``input_embed_fn``).
+* Medusa: ``config.json`` with ``medusa_*`` fields and ``medusa_lm_head.pt`` with keys
+  ``{i}.{j}.linear.*`` and ``{i}.{L}.weight``; Medusa-2 full models prefix them with
+  ``medusa_head.``. Head and layer counts come from the weights (the published 7B
+  config understates the head count).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from .config import HeadsConfig
+from .files import HeadsLoadError, floating_dtype, load_weights, match_state, read_json
+from .hydra import HydraHeads, prefix_layer_config
+from .medusa import MedusaHeads
+
+Resolver = Callable[..., "str | None"]  # resolve(filename, required=...) -> local path
+
+HYDRA_WEIGHT_FILES = ("hydra_lm_head.safetensors", "hydra_lm_head.pt")
+HYDRA_IGNORED = ("input_embed_fn.weight", "prefix_embeding_layer.embed_tokens.weight", "rotary_emb.inv_freq")
+MEDUSA_WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+MEDUSA_FULL_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+MEDUSA2_PREFIX = "medusa_head."
+_MISSING = object()
+
+
+def _field(cfg: dict[str, Any], name: str, kind: type | tuple[type, ...], path: str, default: Any = _MISSING) -> Any:
+    """A typed config field (bools are not ints here)."""
+    if name not in cfg:
+        if default is _MISSING:
+            raise HeadsLoadError(f"{path}: missing field {name!r}")
+        return default
+    value = cfg[name]
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+        raise HeadsLoadError(f"{path}: field {name!r} has type {type(value).__name__}, expected {kind}")
+    return value
+
+
+def _first_file(resolve: Resolver, names: tuple[str, ...]) -> str | None:
+    for name in names:
+        path = resolve(name, required=False)
+        if path is not None:
+            return path
+    return None
+
+
+def _shape(weights: dict[str, torch.Tensor], key: str, dims: int, path: str) -> torch.Size:
+    if key not in weights:
+        raise HeadsLoadError(f"{path}: missing key {key!r}")
+    if weights[key].dim() != dims:
+        raise HeadsLoadError(f"{path}: {key} has shape {tuple(weights[key].shape)}, expected {dims} dims")
+    return weights[key].shape
+
+
+# --------------------------------------------------------------------------- Hydra
+def hydra_published_name(own_key: str, arch: str) -> str:
+    """The published key of one of :class:`HydraHeads`' parameters."""
+    m = re.fullmatch(r"mlps\.(\d+)\.(\d+)\.(.+)", own_key)
+    if m:
+        i, j, rest = int(m[1]), int(m[2]), m[3]
+        return f"hydra_mlp.{i}.{2 * j + 1 if arch == 'prefix-mlp' else j}.{rest}"
+    m = re.fullmatch(r"lm_heads\.(\d+)\.(.+)", own_key)
+    if m:
+        return f"hydra_lm_head.{m[1]}.{'1.' if arch == 'prefix-mlp' else ''}{m[2]}"
+    return own_key  # prefix_embeding_layer.* keeps its published name
+
+
+def _hydra_base_config(base_config: Any, base_name: str | None, path: str) -> Any:
+    if base_config is not None:
+        if isinstance(base_config, dict):
+            from transformers import AutoConfig
+
+            return AutoConfig.for_model(**base_config)
+        return base_config
+    if not base_name:
+        raise HeadsLoadError(f"{path}: prefix-mlp heads need the base model config; pass base_config=")
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(base_name)
+    except Exception as e:
+        raise HeadsLoadError(
+            f"{path}: prefix-mlp heads need the config of base model {base_name!r}, which could not be loaded "
+            f"({type(e).__name__}: {e}); pass base_config=model.config"
+        ) from e
+
+
+def load_published_hydra(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, base_config: Any = None) -> HydraHeads:
+    """Hydra heads from a published Hydra checkpoint (grounded ``mlp`` / ``prefix-mlp``)."""
+    num_heads = _field(cfg, "hydra_num_heads", int, cfg_path)
+    num_layers = _field(cfg, "hydra_num_layers", int, cfg_path)
+    arch = _field(cfg, "hydra_head_arch", str, cfg_path)
+    grounded = _field(cfg, "grounded_heads", bool, cfg_path)
+    offset = _field(cfg, "hidden_state_offset", int, cfg_path, default=0)
+    base_name = _field(cfg, "base_model_name_or_path", (str, type(None)), cfg_path, default=None)
+    if arch not in ("mlp", "prefix-mlp"):
+        raise HeadsLoadError(f"{cfg_path}: unsupported hydra_head_arch {arch!r} (supported: 'mlp', 'prefix-mlp')")
+    if not grounded:
+        raise HeadsLoadError(f"{cfg_path}: non-grounded Hydra heads (grounded_heads=false) are not supported")
+    if offset != 0:
+        raise HeadsLoadError(f"{cfg_path}: hidden_state_offset={offset} is not supported (only 0)")
+
+    path = _first_file(resolve, HYDRA_WEIGHT_FILES)
+    if path is None:
+        raise HeadsLoadError(f"{cfg_path}: no Hydra weights next to it (looked for {', '.join(HYDRA_WEIGHT_FILES)})")
+    weights = load_weights(path)
+    block = "1" if arch == "prefix-mlp" else "0"
+    first = _shape(weights, f"hydra_mlp.0.{block}.linear.weight", 2, path)
+    lm = _shape(weights, f"hydra_lm_head.0.{'1.' if arch == 'prefix-mlp' else ''}weight", 2, path)
+    hidden, vocab = int(first[0]), int(lm[0])
+    prefix = None
+    if arch == "prefix-mlp":
+        prefix = prefix_layer_config(_hydra_base_config(base_config, base_name, cfg_path))
+        if prefix.get("hidden_size") != hidden:
+            raise HeadsLoadError(
+                f"{path}: hidden size {hidden} differs from the base config's {prefix.get('hidden_size')}"
+            )
+    try:
+        config = HeadsConfig(
+            family="hydra", head_arch=arch, num_heads=num_heads, num_layers=num_layers, hidden_size=hidden,
+            vocab_size=vocab, base_model_name_or_path=base_name, prefix_layer_config=prefix,
+        )  # fmt: skip
+    except ValueError as e:
+        raise HeadsLoadError(f"{cfg_path}: {e}") from e
+    heads = HydraHeads(config).to(floating_dtype(weights))
+    expected = {hydra_published_name(k, arch): (k, v.shape) for k, v in heads.state_dict().items()}
+    heads.load_state_dict(match_state(weights, expected, path, ignore=HYDRA_IGNORED))
+    return heads
+
+
+# --------------------------------------------------------------------------- Medusa
+def _medusa2_weights(resolve: Resolver) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """``medusa_head.*`` tensors of a Medusa-2 full-model repo (single file or sharded)."""
+    path = _first_file(resolve, MEDUSA_FULL_MODEL_FILES)
+    if path is not None:
+        return path, load_weights(path, keys_with_prefix=MEDUSA2_PREFIX)
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index_path = resolve(index_name, required=False)
+        if index_path is None:
+            continue
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise HeadsLoadError(f"{index_path}: missing or invalid 'weight_map'")
+        shards = sorted({f for k, f in weight_map.items() if k.startswith(MEDUSA2_PREFIX)})
+        weights: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            weights.update(load_weights(resolve(shard, required=True), keys_with_prefix=MEDUSA2_PREFIX))
+        return index_path, weights
+    return None
+
+
+def infer_medusa_layout(weights: dict[str, torch.Tensor], path: str) -> tuple[int, int, int, int]:
+    """(num_heads, num_layers, hidden_size, vocab_size) read off Medusa weight names and shapes."""
+    blocks: dict[int, set[int]] = {}
+    for key in weights:
+        m = re.fullmatch(r"(\d+)\.(\d+)\.linear\.weight", key)
+        if m:
+            blocks.setdefault(int(m[1]), set()).add(int(m[2]))
+    if not blocks:
+        raise HeadsLoadError(f"{path}: no Medusa head weights ('{{i}}.{{j}}.linear.weight') found")
+    num_heads = len(blocks)
+    if sorted(blocks) != list(range(num_heads)):
+        raise HeadsLoadError(f"{path}: Medusa head indices {sorted(blocks)} are not 0..{num_heads - 1}")
+    num_layers = len(blocks[0])
+    uneven = {i: sorted(j) for i, j in blocks.items() if j != set(range(num_layers))}
+    if uneven:
+        raise HeadsLoadError(f"{path}: Medusa heads have different or non-contiguous blocks: {uneven}")
+    lm = _shape(weights, f"0.{num_layers}.weight", 2, path)
+    return num_heads, num_layers, int(lm[1]), int(lm[0])
+
+
+def medusa_published_name(own_key: str, num_layers: int) -> str:
+    """The published key of one of :class:`MedusaHeads`' parameters."""
+    m = re.fullmatch(r"mlps\.(\d+)\.(\d+)\.(.+)", own_key)
+    if m:
+        return f"{m[1]}.{m[2]}.{m[3]}"
+    m = re.fullmatch(r"lm_heads\.(\d+)\.(.+)", own_key)
+    if m:
+        return f"{m[1]}.{num_layers}.{m[2]}"
+    return own_key
+
+
+def load_published_medusa(cfg: dict[str, Any], cfg_path: str, resolve: Resolver) -> MedusaHeads:
+    """Medusa heads from a published Medusa-1 head file or a Medusa-2 full-model repo."""
+    cfg_heads = _field(cfg, "medusa_num_heads", int, cfg_path)
+    cfg_layers = _field(cfg, "medusa_num_layers", int, cfg_path, default=None)
+    base_name = _field(cfg, "base_model_name_or_path", (str, type(None)), cfg_path, default=None)
+    path = _first_file(resolve, MEDUSA_WEIGHT_FILES)
+    if path is not None:
+        weights = load_weights(path)
+    else:
+        found = _medusa2_weights(resolve)
+        if found is None:
+            raise HeadsLoadError(
+                f"{cfg_path}: no Medusa weights next to it (looked for {', '.join(MEDUSA_WEIGHT_FILES)} "
+                f"and Medusa-2 {', '.join(MEDUSA_FULL_MODEL_FILES)} or their shard indexes)"
+            )
+        path, weights = found
+    weights = {k.removeprefix(MEDUSA2_PREFIX): v for k, v in weights.items()}
+    num_heads, num_layers, hidden, vocab = infer_medusa_layout(weights, path)
+    if (cfg_heads, num_layers if cfg_layers is None else cfg_layers) != (num_heads, num_layers):
+        warnings.warn(
+            f"{cfg_path} declares {cfg_heads} heads x {cfg_layers} layers but {path} holds "
+            f"{num_heads} x {num_layers}; using the weights",
+            UserWarning,
+            stacklevel=3,
+        )
+    config = HeadsConfig(
+        family="medusa", num_heads=num_heads, num_layers=num_layers, hidden_size=hidden, vocab_size=vocab,
+        base_model_name_or_path=base_name,
+    )  # fmt: skip
+    heads = MedusaHeads(config).to(floating_dtype(weights))
+    expected = {medusa_published_name(k, num_layers): (k, v.shape) for k, v in heads.state_dict().items()}
+    heads.load_state_dict(match_state(weights, expected, path))
+    return heads
