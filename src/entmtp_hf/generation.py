@@ -111,8 +111,13 @@ def check_supported_call(args: tuple, kwargs: dict) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _entmtp_class(cls: type) -> type:
-    """The subclass of ``cls`` with EntMTP generation (one per model class)."""
-    return type(f"EntMTP{cls.__name__}", (EntMTPGenerationMixin, cls), {"__module__": cls.__module__})
+    """The subclass of ``cls`` with EntMTP generation (one per model class).
+
+    It keeps the class's name, so code that checks model types by name (``pipeline``'s
+    supported-model check) still recognises the model; ``isinstance(model,
+    EntMTPGenerationMixin)`` tells an enabled model apart.
+    """
+    return type(cls.__name__, (EntMTPGenerationMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def enable_entmtp(model, heads) -> Any:

@@ -1,0 +1,146 @@
+"""The embedded default: the demo model with its shipped heads and banks, in one line.
+
+``load_demo()`` returns SmolLM2-135M-Instruct (see :mod:`entmtp_hf.demo_model`) with the
+shipped Hydra heads enabled, its tokenizer and the folder of its shipped tree banks.
+``python -m entmtp_hf.demo`` (what ``make demo`` runs) answers a coding, a math and a chat
+prompt with EntMTP while the text streams, then measures tokens per step, tokens/s and
+the speedup over vanilla ``generate`` on the same prompts in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import TextStreamer
+
+from .bank import TopologyBank, shipped_bank_path
+from .config import EntMTPConfig
+from .demo_model import load_base_model
+from .generation import enable_entmtp
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEMO_HEADS = ASSETS / "smollm2-135m-hydra"
+DEMO_MEDUSA_HEADS = ASSETS / "smollm2-135m-medusa"
+DEMO_BANK = "smollm2-135m-cpu"
+FALLBACK_BANK = "published-defaults"
+
+DEMO_PROMPTS = (
+    ("humaneval", "Write a Python function `is_palindrome(s)` that returns True when the string s reads "
+                  "the same forwards and backwards, ignoring case and spaces."),
+    ("gsm8k", "A baker makes 24 muffins in the morning and 18 in the afternoon. She sells 30 of them. "
+              "How many muffins are left? Explain step by step."),
+    ("chat", "Give me three tips for staying focused while studying."),
+)
+
+
+def demo_bank_dir() -> Path:
+    """The demo model's calibrated banks if shipped, else the published defaults."""
+    for name in (DEMO_BANK, FALLBACK_BANK):
+        try:
+            return Path(shipped_bank_path(name))
+        except (FileNotFoundError, ValueError):
+            continue
+    raise FileNotFoundError("no shipped tree bank found under trees/")
+
+
+def load_demo(heads: str | Path | None = None, *, cache_dir: str | Path | None = None):
+    """``(model, tokenizer, bank_dir)``: the demo model with shipped heads enabled."""
+    heads = Path(heads) if heads is not None else DEMO_HEADS
+    if not (heads / "config.json").exists():
+        raise FileNotFoundError(
+            f"no draft heads at {heads}: train them with `entmtp-hf train-heads` (see docs/training.md)"
+        )
+    model, tokenizer = load_base_model(cache_dir=cache_dir)
+    enable_entmtp(model, str(heads))
+    return model, tokenizer, demo_bank_dir()
+
+
+def config_for(bank_dir: Path, task: str, policy: str | None = None) -> EntMTPConfig:
+    """EntMTP config for a task, falling back to the bank's ``default`` task."""
+    tasks = TopologyBank.list_tasks(bank_dir)
+    chosen = task if task in tasks else "default" if "default" in tasks else tasks[0]
+    return EntMTPConfig(bank=str(bank_dir), task=chosen, policy=policy)
+
+
+def _encode(tokenizer, text: str) -> torch.Tensor:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    return ids["input_ids"]
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def run_demo(max_new_tokens: int = 128, repeats: int = 1, policy: str | None = None) -> dict:
+    """Stream the three prompts with EntMTP, then time EntMTP and vanilla on them."""
+    t0 = time.perf_counter()
+    model, tokenizer, bank_dir = load_demo()
+    print(f"loaded the demo model and heads in {time.perf_counter() - t0:.1f}s; banks: {bank_dir}\n")
+    torch.manual_seed(0)
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    configs = {task: config_for(bank_dir, task, policy) for task, _ in DEMO_PROMPTS}
+    inputs = [(task, _encode(tokenizer, text), text) for task, text in DEMO_PROMPTS]
+
+    # warm-up, excluded from the timings
+    model.generate(inputs[0][1], max_new_tokens=8, do_sample=False)
+    model.generate(inputs[0][1], max_new_tokens=8, do_sample=False, entmtp_config=configs[inputs[0][0]])
+
+    for task, ids, text in inputs:
+        print(f"### [{task}] {text}\n")
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        model.generate(ids, streamer=streamer, entmtp_config=configs[task], **greedy)
+        print()
+
+    rows, ent_tps, van_tps, taus, same = [], [], [], [], True
+    for task, ids, _ in inputs:
+        for _ in range(repeats):  # interleaved, so machine drift hits both alike
+            ref, t_van = _timed(lambda: model.generate(ids, **greedy))
+            out, t_ent = _timed(
+                lambda: model.generate(ids, entmtp_config=configs[task], return_dict_in_generate=True, **greedy)
+            )
+            n_van, n_ent = ref.shape[1] - ids.shape[1], out.sequences.shape[1] - ids.shape[1]
+            stats = out.entmtp_stats
+            van_tps.append(n_van / t_van)
+            ent_tps.append(n_ent / t_ent)
+            taus.append(stats["mean_accept_length"])
+            same &= torch.equal(out.sequences, ref)
+            rows.append((task, stats["mean_accept_length"], n_ent / t_ent, n_van / t_van))
+
+    print(f"{'task':<10} {'tau':>6} {'EntMTP tok/s':>13} {'vanilla tok/s':>14} {'speedup':>8}")
+    for task, tau, ent, van in rows:
+        print(f"{task:<10} {tau:>6.2f} {ent:>13.1f} {van:>14.1f} {ent / van:>7.2f}x")
+    summary = {
+        "mean_accept_length": statistics.mean(taus),
+        "entmtp_tokens_per_s": statistics.median(ent_tps),
+        "vanilla_tokens_per_s": statistics.median(van_tps),
+        "speedup": statistics.median(e / v for e, v in zip(ent_tps, van_tps)),
+        "identical_to_vanilla": same,
+    }
+    print(
+        f"\nmean tokens per step (tau) {summary['mean_accept_length']:.2f}; "
+        f"median tokens/s EntMTP {summary['entmtp_tokens_per_s']:.1f} vs vanilla {summary['vanilla_tokens_per_s']:.1f}; "
+        f"median speedup {summary['speedup']:.2f}x; greedy output identical to vanilla: {same}"
+    )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="EntMTP on the embedded demo model")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method")
+    parser.add_argument("--policy", choices=("static", "hysteresis", "ladder"), default=None)
+    args = parser.parse_args(argv)
+    run_demo(args.max_new_tokens, args.repeats, args.policy)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

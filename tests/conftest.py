@@ -1,0 +1,28 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import ARCHS, fitted_heads, tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_cache():
+    """Fitting heads takes a few seconds: share one (model, heads) pair per key."""
+    store = {}
+
+    def get(arch="llama", family="hydra", head_arch="mlp", seed=0):
+        key = (arch, family, head_arch, seed)
+        if key not in store:
+            model = tiny_model(arch, seed=seed)
+            store[key] = (model, fitted_heads(model, family, head_arch, seed=seed))
+        return store[key]
+
+    return get
+
+
+def pytest_collection_modifyitems(config, items):
+    # the real demo model's tests are the slowest: run them last
+    items.sort(key=lambda item: "demo" in item.nodeid)

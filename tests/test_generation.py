@@ -1,0 +1,334 @@
+"""EntMTP inside ``model.generate``: losslessness, HF features, statistics and bad input."""
+
+import random
+from pathlib import Path
+from threading import Thread
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, TextIteratorStreamer, pipeline
+
+from entmtp_hf.bank import TopologyBank
+from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.generation import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
+from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from tiny import ARCHS, VOCAB
+
+CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+DEFAULTS = str(Path(__file__).resolve().parents[1] / "trees" / "published-defaults")
+
+
+def random_choices(seed: int, size: int = 20, depth: int = 4, rank: int = 4) -> list[list[int]]:
+    rng = random.Random(seed)
+    paths = set()
+    while len(paths) < size:
+        parent = rng.choice([()] + [p for p in paths if len(p) < depth])
+        paths.add(parent + (rng.randrange(rank),))
+        for p in list(paths):
+            paths.update(p[:k] for k in range(1, len(p)))
+    return [list(p) for p in paths]
+
+
+def prompts(n: int = 3, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (1, 3 + i), generator=g) for i in range(n)]
+
+
+def enabled(tiny_cache, arch="llama", family="hydra", head_arch="mlp"):
+    model, heads = tiny_cache(arch, family, head_arch)
+    return enable_entmtp(model, heads)
+
+
+CONFIGS = {
+    "chain": lambda: EntMTPConfig(tree=CHAIN),
+    "mc_sim": lambda: EntMTPConfig(tree=MC_SIM_7B_63),
+    "random": lambda: EntMTPConfig(tree=random_choices(0)),
+    "hysteresis": lambda: EntMTPConfig(trees=[CHAIN[:2], MC_SIM_7B_63], tau_on=0.6, tau_off=0.4, feature="base_top1"),
+    "ladder": lambda: EntMTPConfig(
+        trees=[[[0]], CHAIN, MC_SIM_7B_63], policy="ladder", thresholds=[0.5, 0.8], feature="base_top1"
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- greedy
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_identical_to_vanilla(tiny_cache, arch, name):
+    model = enabled(tiny_cache, arch)
+    longest = 0
+    for ids in prompts():
+        ref = model.generate(ids, max_new_tokens=40, do_sample=False)
+        out = model.generate(
+            ids, max_new_tokens=40, do_sample=False, entmtp_config=CONFIGS[name](), return_dict_in_generate=True
+        )
+        assert torch.equal(out.sequences, ref)
+        longest = max(longest, max(out.entmtp_stats["accept_lengths"]))
+    assert longest >= (3 if name == "mc_sim" else 2), "the fitted heads should produce long accepted paths"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_random_trees(tiny_cache, seed):
+    model = enabled(tiny_cache)
+    ids = prompts(1, seed=seed)[0]
+    ref = model.generate(ids, max_new_tokens=30, do_sample=False)
+    cfg = EntMTPConfig(tree=random_choices(seed + 1, size=5 + 7 * seed))
+    assert torch.equal(model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=cfg), ref)
+
+
+@pytest.mark.parametrize("family,head_arch", [("hydra", "prefix-mlp"), ("medusa", "mlp")])
+def test_greedy_other_heads(tiny_cache, family, head_arch):
+    model = enabled(tiny_cache, "llama", family, head_arch)
+    for ids in prompts():
+        ref = model.generate(ids, max_new_tokens=30, do_sample=False)
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+        assert torch.equal(out, ref)
+
+
+def test_length_limit_inside_accepted_path(tiny_cache):
+    model = enabled(tiny_cache)
+    ids = prompts(1)[0]
+    cut_inside = 0
+    for n in range(1, 16):
+        ref = model.generate(ids, max_new_tokens=n, do_sample=False)
+        out = model.generate(
+            ids, max_new_tokens=n, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
+            return_dict_in_generate=True,
+        )
+        assert torch.equal(out.sequences, ref) and out.sequences.shape[1] == ids.shape[1] + n
+        st = out.entmtp_stats
+        assert st["new_tokens"] == n
+        cut_inside += bool(st["tree_sizes"]) and st["accept_lengths"][-1] < 5
+    assert cut_inside > 0
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_eos_inside_accepted_path(tiny_cache, as_list):
+    model = enabled(tiny_cache)
+    checked = 0
+    for ids in prompts(3, seed=7):
+        full = model.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1] :].tolist()
+        for k in range(2, 12):  # stop at the first occurrence of a token emitted mid-run
+            eos = full[k]
+            if eos in full[:k]:
+                continue
+            eos_arg = [eos, VOCAB + 5] if as_list else eos
+            ref = model.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=eos_arg)
+            out = model.generate(
+                ids, max_new_tokens=30, do_sample=False, eos_token_id=eos_arg,
+                entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
+            )
+            assert torch.equal(out, ref) and out[0, -1].item() == eos and out.shape[1] == ids.shape[1] + k + 1
+            checked += 1
+    assert checked >= 3
+
+
+def test_static_cache_and_attention_mask(tiny_cache):
+    model = enabled(tiny_cache)
+    for ids in prompts():
+        ref = model.generate(ids, max_new_tokens=25, do_sample=False)
+        cfg = EntMTPConfig(tree=MC_SIM_7B_63)
+        out = model.generate(ids, max_new_tokens=25, do_sample=False, cache_implementation="static", entmtp_config=cfg)
+        assert torch.equal(out, ref)
+        mask = torch.ones_like(ids)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=25, entmtp_config=cfg), ref)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2), dict(min_new_tokens=10, eos_token_id=3)],
+)
+def test_logits_processors_see_each_nodes_path(tiny_cache, kwargs):
+    model = enabled(tiny_cache)
+    for ids in prompts():
+        ref = model.generate(ids, max_new_tokens=30, do_sample=False, **kwargs)
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), **kwargs)
+        assert torch.equal(out, ref)
+
+
+# ----------------------------------------------------------------------------- sampling
+def target_joint(model, ids, temperature, top_k, length=3):
+    """Exact probabilities of every continuation of ``length`` tokens under the warped model."""
+    def warped(seqs):
+        with torch.no_grad():
+            logits = model(seqs).logits[:, -1].float() / temperature
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+        return torch.softmax(logits.double(), -1)
+
+    dist = {(): 1.0}
+    for _ in range(length):
+        keys = list(dist)
+        seqs = torch.stack([torch.cat([ids[0], torch.tensor(k, dtype=torch.long)]) for k in keys])
+        probs = warped(seqs)
+        dist = {
+            k + (t,): dist[k] * probs[i, t].item() for i, k in enumerate(keys) for t in range(VOCAB) if probs[i, t] > 0
+        }
+    return dist
+
+
+def chi_square_p(counts: dict, probs: dict, n: int) -> float:
+    """p-value of Pearson's chi-square test, cells with expectation < 5 pooled."""
+    stat, pooled_e, pooled_o, cells = 0.0, 0.0, 0, 0
+    for key, p in probs.items():
+        e, o = p * n, counts.get(key, 0)
+        if e < 5:
+            pooled_e, pooled_o = pooled_e + e, pooled_o + o
+            continue
+        stat += (o - e) ** 2 / e
+        cells += 1
+    if pooled_e > 0:
+        stat += (pooled_o - pooled_e) ** 2 / pooled_e
+        cells += 1
+    dof = torch.tensor((cells - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, torch.tensor(stat / 2, dtype=torch.float64)))  # chi2 survival
+
+
+def sample_counts(model, ids, n, **kwargs):
+    counts, long_paths = {}, 0
+    torch.manual_seed(1234)
+    for _ in range(n):
+        out = model.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=5, return_dict_in_generate=True, **kwargs)
+        key = tuple(out.sequences[0, ids.shape[1] :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        stats = getattr(out, "entmtp_stats", None)
+        long_paths += bool(stats) and max(stats["accept_lengths"], default=0) >= 2
+    return counts, long_paths
+
+
+def test_exact_sampling_preserves_distribution(tiny_cache):
+    model = enabled(tiny_cache)
+    ids = prompts(1, seed=3)[0]
+    probs = target_joint(model, ids, temperature=0.7, top_k=5)
+    n = 1500
+    counts, long_paths = sample_counts(model, ids, n, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+    assert long_paths > n // 4, "drafted tokens should often be accepted"
+    assert chi_square_p(counts, probs, n) > 1e-3
+    # control: typical acceptance is not distribution-preserving, and the same test sees it
+    biased, _ = sample_counts(
+        model, ids, n, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63, acceptance="typical", posterior_threshold=0.3)
+    )
+    assert chi_square_p(biased, probs, n) < 1e-3
+
+
+# ----------------------------------------------------------------------------- HF features
+def word_tokenizer():
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+
+
+def test_streamer_receives_exactly_the_generated_text(tiny_cache):
+    model = enabled(tiny_cache)
+    tokenizer = word_tokenizer()
+    ids = prompts(1)[0]
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    kwargs = dict(max_new_tokens=30, do_sample=False, streamer=streamer, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+    result = {}
+    thread = Thread(target=lambda: result.setdefault("out", model.generate(ids, **kwargs)))
+    thread.start()
+    text = "".join(streamer)
+    thread.join()
+    assert text.strip() == tokenizer.decode(result["out"][0, ids.shape[1] :]).strip()
+    assert len(text.split()) == 30
+
+
+def test_return_dict_statistics(tiny_cache):
+    model = enabled(tiny_cache)
+    ids = prompts(1)[0]
+    cfg = EntMTPConfig(trees=[CHAIN[:2], MC_SIM_7B_63], tau_on=0.6, tau_off=0.4, feature="base_top1")
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True)
+    st = out.entmtp_stats
+    steps = st["steps"]
+    assert steps == len(st["accept_lengths"]) == len(st["tree_indices"]) == len(st["features"]) > 0
+    assert 1 + sum(st["accept_lengths"]) == out.sequences.shape[1] - ids.shape[1] == st["new_tokens"]
+    assert st["mean_accept_length"] == pytest.approx(sum(st["accept_lengths"]) / steps)
+    assert set(st["tree_indices"]) <= {0, 1} and st["draft_time"] > 0 and st["verify_time"] > 0
+    assert all(0 < f <= 1 for f in st["features"])
+
+
+def test_pipeline_passes_entmtp_config(tiny_cache):
+    model = enabled(tiny_cache)
+    tokenizer = word_tokenizer()
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    text = "w1 w5 w7 w2"
+    ref = pipe(text, max_new_tokens=20, do_sample=False)[0]["generated_text"]
+    out = pipe(text, max_new_tokens=20, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))[0]
+    assert out["generated_text"] == ref and len(ref) > len(text) + 20
+
+
+def test_enable_twice_and_disable(tiny_cache):
+    model, heads = tiny_cache()
+    ids = prompts(1)[0]
+    enable_entmtp(model, heads)
+    cls = type(model)
+    enable_entmtp(model, heads)
+    assert type(model) is cls and isinstance(model, EntMTPGenerationMixin)
+    assert model.entmtp_heads is heads
+    with_heads = model.generate(ids, max_new_tokens=10, do_sample=False)
+    disable_entmtp(model)
+    assert not isinstance(model, EntMTPGenerationMixin) and not hasattr(model, "entmtp_heads")
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), with_heads)
+    enable_entmtp(model, heads)
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.fixture
+def forward_counter(tiny_cache):
+    model = enabled(tiny_cache)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    yield model, calls
+    handle.remove()
+
+
+@pytest.mark.parametrize(
+    "make_kwargs, message",
+    [
+        (lambda ids: dict(inputs=ids.repeat(2, 1)), "batch size 1"),
+        (lambda ids: dict(num_beams=2), "num_beams"),
+        (lambda ids: dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+        (lambda ids: dict(entmtp_config=EntMTPConfig(tree=CHAIN + [[0, 0, 0, 0, 0]])), "depth 5"),
+        (lambda ids: dict(entmtp_config=EntMTPConfig(tree=CHAIN, acceptance="typical")), "do_sample=True"),
+        (lambda ids: dict(entmtp_config=EntMTPConfig(bank=DEFAULTS, task="nope")), "nope"),
+        (lambda ids: dict(entmtp_config="static"), "EntMTPConfig"),
+        (lambda ids: dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+    ],
+)
+def test_bad_input_raises_before_any_forward(forward_counter, make_kwargs, message):
+    model, calls = forward_counter
+    ids = prompts(1)[0]
+    kwargs = {"inputs": ids, "max_new_tokens": 5, "entmtp_config": EntMTPConfig(tree=CHAIN)}
+    kwargs.update(make_kwargs(ids))
+    with pytest.raises(ValueError, match=message):
+        model.generate(**kwargs)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tree=CHAIN, policy="bogus"), "unknown policy"),
+        (dict(trees=[CHAIN[:1], CHAIN], tau_on=0.1, tau_off=0.2), "tau_off"),
+        (dict(trees=[[[0]], CHAIN[:2], CHAIN], policy="ladder", thresholds=[0.5, 0.1]), "strictly increasing"),
+        (dict(tree=[[0], [1, 1]]), "missing"),
+        (dict(bank=DEFAULTS), "task="),
+        (dict(tree=CHAIN, acceptance="fast"), "unknown acceptance"),
+        (dict(), "exactly one of"),
+        (dict(tree=CHAIN, policy="ladder"), "several trees"),
+    ],
+)
+def test_invalid_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EntMTPConfig(**kwargs)
+
+
+def test_bank_config_resolves_scheduler_defaults():
+    bank = TopologyBank.from_pretrained(DEFAULTS, task="default")
+    plan = EntMTPConfig(bank=bank, task="default").resolve(num_heads=4)
+    low, high = plan.trees
+    assert low.num_nodes < high.num_nodes and plan.scheduler_args["policy"] == "hysteresis"
+    plan = EntMTPConfig(bank=bank, task="default", policy="static").resolve(num_heads=4)
+    assert plan.trees == (bank.trees[bank.scheduler.static],)
+    assert Tree.from_choices(MC_SIM_7B_63) in bank.trees

@@ -1,0 +1,80 @@
+"""Tiny random models and quickly fitted heads shared by the decoding tests.
+
+Models run in float64 so a tree forward and a one-token forward agree far beyond any
+argmax gap; the vocabulary is small and the heads are fitted for a few dozen steps to the
+model's own greedy continuations, so long accepted paths are exercised.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from entmtp_hf.heads import HydraHeads, MedusaHeads
+
+VOCAB = 24
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 8}),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, sharpen: float = 4.0):
+    """A float64 tiny model; ``sharpen`` scales the LM head so greedy runs are not flat."""
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**COMMON, **extra)).double().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def fitted_heads(model, family: str = "hydra", arch: str = "mlp", num_heads: int = 4, steps: int = 60, seed: int = 0):
+    """Heads fitted briefly to the model's greedy continuations of random prompts."""
+    cls = {"hydra": HydraHeads, "medusa": MedusaHeads}[family]
+    torch.manual_seed(seed)
+    heads = cls.for_model(model, num_heads=num_heads, arch=arch).double()
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, VOCAB, (8, 4), generator=g)
+    with torch.no_grad():
+        seqs = model.generate(prompts, max_new_tokens=40, do_sample=False)
+        out = model(seqs, output_hidden_states=-1)
+        hidden, targets = out.hidden_states[-1], out.logits.argmax(-1)
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    opt = torch.optim.Adam(heads.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits = heads.forward_train(hidden, seqs, embed, lm_head)
+        loss = sum(
+            torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets[:, i + 1 : i + 1 + lg.shape[1]].reshape(-1))
+            for i, lg in enumerate(logits)
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return heads.eval()
