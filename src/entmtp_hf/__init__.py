@@ -10,6 +10,7 @@ Typical use::
 
 from .bank import TopologyBank
 from .config import EntMTPConfig
+from .eas import EASConfig
 from .generation import EntMTPGenerateOutput, EntMTPGenerationMixin, disable_entmtp, enable_entmtp
 from .heads import DraftHeads, HydraHeads, MedusaHeads, load_heads
 from .tree import MC_SIM_7B_63, Tree
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MC_SIM_7B_63",
     "DraftHeads",
+    "EASConfig",
     "EntMTPConfig",
     "EntMTPGenerateOutput",
     "EntMTPGenerationMixin",

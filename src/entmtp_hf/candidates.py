@@ -4,7 +4,10 @@
 the union of every tree the scheduler may pick (one batched head call per depth for Hydra,
 one call per head for Medusa), reads the confidence feature off the draft, lets the
 scheduler choose a tree, and returns that tree's tokens with its precompiled buffers: a
-switch between trees is an index lookup, never a recompilation.
+switch between trees is an index lookup, never a recompilation. Under the ``entropy`` policy
+an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the plan's trees are the
+truncations of one tree at depth 0..D, and the index is the chain length the EAS rule gives
+for the greedy chain's head entropies.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import DecodePlan
+from .eas import EASController
 from .scheduler import FeatureTracker, Scheduler
 from .tree import TreeBuffers
 
@@ -35,6 +39,7 @@ class EntMTPCandidateGenerator:
         self.heads = heads
         self.plan = plan
         self.scheduler: Scheduler = plan.new_scheduler()
+        self.eas = EASController(plan.eas, k_max=len(plan.trees) - 1) if plan.eas is not None else None
         self.feature = feature
         self.state = heads.new_state(model)
         heads_device = next(heads.parameters()).device
@@ -49,14 +54,20 @@ class EntMTPCandidateGenerator:
         """Feed the last hidden states of newly accepted positions ([T, H])."""
         self.heads.observe(self.state, hidden)
 
-    def observe_accept(self, accept_length: int) -> None:
+    def observe_accept(self, accept_length: int, verified: int = 0, accepted: int = 0) -> None:
+        """After a step: tokens it added, drafted tokens verified and drafted tokens accepted."""
         self.feature.observe_accept(accept_length)
+        if self.eas is not None:
+            self.eas.observe_verified(verified, accepted, accept_length)
 
     def get_candidates(self, root_token: torch.Tensor, p0: float, entropy: float) -> Candidates:
         """Draft the union tree, score the step's confidence and pick the tree to verify."""
         proposal = self.heads.propose(self.state, root_token, self.union_buffers)
         s = None
-        if self.scheduler.needs_feature:
+        if self.eas is not None:
+            entropies = proposal.entropy[self.chain_nodes].tolist() if len(self.chain_nodes) else []
+            k = self.eas.chain_length(entropies)
+        elif self.scheduler.needs_feature:
             chain = proposal.probs[self.chain_nodes].tolist() if len(self.chain_nodes) else []
             s = self.feature.value(p0, entropy, chain)
             k = self.scheduler.choose(s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .eas import EASConfig
 from .scheduler import FEATURES, POLICIES, Scheduler
 from .tree import Tree
 
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     from .bank import TopologyBank
 
 ACCEPTANCE_RULES = ("auto", "greedy", "exact", "typical")
+#: the scheduler's policies plus ``entropy`` (EAS: truncate the tree where the heads are unsure)
+DECODE_POLICIES = (*POLICIES, "entropy")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class DecodePlan:
     node_maps: tuple[tuple[int, ...], ...]  # per tree: its nodes' indices in ``union``
     chain_nodes: tuple[int, ...]  # union indices of the greedy chain [0], [0,0], ... (depth order)
     scheduler_args: dict
+    eas: EASConfig | None = None  # policy ``entropy``: ``trees[d]`` is the tree truncated at depth d
 
     def new_scheduler(self) -> Scheduler:
         return Scheduler(num_trees=len(self.trees), **self.scheduler_args)
@@ -44,6 +48,11 @@ class EntMTPConfig:
     trees (T- = first, T+ = second) and ``ladder`` for more. ``tau_on``/``tau_off``/
     ``thresholds`` default to the bank's calibrated values. ``acceptance="auto"`` means greedy
     without sampling and exact (lossless) sampling with ``do_sample=True``.
+
+    ``policy="entropy"`` (implied by ``eas=EASConfig(...)``) is entropy-adaptive speculation on
+    one tree (``tree=``, or the bank's static optimum): every step verifies the tree truncated
+    at the depth where the greedy chain's head entropy first crosses the adaptive threshold
+    (see :mod:`entmtp_hf.eas`). The truncations at depths ``0..D`` are compiled up front.
     """
 
     bank: Any = None
@@ -60,6 +69,7 @@ class EntMTPConfig:
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     revision: str | None = None
+    eas: EASConfig | None = None
     _resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -78,8 +88,15 @@ class EntMTPConfig:
                 raise ValueError("`trees` is empty; give at least one tree")
             for t in self.trees:
                 Tree.from_choices(t)
-        if self.policy is not None and self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
+        if self.policy is not None and self.policy not in DECODE_POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {DECODE_POLICIES}")
+        if self.eas is not None:
+            if not isinstance(self.eas, EASConfig):
+                raise ValueError(f"eas must be an EASConfig, got {type(self.eas).__name__}")
+            if self.policy not in (None, "entropy"):
+                raise ValueError(f"eas=EASConfig(...) needs policy='entropy', got policy={self.policy!r}")
+        if self.policy == "entropy" and self.trees is not None:
+            raise ValueError("the entropy policy truncates one tree: pass `tree=` (or a `bank`), not `trees=`")
         if self.acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"unknown acceptance {self.acceptance!r}; choose one of {ACCEPTANCE_RULES}")
         if self.feature not in FEATURES:
@@ -121,7 +138,13 @@ class EntMTPConfig:
             self._resolved[num_heads] = plan
         return plan
 
+    @property
+    def entropy_adaptive(self) -> bool:
+        return self.policy == "entropy" or self.eas is not None
+
     def _build_plan(self, num_heads: int) -> DecodePlan:
+        if self.entropy_adaptive:
+            return self._entropy_plan(num_heads)
         if self.bank is not None:
             bank = self.load_bank()
             trees, policy, args = self._from_bank(bank)
@@ -163,6 +186,30 @@ class EntMTPConfig:
             node_maps=tuple(tuple(union.subtree_map(t)) for t in trees),
             chain_nodes=tuple(index[(0,) * d] for d in range(1, chain.depth + 1)),
             scheduler_args=args,
+        )
+
+    def _entropy_plan(self, num_heads: int) -> DecodePlan:
+        """Policy ``entropy``: the tree's truncations at depth 0..D (index = depth) and the chain."""
+        if self.tree is not None:
+            tree = Tree.from_choices(self.tree)
+        else:
+            bank = self.load_bank()
+            tree = bank.trees[bank.scheduler.static]
+        if tree.depth > num_heads:
+            raise ValueError(
+                f"the tree has depth {tree.depth} but the heads draft only {num_heads} tokens ahead; "
+                f"use a tree of depth <= {num_heads} or heads with more heads"
+            )
+        trees = tuple(Tree(tuple(p for p in tree.paths if len(p) <= d)) for d in range(tree.depth + 1))
+        union = tree.union(Tree.chain(tree.depth))
+        index = union.node_index()
+        return DecodePlan(
+            trees=trees,
+            union=union,
+            node_maps=tuple(tuple(union.subtree_map(t)) for t in trees),
+            chain_nodes=tuple(index[(0,) * d] for d in range(1, tree.depth + 1)),
+            scheduler_args={"policy": "static", "static_index": tree.depth},
+            eas=self.eas or EASConfig(),
         )
 
     def _from_bank(self, bank: "TopologyBank") -> tuple[tuple[Tree, ...], str, dict]:

@@ -5,7 +5,9 @@
 ``model.generate(..., entmtp_config=EntMTPConfig(...))`` then runs all of transformers'
 preparation (generation config, logits processors, stopping criteria, cache) and hands
 over to :func:`entmtp_decode` through ``custom_generate``. Without ``entmtp_config`` the
-model generates exactly as before.
+model generates exactly as before. ``generate(..., assistant_model=draft, eas_config=EASConfig())``
+instead runs transformers' assisted decoding with the entropy-adaptive draft-model candidate
+generator of :mod:`entmtp_hf.eas` (chosen through ``_get_candidate_generator``).
 
 The decode loop, per step:
   1. draft   - the heads propose the union of the schedulable trees; the scheduler picks one;
@@ -18,6 +20,7 @@ The decode loop, per step:
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +32,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .candidates import EntMTPCandidateGenerator
 from .config import EntMTPConfig
+from .eas import ACTIVE_EAS_CALL, EASCall, EASConfig, build_candidate_generator
 from .scheduler import FeatureTracker, top1_and_entropy
 from .verify import (
     greedy_picks,
@@ -62,10 +66,11 @@ class DecodeStats:
     verify_time: float = 0.0
     prefill_time: float = 0.0
     total_time: float = 0.0
+    eas: dict | None = None  # EAS statistics (policy ``entropy`` only)
 
     def as_dict(self) -> dict:
         steps = len(self.accept_lengths)
-        d = dict(self.__dict__)
+        d = {k: v for k, v in self.__dict__.items() if not (k == "eas" and v is None)}
         d["steps"] = steps
         d["new_tokens"] = sum(self.accept_lengths) + 1  # the prefill emits the first token
         d["mean_accept_length"] = sum(self.accept_lengths) / steps if steps else 0.0
@@ -76,9 +81,18 @@ class DecodeStats:
 
 # ============================================================================ enabling
 class EntMTPGenerationMixin:
-    """Adds ``entmtp_config=`` to ``generate``. Mixed in ahead of the model's own class."""
+    """Adds ``entmtp_config=`` and ``eas_config=`` to ``generate``. Mixed in ahead of the model's own class."""
 
-    def generate(self, *args, entmtp_config: EntMTPConfig | None = None, **kwargs):
+    def generate(
+        self, *args, entmtp_config: EntMTPConfig | None = None, eas_config: EASConfig | None = None, **kwargs
+    ):
+        if eas_config is not None:
+            if entmtp_config is not None:
+                raise ValueError(
+                    "eas_config (draft-model EAS) and entmtp_config (draft heads) are exclusive; for "
+                    "entropy-adaptive heads pass EntMTPConfig(tree=..., eas=EASConfig(...))"
+                )
+            return self._eas_generate(args, kwargs, eas_config)
         if entmtp_config is None:
             return super().generate(*args, **kwargs)
         if not isinstance(entmtp_config, EntMTPConfig):
@@ -92,6 +106,37 @@ class EntMTPGenerationMixin:
         plan = entmtp_config.resolve(heads.num_heads)  # raises on bad trees/bank before compute
         loop = functools.partial(entmtp_decode, entmtp_config=entmtp_config, plan=plan, streamer=kwargs.get("streamer"))
         return super().generate(*args, custom_generate=loop, **kwargs)
+
+    def _eas_generate(self, args: tuple, kwargs: dict, eas_config: EASConfig):
+        """Assisted generation with the EAS candidate generator (see :mod:`entmtp_hf.eas`)."""
+        if not isinstance(eas_config, EASConfig):
+            raise ValueError(f"eas_config must be an EASConfig, got {type(eas_config).__name__}")
+        if kwargs.get("assistant_model") is None:
+            raise ValueError("eas_config drafts with a draft model: pass assistant_model=<draft model>")
+        for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer", "custom_generate"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"eas_config cannot be combined with {name}")
+        check_supported_call(args, {k: v for k, v in kwargs.items() if k != "assistant_model"})
+        call = EASCall(model=self, config=eas_config)
+        token = ACTIVE_EAS_CALL.set(call)
+        try:
+            out = super().generate(*args, **kwargs)
+        finally:
+            ACTIVE_EAS_CALL.reset(token)
+        if call.generator is None:
+            raise RuntimeError("generate did not run assisted decoding, so EAS was not used; check the call's options")
+        if isinstance(out, GenerateDecoderOnlyOutput):
+            fields = {k: v for k, v in out.items() if k != "entmtp_stats"}
+            return EntMTPGenerateOutput(**fields, entmtp_stats={"eas": call.generator.controller.stats.as_dict()})
+        return out
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        """transformers' hook for assisted decoding: the EAS generator while an EAS call runs on this model."""
+        call = ACTIVE_EAS_CALL.get()
+        if call is None or call.model is not self:
+            return super()._get_candidate_generator(*args, **kwargs)
+        bound = inspect.signature(super()._get_candidate_generator).bind(*args, **kwargs)
+        return build_candidate_generator(call, bound.arguments)
 
 
 def check_supported_call(args: tuple, kwargs: dict) -> None:
@@ -321,11 +366,13 @@ def entmtp_decode(
         stats.features.append(cand.feature)
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
-        generator.observe_accept(finished.count)
+        generator.observe_accept(finished.count, verified=buffers.num_nodes - 1, accepted=len(path) - 1)
 
     if streamer is not None:
         streamer.end()
     stats.total_time = time.perf_counter() - t_start
+    if generator.eas is not None:
+        stats.eas = generator.eas.stats.as_dict()
     if generation_config.return_dict_in_generate:
         return EntMTPGenerateOutput(sequences=input_ids, cache=cache, entmtp_stats=stats.as_dict())
     return input_ids

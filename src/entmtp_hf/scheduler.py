@@ -16,7 +16,9 @@ without a model.
 
 Policies: ``static`` (one tree: EntMTP*), ``hysteresis`` (EntMTPτ: switch up to T+ when
 ``s > tau_on``, back down to T- when ``s <= tau_off``), ``ladder`` (EntMTP-l: K-1 increasing
-thresholds bin ``s`` into K trees).
+thresholds bin ``s`` into K trees). The ``entropy`` policy of :class:`~entmtp_hf.config.EntMTPConfig`
+is not a scalar-feature policy: it reads every chain depth's head entropy and lives in
+:mod:`entmtp_hf.eas`.
 """
 
 from __future__ import annotations
