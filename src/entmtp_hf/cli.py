@@ -38,7 +38,18 @@ def _add_convert_heads(sub: argparse._SubParsersAction) -> None:
 
 
 #: subcommand registrars; other modules' commands are added here.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_convert_heads]
+from .training import add_subcommand as _add_train_heads  # noqa: E402
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_convert_heads, _add_train_heads]
+
+from .search import add_subcommand as _add_search  # noqa: E402
+
+SUBCOMMANDS.append(_add_search)
+
+from .bench import add_subcommand as _add_bench  # noqa: E402  (bench, bench-report)
+from .regime import add_subcommand as _add_regime  # noqa: E402
+
+SUBCOMMANDS += [_add_bench, _add_regime]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,421 @@
+"""Tables and plots made from a benchmark's ``results.json`` (never from live objects).
+
+* the file: :func:`environment` (what the JSON records about the machine),
+  :func:`write_results` / :func:`read_results` (format ``entmtp-bench`` v1);
+* :func:`summarize`: per task and method, medians and means of the per-prompt figures;
+* :func:`table1_markdown`: the paper's Table 1 layout (rows = tasks, columns = methods,
+  cells ``tok/s (ρ×, τ)``) plus a detail table per task;
+* :func:`results_markdown`: the ``docs/results.md`` page (machine, basket, tables, plots);
+* :func:`make_plots`: tokens/s per method and task, accept-length histograms;
+* :func:`write_report`: all of it from a results file (``entmtp-hf bench-report``).
+
+Conventions: tok/s in the table is the pooled throughput (all new tokens / all timed
+seconds, prefill included); ρ is the geometric mean over prompts of (method tok/s /
+vanilla tok/s on the same prompt); τ is the pooled tokens per decoding step after the
+prefill (sum of new tokens - 1 per prompt, over decoding steps).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+FORMAT = "entmtp-bench"
+FORMAT_VERSION = 1
+DASH = "–"
+
+
+# ============================================================================ files
+def json_safe(x: Any) -> Any:
+    """JSON-safe copy: NaN/inf become null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def write_results(results: dict, path: str | os.PathLike) -> Path:
+    """Write the result JSON atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(json_safe(results), allow_nan=False), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_results(path: str | os.PathLike) -> dict:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if data.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an {FORMAT} result file")
+    if data.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {data['format_version']} is newer than this library reads")
+    return data
+
+
+
+
+# ============================================================================ environment
+def _git(*args: str) -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        found = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+        if found:
+            return found.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: Any = "cpu", memory_source: str | None = None) -> dict:
+    """Versions, hardware, threads, date and git commit, for the result JSON."""
+    import importlib.metadata as md
+
+    def version(pkg: str) -> str | None:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    import torch
+
+    device = torch.device(device)
+    env = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "versions": {p: version(p) for p in ("entmtp-hf", "torch", "transformers", "evaluate", "datasets", "tokenizers")},
+        "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "argv": sys.argv,
+        "memory_source": memory_source,
+    }
+    return env
+
+
+# ============================================================================ numbers
+def _vals(records: Iterable[dict], key: str) -> list[float]:
+    return [r[key] for r in records if r.get(key) is not None]
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def geomean(xs: list[float]) -> float | None:
+    """Geometric mean of positive numbers (None for an empty list)."""
+    xs = [x for x in xs if x is not None and x > 0]
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else None
+
+
+def _sum_or_none(records: list[dict], key: str) -> float | None:
+    xs = _vals(records, key)
+    return sum(xs) if xs else None
+
+
+def method_summary(recs: list[dict]) -> dict[str, Any]:
+    """Aggregates of one (task, method)'s records."""
+    tokens, seconds = sum(r["new_tokens"] for r in recs), sum(r["time_s"] for r in recs)
+    steps = sum(r["steps"] for r in recs)
+    speedups = _vals(recs, "speedup")
+    drafted, accepted = _sum_or_none(recs, "drafted_tokens"), _sum_or_none(recs, "accepted_draft_tokens")
+    draft_t, verify_t, prefill_t = (_sum_or_none(recs, f"{k}_time_s") for k in ("draft", "verify", "prefill"))
+    ppl = _vals(recs, "perplexity")
+    mism = [r["mismatch"] for r in recs if r.get("mismatch")]
+    gaps = [m["logit_gap"] for m in mism if m.get("logit_gap") is not None]
+    return {
+        "prompts": len(recs),
+        "new_tokens": tokens,
+        "time_s": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "tokens_per_s_median": _median(_vals(recs, "tokens_per_s")),
+        "tokens_per_s_mean": _mean(_vals(recs, "tokens_per_s")),
+        "speedup_geomean": geomean(speedups),
+        "speedup_median": _median(speedups),
+        "speedup_mean": _mean(speedups),
+        "tau": (tokens - len(recs)) / steps if steps else None,
+        "tau_median": _median(_vals(recs, "mean_accept_length")),
+        "drafted_tokens": drafted,
+        "accepted_draft_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "draft_time_s": draft_t,
+        "verify_time_s": verify_t,
+        "prefill_time_s": prefill_t,
+        "draft_share": draft_t / seconds if draft_t is not None and seconds > 0 else None,
+        "verify_share": verify_t / seconds if verify_t is not None and seconds > 0 else None,
+        "peak_memory_bytes": max(_vals(recs, "peak_memory_bytes"), default=None),
+        "perplexity_median": _median(ppl),
+        "perplexity_mean": _mean(ppl),
+        "mismatches": len(mism),
+        "mismatch_min_logit_gap": min(gaps, key=abs) if gaps else None,
+    }
+
+
+def summarize(results: dict) -> dict[str, dict[str, dict]]:
+    """``{task: {method: aggregates}}`` in run order."""
+    out: dict[str, dict[str, dict]] = {}
+    for task in results["prompts"]:
+        for method in results["settings"]["methods"]:
+            recs = [r for r in results["records"] if r["task"] == task and r["method"] == method]
+            if recs:
+                out.setdefault(task, {})[method] = method_summary(recs)
+    return out
+
+
+# ============================================================================ Markdown
+def _f(x: float | None, fmt: str = ".2f", suffix: str = "") -> str:
+    return DASH if x is None else f"{x:{fmt}}{suffix}"
+
+
+def _methods(results: dict) -> list[str]:
+    ran = {r["method"] for r in results["records"]}
+    return [m for m in results["settings"]["methods"] if m in ran]
+
+
+def table1_markdown(results: dict) -> str:
+    """Rows = tasks, columns = methods, cells ``tok/s (ρ×, τ)``."""
+    summary = results.get("summary") or summarize(results)
+    methods = _methods(results)
+    lines = ["| task | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for task, per in summary.items():
+        cells = []
+        for m in methods:
+            s = per.get(m)
+            if s is None:
+                cells.append(DASH)
+            elif m == "vanilla":
+                cells.append(_f(s["tokens_per_s"], ".1f"))
+            else:
+                cells.append(f"{_f(s['tokens_per_s'], '.1f')} ({_f(s['speedup_geomean'], '.2f', '×')}, {_f(s['tau'])})")
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def details_markdown(results: dict) -> str:
+    """One table per task with the secondary figures."""
+    summary = results.get("summary") or summarize(results)
+    out = []
+    head = ("| method | tok/s median | ρ median | ρ geomean | τ | drafted → accepted (rate) | draft / verify time "
+            "| peak MB | PPL median | mismatches |")  # fmt: skip
+    for task, per in summary.items():
+        out += [f"#### {task}", "", head, "|---" * 10 + "|"]
+        for m, s in per.items():
+            drafted = DASH if s["drafted_tokens"] is None else (
+                f"{s['drafted_tokens']:.0f} → {s['accepted_draft_tokens']:.0f} ({_f(s['acceptance_rate'], '.1%')})")
+            split = DASH if s["draft_share"] is None else f"{s['draft_share']:.0%} / {s['verify_share']:.0%}"
+            mb = None if s["peak_memory_bytes"] is None else s["peak_memory_bytes"] / 2**20
+            gap = "" if s["mismatch_min_logit_gap"] is None else f" (min gap {s['mismatch_min_logit_gap']:.2g})"
+            out.append(
+                f"| {m} | {_f(s['tokens_per_s_median'], '.1f')} | {_f(s['speedup_median'], '.2f', '×')} "
+                f"| {_f(s['speedup_geomean'], '.2f', '×')} | {_f(s['tau'])} | {drafted} | {split} | {_f(mb, '.0f')} "
+                f"| {_f(s['perplexity_median'], '.3f')} | {s['mismatches']}{gap} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def mismatch_lines(results: dict) -> list[str]:
+    lines = []
+    for r in results["records"]:
+        m = r.get("mismatch")
+        if m:
+            gap = DASH if m.get("logit_gap") is None else f"{m['logit_gap']:.3g} (top-2 gap {m['top2_gap']:.3g})"
+            lines.append(
+                f"- {r['task']} prompt {r['prompt_index']} ({r['prompt_id']}), {r['method']}: first divergence at "
+                f"new token {m['position']} (vanilla {m['reference_token']}, got {m['token']}); logit gap {gap}"
+            )
+    return lines
+
+
+def skipped_lines(results: dict) -> list[str]:
+    lines = []
+    for method, per_task in results.get("skipped", {}).items():
+        reasons = sorted(set(per_task.values()))
+        lines.append(f"- {method} ({', '.join(per_task)}): " + "; ".join(reasons))
+    return lines
+
+
+def _basket_line(results: dict) -> str:
+    s = results["settings"]
+    return (f"basket `{s['preset']}`: {s['num_prompts']} prompts per task (seed {s['seed']}) × up to "
+            f"{s['max_new_tokens']} new tokens, mode `{s['mode']}`, one warm-up generation per method "
+            f"({s['warmup_tokens']} tokens) excluded, prefill included")  # fmt: skip
+
+
+def machine_line(env: dict) -> str:
+    hw = env.get("gpu") or f"{env.get('cpu_model')} ({env.get('cpu_affinity') or env.get('cpu_count')} cores)"
+    v = env.get("versions", {})
+    return (f"{hw}, device `{env.get('device')}`, torch threads {env.get('torch_threads')}, "
+            f"load average at start {env.get('load_average')}; torch {v.get('torch')}, transformers "
+            f"{v.get('transformers')}, entmtp-hf {v.get('entmtp-hf')} (commit {str(env.get('git_commit'))[:10]}"
+            f"{', dirty tree' if env.get('git_dirty') else ''}); {env.get('date_utc')}")  # fmt: skip
+
+
+def table_markdown(results: dict) -> str:
+    """``table.md``: Table 1 layout, details, mismatches and skips of one run."""
+    env, ctx = results["environment"], results.get("context", {})
+    parts = [
+        "# Benchmark", "",
+        f"Machine: {machine_line(env)}.", "",
+        f"Model: {ctx.get('model')}; heads: {ctx.get('heads')}; bank: {ctx.get('bank')}.", "",
+        _basket_line(results) + ".", "",
+        "Cells: tok/s (speedup ρ over vanilla, geometric mean over prompts; τ = tokens per step).", "",
+        table1_markdown(results), "", "### Details", "", details_markdown(results),
+    ]  # fmt: skip
+    mism = mismatch_lines(results)
+    if results["settings"]["mode"] == "greedy":
+        parts += ["### Greedy mismatches against vanilla", ""] + (mism or ["none: every output is token-identical"]) + [""]
+    skipped = skipped_lines(results)
+    if skipped:
+        parts += ["### Skipped methods", ""] + skipped + [""]
+    return "\n".join(parts)
+
+
+def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
+    """The ``docs/results.md`` page for one run; ``plots`` maps a caption to a relative path."""
+    env = results["environment"]
+    wall = env.get("wall_time_s")
+    parts = [
+        "# Results", "",
+        "The latest benchmark run of `entmtp-hf bench` (regenerate this page with "
+        "`entmtp-hf bench-report RESULTS.json --results-md docs/results.md`).", "",
+        "## Setup", "",
+        f"- machine: {machine_line(env)}",
+        f"- {_basket_line(results)}",
+        f"- model: {results.get('context', {}).get('model')}",
+        f"- heads: {results.get('context', {}).get('heads')}",
+        f"- bank: {results.get('context', {}).get('bank')}",
+        f"- peak memory source: {env.get('memory_source')}",
+        f"- command: `{' '.join(env.get('argv') or [])}`" + (f", wall time {wall / 60:.1f} min" if wall else ""),
+        "", "## Table 1 layout", "",
+        "Cells: tok/s (ρ× over vanilla, τ). tok/s = all new tokens / all timed seconds; ρ = geometric mean over "
+        "prompts of the per-prompt speedup; τ = tokens per decoding step. Compare methods within this run only: "
+        "the machine is shared and absolute speeds drift.", "",
+        table1_markdown(results), "", "## Details", "", details_markdown(results),
+    ]  # fmt: skip
+    if results["settings"]["mode"] == "greedy":
+        parts += ["## Greedy outputs against vanilla", ""] + (mismatch_lines(results) or ["All outputs are token-identical."]) + [""]
+    if skipped_lines(results):
+        parts += ["## Skipped methods", ""] + skipped_lines(results) + [""]
+    if plots:
+        parts += ["## Plots", ""] + [f"![{cap}]({path})" for cap, path in plots.items()] + [""]
+    return "\n".join(parts)
+
+
+# ============================================================================ plots
+def make_plots(results: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """``tokens_per_s.png`` and ``accept_lengths.png`` in ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tasks, methods, recs = list(results["prompts"]), _methods(results), results["records"]
+    paths = {}
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks) * max(len(methods), 1) / 3), 4))
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
+        meds, lo, hi = [], [], []
+        for t in tasks:
+            xs = sorted(_vals([r for r in recs if r["task"] == t and r["method"] == m], "tokens_per_s"))
+            med = statistics.median(xs) if xs else 0.0
+            q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [med, med, med]
+            meds.append(med), lo.append(med - q[0]), hi.append(q[2] - med)
+        xpos = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(tasks))]
+        ax.bar(xpos, meds, width, yerr=[lo, hi], capsize=2, label=m)
+    ax.set_xticks(range(len(tasks)), tasks)
+    ax.set_ylabel("tokens/s (median, IQR)")
+    ax.set_title(f"tokens/s per method and task ({results['settings']['mode']})")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths["tokens/s per method and task"] = out_dir / "tokens_per_s.png"
+    fig.savefig(paths["tokens/s per method and task"], dpi=120)
+    plt.close(fig)
+
+    tree_methods = [m for m in methods if any(r.get("accept_lengths") for r in recs if r["method"] == m)]
+    if tree_methods:
+        fig, axes = plt.subplots(len(tasks), len(tree_methods), squeeze=False, sharex=True,
+                                 figsize=(2.4 * len(tree_methods), 1.9 * len(tasks)))  # fmt: skip
+        top = max(max(r["accept_lengths"] or [1]) for r in recs if r.get("accept_lengths"))
+        for i, t in enumerate(tasks):
+            for j, m in enumerate(tree_methods):
+                ax = axes[i][j]
+                xs = [a for r in recs if r["task"] == t and r["method"] == m for a in (r.get("accept_lengths") or [])]
+                if xs:
+                    ax.hist(xs, bins=[b + 0.5 for b in range(top + 1)], density=True, color=f"C{j}")
+                    ax.set_title(f"{m}: τ={statistics.fmean(xs):.2f}", fontsize=8)
+                if j == 0:
+                    ax.set_ylabel(t, fontsize=8)
+                ax.set_xticks(range(1, top + 1))
+                if i == len(tasks) - 1:
+                    ax.set_xlabel("accept length", fontsize=8)
+        fig.tight_layout()
+        paths["accept-length histograms"] = out_dir / "accept_lengths.png"
+        fig.savefig(paths["accept-length histograms"], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def write_report(
+    results_path: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, results_md: str | os.PathLike | None = None
+) -> dict[str, Path]:
+    """``table.md`` and the plots from a results file; optionally the docs/results.md page."""
+    results = read_results(results_path)
+    if "summary" not in results:  # a partial file of an interrupted run
+        results["summary"] = summarize(results)
+    out_dir = Path(out_dir) if out_dir is not None else Path(results_path).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"table": out_dir / "table.md"}
+    paths["table"].write_text(table_markdown(results), encoding="utf-8")
+    plots = make_plots(results, out_dir)
+    paths.update(plots)
+    if results_md is not None:
+        md = Path(results_md)
+        md.parent.mkdir(parents=True, exist_ok=True)
+        rel = {cap: os.path.relpath(p, md.parent) for cap, p in plots.items()}
+        md.write_text(results_markdown(results, rel), encoding="utf-8")
+        paths["results_md"] = md
+    return paths
+
+
+__all__ = [
+    "details_markdown", "geomean", "make_plots", "method_summary", "results_markdown", "summarize",
+    "table1_markdown", "table_markdown", "write_report", "environment", "json_safe", "read_results", "write_results",
+]  # fmt: skip

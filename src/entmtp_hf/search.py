@@ -1,0 +1,755 @@
+"""Offline tree search: from a model, its draft heads and a task to a calibrated bank.
+
+Stages (DESIGN §1, "Offline: building a per-task tree bank"), each checkpointed as JSON in
+the work folder so an interrupted search resumes where it stopped:
+
+1. ``trajectories`` - one greedy generation per calibration prompt, then one teacher-forced
+   pass of the heads along prompt + output. At every step start ``t`` (root = x_{t+1},
+   heads conditioned on h_t) the **rank tuple** (r_0, ..., r_{D-1}) of the true
+   continuation is stored: r_i is the rank of x_{t+i+2} in head i's distribution given
+   the true path. A greedy step at ``t`` accepts depth ``d`` iff (r_0..r_{d-1}) is a path
+   of the tree, so ``accept(T, t) = 1 + #{prefixes of the tuple that are paths of T}``.
+2. ``frontier`` - Algorithm 1, the greedy acceptance frontier: from the root-only tree add
+   the frontier node ν (next-rank sibling or first child, depth <= D, rank < V') with the
+   largest mean accept length; ties go to the smaller rank sum, then the shallower node.
+   With rank tuples the gain of ν is the number of positions whose tuple starts with ν's
+   path, so every candidate is scored by one dictionary lookup. ``scoring="rollout"``
+   scores them instead by one self-rollout with the joint tree T ∪ F(T) (the trajectory
+   advances with T, each candidate's accept length is read off the verifier's results
+   masked to its paths), which also covers sampling and typical acceptance.
+3. ``rollouts`` - debias + throughput: each timed frontier tree (plain decoding and
+   mc_sim_7b_63 too) runs ``generate`` on the first ``timing_prompts`` calibration prompts,
+   interleaved, after one untimed warm-up each. The runs give the unbiased (canonical)
+   accept length and tokens/s (median over prompts). For greedy decoding the rank tuples
+   also give every frontier tree's canonical accept length exactly (:func:`simulate_canonical`).
+4. ``sweep`` - EntMTP* = the throughput-maximal tree; T- / T+ = its neighbours on the
+   upper hull of (nodes, tokens/s); hysteresis τ × feature and ladder thresholds are
+   measured against the static tree on the sweep prompts.
+5. ``outputs`` - the bank, plots and report (:mod:`entmtp_hf.search_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path as FsPath
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from .config import EntMTPConfig
+from .scheduler import FEATURES
+from .tree import MC_SIM_7B_63, Path, Tree
+from .verify import keep_accepted, tree_attention_mask, typical_accept_flags
+
+if TYPE_CHECKING:
+    from .search_report import SearchResult
+
+TAU_GRID = (0.001, 0.005, 0.01, 0.02, 0.05)
+TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+SCORINGS = ("rank_tuple", "rollout")
+RULES = ("greedy", "exact", "typical")
+VANILLA = "vanilla"
+REFERENCE = "mc_sim_7b_63"
+
+
+# ============================================================================ settings
+@dataclass
+class SearchConfig:
+    """Offline search settings (kept apart from heads and per-call decoding configs).
+
+    The defaults finish one task on the demo model on a 2-core CPU in about half an hour.
+    """
+
+    num_prompts: int = 16  # calibration prompts of the acceptance frontier (one greedy run each)
+    timing_prompts: int = 6  # first prompts of those timed with generate (debias + throughput)
+    max_new_tokens: int = 64  # per generation
+    budget: int = 64  # node budget B, root included (mc_sim_7b_63 has 64 nodes)
+    max_depth: int | None = None  # D; None = number of heads
+    scoring: str = "rank_tuple"  # or "rollout" (joint-tree self-rollout)
+    acceptance: str = "greedy"  # rule of the rollout scoring and of every generate run
+    temperature: float = 0.7  # for exact / typical acceptance
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+    timed_sizes: tuple[int, ...] | None = TIMED_SIZES  # frontier sizes to time; None = every k-th
+    time_every: int = 1  # with timed_sizes=None: time every k-th frontier size (and the last)
+    time_reference: bool = True  # also time mc_sim_7b_63 when the heads can draft it
+    sweep_prompts: int = 3  # first prompts of the calibration set used by the τ sweep
+    tau_grid: tuple[float, ...] = TAU_GRID
+    features: tuple[str, ...] = ("best_path_value", "chain_value")
+    ladder: bool = True  # calibrate ladder thresholds (adjacent pairs of tau_grid)
+    seed: int = 123
+
+    def __post_init__(self) -> None:
+        self.timed_sizes = tuple(self.timed_sizes) if self.timed_sizes is not None else None
+        self.tau_grid, self.features = tuple(self.tau_grid), tuple(self.features)
+        for name in ("num_prompts", "timing_prompts", "max_new_tokens", "budget", "time_every", "sweep_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SearchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_new_tokens < 2:
+            raise ValueError("SearchConfig.max_new_tokens must be >= 2 (the first token comes from the prefill)")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"SearchConfig.scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if self.acceptance not in RULES:
+            raise ValueError(f"SearchConfig.acceptance must be one of {RULES}, got {self.acceptance!r}")
+        if self.scoring == "rank_tuple" and self.acceptance != "greedy":
+            raise ValueError("rank-tuple scoring holds for greedy decoding only: use scoring='rollout' for sampling")
+        if self.temperature <= 0:
+            raise ValueError(f"SearchConfig.temperature must be > 0, got {self.temperature}")
+        if self.max_depth is not None and self.max_depth < 1:
+            raise ValueError(f"SearchConfig.max_depth must be >= 1, got {self.max_depth}")
+        if not self.tau_grid or any(not 0.0 <= t <= 1.0 for t in self.tau_grid):
+            raise ValueError(f"SearchConfig.tau_grid must list thresholds in [0, 1], got {self.tau_grid}")
+        bad = [f for f in self.features if f not in FEATURES]
+        if not self.features or bad:
+            raise ValueError(f"SearchConfig.features must come from {FEATURES}, got {list(self.features)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self)))
+
+
+# ============================================================================ rank tuples
+@dataclass
+class Trajectory:
+    """One calibration prompt's greedy run and the rank tuple of every step start.
+
+    ``tuples[j]`` belongs to step start ``t = prompt_len - 1 + j``; it lists the ranks of the
+    true tokens up to (not including) the first one the heads cannot draft within the rank
+    cap, and never reaches the last token (a step's emission ends there anyway).
+    """
+
+    prompt_len: int
+    tokens: list[int]  # prompt + greedy output
+    tuples: list[list[int]]
+
+
+@torch.no_grad()
+def rank_tuples(model, heads, tokens: Sequence[int], prompt_len: int, max_depth: int, rank_cap: int) -> list[list[int]]:
+    """Rank tuples of the true continuation at every step start, from one teacher-forced pass."""
+    device = model.get_output_embeddings().weight.device
+    ids = torch.tensor([list(tokens)], device=device)
+    hidden = model(input_ids=ids, output_hidden_states=-1).hidden_states[-1]
+    logits = heads.forward_train(hidden, ids, model.get_input_embeddings(), model.get_output_embeddings())
+    length = len(tokens)
+    starts = torch.arange(prompt_len - 1, length - 2, device=device)  # t = P-1 .. L-3
+    vocab = logits[0].shape[-1]
+    to_draft = torch.full((max(heads.config.vocab_size, int(ids.max()) + 1),), -1, dtype=torch.long, device=device)
+    if heads.draft_vocab is not None:
+        to_draft[heads.draft_vocab.to(device)] = torch.arange(vocab, device=device)
+    else:
+        to_draft[:vocab] = torch.arange(vocab, device=device)
+    columns = []
+    for i in range(max_depth):
+        target = starts + i + 2  # head i at row t predicts x_{t+i+2}
+        valid = target <= length - 2  # the last token is never drafted-and-accepted: the run stops there
+        if logits[i].shape[1] == 0:
+            columns.append(torch.full_like(starts, -1))
+            continue
+        rows = logits[i][0, starts.clamp(max=logits[i].shape[1] - 1)]
+        draft_id = to_draft[ids[0, target.clamp(max=length - 1)]]
+        true_logit = rows.gather(1, draft_id.clamp(min=0)[:, None])
+        rank = (rows > true_logit).sum(-1)
+        ok = valid & (draft_id >= 0) & (rank < rank_cap)
+        columns.append(torch.where(ok, rank, torch.full_like(rank, -1)))
+    table = torch.stack(columns, dim=1).tolist() if columns else [[] for _ in range(len(starts))]
+    return [row[: row.index(-1)] if -1 in row else row for row in table]
+
+
+def prefix_counts(trajectories: Iterable[Trajectory]) -> tuple[dict[Path, int], int]:
+    """How many step starts have each path as a prefix of their rank tuple, and the number of starts."""
+    counts: dict[Path, int] = {}
+    total = 0
+    for traj in trajectories:
+        total += len(traj.tuples)
+        for row in traj.tuples:
+            for k in range(1, len(row) + 1):
+                key = tuple(row[:k])
+                counts[key] = counts.get(key, 0) + 1
+    return counts, total
+
+
+def accepted_depth(row: Sequence[int], paths: set[Path]) -> int:
+    d = 0
+    while d < len(row) and tuple(row[: d + 1]) in paths:
+        d += 1
+    return d
+
+
+def simulate_canonical(traj: Trajectory, tree: Tree) -> list[int]:
+    """Accept lengths of a greedy ``generate`` with ``tree``, read off the rank tuples.
+
+    Steps start only where the previous one ended: t_0 = P-1, t_{k+1} = t_k + a_k.
+    """
+    paths, lengths, j = set(tree.paths), [], 0
+    while j < len(traj.tuples):
+        a = 1 + accepted_depth(traj.tuples[j], paths)
+        lengths.append(a)
+        j += a
+    return lengths
+
+
+def table_accept(trajectories: Sequence[Trajectory], tree: Tree) -> float:
+    """Mean accept length of ``tree`` over every step start (the rank-tuple estimate)."""
+    counts, total = prefix_counts(trajectories)
+    return 1.0 + sum(counts.get(p, 0) for p in tree.paths) / max(total, 1)
+
+
+# ============================================================================ the frontier
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One tree of the greedy acceptance frontier and its (biased) mean accept length."""
+
+    tree: Tree
+    accept: float
+    added: Path | None  # the node added to the previous frontier tree (None for the root)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes
+
+
+def frontier_nodes(tree: Tree, max_depth: int, max_rank: int) -> list[Path]:
+    """F(T): the first child of every node and the next-rank sibling of every non-root node."""
+    have = set(tree.paths)
+    found: list[Path] = []
+    for p in ((), *tree.paths):
+        options = [p + (0,)] if len(p) < max_depth else []
+        if p and p[-1] + 1 < max_rank:
+            options.append(p[:-1] + (p[-1] + 1,))
+        found += [q for q in options if q not in have and q not in found]
+    return found
+
+
+def _preference(path: Path) -> tuple:
+    """Tie-break among equal scores: smaller rank sum, then shallower, then lexicographic."""
+    return (sum(path), len(path), path)
+
+
+ScoreFn = Callable[[Tree, list[Path]], tuple[float, list[float]]]
+
+
+def greedy_frontier(
+    score: ScoreFn,
+    budget: int,
+    max_depth: int,
+    max_rank: int,
+    start: Sequence[FrontierPoint] = (),
+    on_step: Callable[[list[FrontierPoint]], None] | None = None,
+    progress: bool = False,
+) -> list[FrontierPoint]:
+    """Algorithm 1: grow the tree one node at a time until it has ``budget`` nodes.
+
+    ``score(T, candidates)`` returns the mean accept length of T and of every T ∪ {ν}.
+    ``start`` resumes an interrupted run; ``on_step`` sees the frontier after every step.
+    """
+    points = list(start)
+    if not points:
+        base, _ = score(Tree.root_only(), [])
+        points.append(FrontierPoint(Tree.root_only(), base, None))
+    bar = tqdm(total=budget, initial=points[-1].num_nodes, desc="frontier", unit="node", disable=not progress)
+    while points[-1].num_nodes < budget:
+        tree = points[-1].tree
+        candidates = frontier_nodes(tree, max_depth, max_rank)
+        if not candidates:
+            break
+        _, scores = score(tree, candidates)
+        best = min(range(len(candidates)), key=lambda k: (-scores[k], _preference(candidates[k])))
+        node = candidates[best]
+        points.append(FrontierPoint(Tree.from_choices([*tree.choices, list(node)]), scores[best], node))
+        bar.update(1)
+        if on_step is not None:
+            on_step(points)
+    bar.close()
+    return points
+
+
+def rank_tuple_scorer(trajectories: Sequence[Trajectory]) -> ScoreFn:
+    """Score candidates by prefix counts: adding ν raises the accept length exactly at the
+    starts whose tuple begins with ν's path (its parent is in T, so they already reach it)."""
+    counts, total = prefix_counts(trajectories)
+    total = max(total, 1)
+
+    def score(tree: Tree, candidates: list[Path]) -> tuple[float, list[float]]:
+        base = 1.0 + sum(counts.get(p, 0) for p in tree.paths) / total
+        return base, [base + counts.get(c, 0) / total for c in candidates]
+
+    return score
+
+
+# ============================================================================ joint rollout
+@dataclass
+class RolloutCounts:
+    """Per-step accept lengths of one self-rollout: the trajectory's tree and each candidate."""
+
+    tree: list[int] = field(default_factory=list)
+    candidates: list[list[int]] = field(default_factory=list)  # [steps][candidate]
+
+
+def _emitted(tokens: list[int], left: int, eos: set[int]) -> int:
+    """How many of ``tokens`` generate would append: at most ``left``, up to the first EOS."""
+    for k, tok in enumerate(tokens[:left]):
+        if tok in eos:
+            return k + 1
+    return min(len(tokens), left)
+
+
+def _node_checks(rule, scores, tokens, buffers, picks, eps, alpha):
+    """Per-node pass flags (node token accepted at its parent) and log p under the parent."""
+    parents = buffers.parents
+    if rule == "typical":
+        return typical_accept_flags(scores, tokens, parents, eps, alpha)
+    ok = tokens == picks[parents.clamp(min=0)]
+    ok[0] = True
+    return ok, torch.zeros_like(scores[:, 0])
+
+
+def _deepest_reached(b, reached: torch.Tensor, allowed: torch.Tensor, logp: torch.Tensor) -> int:
+    """The deepest reached node among ``allowed`` (ties: the larger sum of log p on its path)."""
+    anc, valid = b.ancestors.clamp(min=0), b.ancestors >= 0
+    key = b.position_ids.double() * 1e6 + (logp[anc] * valid).sum(-1).double()
+    return int(torch.where(reached & allowed, key, torch.full_like(key, -1e18)).argmax())
+
+
+def _verify(model, cache, b, tokens: torch.Tensor, next_pos: int):
+    """One base-model forward over a drafted tree appended to the cache."""
+    prefix_len = int(cache.get_seq_length())
+    dtype = b.attn_mask.dtype
+    mask = tree_attention_mask(b, torch.zeros(prefix_len, dtype=dtype, device=tokens.device), prefix_len + b.num_nodes)
+    return model(input_ids=tokens[None], attention_mask=mask, position_ids=(b.position_ids + next_pos)[None],
+                 cache=cache, use_cache=True, output_hidden_states=-1)  # fmt: skip
+
+
+@torch.no_grad()
+def joint_rollout(
+    model, heads, prompt: Sequence[int], tree: Tree, candidates: Sequence[Path], max_new_tokens: int, *,
+    rule: str = "greedy", temperature: float = 1.0, epsilon: float = 0.09, alpha: float = 0.3,
+    generator: torch.Generator | None = None, eos_token_ids: Iterable[int] = (),
+) -> RolloutCounts:  # fmt: skip
+    """One self-rollout over the joint tree U = T ∪ F: verify U every step, advance with T.
+
+    A node *passes* when its token is the verifier's pick at its parent (greedy: argmax;
+    exact: one shared draw per node; typical: the p > min(ε, α·e^{-H}) test); it is
+    *reached* when it and all its ancestors pass. Tree S accepts the deepest reached node
+    of S, so candidate T ∪ {ν} accepts max(d_T, depth(ν) if ν is reached).
+    """
+    eos = set(eos_token_ids)
+    joint = Tree.from_choices([*tree.choices, *map(list, candidates)])
+    device = model.get_output_embeddings().weight.device
+    b = joint.buffers(device, model.get_output_embeddings().weight.dtype)
+    in_tree = torch.zeros(joint.num_nodes, dtype=torch.bool, device=device)
+    in_tree[joint.subtree_map(tree)] = True
+    cand_nodes = [joint.node_index()[tuple(c)] for c in candidates]
+    depth = b.position_ids.tolist()
+    scale = 1.0 if rule == "greedy" else 1.0 / temperature
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        scores = logits.float() * scale
+        if rule == "greedy":
+            return scores.argmax(-1)
+        return torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(-1)
+
+    state, cache = heads.new_state(model), DynamicCache(config=model.config)
+    out = model(input_ids=torch.tensor([list(prompt)], device=device), cache=cache, use_cache=True,
+                output_hidden_states=-1)  # fmt: skip
+    heads.observe(state, out.hidden_states[-1][0])
+    root, emitted, next_pos, counts = int(pick(out.logits[0, -1:])[0]), 1, len(prompt), RolloutCounts()
+    while emitted < max_new_tokens and root not in eos:
+        tokens = heads.propose(state, torch.tensor(root, device=device), b).tokens.to(device)
+        out = _verify(model, cache, b, tokens, next_pos)
+        picks = pick(out.logits[0])
+        ok, logp = _node_checks(rule, out.logits[0].float() * scale, tokens, b, picks, epsilon, alpha)
+        reached = (ok[b.ancestors.clamp(min=0)] | (b.ancestors < 0)).all(-1)
+        last = _deepest_reached(b, reached, in_tree, logp)
+
+        def emitted_along(node: int) -> int:
+            nodes = b.ancestors[node][1 : depth[node] + 1].tolist()
+            return _emitted(tokens[nodes].tolist() + [int(picks[node])], max_new_tokens - emitted, eos)
+
+        n_tree = emitted_along(last)
+        counts.tree.append(n_tree)
+        counts.candidates.append(
+            [emitted_along(u) if reached[u] and depth[u] > depth[last] else n_tree for u in cand_nodes]
+        )
+        path = b.ancestors[last][: depth[last] + 1].tolist()
+        keep_accepted(cache, int(cache.get_seq_length()) - joint.num_nodes, joint.num_nodes, path)
+        heads.observe(state, out.hidden_states[-1][0, path])
+        root = (tokens[path[1:]].tolist() + [int(picks[last])])[n_tree - 1]
+        emitted, next_pos = emitted + n_tree, next_pos + len(path)
+    return counts
+
+
+def rollout_scorer(model, heads, prompts: Sequence[Sequence[int]], cfg: SearchConfig, eos: Iterable[int]) -> ScoreFn:
+    """Score T and every T ∪ {ν} by joint self-rollouts on all prompts (steps pooled)."""
+    eos = tuple(eos)
+
+    def score(tree: Tree, candidates: list[Path]) -> tuple[float, list[float]]:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        tree_sum, cand_sums, steps = 0, [0] * len(candidates), 0
+        for prompt in prompts:
+            c = joint_rollout(model, heads, prompt, tree, candidates, cfg.max_new_tokens, rule=cfg.acceptance,
+                              temperature=cfg.temperature, epsilon=cfg.posterior_threshold,
+                              alpha=cfg.posterior_alpha, generator=gen, eos_token_ids=eos)  # fmt: skip
+            steps += len(c.tree)
+            tree_sum += sum(c.tree)
+            cand_sums = [s + sum(row[k] for row in c.candidates) for k, s in enumerate(cand_sums)]
+        steps = max(steps, 1)
+        return tree_sum / steps, [s / steps for s in cand_sums]
+
+    return score
+
+
+# ============================================================================ throughput
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def upper_hull(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the upper convex hull of (x, y) points, left to right (Andrew's monotone chain)."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    hull: list[int] = []
+    for i in order:
+        if hull and points[hull[-1]][0] == points[i][0]:
+            continue  # same x: the higher point came first
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2), (x3, y3) = points[hull[-2]], points[hull[-1]], points[i]
+            if (x2 - x1) * (y3 - y1) - (y2 - y1) * (x3 - x1) >= 0:  # middle point on or below the chord
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    return hull
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of points no other point beats on both fewer-or-equal x and higher y."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    front, best = [], float("-inf")
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Indices (into the timed trees) of EntMTP*, T- and T+, plus the hull and Pareto set."""
+
+    static: int
+    conservative: int
+    aggressive: int
+    hull: list[int]
+    pareto: list[int]
+
+
+def choose_trees(nodes: Sequence[int], tokens_per_s: Sequence[float]) -> Choice:
+    """EntMTP* = the throughput-maximal tree (ties: fewer nodes); T- and T+ = its left and
+    right neighbours on the upper hull of (nodes, tokens/s), or the static tree itself."""
+    pts = [(float(n), float(v)) for n, v in zip(nodes, tokens_per_s)]
+    static = max(range(len(pts)), key=lambda i: (pts[i][1], -pts[i][0]))
+    hull = upper_hull(pts)
+    if static not in hull:  # an exact tie in x with a higher point cannot happen for the max
+        hull = sorted(set(hull) | {static}, key=lambda i: pts[i][0])
+    k = hull.index(static)
+    low = hull[k - 1] if k > 0 else static
+    high = hull[k + 1] if k + 1 < len(hull) else static
+    return Choice(static, low, high, hull, pareto_front(pts))
+
+
+# ============================================================================ measuring
+Measure = Callable[[str, "EntMTPConfig | None", Sequence[int]], dict]
+
+
+def generate_kwargs(model, cfg: SearchConfig, max_new_tokens: int) -> dict[str, Any]:
+    kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": cfg.acceptance != "greedy"}
+    if kw["do_sample"]:
+        kw.update(temperature=cfg.temperature, top_k=None, top_p=None)
+    eos = model.generation_config.eos_token_id
+    if model.generation_config.pad_token_id is None and eos is not None:
+        kw["pad_token_id"] = eos if isinstance(eos, int) else list(eos)[0]
+    return kw
+
+
+def generate_measure(model, cfg: SearchConfig, max_new_tokens: int | None = None) -> Measure:
+    """The default measurement: one ``generate`` call, wall time around it (prefill included)."""
+    kwargs = generate_kwargs(model, cfg, max_new_tokens or cfg.max_new_tokens)
+    device = model.get_output_embeddings().weight.device
+
+    def measure(label: str, config: EntMTPConfig | None, prompt: Sequence[int]) -> dict:
+        ids = torch.tensor([list(prompt)], device=device)
+        extra = {"entmtp_config": config} if config is not None else {}
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
+                                 **kwargs, **extra)  # fmt: skip
+        seconds = time.perf_counter() - t0
+        stats = getattr(out, "entmtp_stats", None) or {}
+        return {
+            "seconds": seconds,
+            "new_tokens": int(out.sequences.shape[1] - ids.shape[1]),
+            "tokens": out.sequences[0, ids.shape[1] :].tolist(),
+            "accept_lengths": list(stats.get("accept_lengths", [])),
+        }
+
+    return measure
+
+
+def eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+# ============================================================================ the pipeline
+def _atomic_json(path: FsPath, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, allow_nan=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _read_json(path: FsPath) -> Any:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def heads_fingerprint(heads) -> str:
+    """A short hash of the heads' config and weights: resuming with other heads is refused."""
+    h = hashlib.sha256(json.dumps(heads.config.to_dict(), sort_keys=True, default=str).encode())
+    for name, tensor in sorted(heads.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().double().sum().item().hex().encode())
+    return h.hexdigest()[:16]
+
+
+class TreeSearch:
+    """One task's search in one work folder; every stage checkpoints and is skipped when done.
+
+    ``prompts`` are token-id lists (the rendered calibration prompts); ``measure`` replaces
+    the timed ``generate`` call (tests inject deterministic timings through it).
+    """
+
+    FILES = {"settings": "settings.json", "trajectories": "trajectories.json", "frontier": "frontier.json",
+             "rollouts": "rollouts.json", "sweep": "sweep.json", "elapsed": "stage_seconds.json"}  # fmt: skip
+
+    def __init__(
+        self, model, heads, prompts: Sequence[Sequence[int]], work_dir: str | os.PathLike, config: SearchConfig,
+        *, task: str = "task", prompt_ids: Sequence[str] | None = None, measure: Measure | None = None,
+        sweep_measure: Measure | None = None, info: dict | None = None, progress: bool = True,
+    ) -> None:  # fmt: skip
+        if len(prompts) < 1:
+            raise ValueError("the search needs at least one calibration prompt")
+        self.model, self.heads, self.cfg, self.task = model, heads, config, task
+        self.prompts = [list(map(int, p)) for p in prompts[: config.num_prompts]]
+        self.prompt_ids = list(prompt_ids or [f"{task}-{i}" for i in range(len(prompts))])[: len(self.prompts)]
+        self.dir = FsPath(work_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.measure = measure or generate_measure(model, config)
+        self.warmup_measure = measure or generate_measure(model, config, max_new_tokens=8)
+        self.sweep_measure = sweep_measure or self.measure
+        self.info = dict(info or {})
+        self.progress = progress
+        self.max_depth = min(config.max_depth or heads.num_heads, heads.num_heads)
+        self.max_rank = min(heads.config.draft_vocab_rows, config.budget)
+        self._check_settings()
+        self.elapsed: dict[str, float] = _read_json(self.path("elapsed")) or {}
+        self.stages_run: list[str] = []  # stages that computed something in this run
+
+    # ---------------------------------------------------------------- bookkeeping
+    def path(self, name: str) -> FsPath:
+        return self.dir / self.FILES.get(name, name)
+
+    def _check_settings(self) -> None:
+        settings = {"task": self.task, "search": self.cfg.to_dict(), "prompt_ids": self.prompt_ids,
+                    "prompts_sha": hashlib.sha256(json.dumps(self.prompts).encode()).hexdigest()[:16],
+                    "heads": heads_fingerprint(self.heads), "model": self.info.get("base_model", "")}  # fmt: skip
+        old = _read_json(self.path("settings"))
+        if old is not None and old != settings:
+            diff = sorted(k for k in settings if old.get(k) != settings[k])
+            raise ValueError(
+                f"{self.dir} holds a search with other settings ({', '.join(diff)} differ); "
+                "use another output folder or restart (--restart deletes the checkpoints)"
+            )
+        _atomic_json(self.path("settings"), settings)
+
+    def _timed(self, stage: str, t0: float) -> None:
+        """Add this run's wall time of a stage to the totals kept across resumed runs."""
+        self.elapsed[stage] = self.elapsed.get(stage, 0.0) + time.perf_counter() - t0
+        self.stages_run.append(stage)
+        _atomic_json(self.path("elapsed"), self.elapsed)
+
+    # ---------------------------------------------------------------- stage 1
+    def trajectories(self) -> list[Trajectory]:
+        """Greedy run + rank tuples per prompt (rollout scoring: prompts only); resumes per prompt."""
+        saved = _read_json(self.path("trajectories")) or {"done": {}, "seconds": 0.0}
+        todo = [i for i in range(len(self.prompts)) if self.prompt_ids[i] not in saved["done"]]
+        if not todo:
+            return [Trajectory(**saved["done"][pid]) for pid in self.prompt_ids]
+        t0 = time.perf_counter()
+        measure = generate_measure(self.model, self.cfg)
+        for i in tqdm(todo, desc="trajectories", unit="prompt", disable=not self.progress):
+            t1 = time.perf_counter()
+            tokens, tuples = self.prompts[i], []
+            if self.cfg.scoring == "rank_tuple":  # the rollout scoring decodes by itself
+                tokens = tokens + measure("trajectory", None, self.prompts[i])["tokens"]
+                tuples = rank_tuples(self.model, self.heads, tokens, len(self.prompts[i]), self.max_depth,
+                                     self.max_rank)  # fmt: skip
+            saved["done"][self.prompt_ids[i]] = {"prompt_len": len(self.prompts[i]), "tokens": tokens, "tuples": tuples}
+            saved["seconds"] += time.perf_counter() - t1
+            _atomic_json(self.path("trajectories"), saved)
+        self._timed("trajectories", t0)
+        return [Trajectory(**saved["done"][pid]) for pid in self.prompt_ids]
+
+    # ---------------------------------------------------------------- stage 2
+    def frontier(self, trajectories: Sequence[Trajectory]) -> list[FrontierPoint]:
+        """The greedy acceptance frontier; rollout scoring checkpoints every added node."""
+        saved = _read_json(self.path("frontier")) or {"points": [], "complete": False}
+        points = [FrontierPoint(Tree.from_choices(p["tree"]), p["accept"], tuple(p["added"]) if p["added"] else None)
+                  for p in saved["points"]]  # fmt: skip
+        if saved["complete"]:
+            return points
+        t0 = time.perf_counter()
+        if self.cfg.scoring == "rank_tuple":
+            score = rank_tuple_scorer(trajectories)
+        else:
+            score = rollout_scorer(self.model, self.heads, self.prompts, self.cfg, eos_ids(self.model))
+
+        def save(pts: list[FrontierPoint], complete: bool = False) -> None:
+            rows = [{"tree": p.tree.choices, "num_nodes": p.num_nodes, "accept": p.accept,
+                     "added": list(p.added) if p.added else None} for p in pts]  # fmt: skip
+            _atomic_json(self.path("frontier"), {"points": rows, "complete": complete})
+
+        points = greedy_frontier(score, self.cfg.budget, self.max_depth, self.max_rank, points, save, self.progress)
+        save(points, complete=True)
+        self._timed("frontier", t0)
+        return points
+
+    def timed_indices(self, points: Sequence[FrontierPoint]) -> list[int]:
+        """Frontier indices to time: ``timed_sizes`` present on the frontier, or every k-th and the last."""
+        if self.cfg.timed_sizes is not None:
+            wanted = set(self.cfg.timed_sizes)
+            found = [i for i, p in enumerate(points) if p.num_nodes in wanted]
+            if not found:
+                raise ValueError(f"none of the timed sizes {sorted(wanted)} is on the frontier "
+                                 f"({points[0].num_nodes}..{points[-1].num_nodes} nodes)")  # fmt: skip
+            return found
+        k = self.cfg.time_every
+        return sorted({i for i in range(0, len(points), k)} | {len(points) - 1})
+
+    def timing_indices(self) -> list[int]:
+        """Prompts timed with ``generate``: the first ``timing_prompts`` calibration prompts."""
+        return list(range(min(self.cfg.timing_prompts, len(self.prompts))))
+
+    def reference_tree(self) -> Tree | None:
+        tree = Tree.from_choices(MC_SIM_7B_63)
+        fits = tree.depth <= self.heads.num_heads and 10 <= self.heads.config.draft_vocab_rows
+        return tree if self.cfg.time_reference and fits else None
+
+    # ---------------------------------------------------------------- stages 3 and 4
+    def _interleaved(
+        self, name: str, runs: dict[str, EntMTPConfig | None], prompts: list[int], measure: Measure
+    ) -> tuple[dict, bool]:
+        """Every (label, prompt) once, labels rotated per prompt; one untimed warm-up per label.
+
+        Returns the runs and whether anything was measured now."""
+        saved = _read_json(self.path(name)) or {}
+        todo = [(p, lab) for p in prompts for lab in runs if str(p) not in saved.get(lab, {})]
+        if not todo:
+            return saved, False
+        warm_prompt = self.prompts[todo[0][0]][:]
+        for lab, conf in tqdm(runs.items(), desc=f"{name} warm-up", unit="run", disable=not self.progress):
+            self.warmup_measure(lab, conf, warm_prompt)  # untimed: first-call costs stay out of the medians
+        labels = list(runs)
+        bar = tqdm(total=len(todo), desc=name, unit="run", disable=not self.progress)
+        for p in prompts:
+            rot = p % len(labels)
+            for lab in labels[rot:] + labels[:rot]:
+                if str(p) in saved.get(lab, {}):
+                    continue
+                r = measure(lab, runs[lab], self.prompts[p])
+                saved.setdefault(lab, {})[str(p)] = {k: r[k] for k in ("seconds", "new_tokens", "accept_lengths")}
+                _atomic_json(self.path(name), saved)
+                bar.update(1)
+        bar.close()
+        return saved, True
+
+    def rollouts(self, points: Sequence[FrontierPoint]) -> dict:
+        """Debias + throughput: canonical ``generate`` runs of the timed trees and of plain decoding."""
+        t0 = time.perf_counter()
+        runs: dict[str, EntMTPConfig | None] = {VANILLA: None}
+        for i in self.timed_indices(points):
+            runs[f"frontier-{points[i].num_nodes}"] = self._tree_config(points[i].tree)
+        ref = self.reference_tree()
+        if ref is not None:
+            runs[REFERENCE] = self._tree_config(ref)
+        out, measured = self._interleaved("rollouts", runs, self.timing_indices(), self.measure)
+        if measured:
+            self._timed("rollouts", t0)
+        return out
+
+    def _tree_config(self, tree: Tree, **kw) -> EntMTPConfig:
+        rule = {"greedy": "auto", "exact": "exact", "typical": "typical"}[self.cfg.acceptance]
+        extra = {"posterior_threshold": self.cfg.posterior_threshold, "posterior_alpha": self.cfg.posterior_alpha}
+        if "trees" in kw:
+            return EntMTPConfig(acceptance=rule, **extra, **kw)
+        return EntMTPConfig(tree=tree.choices, acceptance=rule, **extra, **kw)
+
+    def sweep(self, trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dict:
+        """Hysteresis τ × feature and ladder thresholds, measured against the static tree."""
+        t0 = time.perf_counter()
+        runs = self.sweep_runs(trees, choice, labels)
+        prompts = self.timing_indices()[: self.cfg.sweep_prompts]
+        out, measured = self._interleaved("sweep", runs, prompts, self.sweep_measure)
+        if measured:
+            self._timed("sweep", t0)
+        return out
+
+    def sweep_runs(self, trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dict[str, EntMTPConfig]:
+        low, static, high = (trees[labels[i]] for i in (choice.conservative, choice.static, choice.aggressive))
+        runs = {"static": self._tree_config(static)}
+        if low != high:
+            for f in self.cfg.features:
+                for tau in self.cfg.tau_grid:
+                    runs[f"hysteresis:{f}:{tau:g}"] = self._tree_config(
+                        None, trees=[low.choices, high.choices], policy="hysteresis", tau_on=tau, tau_off=tau, feature=f
+                    )
+        ladder = sorted({low, static, high}, key=lambda t: t.num_nodes)
+        grid = sorted(set(self.cfg.tau_grid))
+        pairs = [grid[i : i + len(ladder) - 1] for i in range(len(grid) - len(ladder) + 2)] if len(ladder) > 1 else []
+        for f in self.cfg.features if self.cfg.ladder else ():
+            for th in pairs:
+                runs[f"ladder:{f}:{','.join(f'{t:g}' for t in th)}"] = self._tree_config(
+                    None, trees=[t.choices for t in ladder], policy="ladder", thresholds=list(th), feature=f
+                )
+        return runs
+
+    # ---------------------------------------------------------------- everything
+    def run(self, bank_dir: str | os.PathLike | None = None) -> "SearchResult":
+        """Run (or resume) every stage, then write the bank, plots and report."""
+        from .search_report import summarise, write_outputs
+
+        trajectories = self.trajectories()
+        points = self.frontier(trajectories)
+        rollouts = self.rollouts(points)
+        result = summarise(self, trajectories, points, rollouts)
+        trees = {lab: row["tree"] for lab, row in result.timed.items()}
+        result.with_sweep(self.sweep(trees, result.choice, result.labels))
+        result.elapsed = dict(self.elapsed)
+        t0 = time.perf_counter()
+        full = bool(self.stages_run) or not (self.dir / "report.md").is_file()
+        write_outputs(self, result, bank_dir, plots_and_report=full)  # nothing new: only the bank is (re)written
+        if full:
+            self._timed("outputs", t0)
+        return result
+
+
+# ============================================================================ CLI
+def add_subcommand(sub: argparse._SubParsersAction) -> None:
+    """Register ``entmtp-hf search`` (the parser and its handler live in :mod:`.search_report`)."""
+    from .search_report import add_search_parser
+
+    add_search_parser(sub)

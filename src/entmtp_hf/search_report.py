@@ -1,0 +1,553 @@
+"""What the offline tree search hands back: summaries, the bank, plots, the report, the CLI.
+
+:func:`summarise` turns the checkpointed stage results of a :class:`~entmtp_hf.search.TreeSearch`
+into one :class:`SearchResult` (per-tree biased / simulated / unbiased accept lengths, tokens/s,
+the chosen trees, the sweep winners); :func:`write_outputs` writes the bank folder, two PNG
+plots, ``report.md`` and ``result.json`` from it. Everything here is plain data in, files out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path as FsPath
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .bank import TopologyBank, default_thresholds
+from .search import (
+    REFERENCE,
+    RULES,
+    SCORINGS,
+    TAU_GRID,
+    TIMED_SIZES,
+    VANILLA,
+    Choice,
+    FrontierPoint,
+    SearchConfig,
+    Trajectory,
+    _atomic_json,
+    choose_trees,
+    heads_fingerprint,
+    median,
+    simulate_canonical,
+    table_accept,
+)
+from .scheduler import FEATURES
+from .tree import MC_SIM_7B_63, Tree
+
+if TYPE_CHECKING:
+    from .search import TreeSearch
+
+PLOTS = ("acceptance_frontier.png", "throughput_frontier.png")
+
+
+# ============================================================================ summaries
+def _pooled_accept(runs: dict) -> float | None:
+    """Tokens per step over all prompts of a label (None when no step was taken)."""
+    lengths = [a for r in runs.values() for a in r["accept_lengths"]]
+    return sum(lengths) / len(lengths) if lengths else None
+
+
+def _tps(runs: dict) -> list[float]:
+    return [r["new_tokens"] / r["seconds"] for r in runs.values() if r["seconds"] > 0]
+
+
+def _paired_ratio(runs: dict, ref: dict) -> float:
+    """Median over prompts of (tokens/s of ``runs``) / (tokens/s of ``ref``) on the same prompt."""
+    ratios = [
+        (r["new_tokens"] / r["seconds"]) / (ref[p]["new_tokens"] / ref[p]["seconds"])
+        for p, r in runs.items()
+        if p in ref and r["seconds"] > 0 and ref[p]["seconds"] > 0 and ref[p]["new_tokens"] > 0
+    ]
+    return median(ratios)
+
+
+def inversions(rows: Sequence[dict], a: str, b: str) -> list[tuple[int, int]]:
+    """Pairs of trees (node counts) that key ``a`` and key ``b`` rank strictly the opposite way."""
+    rows = [r for r in rows if _finite(r.get(a)) and _finite(r.get(b))]
+    return [(x["num_nodes"], y["num_nodes"]) for i, x in enumerate(rows) for y in rows[i + 1 :]
+            if (x[a] - y[a]) * (x[b] - y[b]) < 0]  # fmt: skip
+
+
+@dataclass
+class SearchResult:
+    """Every figure of one task's search, JSON-ready through :meth:`to_dict`."""
+
+    task: str
+    settings: dict
+    frontier: list[dict]  # num_nodes, tree, biased, simulated
+    timed: dict[str, dict]  # label -> tree (Tree), num_nodes, biased, simulated, unbiased, tokens_per_s, speedup
+    labels: list[str]  # timed frontier labels, smallest first (bank order)
+    choice: Choice
+    vanilla_tokens_per_s: float
+    reference: dict | None
+    elapsed: dict[str, float]
+    sweep: dict[str, dict] = field(default_factory=dict)  # label -> tokens_per_s, vs_static
+    winners: dict[str, Any] = field(default_factory=dict)
+
+    def with_sweep(self, runs: dict) -> "SearchResult":
+        """Add the sweep's figures and pick the hysteresis and ladder winners (median ratio to static)."""
+        static = runs.get("static", {})
+        self.sweep = {
+            lab: {"tokens_per_s": median(_tps(r)), "vs_static": _paired_ratio(r, static) if lab != "static" else 1.0}
+            for lab, r in runs.items()
+        }
+        for kind in ("hysteresis", "ladder"):
+            cands = [lab for lab, v in self.sweep.items() if lab.startswith(kind + ":") and _finite(v["vs_static"])]
+            if cands:
+                best = max(cands, key=lambda lab: self.sweep[lab]["vs_static"])
+                _, feature, values = best.split(":")
+                self.winners[kind] = {"label": best, "feature": feature,
+                                      "values": [float(v) for v in values.split(",")], **self.sweep[best]}  # fmt: skip
+        return self
+
+    @property
+    def ranking_changed(self) -> bool:
+        """Whether debiasing reorders any two timed trees (biased τ vs measured τ, strict inversions)."""
+        return bool(inversions(list(self.timed.values()), "biased", "unbiased"))
+
+    @property
+    def ranking_changed_simulated(self) -> bool | None:
+        """The same over every frontier tree, with the simulated canonical τ (greedy rank tuples only)."""
+        if any(r["simulated"] is None for r in self.frontier):
+            return None
+        return bool(inversions(self.frontier, "biased", "simulated"))
+
+    def scheduler_defaults(self) -> dict[str, Any]:
+        """The bank's scheduler block: EntMTP*, T-/T+ with the best τ, the ladder with its thresholds."""
+        c = self.choice
+        hyst = self.winners.get("hysteresis")
+        tau = hyst["values"][0] if hyst else 0.01
+        ladder = sorted({c.conservative, c.static, c.aggressive})
+        lad = self.winners.get("ladder")
+        thresholds = lad["values"] if lad else list(default_thresholds(len(ladder) - 1, tau))
+        return {"static": c.static, "conservative": c.conservative, "aggressive": c.aggressive,
+                "tau_on": tau, "tau_off": tau, "ladder": ladder, "thresholds": thresholds}  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        timed = {lab: {k: (v.choices if isinstance(v, Tree) else v) for k, v in row.items()}
+                 for lab, row in self.timed.items()}  # fmt: skip
+        plain = ("task", "settings", "frontier", "labels", "vanilla_tokens_per_s", "reference", "elapsed", "sweep",
+                 "winners")  # fmt: skip
+        return {**{k: getattr(self, k) for k in plain}, "timed": timed, "choice": asdict(self.choice),
+                "ranking_changed": self.ranking_changed, "ranking_changed_simulated": self.ranking_changed_simulated,
+                "scheduler": self.scheduler_defaults()}  # fmt: skip
+
+
+def summarise(
+    search: "TreeSearch", trajectories: Sequence[Trajectory], points: Sequence[FrontierPoint], runs: dict
+) -> SearchResult:
+    """Join the frontier with the canonical runs and choose EntMTP*, T- and T+.
+
+    ``biased`` / ``simulated`` use every calibration prompt; ``biased_timed`` /
+    ``simulated_timed`` only the timed prompts, the basis of the measured ``unbiased`` τ.
+    """
+    greedy_table = search.cfg.scoring == "rank_tuple"
+    timed_trajectories = [trajectories[i] for i in search.timing_indices()]
+
+    def simulated(tree: Tree, trajs: Sequence[Trajectory] = trajectories) -> float | None:
+        if not greedy_table:
+            return None
+        lengths = [a for t in trajs for a in simulate_canonical(t, tree)]
+        return sum(lengths) / len(lengths) if lengths else None
+
+    def biased_timed(tree: Tree) -> float | None:
+        return table_accept(timed_trajectories, tree) if greedy_table else None
+
+    frontier = [{"num_nodes": p.num_nodes, "tree": p.tree.choices, "biased": p.accept, "simulated": simulated(p.tree)}
+                for p in points]  # fmt: skip
+    vanilla = runs.get(VANILLA, {})
+    timed: dict[str, dict] = {}
+    for i in search.timed_indices(points):
+        lab = f"frontier-{points[i].num_nodes}"
+        r = runs.get(lab, {})
+        timed[lab] = {"tree": points[i].tree, "num_nodes": points[i].num_nodes, "biased": points[i].accept,
+                      "simulated": frontier[i]["simulated"], "biased_timed": biased_timed(points[i].tree),
+                      "simulated_timed": simulated(points[i].tree, timed_trajectories), "unbiased": _pooled_accept(r),
+                      "tokens_per_s": median(_tps(r)), "speedup": _paired_ratio(r, vanilla)}  # fmt: skip
+    labels = list(timed)
+    choice = choose_trees([timed[lab]["num_nodes"] for lab in labels], [timed[lab]["tokens_per_s"] for lab in labels])
+    reference = None
+    if REFERENCE in runs:
+        r = runs[REFERENCE]
+        reference = {"num_nodes": len(MC_SIM_7B_63) + 1, "unbiased": _pooled_accept(r), "tokens_per_s": median(_tps(r)),
+                     "speedup": _paired_ratio(r, vanilla),
+                     "simulated": simulated(Tree.from_choices(MC_SIM_7B_63))}  # fmt: skip
+    return SearchResult(
+        task=search.task, settings=search.cfg.to_dict(), frontier=frontier, timed=timed, labels=labels,
+        choice=choice, vanilla_tokens_per_s=median(_tps(vanilla)), reference=reference, elapsed=dict(search.elapsed),
+    )  # fmt: skip
+
+
+# ============================================================================ environment
+def hardware_string() -> str:
+    """CPU model, core count and torch threads (or the GPU name)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (CUDA), torch threads {torch.get_num_threads()}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in FsPath("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from . import __version__ as entmtp_version
+
+    return {"entmtp_hf": entmtp_version, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": sys.version.split()[0]}  # fmt: skip
+
+
+# ============================================================================ the bank
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
+    """The task's bank: the timed frontier trees, smallest first, with every calibration figure."""
+    per_tree = []
+    for lab in result.labels:
+        row = result.timed[lab]
+        figures = {"mean_accept_length": row["unbiased"], "biased_accept_length": row["biased"],
+                   "simulated_accept_length": row["simulated"], "tokens_per_s": row["tokens_per_s"],
+                   "speedup_vs_plain": row["speedup"]}  # fmt: skip
+        per_tree.append({"num_nodes": row["num_nodes"], "name": lab, "source": "greedy acceptance frontier",
+                         **{k: v for k, v in figures.items() if _finite(v)}})  # fmt: skip
+    hyst, lad = result.winners.get("hysteresis"), result.winners.get("ladder")
+    metadata = {
+        **{k: info[k] for k in ("base_model", "heads") if info.get(k)},
+        "hardware": hardware_string(),
+        "created_by": "entmtp_hf.search",
+        "description": f"Per-task bank from the offline tree search (task {result.task}); EntMTP* = tree "
+        f"{result.choice.static} ({_nodes(result.timed[result.labels[result.choice.static]]['num_nodes'])}).",
+        "trees": per_tree,
+        "scheduler": result.scheduler_defaults(),
+        "scheduler_feature": {"hysteresis": hyst and hyst["feature"], "ladder": lad and lad["feature"]},
+        "calibration": {
+            "settings": result.settings,
+            "prompt_ids": info.get("prompt_ids", []),
+            "heads_fingerprint": info.get("heads_fingerprint"),
+            "vanilla_tokens_per_s": result.vanilla_tokens_per_s if _finite(result.vanilla_tokens_per_s) else None,
+            "reference_mc_sim_7b_63": result.reference,
+            "sweep": {k: {kk: vv for kk, vv in v.items() if _finite(vv)} for k, v in result.sweep.items()},
+            "ranking_changed": result.ranking_changed,
+            "ranking_changed_simulated": result.ranking_changed_simulated,
+            "timed_prompt_ids": [info.get("prompt_ids", [])[i] for i in info.get("timing_indices", [])],
+            "stage_seconds": {k: round(v, 1) for k, v in result.elapsed.items()},
+            "versions": versions(),
+        },
+    }
+    return TopologyBank(result.task, [result.timed[lab]["tree"] for lab in result.labels], _json_clean(metadata))
+
+
+def _json_clean(value: Any) -> Any:
+    """Replace NaN / inf by None so the metadata is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_clean(v) for v in value]
+    return value
+
+
+def _nodes(n: int) -> str:
+    return f"{n} node" if n == 1 else f"{n} nodes"
+
+
+# ============================================================================ plots
+def plot_acceptance(result: SearchResult, path: FsPath) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    nodes = [r["num_nodes"] for r in result.frontier]
+    ax.plot(nodes, [r["biased"] for r in result.frontier], "-", label="biased (all step starts), all prompts")
+    if any(r["simulated"] is not None for r in result.frontier):
+        ax.plot(nodes, [r["simulated"] for r in result.frontier], "--", label="canonical, simulated, all prompts")
+    rows = [r for r in result.timed.values() if r["unbiased"] is not None]
+    xs = [r["num_nodes"] for r in rows]
+    ax.plot(xs, [r["unbiased"] for r in rows], "o", label="canonical generate (unbiased), timed prompts")
+    if any(r["biased_timed"] is not None for r in rows):
+        ax.plot(xs, [r["biased_timed"] for r in rows], "x", color="C0", label="biased, timed prompts")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="tree nodes (root included)", ylabel="mean accept length τ (tokens/step)",
+           title=f"Greedy acceptance frontier: {result.task}")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_throughput(result: SearchResult, path: FsPath) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    rows = [result.timed[lab] for lab in result.labels]
+    xs, ys = [r["num_nodes"] for r in rows], [r["tokens_per_s"] for r in rows]
+    ax.plot(xs, ys, "o", color="0.5", label="timed frontier trees")
+    ax.plot([xs[i] for i in result.choice.hull], [ys[i] for i in result.choice.hull], "-", label="upper hull")
+    c = result.choice
+    for idx, name, marker in ((c.conservative, "T−", "v"), (c.aggressive, "T+", "^"), (c.static, "EntMTP*", "*")):
+        ax.plot(xs[idx], ys[idx], marker, markersize=12, label=f"{name} ({_nodes(xs[idx])})")
+    if _finite(result.vanilla_tokens_per_s):
+        ax.axhline(result.vanilla_tokens_per_s, ls=":", color="k", label="plain decoding")
+    if result.reference and _finite(result.reference["tokens_per_s"]):
+        ax.plot(64, result.reference["tokens_per_s"], "s", label="mc_sim_7b_63")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="tree nodes (root included)", ylabel="tokens/s (median over prompts)",
+           title=f"Throughput frontier: {result.task}")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ============================================================================ the report
+def _f(value: Any, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if _finite(value) else "–"
+
+
+def _bias_table(result: SearchResult) -> list[str]:
+    header = ["tree", "nodes", "biased τ (all prompts)", "biased τ", "simulated τ", "unbiased τ (generate)", "bias",
+              "tokens/s", "vs plain"]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    c = result.choice
+    marks = {c.static: " (EntMTP*)", c.conservative: " (T−)", c.aggressive: " (T+)"}
+    for k, lab in enumerate(result.labels):
+        r = result.timed[lab]
+        base = r["biased_timed"] if _finite(r["biased_timed"]) else r["biased"]
+        bias = (base - r["unbiased"]) / r["unbiased"] if _finite(r["unbiased"]) and r["unbiased"] else None
+        bias_text = f"{100 * bias:+.1f}%" if bias is not None else "–"
+        lines.append(f"| {k}{marks.get(k, '')} | {r['num_nodes']} | {_f(r['biased'])} | {_f(r['biased_timed'])} | "
+                     f"{_f(r['simulated_timed'])} | {_f(r['unbiased'])} | {bias_text} | {_f(r['tokens_per_s'], 2)} | "
+                     f"{_f(r['speedup'], 2)}× |")  # fmt: skip
+    if result.reference:
+        r = result.reference
+        lines.append(f"| mc_sim_7b_63 | 64 | – | – | – | {_f(r['unbiased'])} | – | "
+                     f"{_f(r['tokens_per_s'], 2)} | {_f(r['speedup'], 2)}× |")  # fmt: skip
+    return lines
+
+
+def _header(result: SearchResult, info: dict[str, Any]) -> list[str]:
+    s, timed, sweep = result.settings, len(info.get("timing_indices", [])), result.settings["sweep_prompts"]
+    stages = ", ".join(f"{k} {v:.0f}" for k, v in result.elapsed.items())
+    return [
+        f"# Tree search report: `{result.task}`", "",
+        f"- base model: {info.get('base_model', '?')}; heads: {info.get('heads', '?')}",
+        f"- hardware: {hardware_string()}; versions: {versions()}",
+        f"- calibration: {len(info.get('prompt_ids', []))} prompts × {s['max_new_tokens']} new tokens (frontier), "
+        f"the first {timed} of them timed with `generate`, the first {min(sweep, timed)} in the sweep; "
+        f"scoring `{s['scoring']}`, acceptance `{s['acceptance']}`, node budget {s['budget']}",
+        f"- stage wall times (s): {stages}", "",
+    ]  # fmt: skip
+
+
+def _frontier_section(result: SearchResult) -> list[str]:
+    f, t = result.frontier, result.timed
+    yes_no = {True: "yes", False: "no", None: "n/a"}
+    inverted = inversions(list(t.values()), "biased", "unbiased")
+    return [
+        "## Frontier", "",
+        f"{len(f)} trees, {f[0]['num_nodes']}..{f[-1]['num_nodes']} nodes; biased τ {_f(f[0]['biased'])} → "
+        f"{_f(f[-1]['biased'])}. {len(result.labels)} of them were timed with `generate` (debias + throughput):", "",
+        *_bias_table(result), "",
+        "biased τ (all prompts) is the frontier's score; the other columns use the timed prompts only: biased τ "
+        "averages every step start, simulated τ walks the rank tuples the way the decoder does, unbiased τ is "
+        "measured with `generate`; bias = (biased − unbiased) / unbiased.", "",
+        f"Frontier ranking changed by debiasing (timed trees, measured τ): **{yes_no[result.ranking_changed]}** "
+        f"(inverted pairs, by nodes: {inverted or 'none'}); over all {len(f)} frontier trees (simulated τ): "
+        f"**{yes_no[result.ranking_changed_simulated]}**. "
+        f"Plain decoding: {_f(result.vanilla_tokens_per_s, 2)} tokens/s.",
+        "",
+    ]  # fmt: skip
+
+
+def _choice_section(result: SearchResult) -> list[str]:
+    c, t, labels = result.choice, result.timed, result.labels
+    size = {k: t[labels[k]]["num_nodes"] for k in (c.static, c.conservative, c.aggressive)}
+    sweep = [f"| {lab} | {_f(v['tokens_per_s'], 2)} | {_f(v['vs_static'], 3)} |" for lab, v in result.sweep.items()]
+    features = {k: v["feature"] for k, v in result.winners.items()}
+    return [
+        "## Chosen trees", "",
+        f"- EntMTP* (static optimum): tree {c.static}, **{_nodes(size[c.static])}** ({size[c.static] - 1} drafted) "
+        f"against mc_sim_7b_63's 63 drafted nodes; {_f(t[labels[c.static]]['tokens_per_s'], 2)} tokens/s",
+        f"- T− (conservative): tree {c.conservative}, {_nodes(size[c.conservative])}; "
+        f"T+ (aggressive): tree {c.aggressive}, {_nodes(size[c.aggressive])}",
+        *(["- EntMTP* is the root-only tree: no drafted tree paid for its verification on this machine with "
+           "these heads (the bank then decodes plainly through the EntMTP loop)."] if size[c.static] == 1 else []),
+        f"- upper hull: {[t[labels[i]]['num_nodes'] for i in c.hull]} nodes; "
+        f"Pareto set: {[t[labels[i]]['num_nodes'] for i in c.pareto]} nodes", "",
+        "## Scheduler sweep", "",
+        "| run | tokens/s | vs static (median paired ratio) |", "|---|---|---|", *sweep, "",
+        f"Stored defaults: {json.dumps(result.scheduler_defaults())}; features: {features}.", "",
+    ]  # fmt: skip
+
+
+def report_markdown(result: SearchResult, info: dict[str, Any]) -> str:
+    plots = ["![acceptance frontier](acceptance_frontier.png)", "", "![throughput frontier](throughput_frontier.png)"]
+    return "\n".join([*_header(result, info), *_frontier_section(result), *_choice_section(result), *plots, ""])
+
+
+def write_outputs(
+    search: "TreeSearch", result: SearchResult, bank_dir: str | os.PathLike | None = None, plots_and_report: bool = True
+) -> TopologyBank:
+    """``bank/<task>.safetensors`` (+ card), the plots, ``report.md`` and ``result.json`` in the work folder."""
+    info = {**search.info, "prompt_ids": search.prompt_ids, "timing_indices": search.timing_indices(),
+            "heads_fingerprint": heads_fingerprint(search.heads)}  # fmt: skip
+    bank = build_bank(result, info)
+    bank.save_pretrained(search.dir / "bank")
+    if bank_dir is not None:
+        bank.save_pretrained(bank_dir)
+    if not plots_and_report:
+        return bank
+    plot_acceptance(result, search.dir / PLOTS[0])
+    plot_throughput(result, search.dir / PLOTS[1])
+    (search.dir / "report.md").write_text(report_markdown(result, info), encoding="utf-8")
+    _atomic_json(search.dir / "result.json", _json_clean(result.to_dict()))
+    return bank
+
+
+# ============================================================================ CLI
+def _parse_list(text: str, kind: type) -> tuple:
+    return tuple(kind(x) for x in text.split(",") if x.strip())
+
+
+def add_search_parser(sub: argparse._SubParsersAction) -> None:
+    d = SearchConfig()
+    p = sub.add_parser(
+        "search",
+        help="build a per-task tree bank: acceptance frontier, debias, throughput hull, scheduler sweep",
+        description="Offline tree search (docs/search.md). Every stage is checkpointed in --out; rerunning the "
+        "same command resumes an interrupted search.",
+    )
+    p.add_argument("--task", required=True,
+                   help="humaneval | gsm8k | chat | a JSONL file or Hub dataset id; or several, comma-separated")
+    p.add_argument("--heads", default=None, help="heads folder or Hub repo id (default: the demo heads if present)")
+    p.add_argument("--random-heads", type=int, default=0, metavar="N",
+                   help="use N randomly initialised Hydra heads (to time the stages before heads exist)")  # fmt: skip
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="with --random-heads: draft on the first K ids")
+    p.add_argument("--model", default=None, help="base model id or folder (default: the demo SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True,
+                   help="work folder: checkpoints, bank/, plots, report.md ('{task}' becomes the task name)")
+    p.add_argument("--bank-dir", default=None, help="also save the bank into this Hub-style folder")
+    p.add_argument("--restart", action="store_true", help="delete this search's checkpoints in --out first")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="calibration prompts of the frontier")
+    p.add_argument("--timing-prompts", type=int, default=d.timing_prompts,
+                   help="how many of them (the first) are timed with generate")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--budget", type=int, default=d.budget, help="node budget B (root included)")
+    p.add_argument("--max-depth", type=int, default=None, help="D (default: number of heads)")
+    p.add_argument("--scoring", choices=SCORINGS, default=d.scoring)
+    p.add_argument("--acceptance", choices=RULES, default=d.acceptance)
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--timed-sizes", default=",".join(map(str, TIMED_SIZES)),
+                   help="frontier sizes to time, comma-separated, or 'every' (with --time-every)")  # fmt: skip
+    p.add_argument("--time-every", type=int, default=d.time_every, help="time every k-th frontier size")
+    p.add_argument("--no-reference", action="store_true", help="do not time mc_sim_7b_63")
+    p.add_argument("--sweep-prompts", type=int, default=d.sweep_prompts)
+    p.add_argument("--tau-grid", default=",".join(f"{t:g}" for t in TAU_GRID))
+    p.add_argument("--features", default=",".join(d.features), help=f"comma-separated, from {', '.join(FEATURES)}")
+    p.add_argument("--no-ladder", action="store_true", help="skip the ladder threshold sweep")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run_cli)
+
+
+def config_from_args(args: argparse.Namespace) -> SearchConfig:
+    sizes = None if args.timed_sizes.strip() == "every" else _parse_list(args.timed_sizes, int)
+    return SearchConfig(
+        num_prompts=args.num_prompts, timing_prompts=args.timing_prompts, max_new_tokens=args.max_new_tokens,
+        budget=args.budget, max_depth=args.max_depth, scoring=args.scoring, acceptance=args.acceptance,
+        temperature=args.temperature, timed_sizes=sizes, time_every=args.time_every,
+        time_reference=not args.no_reference, sweep_prompts=args.sweep_prompts,
+        tau_grid=_parse_list(args.tau_grid, float), features=_parse_list(args.features, str),
+        ladder=not args.no_ladder, seed=args.seed,
+    )  # fmt: skip
+
+
+DEMO_HEADS = FsPath(__file__).resolve().parent / "assets" / "smollm2-135m-hydra"
+
+
+def _load_heads(args: argparse.Namespace, model) -> tuple[Any, str]:
+    import torch
+
+    from .heads import HydraHeads, load_heads
+
+    if args.random_heads:
+        torch.manual_seed(args.seed)
+        rows = min(args.draft_vocab_size, model.config.vocab_size)
+        heads = HydraHeads.for_model(model, num_heads=args.random_heads, draft_vocab=torch.arange(rows))
+        return heads, f"random Hydra heads ({args.random_heads} heads, draft vocab {rows}, seed {args.seed})"
+    source = args.heads or (str(DEMO_HEADS) if args.model is None and DEMO_HEADS.is_dir() else None)
+    if source is None:
+        raise ValueError("give --heads (a folder or Hub repo id) or --random-heads N")
+    return load_heads(source, base_config=model.config), str(source)
+
+
+def _restart(out: FsPath) -> None:
+    """Delete this search's own files in ``out`` (nothing else)."""
+    from .search import TreeSearch
+
+    if out.is_dir():
+        for name in [*TreeSearch.FILES.values(), "result.json", "report.md", *PLOTS]:
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "bank", ignore_errors=True)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Load the model and heads once, then search every task of ``--task`` (comma-separated) in turn."""
+    import torch
+
+    from .demo_model import DEMO_NAME, load_base_model
+    from .generation import HEADS_ATTR, enable_entmtp
+    from .search import TreeSearch
+    from .tasks import calibration_prompts
+
+    config = config_from_args(args)
+    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    if len(tasks) > 1 and "{task}" not in args.out:
+        raise ValueError("with several tasks, --out must contain '{task}', e.g. runs/search-{task}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_base_model(args.model)
+    heads, heads_name = _load_heads(args, model)
+    enable_entmtp(model, heads)
+    for task in tasks:
+        out = FsPath(args.out.replace("{task}", FsPath(task).stem))
+        if args.restart:
+            _restart(out)
+        prompts = calibration_prompts(task, config.num_prompts)
+        search = TreeSearch(
+            model, getattr(model, HEADS_ATTR), [p.render(tokenizer) for p in prompts], out, config,
+            task=FsPath(task).stem if FsPath(task).exists() else task, prompt_ids=[p.prompt_id for p in prompts],
+            info={"base_model": args.model or DEMO_NAME, "heads": heads_name}, progress=not args.no_progress,
+        )  # fmt: skip
+        result = search.run(args.bank_dir)
+        seconds = json.dumps({k: round(v) for k, v in result.elapsed.items()})
+        nodes = result.timed[result.labels[result.choice.static]]["num_nodes"]
+        print(f"{search.task}: EntMTP* = {_nodes(nodes)}; stage seconds {seconds}; outputs in {out}", flush=True)
+    return 0

@@ -1,0 +1,364 @@
+"""Benchmark runner, perplexity metric and regime helpers on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from entmtp_hf import regime
+from entmtp_hf.bench import (
+    METHODS,
+    PERPLEXITY_METRIC,
+    BenchContext,
+    BenchSettings,
+    Generation,
+    Method,
+    find_mismatch,
+    random_heads,
+    read_results,
+    rotation,
+    run_benchmark,
+    write_results,
+)
+from entmtp_hf.bench_report import geomean, summarize, table1_markdown, write_report
+from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.generation import enable_entmtp
+from entmtp_hf.heads import HydraHeads
+from entmtp_hf.tasks import evaluation_basket
+
+DEFAULTS = Path(__file__).resolve().parents[1] / "trees" / "published-defaults"
+WORDS = ["<s>", "</s>", "[UNK]"] + [f"w{i}" for i in range(45)]
+V = len(WORDS)
+N_PROMPTS, NEW_TOKENS = 2, 8
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+
+
+def tiny_llama(seed: int = 0, zero_head: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=None)  # fmt: skip
+    model = LlamaForCausalLM(config).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.0 if zero_head else 4.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def write_task(folder: Path, name: str, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    path = folder / f"{name}.jsonl"
+    rows = [{"prompt": " ".join(f"w{int(i)}" for i in rng.integers(0, 45, 6 + k))} for k in range(8)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run far faster on one thread on a shared machine; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Planted(Method):
+    """Vanilla with token 3 of every output changed; counts its generate calls."""
+
+    calls = 0
+
+    def prepare(self, ctx, task, mode):
+        vanilla = METHODS["vanilla"].prepare(ctx, task, mode)
+
+        def run(input_ids, kwargs):
+            Planted.calls += 1
+            gen = vanilla(input_ids, kwargs)
+            ids = list(gen.new_ids)
+            ids[3] = (ids[3] + 1) % V
+            return Generation(ids, None)
+
+        return run
+
+
+class CountingClock:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.calls * 0.5  # every measured interval lasts 0.5 "seconds"
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    tasks = (write_task(folder, "alpha", 1), write_task(folder, "beta", 2))
+    model, tok = tiny_llama(), tiny_tokenizer()
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, model_name="tiny")
+    for family in ("hydra", "medusa"):
+        ctx.heads[family] = random_heads(model, family, seed=0)
+    clock = CountingClock()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(METHODS, "planted", Planted("planted", "vanilla with a planted change", default=False))
+        names = tuple(n for n, m in METHODS.items() if m.default) + ("planted",)
+        settings = BenchSettings(tasks=tasks, num_prompts=N_PROMPTS, max_new_tokens=NEW_TOKENS, preset="test",
+                                 methods=names, warmup_tokens=4)  # fmt: skip
+        Planted.calls = 0
+        results = run_benchmark(ctx, settings, clock=clock, out_path=folder / "results.json")
+    return results, clock, Planted.calls, folder, ctx
+
+
+# ----------------------------------------------------------------------------- basket and runner
+def test_basket_is_deterministic(tmp_path):
+    path = write_task(tmp_path, "gamma", 3)
+    a, b = evaluation_basket(path, 4), evaluation_basket(path, 4)
+    assert [p.prompt_id for p in a] == [p.prompt_id for p in b] and [p.messages for p in a] == [p.messages for p in b]
+    tok = tiny_tokenizer()
+    assert [p.render(tok) for p in a] == [p.render(tok) for p in b]
+    g1, g2 = evaluation_basket("gsm8k", 3), evaluation_basket("gsm8k", 3)
+    assert [p.prompt_id for p in g1] == [p.prompt_id for p in g2]
+
+
+def test_warmup_not_timed(bench_run):
+    results, clock, planted_calls, _, _ = bench_run
+    records = results["records"]
+    assert clock.calls == 2 * len(records)  # the clock is read only around measured generations
+    assert all(r["time_s"] == pytest.approx(0.5) for r in records)
+    planted = [r for r in records if r["method"] == "planted"]
+    assert planted_calls == len(planted) + 1  # one extra, unmeasured warm-up generation
+
+
+def test_methods_are_interleaved_and_rotated(bench_run):
+    results = bench_run[0]
+    names = list(results["settings"]["methods"])
+    records = sorted(results["records"], key=lambda r: r["order"])
+    assert [r["order"] for r in records] == list(range(len(records)))
+    for task in results["prompts"]:
+        for i in range(N_PROMPTS):
+            block = [r for r in records if r["task"] == task and r["prompt_index"] == i]
+            assert [r["method"] for r in block] == rotation(names, i)
+            assert [r["order"] for r in block] == list(range(block[0]["order"], block[0]["order"] + len(names)))
+    first = {r["method"] for r in records if r["rotation_position"] == 0}
+    assert len(first) > 1
+
+
+def test_json_has_every_method_and_task(bench_run):
+    results, _, _, folder, _ = bench_run
+    data = read_results(folder / "results.json")
+    names = data["settings"]["methods"]
+    assert set(data["prompts"]) == {"alpha", "beta"} and not data["skipped"]
+    for task in data["prompts"]:
+        for m in names:
+            recs = [r for r in data["records"] if r["task"] == task and r["method"] == m]
+            assert len(recs) == N_PROMPTS
+            assert all(r["new_tokens"] == NEW_TOKENS and r["perplexity"] > 1 for r in recs)
+        assert set(data["summary"][task]) == set(names)
+    env = data["environment"]
+    assert {"versions", "cpu_model", "torch_threads", "date_utc", "git_commit"} <= set(env)
+    tree = [r for r in data["records"] if r["method"] == "hydra-default"]
+    assert all(r["accept_lengths"] and r["drafted_tokens"] == 63 * r["steps"] for r in tree)
+    assert all(r["speedup"] == pytest.approx(1.0) for r in data["records"])  # fake clock: equal times
+    table = table1_markdown(data)
+    assert all(m in table.splitlines()[0] for m in names) and "| alpha |" in table
+    paths = write_report(folder / "results.json", folder / "report", results_md=folder / "docs" / "results.md")
+    assert paths["tokens/s per method and task"].stat().st_size > 0 and paths["accept-length histograms"].exists()
+    assert "tokens_per_s.png" in paths["results_md"].read_text()
+
+
+def test_resume_runs_only_incomplete_prompts(bench_run):
+    results, _, _, _, ctx = bench_run
+    partial = json.loads(json.dumps(results))
+    partial["records"] = [r for r in partial["records"] if not (r["task"] == "beta" and r["prompt_index"] == 1)]
+    settings = BenchSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["settings"].items()
+                                if k != "methods"}, methods=tuple(m for m in results["settings"]["methods"] if m != "planted"))  # fmt: skip
+    partial["settings"]["methods"] = list(settings.methods)
+    partial["records"] = [r for r in partial["records"] if r["method"] != "planted"]
+    clock = CountingClock()
+    resumed = run_benchmark(ctx, settings, clock=clock, resume=partial)
+    assert clock.calls == 2 * len(settings.methods) and resumed["resumed"]["prompts"] == 2 * N_PROMPTS - 1
+    assert len(resumed["records"]) == 2 * N_PROMPTS * len(settings.methods)
+    with pytest.raises(ValueError, match="cannot resume"):
+        run_benchmark(ctx, BenchSettings(tasks=settings.tasks, num_prompts=1, max_new_tokens=4), resume=partial)
+
+
+def test_greedy_outputs_checked_against_vanilla(bench_run):
+    results = bench_run[0]
+    for r in results["records"]:
+        if r["method"] == "planted":
+            m = r["mismatch"]
+            assert m["position"] == 3 and m["token"] == (m["reference_token"] + 1) % V
+            assert m["logit_gap"] is not None and m["logit_gap"] > 0  # vanilla's token is the argmax
+        else:  # float64: every method is lossless
+            assert r["mismatch"] is None, (r["method"], r["mismatch"])
+    counts = {t: s["planted"]["mismatches"] for t, s in results["summary"].items()}
+    assert counts == {"alpha": N_PROMPTS, "beta": N_PROMPTS}
+
+
+def test_find_mismatch_logit_gap():
+    model = tiny_llama(seed=3)
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, 3:].tolist()
+    other = ref[:2] + [(ref[2] + 7) % V] + ref[3:]
+    m = find_mismatch(ref, other, model, prompt)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ref[:2]])).logits[0, -1]
+    assert m["position"] == 2 and m["logit_gap"] == pytest.approx(float(logits[ref[2]] - logits[other[2]]))
+    assert find_mismatch(ref, list(ref)) is None
+    assert find_mismatch(ref, ref[:3])["position"] == 3
+
+
+def test_unavailable_methods_are_skipped_with_reason(tmp_path):
+    model, tok = tiny_llama(), tiny_tokenizer()
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, missing_heads={"medusa": "no medusa heads here"})
+    ctx.heads["hydra"] = random_heads(model, "hydra")
+    settings = BenchSettings(tasks=(write_task(tmp_path, "delta", 4),), num_prompts=1, max_new_tokens=4,
+                             methods=("vanilla", "medusa-default", "entmtp-static"), perplexity=False)  # fmt: skip
+    results = run_benchmark(ctx, settings)
+    assert results["skipped"] == {"medusa-default": {"delta": "no medusa heads here"}}
+    assert {r["method"] for r in results["records"]} == {"vanilla", "entmtp-static"}
+    assert "| delta | " in table1_markdown(results | {"summary": summarize(results)})
+
+
+@pytest.mark.parametrize("mode", ["sampling", "typical"])
+def test_sampling_modes_run(tmp_path, mode):
+    model, tok = tiny_llama(), tiny_tokenizer()
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": random_heads(model, "hydra")})
+    settings = BenchSettings(tasks=(write_task(tmp_path, "eps", 5),), num_prompts=2, max_new_tokens=6, mode=mode,
+                             methods=("vanilla", "pld", "hydra-default", "entmtp-tau"), perplexity=False)  # fmt: skip
+    results = run_benchmark(ctx, settings)
+    assert not results["skipped"] and len(results["records"]) == 8
+    assert all(r["mismatch"] is None and r["new_tokens"] == 6 for r in results["records"])  # no greedy check
+
+
+# ----------------------------------------------------------------------------- perplexity metric
+def test_perplexity_of_uniform_model_is_vocab_size(tmp_path):
+    import evaluate
+
+    model, tok = tiny_llama(zero_head=True), tiny_tokenizer()
+    assert tok.pad_token is None
+    metric = evaluate.load(str(PERPLEXITY_METRIC))
+    texts = ["w1 w2 w3 w4", "w5"]
+    res = metric.compute(predictions=texts, model=model, tokenizer=tok, batch_size=2)
+    assert res["perplexities"] == pytest.approx([V, V], rel=1e-9) and res["mean_perplexity"] == pytest.approx(V)
+    res = metric.compute(predictions=texts, contexts=["w9 w8", "w7 w6 w5"], model=model, tokenizer=tok)
+    assert res["perplexities"] == pytest.approx([V, V], rel=1e-9)
+    model.float().save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    res = metric.compute(predictions=texts, model_id=str(tmp_path / "m"), device="cpu")
+    assert res["perplexities"] == pytest.approx([V, V], rel=1e-5)
+
+
+def test_perplexity_matches_direct_nll():
+    model, tok = tiny_llama(seed=5), tiny_tokenizer()
+    import evaluate
+
+    metric = evaluate.load(str(PERPLEXITY_METRIC))
+    ids = tok("w3 w4 w5 w6", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([[0] + ids])).logits[0].double(), -1)
+    nll = -sum(float(logp[i, t]) for i, t in enumerate(ids))
+    res = metric.compute(predictions=["w3 w4 w5 w6"], model=model, tokenizer=tok)
+    assert res["perplexities"][0] == pytest.approx(np.exp(nll / len(ids)), rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- regime helpers
+def test_pearson_and_auroc_on_synthetic_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=500)
+    y = 2 * x + rng.normal(scale=0.5, size=500)
+    assert regime.pearson(x, y) == pytest.approx(np.corrcoef(x, y)[0, 1])
+    assert regime.pearson([1, 2, np.nan, 4], [2, 4, 5, 8]) == pytest.approx(1.0)
+    assert np.isnan(regime.pearson([1, 1, 1], [1, 2, 3]))
+    labels = np.array([0, 0, 1, 1])
+    assert regime.auroc([0.1, 0.2, 0.8, 0.9], labels) == 1.0
+    assert regime.auroc([0.9, 0.8, 0.2, 0.1], labels) == 0.0
+    assert regime.auroc([0.5, 0.5, 0.5, 0.5], labels) == 0.5
+    assert regime.auroc([0.1, 0.6, 0.6, 0.9], labels) == pytest.approx(0.875)
+    assert np.isnan(regime.auroc([0.1, 0.2], [1, 1]))
+
+
+def test_split_is_by_sample_and_mlp_learns():
+    rng = np.random.default_rng(1)
+    groups = [f"s{i}" for i in range(20) for _ in range(30)]
+    x = rng.normal(size=(600, 3))
+    y = (x[:, 0] + 0.3 * rng.normal(size=600) > 0).astype(float)
+    train, test = regime.split_by_sample(groups)
+    g = np.array(groups)
+    assert not set(g[train]) & set(g[test]) and train.sum() + test.sum() == 600
+    for s in set(groups):  # every sample lies wholly on one side
+        assert len(set(test[g == s])) == 1
+    with pytest.raises(ValueError, match="by sample"):
+        regime.check_disjoint(["s1", "s2"], ["s2", "s3"])
+    with pytest.raises(ValueError, match=">= 2 samples"):
+        regime.split_by_sample(["s1"] * 5)
+    res = regime.mlp_auroc(x, y, groups, epochs=100)
+    assert res["auroc"] > 0.9 and res["train_samples"] + res["test_samples"] == 20
+
+
+def bigram_heads(model, seq: list[int]):
+    """Hydra heads that draft ``successor[last token]`` of ``seq`` (exact on repeating text).
+
+    Head i's block passes the embedding of the last token on its path through unchanged
+    and its LM head maps embeddings to successors (least squares on the tokens of ``seq``).
+    """
+    heads = HydraHeads.for_model(model, num_heads=4).double()
+    emb = model.get_input_embeddings().weight.detach()
+    h = emb.shape[1]
+    succ = dict(zip(seq, seq[1:]))
+    toks = sorted(succ)
+    target = torch.zeros(len(toks), V, dtype=torch.float64)
+    target[range(len(toks)), [succ[t] for t in toks]] = 8.0
+    weight = (torch.linalg.pinv(emb[toks]) @ target).T
+    with torch.no_grad():
+        for i, blocks in enumerate(heads.mlps):
+            block = blocks[0]
+            for p in (block.linear.weight, block.linear.bias, block.res_connection.weight, block.res_connection.bias):
+                p.zero_()
+            block.res_connection.weight[:, (i + 1) * h : (i + 2) * h] = torch.eye(h)
+            heads.lm_heads[i].weight.copy_(weight)
+            heads.lm_heads[i].bias.zero_()
+    return heads.eval()
+
+
+def test_trace_rebuilds_the_scheduler_feature():
+    """The traced chain value equals the one the decode loop fed its scheduler, step by step."""
+    model, prompt = tiny_llama(seed=0), [3, 1, 4, 1, 5]
+    seq = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0].tolist()
+    heads = bigram_heads(model, seq)
+    enable_entmtp(model, heads)
+    chain = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+    cfg = EntMTPConfig(trees=[[[0]], chain], policy="hysteresis", feature="chain_value", tau_on=0.0, tau_off=0.0)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, entmtp_config=cfg,
+                         return_dict_in_generate=True)  # fmt: skip
+    stats = out.entmtp_stats
+    assert out.sequences[0].tolist() == seq and len(set(stats["accept_lengths"])) > 1
+    feats, acc = regime.trace_generation(model, heads, prompt, seq[len(prompt) :], stats["accept_lengths"])
+    assert acc.tolist() == stats["accept_lengths"][:-1]
+    col = regime.FEATURES.index("chain_value")
+    np.testing.assert_allclose(feats[:, col], stats["features"][:-1], rtol=1e-9)
+    analysis = regime.analyse([regime.Trace("t", f"s{i}", "m", feats, acc) for i in range(3)])
+    assert set(analysis["t"]["pearson"]) == set(regime.FEATURES)
+
+
+def test_regime_on_bench_records(bench_run, tmp_path):
+    results, _, _, _, ctx = bench_run
+    doc = regime.analyse_results(results, ctx, tmp_path, methods=("entmtp-static", "hydra-default"))
+    assert set(doc["tasks"]) == {"alpha", "beta"} and (tmp_path / "regime_heatmap.png").exists()
+    assert "MLP AUROC" in regime.regime_markdown(json.loads((tmp_path / "regime.json").read_text()))
+
+
+def test_geomean_and_write_roundtrip(tmp_path):
+    assert geomean([1.0, 4.0]) == pytest.approx(2.0) and geomean([]) is None
+    doc = {"format": "entmtp-bench", "format_version": 1, "x": float("nan")}
+    assert read_results(write_results(doc, tmp_path / "r.json"))["x"] is None

@@ -1,0 +1,274 @@
+"""Offline tree search on a tiny float64 Llama with random Hydra heads.
+
+The rank-tuple shortcut is exact for greedy decoding, so several checks here are exact
+equalities against real ``generate`` runs: a step starting at t accepts 1 + (the number of
+prefixes of t's rank tuple that are paths of the tree), and real steps start where the
+previous one ended.
+"""
+
+import json
+
+import pytest
+import torch
+
+from entmtp_hf import search as S
+from entmtp_hf.bank import TopologyBank
+from entmtp_hf.cli import build_parser
+from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.generation import enable_entmtp
+from entmtp_hf.heads import HydraHeads, MedusaHeads
+from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from tiny import VOCAB, tiny_model
+
+NEW = 16
+DEPTH = 3
+DRAFT_VOCAB = 6  # ranks are limited to the draft vocabulary
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny forwards are far faster on one thread, above all on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model(seed=3)
+    torch.manual_seed(3)
+    heads = HydraHeads.for_model(model, num_heads=DEPTH, draft_vocab=torch.arange(DRAFT_VOCAB) * 2).double()
+    # sharpen toward the model's own LM head rows so ranks are not uniform noise
+    heads.init_lm_heads_from(model)
+    enable_entmtp(model, heads)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (3 + i,), generator=g).tolist() for i in range(3)]
+    cfg = S.SearchConfig(num_prompts=3, max_new_tokens=NEW, budget=8)
+    measure = S.generate_measure(model, cfg)
+    trajectories = []
+    for p in prompts:
+        tokens = p + measure("plain", None, p)["tokens"]
+        trajectories.append(S.Trajectory(len(p), tokens, S.rank_tuples(model, heads, tokens, len(p), DEPTH, 8)))
+    return model, heads, prompts, trajectories, measure
+
+
+# ----------------------------------------------------------------------------- frontier
+def test_frontier_nodes_children_siblings_and_limits():
+    tree = Tree.from_choices([[0], [1], [0, 0]])
+    assert set(S.frontier_nodes(tree, max_depth=2, max_rank=3)) == {(2,), (1, 0), (0, 1)}
+    assert set(S.frontier_nodes(tree, max_depth=3, max_rank=2)) == {(1, 0), (0, 0, 0), (0, 1)}
+    assert S.frontier_nodes(Tree.root_only(), 4, 10) == [(0,)]
+
+
+def test_frontier_grows_one_node_at_a_time(setup):
+    *_, trajectories, _ = setup
+    points = S.greedy_frontier(S.rank_tuple_scorer(trajectories), 12, DEPTH, DRAFT_VOCAB)
+    assert [p.num_nodes for p in points] == list(range(1, 13))
+    assert points[0].tree == Tree.root_only()
+    for prev, cur in zip(points, points[1:]):
+        assert set(cur.tree.paths) - set(prev.tree.paths) == {cur.added}
+        assert cur.tree == Tree.from_choices(cur.tree.choices)  # valid: every parent present
+        assert cur.added in S.frontier_nodes(prev.tree, DEPTH, DRAFT_VOCAB)
+        assert cur.accept >= prev.accept
+        assert cur.tree.depth <= DEPTH and max(p[-1] for p in cur.tree.paths) < DRAFT_VOCAB
+        assert cur.accept == pytest.approx(S.table_accept(trajectories, cur.tree))
+
+
+def test_frontier_ties_prefer_small_rank_sum_then_shallow():
+    def flat(tree, cands):  # every candidate scores the same
+        return 1.0, [1.0] * len(cands)
+
+    points = S.greedy_frontier(flat, 5, 3, 4)
+    assert [p.added for p in points[1:]] == [(0,), (0, 0), (0, 0, 0), (1,)]
+
+
+# ----------------------------------------------------------------------------- exactness
+def test_rank_tuples_reproduce_canonical_generate(setup):
+    """The rank-tuple table walked along the canonical path equals real generate, step by step."""
+    model, _, prompts, trajectories, measure = setup
+    frontier = S.greedy_frontier(S.rank_tuple_scorer(trajectories), 8, DEPTH, DRAFT_VOCAB)
+    for tree in (frontier[3].tree, frontier[-1].tree, Tree.chain(DEPTH)):
+        for p, traj in zip(prompts[:2], trajectories):
+            run = measure("tree", EntMTPConfig(tree=tree.choices), p)
+            assert run["tokens"] == traj.tokens[len(p) :]
+            assert run["accept_lengths"] == S.simulate_canonical(traj, tree)
+
+
+@pytest.mark.parametrize("cls,arch", [(HydraHeads, "prefix-mlp"), (MedusaHeads, "mlp")])
+def test_rank_tuples_exact_for_other_heads(cls, arch):
+    model = tiny_model(seed=4)
+    torch.manual_seed(4)
+    heads = cls.for_model(model, num_heads=4, arch=arch).double().init_lm_heads_from(model)
+    enable_entmtp(model, heads)
+    measure = S.generate_measure(model, S.SearchConfig(max_new_tokens=NEW))
+    prompt = [3, 1, 4, 1, 5]
+    tokens = prompt + measure("plain", None, prompt)["tokens"]
+    traj = S.Trajectory(len(prompt), tokens, S.rank_tuples(model, heads, tokens, len(prompt), 4, 64))
+    run = measure("mc_sim", EntMTPConfig(tree=MC_SIM_7B_63), prompt)
+    assert run["accept_lengths"] == S.simulate_canonical(traj, Tree.from_choices(MC_SIM_7B_63))
+
+
+def test_joint_rollout_single_candidate_equals_rank_tuple_score(setup):
+    """From the root-only tree F = {[0]}: the joint rollout visits every step start, so its
+    score of [0] is exactly the rank-tuple score (both average over all starts)."""
+    model, heads, prompts, trajectories, _ = setup
+    root = Tree.root_only()
+    assert S.frontier_nodes(root, DEPTH, DRAFT_VOCAB) == [(0,)]
+    base, [joint] = S.rollout_scorer(model, heads, prompts, S.SearchConfig(max_new_tokens=NEW), [])(root, [(0,)])
+    _, [table] = S.rank_tuple_scorer(trajectories)(root, [(0,)])
+    assert base == 1.0
+    assert joint == pytest.approx(table, abs=1e-12)
+
+
+def test_joint_rollout_candidates_read_off_the_trajectory(setup):
+    """With a larger T the rollout advances with T only; each candidate's per-step accept
+    length is the table value at the starts T visits (its known optimism is exactly that)."""
+    model, heads, prompts, trajectories, _ = setup
+    tree = Tree.from_choices([[0], [1], [0, 0]])
+    cands = S.frontier_nodes(tree, DEPTH, DRAFT_VOCAB)
+    for p, traj in zip(prompts, trajectories):
+        counts = S.joint_rollout(model, heads, p, tree, cands, NEW)
+        assert counts.tree == S.simulate_canonical(traj, tree)
+        starts = [sum(counts.tree[:k]) for k in range(len(counts.tree))]
+        for j, row in zip(starts, counts.candidates):
+            want = [1 + S.accepted_depth(traj.tuples[j], set(tree.paths) | {c}) for c in cands]
+            assert row == want
+
+
+@pytest.mark.parametrize("rule", ["exact", "typical"])
+def test_joint_rollout_sampling_rules(setup, rule):
+    model, heads, prompts, *_ = setup
+    tree = Tree.chain(1)
+    cands = S.frontier_nodes(tree, DEPTH, DRAFT_VOCAB)
+    g = torch.Generator().manual_seed(0)
+    c = S.joint_rollout(model, heads, prompts[0], tree, cands, NEW, rule=rule, temperature=0.7, generator=g)
+    assert sum(c.tree) == NEW - 1  # every token after the prefill's comes from a step
+    assert all(min(row) >= t for t, row in zip(c.tree, c.candidates))  # adding a node never hurts
+
+
+# ----------------------------------------------------------------------------- throughput choice
+def test_upper_hull_and_choice():
+    nodes, tps = [1, 2, 4, 8, 16], [10.0, 14.0, 15.0, 20.0, 12.0]
+    c = S.choose_trees(nodes, tps)
+    assert c.static == 3 and c.hull == [0, 1, 3, 4] and (c.conservative, c.aggressive) == (1, 4)
+    assert c.pareto == [0, 1, 2, 3]
+    assert S.choose_trees([1, 2], [5.0, 5.0]).static == 0  # ties: fewer nodes
+    one = S.choose_trees([3], [1.0])
+    assert (one.static, one.conservative, one.aggressive) == (0, 0, 0)
+
+
+FAKE_TPS = {"vanilla": 10.0, "frontier-1": 10.0, "frontier-2": 14.0, "frontier-4": 21.0, "frontier-8": 12.0}
+
+
+def fake(measure, table, calls):
+    """Real generate (for accept lengths), but the seconds say ``table[label]`` tokens/s."""
+
+    def run(label, config, prompt):
+        calls.append(label)
+        r = measure(label, config, prompt)
+        tps = table.get(label, 20.0 + 0.1 * sum(map(ord, label)) % 3)
+        return {**r, "seconds": r["new_tokens"] / tps}
+
+    return run
+
+
+def small_config(**kw):
+    args = dict(num_prompts=2, timing_prompts=2, max_new_tokens=12, budget=8, timed_sizes=(1, 2, 4, 8),
+                time_reference=False, sweep_prompts=2, tau_grid=(0.3, 0.9), features=("base_top1",))  # fmt: skip
+    return S.SearchConfig(**{**args, **kw})
+
+
+class Interrupt(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def pipeline(setup, tmp_path_factory):
+    """One search run three times: interrupted in the rollout stage, resumed, rerun when done."""
+    model, heads, prompts, _, measure = setup
+    out = tmp_path_factory.mktemp("search")
+    calls: list[list[str]] = [[], [], []]
+
+    def flaky(label, config, prompt):  # dies on the 9th measurement (inside the rollout stage)
+        if len(calls[0]) == 8:
+            raise Interrupt
+        return fake(measure, FAKE_TPS, calls[0])(label, config, prompt)
+
+    def search(cfg=None, measure_fn=None):
+        return S.TreeSearch(model, heads, prompts[:2], out, cfg or small_config(), task="tiny",
+                            measure=measure_fn, progress=False)  # fmt: skip
+
+    with pytest.raises(Interrupt):
+        search(measure_fn=flaky).run()
+    interrupted = {k: len(v) for k, v in json.loads((out / "rollouts.json").read_text()).items()}
+    frontier_done = json.loads((out / "frontier.json").read_text())["complete"]
+    with pytest.MonkeyPatch.context() as mp:  # resumed runs must not recompute the first stages
+        mp.setattr(S, "rank_tuples", lambda *a, **k: pytest.fail("trajectories stage was recomputed"))
+        mp.setattr(S, "greedy_frontier", lambda *a, **k: pytest.fail("frontier stage was recomputed"))
+        result = search(measure_fn=fake(measure, FAKE_TPS, calls[1])).run(bank_dir=out / "banks")
+        search(measure_fn=fake(measure, FAKE_TPS, calls[2])).run()
+    return out, result, calls, interrupted, frontier_done, search
+
+
+def test_resume_skips_finished_stages(pipeline):
+    out, _, calls, interrupted, frontier_done, search = pipeline
+    done = sum(interrupted.values())
+    assert frontier_done and done == 3  # 5 warm-ups, then 3 of the 10 timed runs were saved
+    rollout_labels = set(FAKE_TPS)
+    assert len([c for c in calls[1] if c in rollout_labels]) == 5 + 10 - done  # warm-ups again + the rest
+    assert calls[2] == []  # everything done: only the outputs are rewritten
+    with pytest.raises(ValueError, match="other settings"):
+        search(small_config(budget=6))
+
+
+def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
+    out, result, *_ = pipeline
+    assert result.labels == ["frontier-1", "frontier-2", "frontier-4", "frontier-8"]
+    assert result.timed["frontier-4"]["tokens_per_s"] == pytest.approx(21.0)
+    assert result.timed["frontier-1"]["unbiased"] == 1.0
+    bank = TopologyBank.from_pretrained(out / "banks", task="tiny")
+    copy = TopologyBank.from_pretrained(out / "bank", task="tiny")  # rewritten by the third run
+    assert (copy.trees, copy.scheduler) == (bank.trees, bank.scheduler)
+    assert [t.num_nodes for t in bank.trees] == [1, 2, 4, 8]
+    sched = bank.scheduler
+    assert (sched.static, sched.conservative, sched.aggressive) == (2, 1, 3)  # the max; its hull neighbours
+    assert sched.tau_on in (0.3, 0.9) and sched.ladder == (1, 2, 3) and len(sched.thresholds) == 2
+    meta = bank.metadata
+    for k, info in enumerate(meta["trees"]):
+        assert info["num_nodes"] == bank.trees[k].num_nodes
+        assert {"mean_accept_length", "biased_accept_length", "tokens_per_s"} <= set(info)
+    assert meta["calibration"]["settings"]["budget"] == 8 and meta["hardware"] and meta["calibration"]["versions"]
+    assert meta["scheduler_feature"]["hysteresis"] == "base_top1"
+    for name in ("report.md", "acceptance_frontier.png", "throughput_frontier.png", "result.json"):
+        assert (out / name).stat().st_size > 0
+    assert "EntMTP*" in (out / "report.md").read_text()
+    assert json.loads((out / "result.json").read_text())["scheduler"]["static"] == 2
+
+
+def test_search_with_rollout_scoring_and_sampling(setup, tmp_path):
+    """Exact-sampling search: joint-rollout frontier, sampled generate runs, a valid bank."""
+    model, heads, prompts, _, _ = setup
+    cfg = small_config(scoring="rollout", acceptance="exact", budget=4, timed_sizes=(1, 4), tau_grid=(0.5,),
+                       ladder=False, sweep_prompts=1)  # fmt: skip
+    measure = S.generate_measure(model, cfg)
+    result = S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny-exact",
+                          measure=fake(measure, {}, []), progress=False).run()  # fmt: skip
+    frontier = json.loads((tmp_path / "frontier.json").read_text())
+    assert [p["num_nodes"] for p in frontier["points"]] == [1, 2, 3, 4] and frontier["complete"]
+    assert result.frontier[0]["simulated"] is None and result.timed["frontier-4"]["unbiased"] >= 1.0
+    bank = TopologyBank.from_pretrained(tmp_path / "bank", task="tiny-exact")
+    assert [t.num_nodes for t in bank.trees] == [1, 4]
+
+
+def test_config_validation_and_cli():
+    with pytest.raises(ValueError, match="greedy"):
+        S.SearchConfig(acceptance="typical")
+    with pytest.raises(ValueError, match="features"):
+        S.SearchConfig(features=("nope",))
+    argv = ["search", "--task", "gsm8k", "--out", "x", "--timed-sizes", "1,3", "--tau-grid", "0.1"]
+    args = build_parser().parse_args(argv)
+    from entmtp_hf.search_report import config_from_args
+
+    cfg = config_from_args(args)
+    assert cfg.timed_sizes == (1, 3) and cfg.tau_grid == (0.1,) and args.func.__name__ == "run_cli"

@@ -1,0 +1,156 @@
+"""Heads training: teacher alignment, drafting vocabulary, loss going down, exact resume.
+
+Everything runs on a tiny random Llama (hidden 32, vocabulary 64) and a dozen short
+sequences, so each test takes a second or two on a CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from entmtp_hf.cli import build_parser
+from entmtp_hf.heads import DraftHeads
+from entmtp_hf.training import (
+    SPLIT_TRAIN,
+    SPLIT_VAL,
+    TeacherCache,
+    TokenSeq,
+    TrainConfig,
+    coverage,
+    cut,
+    draft_vocabulary,
+    epoch_batches,
+    extract_hidden,
+    head_targets,
+    teacher_logprobs,
+    train_heads,
+)
+
+V, H = 64, 32
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.get_output_embeddings().weight.mul_(6.0)  # sharp, position-dependent distributions
+    return m
+
+
+def make_cache(root, model, n: int = 14, seed: int = 0) -> TeacherCache:
+    """Random sequences of 12-30 tokens; every fourth one held out; some with a prompt."""
+    rng = np.random.default_rng(seed)
+    seqs = [TokenSeq("gsm8k", tuple(int(x) for x in rng.integers(0, V, rng.integers(12, 31))),
+                     start=int(3 * (k % 2)), split=SPLIT_VAL if k % 4 == 3 else SPLIT_TRAIN) for k in range(n)]
+    cache = TeacherCache.create(root, seqs, H, {"sources": {}})
+    extract_hidden(model, cache, batch_tokens=64, log=lambda m: None)
+    return cache
+
+
+def config(tmp_path, **kw) -> TrainConfig:
+    args = dict(family="hydra", arch="mlp", num_heads=3, draft_vocab_size=48, work_dir=str(tmp_path),
+                batch_tokens=64, max_seq_len=32, epochs=4, lr=3e-2, warmup_steps=2, save_every=1000,
+                eval_every=0, tau_prompts=0, save_dtype="float32")
+    args.update(kw)
+    return TrainConfig(**args)
+
+
+# ----------------------------------------------------------------------------- vocabulary
+def test_draft_vocabulary_is_most_frequent_first_with_id_ties():
+    tokens = np.array([5, 5, 5, 2, 2, 9, 9, 7])
+    assert draft_vocabulary(tokens, 3, 16).tolist() == [5, 2, 9]  # 2 and 9 tie: smaller id first
+    # fewer distinct ids than K: padded with the smallest unused ids
+    assert draft_vocabulary(tokens, 6, 16).tolist() == [5, 2, 9, 7, 0, 1]
+    assert draft_vocabulary(tokens, 99, 16).numel() == 16
+    vocab = draft_vocabulary(tokens, 2, 16)
+    assert coverage(vocab, tokens) == pytest.approx(5 / 8)
+    assert torch.equal(draft_vocabulary(tokens[::-1].copy(), 3, 16), vocab.new_tensor([5, 2, 9]))  # order-free
+
+
+def test_cut_keeps_supervised_rows():
+    seq = TokenSeq("distill", tuple(range(10)), start=6)
+    pieces = cut(seq, 4)
+    assert [p.ids for p in pieces] == [(4, 5, 6, 7), (8, 9)]
+    assert [p.start for p in pieces] == [2, 0]  # the first piece (rows 0-3 < start) is dropped
+
+
+# ----------------------------------------------------------------------------- teacher
+def test_teacher_targets_align_with_a_direct_computation(tmp_path, model):
+    """Head i at row t <-> the base distribution at position t+i+1 (its prediction of t+i+2)."""
+    cache = make_cache(tmp_path / "data", model, n=4)
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:40]
+    w = model.get_output_embeddings().weight[vocab]
+    ks = [0, 1, 2]
+    b = cache.batch(ks)
+    teacher = teacher_logprobs(b["hidden"], w)
+    with torch.no_grad():
+        for r, k in enumerate(ks):
+            ids = torch.from_numpy(cache.ids(k).astype(np.int64))
+            start = int(cache.seqs[k, 2])
+            for i in range(3):
+                target, rows = head_targets(teacher, b["sup"], b["valid"], i)
+                n = len(ids)
+                for t in range(n - i - 1):
+                    # the base model's logits after reading x_0..x_{t+i+1}: its prediction of x_{t+i+2}
+                    logits = model(ids[None, : t + i + 2]).logits[0, -1]
+                    want = torch.log_softmax(logits[vocab], -1)
+                    assert torch.allclose(target[r, t], want, atol=2e-2), (k, i, t)
+                    assert int(cache.greedy[cache.seqs[k, 0] + t + i + 1]) == int(logits.argmax())
+                    assert bool(rows[r, t]) == (t >= start)
+                assert not rows[r, n - i - 1 :].any()  # no target beyond the sequence (padding)
+
+
+# ----------------------------------------------------------------------------- training
+@pytest.mark.parametrize("family,arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp")])
+def test_a_few_steps_reduce_the_loss(tmp_path, model, family, arch):
+    cache = make_cache(tmp_path / "data", model)
+    cfg = config(tmp_path, family=family, arch=arch)
+    batches = len(epoch_batches(cache.split(SPLIT_TRAIN), cache.seqs[:, 1], cfg.batch_tokens, cfg.seed, 0))
+    summary = train_heads(cfg, model, cache=cache, measure=False)
+    curve = summary["loss_curve"]
+    assert len(curve) == summary["total_steps"] >= 3 * batches
+    assert np.mean(curve[-batches:]) < 0.8 * np.mean(curve[:batches])
+    heads = DraftHeads.from_pretrained(tmp_path / cfg.run_name / "final")
+    assert heads.family == family and heads.config.use_base_lm_head and heads.draft_vocab.numel() == 48
+    assert len(summary["validation"]["top1"]) == 3
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path, model):
+    cache = make_cache(tmp_path / "data", model)
+    kw = dict(arch="prefix-mlp", epochs=2, save_dtype="float16")
+    full = train_heads(config(tmp_path, run_name="full", **kw), model, cache=cache, measure=False)
+    part = config(tmp_path, run_name="part", **kw)
+    train_heads(part, model, cache=cache, measure=False, stop_after=3)  # stops mid-epoch
+    train_heads(part, model, cache=cache, measure=False, stop_after=2, resume=True)  # crosses the epoch end?
+    rest = train_heads(part, model, cache=cache, measure=False, resume=True)
+    assert rest["steps"] == full["steps"]
+    assert full["loss_curve"][-len(rest["loss_curve"]) :] == rest["loss_curve"]
+    a = DraftHeads.from_pretrained(tmp_path / "full" / "final").state_dict()
+    b = DraftHeads.from_pretrained(tmp_path / "part" / "final").state_dict()
+    assert next(iter(v for v in a.values() if v.is_floating_point())).dtype == torch.float16
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_registers_train_heads():
+    args = build_parser().parse_args(["train-heads", "--family", "medusa", "--max-steps", "5", "--resume"])
+    assert args.func.__name__ == "_train_command" and args.family == "medusa" and args.resume
+
+
+def test_init_from_continues_given_heads_and_keeps_their_vocabulary(tmp_path, model):
+    cache = make_cache(tmp_path / "data", model)
+    first = train_heads(config(tmp_path, run_name="a", epochs=1), model, cache=cache, measure=False)
+    src = tmp_path / "a" / "final"
+    second = train_heads(config(tmp_path, run_name="b", epochs=1, lr=1e-3, init_from=str(src)), model,
+                         cache=cache, measure=False)
+    assert second["loss_curve"][0] < first["loss_curve"][0]  # starts from the trained heads
+    a, b = DraftHeads.from_pretrained(src), DraftHeads.from_pretrained(tmp_path / "b" / "final")
+    assert torch.equal(a.draft_vocab, b.draft_vocab)
+    with pytest.raises(ValueError, match="init-from"):
+        train_heads(config(tmp_path, run_name="c", family="medusa", init_from=str(src)), model, cache=cache,
+                    measure=False)
