@@ -893,7 +893,8 @@ def model_card(s: dict[str, Any], heads: DraftHeads) -> str:
              "warm start." if c.get("init_from") else "Training started from the warm start (every head = base LM "
              "head on c_t).")
     tau_line = (f"Greedy EntMTP decoding with the `mc_sim_7b_63` tree on {tau['prompts']} held-out prompts "
-                f"({tau['max_new_tokens']} new tokens each): **mean accepted tokens per step τ = "
+                f"(held-out distilled prompts, then held-out GSM8K-train questions; {tau['max_new_tokens']} new tokens "
+                f"each): **mean accepted tokens per step τ = "
                 f"{tau['mean_accept_length']:.3f}** ({tau['steps']} steps)." if tau else "τ not measured.")
     return f"""---
 library_name: entmtp-hf
