@@ -7,11 +7,11 @@ TORCH ?= torch==2.13.0
 
 .PHONY: test demo venv clean
 
+# torch first: the CPU build of this version lies on local disk; a bare `torch`
+# requirement with nothing installed would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first: the CPU build of this version lies on local disk; a bare `torch`
-	# requirement with nothing installed would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from entmtp_hf.cli import build_parser
@@ -133,7 +134,8 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, model):
     assert full["loss_curve"][-len(rest["loss_curve"]) :] == rest["loss_curve"]
     a = DraftHeads.from_pretrained(tmp_path / "full" / "final").state_dict()
     b = DraftHeads.from_pretrained(tmp_path / "part" / "final").state_dict()
-    assert next(iter(v for v in a.values() if v.is_floating_point())).dtype == torch.float16
+    stored = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    assert next(iter(v for v in stored.values() if v.is_floating_point())).dtype == torch.float16
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -159,10 +159,3 @@ def match_state(
         raise HeadsLoadError(f"{path}: weights do not match the heads config; " + "; ".join(problems))
     return {own: weights[k] for k, (own, _) in expected.items()}
 
-
-def floating_dtype(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
-    """The dtype of the first floating tensor (the checkpoint's storage precision)."""
-    for v in weights.values():
-        if v.is_floating_point():
-            return v.dtype
-    return torch.float32

@@ -8,7 +8,7 @@ from typing import Any
 
 from .base import CONFIG_NAME, FORMAT_KEY, HEADS_REGISTRY, WEIGHTS_NAME, DraftHeads, check_draft_vocab
 from .config import FORMAT_VERSION, HeadsConfig
-from .files import HeadsLoadError, floating_dtype, load_safetensors, match_state, read_json, resolve_file
+from .files import HeadsLoadError, load_safetensors, match_state, read_json, resolve_file
 from .published import load_published_hydra, load_published_medusa
 
 
@@ -38,7 +38,8 @@ def load_own_format(cfg: dict[str, Any], cfg_path: str, resolve: Any) -> DraftHe
         raise HeadsLoadError(f"{cfg_path}: {e}") from e
     path = resolve(WEIGHTS_NAME, required=True)
     weights = load_safetensors(path)
-    heads = heads.to(floating_dtype(weights))
+    # the module stays float32: load_state_dict casts half-precision weights up, and
+    # non-persistent buffers (a prefix layer's RoPE inv_freq) keep full precision
     expected = {k: (k, v.shape) for k, v in heads.state_dict().items()}
     heads.load_state_dict(match_state(weights, expected, path))
     if heads.draft_vocab is not None:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .config import HeadsConfig
-from .files import HeadsLoadError, floating_dtype, load_weights, match_state, read_json
+from .files import HeadsLoadError, load_weights, match_state, read_json
 from .hydra import HydraHeads, prefix_layer_config
 from .medusa import MedusaHeads
 
@@ -134,7 +134,7 @@ def load_published_hydra(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, 
         )  # fmt: skip
     except ValueError as e:
         raise HeadsLoadError(f"{cfg_path}: {e}") from e
-    heads = HydraHeads(config).to(floating_dtype(weights))
+    heads = HydraHeads(config)  # float32; half-precision weights are cast up on load
     expected = {hydra_published_name(k, arch): (k, v.shape) for k, v in heads.state_dict().items()}
     heads.load_state_dict(match_state(weights, expected, path, ignore=HYDRA_IGNORED))
     return heads
@@ -221,7 +221,7 @@ def load_published_medusa(cfg: dict[str, Any], cfg_path: str, resolve: Resolver)
         family="medusa", num_heads=num_heads, num_layers=num_layers, hidden_size=hidden, vocab_size=vocab,
         base_model_name_or_path=base_name,
     )  # fmt: skip
-    heads = MedusaHeads(config).to(floating_dtype(weights))
+    heads = MedusaHeads(config)  # float32; half-precision weights are cast up on load
     expected = {medusa_published_name(k, num_layers): (k, v.shape) for k, v in heads.state_dict().items()}
     heads.load_state_dict(match_state(weights, expected, path))
     return heads
