@@ -63,15 +63,6 @@ def write_task(folder: Path, name: str, seed: int) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread on a shared machine; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class Planted(Method):
     """Vanilla with token 3 of every output changed; counts its generate calls."""
 

@@ -25,15 +25,6 @@ DEPTH = 3
 DRAFT_VOCAB = 6  # ranks are limited to the draft vocabulary
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards are far faster on one thread, above all on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def setup():
     model = tiny_model(seed=3)

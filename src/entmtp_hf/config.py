@@ -159,12 +159,7 @@ class EntMTPConfig:
                 if self.thresholds is None:
                     raise ValueError(f"the ladder over {len(trees)} trees needs `thresholds` ({len(trees) - 1} values)")
                 args["thresholds"] = tuple(self.thresholds)
-        for i, t in enumerate(trees):
-            if t.depth > num_heads:
-                raise ValueError(
-                    f"tree #{i} has depth {t.depth} but the heads draft only {num_heads} tokens ahead; "
-                    f"use a tree of depth <= {num_heads} or heads with more heads"
-                )
+        _check_depth(trees, num_heads)
         args = {**args, "policy": policy}
         if self.tau_on is not None:
             args["tau_on"] = self.tau_on
@@ -177,16 +172,7 @@ class EntMTPConfig:
         Scheduler(num_trees=len(trees), **args)  # validate now, before any compute
 
         depth = max(t.depth for t in trees)
-        chain = Tree.chain(depth) if policy != "static" else Tree.root_only()
-        union = trees[0].union(*trees[1:], chain)
-        index = union.node_index()
-        return DecodePlan(
-            trees=trees,
-            union=union,
-            node_maps=tuple(tuple(union.subtree_map(t)) for t in trees),
-            chain_nodes=tuple(index[(0,) * d] for d in range(1, chain.depth + 1)),
-            scheduler_args=args,
-        )
+        return _plan(trees, Tree.chain(depth) if policy != "static" else Tree.root_only(), args)
 
     def _entropy_plan(self, num_heads: int) -> DecodePlan:
         """Policy ``entropy``: the tree's truncations at depth 0..D (index = depth) and the chain."""
@@ -195,22 +181,10 @@ class EntMTPConfig:
         else:
             bank = self.load_bank()
             tree = bank.trees[bank.scheduler.static]
-        if tree.depth > num_heads:
-            raise ValueError(
-                f"the tree has depth {tree.depth} but the heads draft only {num_heads} tokens ahead; "
-                f"use a tree of depth <= {num_heads} or heads with more heads"
-            )
+        _check_depth((tree,), num_heads)
         trees = tuple(Tree(tuple(p for p in tree.paths if len(p) <= d)) for d in range(tree.depth + 1))
-        union = tree.union(Tree.chain(tree.depth))
-        index = union.node_index()
-        return DecodePlan(
-            trees=trees,
-            union=union,
-            node_maps=tuple(tuple(union.subtree_map(t)) for t in trees),
-            chain_nodes=tuple(index[(0,) * d] for d in range(1, tree.depth + 1)),
-            scheduler_args={"policy": "static", "static_index": tree.depth},
-            eas=self.eas or EASConfig(),
-        )
+        args = {"policy": "static", "static_index": tree.depth}
+        return _plan(trees, Tree.chain(tree.depth), args, eas=self.eas or EASConfig())
 
     def _from_bank(self, bank: "TopologyBank") -> tuple[tuple[Tree, ...], str, dict]:
         d = bank.scheduler
@@ -224,3 +198,26 @@ class EntMTPConfig:
         ladder = tuple(trees[i] for i in d.ladder)
         thresholds = tuple(self.thresholds) if self.thresholds is not None else tuple(d.thresholds)
         return ladder, policy, {"thresholds": thresholds}
+
+
+def _check_depth(trees: tuple[Tree, ...], num_heads: int) -> None:
+    for i, t in enumerate(trees):
+        if t.depth > num_heads:
+            raise ValueError(
+                f"tree #{i} has depth {t.depth} but the heads draft only {num_heads} tokens ahead; "
+                f"use a tree of depth <= {num_heads} or heads with more heads"
+            )
+
+
+def _plan(trees: tuple[Tree, ...], chain: Tree, scheduler_args: dict, eas: EASConfig | None = None) -> DecodePlan:
+    """The plan over ``trees``: their union with ``chain`` (read by the feature) and index maps."""
+    union = trees[0].union(*trees[1:], chain)
+    index = union.node_index()
+    return DecodePlan(
+        trees=trees,
+        union=union,
+        node_maps=tuple(tuple(union.subtree_map(t)) for t in trees),
+        chain_nodes=tuple(index[(0,) * d] for d in range(1, chain.depth + 1)),
+        scheduler_args=scheduler_args,
+        eas=eas,
+    )
