@@ -117,6 +117,9 @@ def test_scheduler_defaults_when_absent() -> None:
         ("t", [[], [[0]], [[0], [1]]], {"scheduler": {"thresholds": [0.2, 0.1]}}, "thresholds must be strictly"),
         ("t", [[], [[0]]], {"scheduler": {"conservative": 1, "aggressive": 0}}, "conservative"),
         ("t", [[]], {"scheduler": {"tau": 0.1}}, "unknown scheduler keys"),
+        ("t", [[]], {"scheduler": {"policy": "fastest"}}, "policy must be one of"),
+        ("t", [[]], {"scheduler": {"feature": "entropy"}}, "feature must be one of"),
+        ("t", [[]], {"scheduler": {"ladder_feature": 3}}, "ladder_feature must be one of"),
         ("t", [[[2**31]]], None, "int32"),
     ],
 )

@@ -335,3 +335,19 @@ def test_bank_config_resolves_scheduler_defaults():
     plan = EntMTPConfig(bank=bank, task="default", policy="static").resolve(num_heads=4)
     assert plan.trees == (bank.trees[bank.scheduler.static],)
     assert Tree.from_choices(MC_SIM_7B_63) in bank.trees
+
+
+def test_bank_default_policy_and_feature_are_used_unless_overridden():
+    trees = [Tree.root_only(), Tree.chain(2), Tree.from_choices(MC_SIM_7B_63)]
+    sched = {"static": 1, "conservative": 1, "aggressive": 2, "tau_on": 0.6, "tau_off": 0.6,
+             "policy": "static", "feature": "chain_value", "ladder_feature": "base_top1"}  # fmt: skip
+    bank = TopologyBank("t", trees, {"scheduler": sched})
+    plan = EntMTPConfig(bank=bank, task="t").resolve(num_heads=4)
+    assert plan.trees == (trees[1],) and plan.scheduler_args["policy"] == "static"
+    plan = EntMTPConfig(bank=bank, task="t", policy="hysteresis").resolve(num_heads=4)
+    assert plan.trees == (trees[1], trees[2]) and plan.scheduler_args["tau_on"] == 0.6
+    assert plan.feature == "chain_value"
+    plan = EntMTPConfig(bank=bank, task="t", policy="ladder").resolve(num_heads=4)
+    assert plan.feature == "base_top1"
+    plan = EntMTPConfig(bank=bank, task="t", policy="hysteresis", feature="confidence").resolve(num_heads=4)
+    assert plan.feature == "confidence"

@@ -223,14 +223,20 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     assert (copy.trees, copy.scheduler) == (bank.trees, bank.scheduler)
     assert [t.num_nodes for t in bank.trees] == [1, 2, 4, 8]
     sched = bank.scheduler
-    assert (sched.static, sched.conservative, sched.aggressive) == (2, 1, 3)  # the max; its hull neighbours
-    assert sched.tau_on in (0.3, 0.9) and sched.ladder == (1, 2, 3) and len(sched.thresholds) == 2
+    assert sched.static == 2 and sched.ladder == (1, 2, 3)  # the max; the ladder = it and its hull neighbours
+    hyst = result.winners["hysteresis"]  # the best of every pair of ladder trees and every tau
+    assert (sched.conservative, sched.aggressive) == tuple(hyst["trees"]) and sched.conservative < sched.aggressive
+    assert sched.tau_on == hyst["values"][0] and sched.tau_on in (0.3, 0.9) and len(sched.thresholds) == 2
+    assert {lab.split(":")[3] for lab in result.sweep if lab.startswith("hysteresis")} == {"1-2", "1-3", "2-3"}
+    speed = {"static": 1.0, **{k: v["vs_static"] for k, v in result.winners.items()}}
+    assert sched.policy == max(speed, key=speed.get) and sched.feature == "base_top1"
     meta = bank.metadata
     for k, info in enumerate(meta["trees"]):
         assert info["num_nodes"] == bank.trees[k].num_nodes
         assert {"mean_accept_length", "biased_accept_length", "tokens_per_s"} <= set(info)
     assert meta["calibration"]["settings"]["budget"] == 8 and meta["hardware"] and meta["calibration"]["versions"]
-    assert meta["scheduler_feature"]["hysteresis"] == "base_top1"
+    plan = EntMTPConfig(bank=str(out / "banks"), task="tiny").resolve(8)  # the bank's calibrated defaults
+    assert plan.feature == "base_top1" and plan.scheduler_args["policy"] == sched.policy
     for name in ("report.md", "acceptance_frontier.png", "throughput_frontier.png", "result.json"):
         assert (out / name).stat().st_size > 0
     assert "EntMTP*" in (out / "report.md").read_text()

@@ -49,6 +49,7 @@ from huggingface_hub.errors import (
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from .scheduler import FEATURES, POLICIES
 from .tree import MC_SIM_7B_63, Tree
 
 FORMAT_VERSION = 1
@@ -125,8 +126,10 @@ class SchedulerDefaults:
     """Which trees of a bank each scheduler policy uses, and its thresholds.
 
     ``static``: the tree of the static policy (EntMTP*). ``conservative`` / ``aggressive``:
-    T− / T+ of the hysteresis policy, switched on ``tau_on`` / ``tau_off``. ``ladder``: the
-    tree indices, in increasing order, that ``thresholds`` (one fewer) bin the feature into.
+    T− / T+ of the hysteresis policy, switched on ``tau_on`` / ``tau_off`` of ``feature``.
+    ``ladder``: the tree indices, in increasing order, that ``thresholds`` (one fewer) bin
+    ``ladder_feature`` into. ``policy``: what ``EntMTPConfig(bank=..., task=...)`` runs when
+    no policy is given (the search stores the fastest one it measured).
     """
 
     static: int
@@ -136,8 +139,16 @@ class SchedulerDefaults:
     tau_off: float
     ladder: tuple[int, ...]
     thresholds: tuple[float, ...]
+    policy: str = "hysteresis"
+    feature: str = "best_path_value"
+    ladder_feature: str = "best_path_value"
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("feature", "ladder_feature"):
+            if getattr(self, name) not in FEATURES:
+                raise ValueError(f"{name} must be one of {FEATURES}, got {getattr(self, name)!r}")
         for name in ("static", "conservative", "aggressive"):
             if _as_index(getattr(self, name), name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -167,7 +178,7 @@ class SchedulerDefaults:
 
         Defaults: static = aggressive = the last tree, conservative = 0, tau_on = tau_off =
         0.01 (one given: the other copies it), ladder = every tree, thresholds =
-        :func:`default_thresholds`.
+        :func:`default_thresholds`, policy ``hysteresis``, features ``best_path_value``.
         """
         raw = dict(raw or {})
         unknown = sorted(set(raw) - {f for f in cls.__dataclass_fields__})
@@ -192,6 +203,9 @@ class SchedulerDefaults:
             tau_off=_as_number(raw.get("tau_off", tau_on), "tau_off"),
             ladder=ladder,
             thresholds=tuple(_as_number(t, "threshold") for t in thresholds),
+            policy=raw.get("policy", "hysteresis"),
+            feature=raw.get("feature", "best_path_value"),
+            ladder_feature=raw.get("ladder_feature", "best_path_value"),
         )
         used = {"static": sched.static, "conservative": sched.conservative, "aggressive": sched.aggressive}
         used.update({f"ladder entry {i}": v for i, v in enumerate(sched.ladder)})

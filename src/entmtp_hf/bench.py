@@ -209,10 +209,10 @@ def _default_tree(ctx: BenchContext, task: str, acc: dict) -> EntMTPConfig:
     return EntMTPConfig(tree=MC_SIM_7B_63, **acc)
 
 
-def _bank_policy(policy: str) -> ConfigFactory:
+def _bank_policy(policy: str, **extra: Any) -> ConfigFactory:
     def make(ctx: BenchContext, task: str, acc: dict) -> EntMTPConfig:
         bank = ctx.bank(task)
-        return EntMTPConfig(bank=bank, task=bank.task, policy=policy, **acc)
+        return EntMTPConfig(bank=bank, task=bank.task, policy=policy, **acc, **extra)
 
     return make
 
@@ -224,6 +224,8 @@ register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hyd
 register_method(Method("entmtp-static", "EntMTP*: the bank's static optimum", heads="hydra", entmtp=_bank_policy("static")))
 register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis")))
 register_method(Method("entmtp-ladder", "EntMTP-l: threshold ladder", heads="hydra", entmtp=_bank_policy("ladder")))
+register_method(Method("entmtp-tau-retrieval", "EntMTPτ + a retrieval branch copied from earlier text", heads="hydra",
+                       entmtp=_bank_policy("hysteresis", retrieval=True)))  # fmt: skip
 # Entropy-adaptive speculation (EAS) on the Hydra head chain and its fixed-chain baselines;
 # opt-in (`--methods vanilla eas chain-4 ...`). Chains longer than the heads are skipped.
 register_method(Method("eas", "EAS: Hydra head chain halted by entropy", heads="hydra", entmtp=eas_bench_config,

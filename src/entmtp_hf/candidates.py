@@ -7,7 +7,9 @@ scheduler choose a tree, and returns that tree's tokens with its precompiled buf
 switch between trees is an index lookup, never a recompilation. Under the ``entropy`` policy
 an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the plan's trees are the
 truncations of one tree at depth 0..D, and the index is the chain length the EAS rule gives
-for the greedy chain's head entropies.
+for the greedy chain's head entropies. With retrieval on, the chosen tree gets one more
+branch whenever the text's suffix recurs (:mod:`entmtp_hf.retrieval`); the tree with a
+branch of each length is compiled up front too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from .config import DecodePlan
 from .eas import EASController
+from .retrieval import NgramIndex
 from .scheduler import FeatureTracker, Scheduler
 from .tree import TreeBuffers
 
@@ -30,6 +33,7 @@ class Candidates:
     tokens: torch.Tensor  # [N] long, node 0 = root
     buffers: TreeBuffers
     feature: float | None
+    retrieved: int = 0  # tokens of the retrieval branch (0: no branch this step)
 
 
 class EntMTPCandidateGenerator:
@@ -49,6 +53,16 @@ class EntMTPCandidateGenerator:
         self.node_maps = tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for m in plan.node_maps)
         self.chain_nodes = torch.tensor(plan.chain_nodes, dtype=torch.long, device=heads_device)
         self.device = device
+        self.index = NgramIndex(plan.retrieval) if plan.retrieval is not None else None
+        self.branch_buffers = tuple(tuple(t.buffers(device, dtype) for t, _ in per) for per in plan.branches)
+        self.branch_maps = tuple(
+            tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for _, m in per) for per in plan.branches
+        )
+
+    def extend_text(self, tokens: list[int]) -> None:
+        """Tokens added to the text (the prompt first): what retrieval may copy from."""
+        if self.index is not None:
+            self.index.extend(tokens)
 
     def observe(self, hidden: torch.Tensor) -> None:
         """Feed the last hidden states of newly accepted positions ([T, H])."""
@@ -73,5 +87,10 @@ class EntMTPCandidateGenerator:
             k = self.scheduler.choose(s)
         else:
             k = self.scheduler.current
+        found = self.index.continuation() if self.index is not None else []
+        if found:
+            pool = torch.cat([proposal.tokens, proposal.tokens.new_tensor(found)])
+            tokens = pool[self.branch_maps[k][len(found) - 1]].to(self.device)
+            return Candidates(k, tokens, self.branch_buffers[k][len(found) - 1], s, len(found))
         tokens = proposal.tokens[self.node_maps[k]].to(self.device)
         return Candidates(k, tokens, self.buffers[k], s)

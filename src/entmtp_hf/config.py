@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .eas import EASConfig
+from .retrieval import RetrievalConfig, with_branch
 from .scheduler import FEATURES, POLICIES, Scheduler
 from .tree import Tree
 
@@ -32,7 +33,12 @@ class DecodePlan:
     node_maps: tuple[tuple[int, ...], ...]  # per tree: its nodes' indices in ``union``
     chain_nodes: tuple[int, ...]  # union indices of the greedy chain [0], [0,0], ... (depth order)
     scheduler_args: dict
+    feature: str = "best_path_value"  # the scalar the hysteresis / ladder policy reads
     eas: EASConfig | None = None  # policy ``entropy``: ``trees[d]`` is the tree truncated at depth d
+    retrieval: RetrievalConfig | None = None
+    #: with retrieval: ``branches[k][L - 1]`` = (tree k plus a retrieved chain of L tokens, where
+    #: each of its nodes' tokens comes from: index < union size = union node, else retrieved token)
+    branches: tuple[tuple[tuple[Tree, tuple[int, ...]], ...], ...] = ()
 
     def new_scheduler(self) -> Scheduler:
         return Scheduler(num_trees=len(self.trees), **self.scheduler_args)
@@ -44,15 +50,20 @@ class EntMTPConfig:
 
     Give a ``bank`` (a :class:`~entmtp_hf.bank.TopologyBank`, a folder or a Hub repo id) and
     its ``task``; or one explicit ``tree`` (a list of paths); or several ``trees`` (smallest
-    first). ``policy`` defaults to ``static`` for one tree, ``hysteresis`` for a bank or two
-    trees (T- = first, T+ = second) and ``ladder`` for more. ``tau_on``/``tau_off``/
-    ``thresholds`` default to the bank's calibrated values. ``acceptance="auto"`` means greedy
+    first). ``policy`` defaults to the bank's calibrated policy (the fastest the search
+    measured), and without a bank to ``static`` for one tree, ``hysteresis`` for two trees
+    (T- = first, T+ = second) and ``ladder`` for more. ``tau_on``/``tau_off``/``thresholds``
+    and ``feature`` default to the bank's calibrated values (``best_path_value`` otherwise). ``acceptance="auto"`` means greedy
     without sampling and exact (lossless) sampling with ``do_sample=True``.
 
     ``policy="entropy"`` (implied by ``eas=EASConfig(...)``) is entropy-adaptive speculation on
     one tree (``tree=``, or the bank's static optimum): every step verifies the tree truncated
     at the depth where the greedy chain's head entropy first crosses the adaptive threshold
     (see :mod:`entmtp_hf.eas`). The truncations at depths ``0..D`` are compiled up front.
+
+    ``retrieval=True`` (or a :class:`~entmtp_hf.retrieval.RetrievalConfig`) adds to each step's
+    tree a branch copied from earlier text whenever the text's last few tokens recur (see
+    :mod:`entmtp_hf.retrieval`); verification is unchanged, so output is too.
     """
 
     bank: Any = None
@@ -63,13 +74,14 @@ class EntMTPConfig:
     tau_on: float | None = None
     tau_off: float | None = None
     thresholds: Sequence[float] | None = None
-    feature: str = "best_path_value"
+    feature: str | None = None
     feature_window: int = 8
     acceptance: str = "auto"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     revision: str | None = None
     eas: EASConfig | None = None
+    retrieval: RetrievalConfig | bool | None = None
     _resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -97,9 +109,15 @@ class EntMTPConfig:
                 raise ValueError(f"eas=EASConfig(...) needs policy='entropy', got policy={self.policy!r}")
         if self.policy == "entropy" and self.trees is not None:
             raise ValueError("the entropy policy truncates one tree: pass `tree=` (or a `bank`), not `trees=`")
+        if self.retrieval is True:
+            self.retrieval = RetrievalConfig()
+        elif self.retrieval is False:
+            self.retrieval = None
+        elif self.retrieval is not None and not isinstance(self.retrieval, RetrievalConfig):
+            raise ValueError(f"retrieval must be True, False or a RetrievalConfig, got {self.retrieval!r}")
         if self.acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"unknown acceptance {self.acceptance!r}; choose one of {ACCEPTANCE_RULES}")
-        if self.feature not in FEATURES:
+        if self.feature is not None and self.feature not in FEATURES:
             raise ValueError(f"unknown feature {self.feature!r}; choose one of {FEATURES}")
         if self.tau_on is not None and self.tau_off is not None and self.tau_off > self.tau_on:
             raise ValueError(f"tau_off ({self.tau_off}) must be <= tau_on ({self.tau_on}); lower tau_off")
@@ -145,9 +163,12 @@ class EntMTPConfig:
     def _build_plan(self, num_heads: int) -> DecodePlan:
         if self.entropy_adaptive:
             return self._entropy_plan(num_heads)
+        feature = self.feature or "best_path_value"
         if self.bank is not None:
             bank = self.load_bank()
             trees, policy, args = self._from_bank(bank)
+            if self.feature is None:
+                feature = bank.scheduler.ladder_feature if policy == "ladder" else bank.scheduler.feature
         elif self.tree is not None:
             trees, policy = (Tree.from_choices(self.tree),), self.policy or "static"
             args = {}
@@ -172,7 +193,8 @@ class EntMTPConfig:
         Scheduler(num_trees=len(trees), **args)  # validate now, before any compute
 
         depth = max(t.depth for t in trees)
-        return _plan(trees, Tree.chain(depth) if policy != "static" else Tree.root_only(), args)
+        chain = Tree.chain(depth) if policy != "static" else Tree.root_only()
+        return _plan(trees, chain, args, feature=feature, retrieval=self.retrieval)
 
     def _entropy_plan(self, num_heads: int) -> DecodePlan:
         """Policy ``entropy``: the tree's truncations at depth 0..D (index = depth) and the chain."""
@@ -184,12 +206,12 @@ class EntMTPConfig:
         _check_depth((tree,), num_heads)
         trees = tuple(Tree(tuple(p for p in tree.paths if len(p) <= d)) for d in range(tree.depth + 1))
         args = {"policy": "static", "static_index": tree.depth}
-        return _plan(trees, Tree.chain(tree.depth), args, eas=self.eas or EASConfig())
+        return _plan(trees, Tree.chain(tree.depth), args, eas=self.eas or EASConfig(), retrieval=self.retrieval)
 
     def _from_bank(self, bank: "TopologyBank") -> tuple[tuple[Tree, ...], str, dict]:
         d = bank.scheduler
         trees = tuple(bank.trees)
-        policy = self.policy or "hysteresis"
+        policy = self.policy or d.policy
         if policy == "static":
             return (trees[d.static],), policy, {}
         if policy == "hysteresis":
@@ -209,15 +231,29 @@ def _check_depth(trees: tuple[Tree, ...], num_heads: int) -> None:
             )
 
 
-def _plan(trees: tuple[Tree, ...], chain: Tree, scheduler_args: dict, eas: EASConfig | None = None) -> DecodePlan:
+def _plan(
+    trees: tuple[Tree, ...], chain: Tree, scheduler_args: dict, *, feature: str = "best_path_value",
+    eas: EASConfig | None = None, retrieval: RetrievalConfig | None = None,
+) -> DecodePlan:
     """The plan over ``trees``: their union with ``chain`` (read by the feature) and index maps."""
     union = trees[0].union(*trees[1:], chain)
     index = union.node_index()
+    node_maps = tuple(tuple(union.subtree_map(t)) for t in trees)
+    branches = ()
+    if retrieval is not None:
+        def branch(k: int, length: int) -> tuple[Tree, tuple[int, ...]]:
+            tree, sources = with_branch(trees[k], length)
+            return tree, tuple(node_maps[k][i] if i >= 0 else union.num_nodes - i - 1 for i in sources)
+
+        branches = tuple(tuple(branch(k, n) for n in range(1, retrieval.num_tokens + 1)) for k in range(len(trees)))
     return DecodePlan(
         trees=trees,
         union=union,
-        node_maps=tuple(tuple(union.subtree_map(t)) for t in trees),
+        node_maps=node_maps,
         chain_nodes=tuple(index[(0,) * d] for d in range(1, chain.depth + 1)),
         scheduler_args=scheduler_args,
+        feature=feature,
         eas=eas,
+        retrieval=retrieval,
+        branches=branches,
     )

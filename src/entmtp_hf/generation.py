@@ -67,6 +67,8 @@ class DecodeStats:
     prefill_time: float = 0.0
     total_time: float = 0.0
     eas: dict | None = None  # EAS statistics (policy ``entropy`` only)
+    retrieval_steps: int = 0  # steps whose tree carried a retrieval branch
+    retrieval_accepted: int = 0  # drafted tokens accepted from retrieval branches
 
     def as_dict(self) -> dict:
         steps = len(self.accept_lengths)
@@ -278,7 +280,7 @@ def entmtp_decode(
     cache = _prepare_cache(model, model_kwargs, generation_config.max_length, max_nodes)
     attention_mask = model_kwargs.get("attention_mask")
     generator = EntMTPCandidateGenerator(
-        model, heads, plan, FeatureTracker(entmtp_config.feature, entmtp_config.feature_window), device, dtype
+        model, heads, plan, FeatureTracker(plan.feature, entmtp_config.feature_window), device, dtype
     )
 
     def pick(scores: torch.Tensor) -> torch.Tensor:
@@ -310,6 +312,7 @@ def entmtp_decode(
 
     finished = _emit(input_ids, [int(root)], scores, stopping_criteria, streamer)
     input_ids = finished.input_ids
+    generator.extend_text(input_ids[0].tolist())
     prefix_row = _prefix_row(attention_mask, prompt_len, device, dtype)
 
     while not finished.stop:
@@ -359,6 +362,11 @@ def entmtp_decode(
         parent_scores = scores[path]
         finished = _emit(input_ids, new_tokens, parent_scores, stopping_criteria, streamer)
         input_ids = finished.input_ids
+        generator.extend_text(new_tokens[: finished.count])
+        if cand.retrieved:
+            stats.retrieval_steps += 1
+            if len(path) > 1 and path[1] == buffers.children[0][-1]:  # the branch is the root's last child
+                stats.retrieval_accepted += len(path) - 1
 
         stats.accept_lengths.append(finished.count)
         stats.tree_indices.append(cand.tree_index)

@@ -52,7 +52,9 @@ from .verify import keep_accepted, tree_attention_mask, typical_accept_flags
 if TYPE_CHECKING:
     from .search_report import SearchResult
 
-TAU_GRID = (0.001, 0.005, 0.01, 0.02, 0.05)
+#: hysteresis thresholds and ladder cut points swept per feature; ``best_path_value`` is the
+#: base model's top-1 probability, so useful values span most of (0, 1)
+TAU_GRID = (0.05, 0.2, 0.4, 0.6, 0.8)
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SCORINGS = ("rank_tuple", "rollout")
 RULES = ("greedy", "exact", "typical")
@@ -709,19 +711,23 @@ class TreeSearch:
         return out
 
     def sweep_runs(self, trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dict[str, EntMTPConfig]:
-        low, static, high = (trees[labels[i]] for i in (choice.conservative, choice.static, choice.aggressive))
-        runs = {"static": self._tree_config(static)}
-        if low != high:
-            for f in self.cfg.features:
+        """The static tree, hysteresis over each pair of T-, EntMTP* and T+ (label
+        ``hysteresis:{feature}:{tau}:{i}-{j}``, indices into ``labels``) and the ladder."""
+        runs = {"static": self._tree_config(trees[labels[choice.static]])}
+        hull = sorted({choice.conservative, choice.static, choice.aggressive}, key=lambda i: trees[labels[i]].num_nodes)
+        pairs = [(a, b) for k, a in enumerate(hull) for b in hull[k + 1 :]]
+        for f in self.cfg.features:
+            for lo, hi in pairs:
                 for tau in self.cfg.tau_grid:
-                    runs[f"hysteresis:{f}:{tau:g}"] = self._tree_config(
-                        None, trees=[low.choices, high.choices], policy="hysteresis", tau_on=tau, tau_off=tau, feature=f
-                    )
-        ladder = sorted({low, static, high}, key=lambda t: t.num_nodes)
+                    runs[f"hysteresis:{f}:{tau:g}:{lo}-{hi}"] = self._tree_config(
+                        None, trees=[trees[labels[lo]].choices, trees[labels[hi]].choices], policy="hysteresis",
+                        tau_on=tau, tau_off=tau, feature=f,
+                    )  # fmt: skip
+        ladder = [trees[labels[i]] for i in hull]
         grid = sorted(set(self.cfg.tau_grid))
-        pairs = [grid[i : i + len(ladder) - 1] for i in range(len(grid) - len(ladder) + 2)] if len(ladder) > 1 else []
+        cuts = [grid[i : i + len(ladder) - 1] for i in range(len(grid) - len(ladder) + 2)] if len(ladder) > 2 else []
         for f in self.cfg.features if self.cfg.ladder else ():
-            for th in pairs:
+            for th in cuts:
                 runs[f"ladder:{f}:{','.join(f'{t:g}' for t in th)}"] = self._tree_config(
                     None, trees=[t.choices for t in ladder], policy="ladder", thresholds=list(th), feature=f
                 )

@@ -102,9 +102,11 @@ class SearchResult:
             cands = [lab for lab, v in self.sweep.items() if lab.startswith(kind + ":") and _finite(v["vs_static"])]
             if cands:
                 best = max(cands, key=lambda lab: self.sweep[lab]["vs_static"])
-                _, feature, values = best.split(":")
+                _, feature, values, *pair = best.split(":")
                 self.winners[kind] = {"label": best, "feature": feature,
                                       "values": [float(v) for v in values.split(",")], **self.sweep[best]}  # fmt: skip
+                if pair:
+                    self.winners[kind]["trees"] = [int(i) for i in pair[0].split("-")]
         return self
 
     @property
@@ -120,15 +122,19 @@ class SearchResult:
         return bool(inversions(self.frontier, "biased", "simulated"))
 
     def scheduler_defaults(self) -> dict[str, Any]:
-        """The bank's scheduler block: EntMTP*, T-/T+ with the best τ, the ladder with its thresholds."""
+        """The bank's scheduler block: EntMTP*, the winning hysteresis pair and τ, the ladder
+        with its thresholds, and as default policy the fastest of the three against static."""
         c = self.choice
-        hyst = self.winners.get("hysteresis")
+        hyst, lad = self.winners.get("hysteresis"), self.winners.get("ladder")
+        low, high = hyst["trees"] if hyst and "trees" in hyst else (c.conservative, c.aggressive)
         tau = hyst["values"][0] if hyst else 0.01
         ladder = sorted({c.conservative, c.static, c.aggressive})
-        lad = self.winners.get("ladder")
         thresholds = lad["values"] if lad else list(default_thresholds(len(ladder) - 1, tau))
-        return {"static": c.static, "conservative": c.conservative, "aggressive": c.aggressive,
-                "tau_on": tau, "tau_off": tau, "ladder": ladder, "thresholds": thresholds}  # fmt: skip
+        speed = {"static": 1.0, **{k: v["vs_static"] for k, v in self.winners.items()}}
+        return {"static": c.static, "conservative": low, "aggressive": high, "tau_on": tau, "tau_off": tau,
+                "ladder": ladder, "thresholds": thresholds, "policy": max(speed, key=lambda k: speed[k]),
+                "feature": hyst["feature"] if hyst else "best_path_value",
+                "ladder_feature": lad["feature"] if lad else "best_path_value"}  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         timed = {lab: {k: (v.choices if isinstance(v, Tree) else v) for k, v in row.items()}
@@ -228,7 +234,6 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
                    "speedup_vs_plain": row["speedup"]}  # fmt: skip
         per_tree.append({"num_nodes": row["num_nodes"], "name": lab, "source": "greedy acceptance frontier",
                          **{k: v for k, v in figures.items() if _finite(v)}})  # fmt: skip
-    hyst, lad = result.winners.get("hysteresis"), result.winners.get("ladder")
     metadata = {
         **{k: info[k] for k in ("base_model", "heads") if info.get(k)},
         "hardware": hardware_string(),
@@ -237,7 +242,6 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
         f"{result.choice.static} ({_nodes(result.timed[result.labels[result.choice.static]]['num_nodes'])}).",
         "trees": per_tree,
         "scheduler": result.scheduler_defaults(),
-        "scheduler_feature": {"hysteresis": hyst and hyst["feature"], "ladder": lad and lad["feature"]},
         "calibration": {
             "settings": result.settings,
             "prompt_ids": info.get("prompt_ids", []),
