@@ -418,7 +418,7 @@ def _record(task, prompt_index, prompt, method, gen: Generation, elapsed, forwar
 
 
 def _warm_up(ctx, methods, baskets, settings, available: dict[str, set]) -> dict[str, str]:
-    """One unmeasured generation per method (first prompt of its first task).
+    """One unmeasured generation per method (first prompt of its first task in ``baskets``).
 
     Returns ``{method: reason}`` for methods that failed here; they are skipped.
     """
@@ -449,7 +449,7 @@ def _availability(ctx, methods, baskets, settings, skipped: dict) -> dict[str, s
                 log.warning("skipping %s on %s: %s", m.name, label, why)
                 skipped.setdefault(m.name, {})[label] = why
     for name, why in _warm_up(ctx, methods, baskets, settings, available).items():
-        skipped[name] = {label: why for label in baskets}
+        skipped.setdefault(name, {}).update({label: why for label in baskets})
         available[name] = set()
     return available
 
@@ -519,15 +519,17 @@ def run_benchmark(
         label = basket[0].task if basket else task
         baskets[label] = (task, basket, [_prompt_ids(ctx, p, settings) for p in basket])
         results["prompts"][label] = [{"prompt_id": p.prompt_id, "input_ids": ids} for p, ids in zip(basket, baskets[label][2])]
-    available = _availability(ctx, methods, baskets, settings, results["skipped"])
-    done = _completed_prompts(resume, results, methods, available)
-    if done:
-        results["records"] = [r for r in resume["records"] if (r["task"], r["prompt_index"]) in done]
-        results["resumed"] = {"from": resume["environment"].get("date_utc"), "prompts": len(done)}
-        log.info("resuming: %d prompts already complete", len(done))
     meter, gen_kwargs = _Meter(ctx, clock), _gen_kwargs(ctx, settings, settings.max_new_tokens)
     try:
         for label, (_, basket, all_ids) in baskets.items():
+            # per task, when it starts: its bank is read (and its methods warmed up) only now
+            available = _availability(ctx, methods, {label: baskets[label]}, settings, results["skipped"])
+            done = {key for key in _completed_prompts(resume, results, methods, available) if key[0] == label}
+            if done:
+                results["records"] += [r for r in resume["records"] if (r["task"], r["prompt_index"]) in done]
+                results.setdefault("resumed", {"from": resume["environment"].get("date_utc"), "prompts": 0})
+                results["resumed"]["prompts"] += len(done)
+                log.info("resuming %s: %d prompts already complete", label, len(done))
             names, t_task = [m.name for m in methods if label in available[m.name]], time.perf_counter()
             for i, (prompt, ids) in enumerate(zip(basket, all_ids)):
                 if (label, i) in done:
