@@ -47,9 +47,10 @@ from .search import add_subcommand as _add_search  # noqa: E402
 SUBCOMMANDS.append(_add_search)
 
 from .bench import add_subcommand as _add_bench  # noqa: E402  (bench, bench-report)
+from .profile import add_subcommand as _add_profile  # noqa: E402
 from .regime import add_subcommand as _add_regime  # noqa: E402
 
-SUBCOMMANDS += [_add_bench, _add_regime]
+SUBCOMMANDS += [_add_bench, _add_regime, _add_profile]
 
 
 def build_parser() -> argparse.ArgumentParser:

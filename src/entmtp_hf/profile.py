@@ -1,0 +1,211 @@
+"""Where a decode step's time goes on this machine, and how fast tree decoding could be here.
+
+* :func:`forward_costs`: the base model's forward time for ``N`` tokens appended to a cached
+  prefix, with the 4D tree mask verification uses, relative to one token. On a CPU this
+  relative cost ``c(N)`` rises quickly (every extra token costs compute), unlike a GPU where
+  it stays near 1 for small ``N``.
+* :func:`step_breakdown`: one generate call split into prefill, drafting (the heads),
+  the verifier's forward passes and everything else (Python, masks, cache, acceptance).
+* :func:`analytic_bound`: for each tree, ``tau / c(N)``: the speedup over one-token decoding
+  if drafting and bookkeeping were free; the best tree's value is this machine's limit for
+  these heads.
+
+``entmtp-hf profile`` runs all three on the demo model (or any model with heads) and writes
+``profile.json`` plus a Markdown summary. Timings are medians of interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .config import EntMTPConfig
+from .tree import Tree
+from .verify import tree_attention_mask
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def forward_costs(
+    model, sizes: Sequence[int] = SIZES, *, prefix_len: int = 256, repeats: int = 7
+) -> dict[int, float]:
+    """Median seconds of one forward over ``N`` chained tokens after a ``prefix_len`` cache.
+
+    Sizes are timed round-robin ``repeats`` times, so drift hits every size alike.
+    """
+    device = model.get_output_embeddings().weight.device
+    dtype = model.get_output_embeddings().weight.dtype
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.randint(0, vocab, (1, prefix_len), generator=g).to(device), cache=cache, use_cache=True)
+        row = torch.zeros(prefix_len, dtype=dtype, device=device)
+        inputs = {}
+        for n in sizes:
+            b = Tree.chain(n - 1).buffers(device, dtype)
+            inputs[n] = dict(
+                input_ids=torch.randint(0, vocab, (1, n), generator=g).to(device),
+                attention_mask=tree_attention_mask(b, row, prefix_len + n),
+                position_ids=(b.position_ids + prefix_len)[None],
+            )
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for r in range(repeats + 1):
+            for n in sizes:
+                t0 = time.perf_counter()
+                model(**inputs[n], cache=cache, use_cache=True)
+                elapsed = time.perf_counter() - t0
+                cache.crop(-n)
+                if r:  # the first round warms up
+                    times[n].append(elapsed)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+class _ForwardTimer:
+    """Records the wall time of each base-model forward call (a pre/post hook pair)."""
+
+    def __init__(self, model) -> None:
+        self.durations: list[float] = []
+        self._t0 = 0.0
+        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    def _pre(self, module, args) -> None:
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, output) -> None:
+        self.durations.append(time.perf_counter() - self._t0)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def step_breakdown(model, input_ids: torch.Tensor, config: EntMTPConfig, max_new_tokens: int = 128) -> dict[str, Any]:
+    """Milliseconds per decode step (prefill excluded): drafting, verifier forward, the rest."""
+    timer = _ForwardTimer(model)
+    try:
+        with torch.inference_mode():
+            out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, entmtp_config=config,
+                                 return_dict_in_generate=True)  # fmt: skip
+    finally:
+        timer.close()
+    st = out.entmtp_stats
+    steps = max(st["steps"], 1)
+    decode = st["total_time"] - st["prefill_time"]
+    forward = sum(timer.durations[1:])  # the first forward is the prefill
+    draft = st["draft_time"]
+    other = max(decode - draft - forward, 0.0)
+    return {
+        "steps": st["steps"],
+        "mean_accept_length": st["mean_accept_length"],
+        "mean_tree_nodes": sum(st["tree_sizes"]) / steps,
+        "ms_per_step": 1e3 * decode / steps,
+        "draft_ms": 1e3 * draft / steps,
+        "forward_ms": 1e3 * forward / steps,
+        "other_ms": 1e3 * other / steps,
+        "draft_share": draft / decode if decode else 0.0,
+        "other_share": other / decode if decode else 0.0,
+    }
+
+
+def relative_cost(costs: dict[int, float], n: int) -> float:
+    """``c(n)``: forward time for ``n`` tokens over one token's (linear between timed sizes)."""
+    sizes = sorted(costs)
+    if n in costs:
+        return costs[n] / costs[1]
+    lo = max((s for s in sizes if s < n), default=sizes[0])
+    hi = min((s for s in sizes if s > n), default=sizes[-1])
+    if lo == hi:
+        return costs[lo] / costs[1]
+    w = (n - lo) / (hi - lo)
+    return ((1 - w) * costs[lo] + w * costs[hi]) / costs[1]
+
+
+def analytic_bound(trees: Sequence[dict], costs: dict[int, float]) -> list[dict]:
+    """Per tree (``num_nodes``, ``mean_accept_length``): ``tau / c(N)``, the speedup limit."""
+    rows = []
+    for t in trees:
+        n, tau = int(t["num_nodes"]), t.get("mean_accept_length")
+        if tau is None:
+            continue
+        c = relative_cost(costs, n)
+        rows.append({"num_nodes": n, "mean_accept_length": tau, "relative_cost": c, "bound": tau / c})
+    return rows
+
+
+# ============================================================================ CLI
+def _markdown(report: dict) -> str:
+    lines = ["## Forward cost by tokens verified", "", "| tokens N | ms | c(N) |", "|---|---|---|"]
+    base = report["forward_costs_ms"]["1"]
+    lines += [f"| {n} | {ms:.1f} | {ms / base:.2f} |" for n, ms in report["forward_costs_ms"].items()]
+    lines += ["", "## Step breakdown (per decode step)", "",
+              "| run | nodes | tau | ms/step | drafting | verifier forward | other | drafting share | other share |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, b in report["breakdown"].items():
+        lines.append(f"| {name} | {b['mean_tree_nodes']:.1f} | {b['mean_accept_length']:.2f} | {b['ms_per_step']:.1f} | "
+                     f"{b['draft_ms']:.1f} | {b['forward_ms']:.1f} | {b['other_ms']:.1f} | {b['draft_share']:.1%} | "
+                     f"{b['other_share']:.1%} |")  # fmt: skip
+    for task, rows in report.get("bound", {}).items():
+        lines += ["", f"## Analytic bound, task {task} (tau / c(N))", "", "| nodes | tau | c(N) | bound |", "|---|---|---|---|"]
+        lines += [f"| {r['num_nodes']} | {r['mean_accept_length']:.2f} | {r['relative_cost']:.2f} | {r['bound']:.2f}x |"
+                  for r in rows]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .bank import TopologyBank
+    from .bench import set_threads
+    from .demo import load_demo
+    from .tasks import evaluation_basket
+
+    set_threads(args.threads)
+    model, tokenizer, bank_dir = load_demo()
+    bank_dir = Path(args.bank) if args.bank else bank_dir
+    report: dict[str, Any] = {"threads": torch.get_num_threads(), "bank": str(bank_dir)}
+    costs = forward_costs(model, prefix_len=args.prefix_len, repeats=args.repeats)
+    report["forward_costs_ms"] = {str(n): 1e3 * s for n, s in costs.items()}
+    report["breakdown"], report["bound"] = {}, {}
+    for task in args.tasks:
+        ids = torch.tensor([evaluation_basket(task, 1)[0].render(tokenizer)])
+        tasks = TopologyBank.list_tasks(bank_dir)
+        name = task if task in tasks else "default"
+        bank = TopologyBank.from_pretrained(bank_dir, task=name)
+        report["bound"][task] = analytic_bound(bank.metadata.get("trees", []), costs)
+        for policy in ("static", None):
+            cfg = EntMTPConfig(bank=bank, task=name, policy=policy)
+            label = f"{task} {policy or 'bank default (' + bank.scheduler.policy + ')'}"
+            step_breakdown(model, ids, cfg, max_new_tokens=8)  # warm-up
+            report["breakdown"][label] = step_breakdown(model, ids, cfg, args.max_new_tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    md = _markdown(report)
+    (out / "profile.md").write_text(md, encoding="utf-8")
+    print(md)
+    print(f"wrote {out / 'profile.json'} and {out / 'profile.md'}")
+    return 0
+
+
+def add_subcommand(sub: argparse._SubParsersAction) -> None:
+    """Register ``entmtp-hf profile``."""
+    p = sub.add_parser(
+        "profile",
+        help="forward cost by tree size, step-time breakdown and the analytic speedup bound on this machine",
+        description="Time the demo model's forward for 1..64 verified tokens, split decode steps into drafting / "
+        "forward / other, and compute tau / c(N) for every tree of the bank.",
+    )
+    p.add_argument("--tasks", nargs="+", default=["humaneval", "gsm8k", "chat"])
+    p.add_argument("--bank", default=None, help="bank folder (default: the demo model's shipped banks)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prefix-len", type=int, default=256, help="cached tokens before the timed forward")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="runs/profile")
+    p.set_defaults(func=_profile)
