@@ -40,7 +40,7 @@ import torch
 from .bank import TREES_DIR, TopologyBank
 from .bench_report import FORMAT, FORMAT_VERSION, environment, json_safe, read_results, summarize, write_results
 from .config import EntMTPConfig
-from .eas import eas_bench_config, fixed_chain_config
+from .eas import EASConfig, eas_bench_config, fixed_chain_config
 from .tasks import BUILTIN_TASKS, evaluation_basket
 from .tree import MC_SIM_7B_63
 
@@ -230,6 +230,9 @@ register_method(Method("entmtp-tau-retrieval", "EntMTPτ + a retrieval branch co
 # opt-in (`--methods vanilla eas chain-4 ...`). Chains longer than the heads are skipped.
 register_method(Method("eas", "EAS: Hydra head chain halted by entropy", heads="hydra", entmtp=eas_bench_config,
                        default=False))
+register_method(Method("eas-w16", "EAS with a 16-token warm-up (the default waits 100 tokens)", heads="hydra",
+                       entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, EASConfig(warmup_tokens=16)),
+                       default=False))  # fmt: skip
 for _k in (4, 8, 12):
     register_method(Method(f"chain-{_k}", f"fixed Hydra head chain, k={_k}", heads="hydra",
                            entmtp=fixed_chain_config(_k), default=False))

@@ -21,7 +21,7 @@ import torch
 from .config import DecodePlan
 from .eas import EASController
 from .retrieval import NgramIndex
-from .scheduler import FeatureTracker, Scheduler
+from .scheduler import FeatureTracker, Scheduler, top1_and_entropy
 from .tree import TreeBuffers
 
 
@@ -58,6 +58,14 @@ class EntMTPCandidateGenerator:
         self.branch_maps = tuple(
             tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for _, m in per) for per in plan.branches
         )
+
+    def confidence(self, logits: torch.Tensor) -> tuple[float, float]:
+        """Top-1 probability and entropy of the verifier's logits at the next root, when the
+        scheduler reads them (a softmax over the full vocabulary costs ~0.5 ms on a CPU)."""
+        if self.eas is not None or not self.scheduler.needs_feature:
+            return 0.0, 0.0
+        p0, entropy = top1_and_entropy(logits)
+        return float(p0), float(entropy)
 
     def extend_text(self, tokens: list[int]) -> None:
         """Tokens added to the text (the prompt first): what retrieval may copy from."""

@@ -33,7 +33,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .candidates import EntMTPCandidateGenerator
 from .config import EntMTPConfig
 from .eas import ACTIVE_EAS_CALL, EASCall, EASConfig, build_candidate_generator
-from .scheduler import FeatureTracker, top1_and_entropy
+from .scheduler import FeatureTracker
 from .verify import (
     greedy_picks,
     keep_accepted,
@@ -307,7 +307,7 @@ def entmtp_decode(
     scores = logits_processor(input_ids, last_logits)
     root = pick(scores)[0]
     generator.observe(out.hidden_states[-1][0])
-    p0, entropy = (float(x) for x in top1_and_entropy(last_logits[0]))
+    p0, entropy = generator.confidence(last_logits[0])
     stats.prefill_time = time.perf_counter() - t_start
 
     finished = _emit(input_ids, [int(root)], scores, stopping_criteria, streamer)
@@ -353,7 +353,7 @@ def entmtp_decode(
         # 4. cache: keep the accepted path; the heads see its hidden states
         keep_accepted(cache, prefix_len, buffers.num_nodes, path)
         generator.observe(out.hidden_states[-1][0, path])
-        p0, entropy = (float(x) for x in top1_and_entropy(logits[path[-1]]))
+        p0, entropy = generator.confidence(logits[path[-1]])
         next_pos += len(path)
         t2 = time.perf_counter()
 
