@@ -142,7 +142,9 @@ def test_joint_rollout_sampling_rules(setup, rule):
 def test_upper_hull_and_choice():
     nodes, tps = [1, 2, 4, 8, 16], [10.0, 14.0, 15.0, 20.0, 12.0]
     c = S.choose_trees(nodes, tps)
-    assert c.static == 3 and c.hull == [0, 1, 3, 4] and (c.conservative, c.aggressive) == (1, 4)
+    assert c.static == 3 and c.hull == [0, 1, 3, 4] and (c.conservative, c.aggressive) == (2, 4)  # fastest each side
+    far = S.choose_trees([1, 2, 3, 64], [10.0, 14.0, 13.0, 7.0])  # CPU-like: the hull's right neighbour is 64
+    assert (far.static, far.conservative, far.aggressive) == (1, 0, 2) and far.hull == [0, 1, 3]
     assert c.pareto == [0, 1, 2, 3]
     assert S.choose_trees([1, 2], [5.0, 5.0]).static == 0  # ties: fewer nodes
     one = S.choose_trees([3], [1.0])

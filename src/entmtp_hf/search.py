@@ -22,8 +22,8 @@ the work folder so an interrupted search resumes where it stopped:
    interleaved, after one untimed warm-up each. The runs give the unbiased (canonical)
    accept length and tokens/s (median over prompts). For greedy decoding the rank tuples
    also give every frontier tree's canonical accept length exactly (:func:`simulate_canonical`).
-4. ``sweep`` - EntMTP* = the throughput-maximal tree; T- / T+ = its neighbours on the
-   upper hull of (nodes, tokens/s); hysteresis τ × feature and ladder thresholds are
+4. ``sweep`` - EntMTP* = the throughput-maximal tree; T- / T+ = the fastest smaller / larger
+   timed tree; hysteresis (every pair of the three) × τ × feature and ladder thresholds are
    measured against the static tree on the sweep prompts.
 5. ``outputs`` - the bank, plots and report (:mod:`entmtp_hf.search_report`).
 """
@@ -452,17 +452,24 @@ class Choice:
 
 
 def choose_trees(nodes: Sequence[int], tokens_per_s: Sequence[float]) -> Choice:
-    """EntMTP* = the throughput-maximal tree (ties: fewer nodes); T- and T+ = its left and
-    right neighbours on the upper hull of (nodes, tokens/s), or the static tree itself."""
+    """EntMTP* = the throughput-maximal tree (ties: fewer nodes); T- and T+ = the fastest timed
+    tree with fewer / more nodes than it (EntMTP* itself when there is none).
+
+    T± are the trees a scheduler would switch to when a smaller or larger tree pays off, so
+    each must be worth running on its own. On a GPU the upper hull's neighbours of EntMTP*
+    usually are these trees; on a CPU, where throughput is far from concave in the node
+    count, the hull's right neighbour can be the largest (and slowest) tree. The hull and
+    the Pareto set are reported alongside.
+    """
     pts = [(float(n), float(v)) for n, v in zip(nodes, tokens_per_s)]
     static = max(range(len(pts)), key=lambda i: (pts[i][1], -pts[i][0]))
-    hull = upper_hull(pts)
-    if static not in hull:  # an exact tie in x with a higher point cannot happen for the max
-        hull = sorted(set(hull) | {static}, key=lambda i: pts[i][0])
-    k = hull.index(static)
-    low = hull[k - 1] if k > 0 else static
-    high = hull[k + 1] if k + 1 < len(hull) else static
-    return Choice(static, low, high, hull, pareto_front(pts))
+
+    def fastest(side: list[int]) -> int:
+        return max(side, key=lambda i: (pts[i][1], -pts[i][0])) if side else static
+
+    low = fastest([i for i in range(len(pts)) if pts[i][0] < pts[static][0]])
+    high = fastest([i for i in range(len(pts)) if pts[i][0] > pts[static][0]])
+    return Choice(static, low, high, upper_hull(pts), pareto_front(pts))
 
 
 # ============================================================================ measuring
