@@ -47,10 +47,11 @@ from .search import add_subcommand as _add_search  # noqa: E402
 SUBCOMMANDS.append(_add_search)
 
 from .bench import add_subcommand as _add_bench  # noqa: E402  (bench, bench-report)
+from .acceptance import add_subcommand as _add_acceptance  # noqa: E402
 from .profile import add_subcommand as _add_profile  # noqa: E402
 from .regime import add_subcommand as _add_regime  # noqa: E402
 
-SUBCOMMANDS += [_add_bench, _add_regime, _add_profile]
+SUBCOMMANDS += [_add_bench, _add_regime, _add_profile, _add_acceptance]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -509,7 +509,8 @@ def _load_heads(args: argparse.Namespace, model) -> tuple[Any, str]:
     source = args.heads or (str(DEMO_HEADS) if args.model is None and DEMO_HEADS.is_dir() else None)
     if source is None:
         raise ValueError("give --heads (a folder or Hub repo id) or --random-heads N")
-    return load_heads(source, base_config=model.config), str(source)
+    name = f"entmtp-hf demo heads ({DEMO_HEADS.name})" if FsPath(source).resolve() == DEMO_HEADS else str(source)
+    return load_heads(source, base_config=model.config), name
 
 
 def _restart(out: FsPath) -> None:
