@@ -113,3 +113,13 @@ def test_exact_sampling_with_retrieval_preserves_distribution(tiny_cache):
         copied += out.entmtp_stats["retrieval_accepted"] > 0
     assert copied > n // 10, "retrieved tokens should often be accepted"
     assert chi_square_p(counts, probs, n) > 1e-3
+
+
+def test_static_cache_holds_the_longest_branch(tiny_cache):
+    model = enabled(tiny_cache)
+    ids = looping_prompt(model)
+    ref = model.generate(ids, max_new_tokens=30, do_sample=False)
+    cfg = EntMTPConfig(tree=MC_SIM_7B_63, retrieval=RetrievalConfig(min_ngram=1, num_tokens=6))
+    assert cfg.resolve(4).max_nodes == 64 + 6
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, cache_implementation="static", entmtp_config=cfg)
+    assert torch.equal(out, ref)

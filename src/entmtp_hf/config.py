@@ -43,6 +43,11 @@ class DecodePlan:
     def new_scheduler(self) -> Scheduler:
         return Scheduler(num_trees=len(self.trees), **self.scheduler_args)
 
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes one step can verify (a static cache must hold that many more)."""
+        return max(t.num_nodes for t in (*self.trees, *(b for per in self.branches for b, _ in per)))
+
 
 @dataclass
 class EntMTPConfig:
@@ -53,8 +58,9 @@ class EntMTPConfig:
     first). ``policy`` defaults to the bank's calibrated policy (the fastest the search
     measured), and without a bank to ``static`` for one tree, ``hysteresis`` for two trees
     (T- = first, T+ = second) and ``ladder`` for more. ``tau_on``/``tau_off``/``thresholds``
-    and ``feature`` default to the bank's calibrated values (``best_path_value`` otherwise). ``acceptance="auto"`` means greedy
-    without sampling and exact (lossless) sampling with ``do_sample=True``.
+    and ``feature`` default to the bank's calibrated values (``best_path_value`` otherwise).
+    ``acceptance="auto"`` means greedy without sampling and exact (lossless) sampling with
+    ``do_sample=True``.
 
     ``policy="entropy"`` (implied by ``eas=EASConfig(...)``) is entropy-adaptive speculation on
     one tree (``tree=``, or the bank's static optimum): every step verifies the tree truncated

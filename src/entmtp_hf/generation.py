@@ -276,7 +276,7 @@ def entmtp_decode(
     device = input_ids.device
     dtype = _model_dtype(model)
     heads = getattr(model, HEADS_ATTR)
-    max_nodes = max(t.num_nodes for t in plan.trees)
+    max_nodes = plan.max_nodes
     cache = _prepare_cache(model, model_kwargs, generation_config.max_length, max_nodes)
     attention_mask = model_kwargs.get("attention_mask")
     generator = EntMTPCandidateGenerator(
