@@ -354,3 +354,15 @@ def test_geomean_and_write_roundtrip(tmp_path):
     assert geomean([1.0, 4.0]) == pytest.approx(2.0) and geomean([]) is None
     doc = {"format": "entmtp-bench", "format_version": 1, "x": float("nan")}
     assert read_results(write_results(doc, tmp_path / "r.json"))["x"] is None
+
+
+def test_eas_table_pools_chains_and_halts():
+    from entmtp_hf.bench_report import eas_markdown
+
+    rec = lambda task, chains, halts, v, a: {"task": task, "method": "eas", "eas": {  # noqa: E731
+        "chain_lengths": chains, "halts": halts, "verified_draft_tokens": v, "accepted_draft_tokens": a}}
+    results = {"records": [rec("t", [4, 2], {"warmup": 1, "threshold": 1}, 6, 3), rec("t", [0], {"threshold": 1}, 0, 0),
+                           {"task": "t", "method": "vanilla"}]}  # fmt: skip
+    md = eas_markdown(results)
+    assert "| t | eas | 3 | 2.00 | warmup 1, threshold 2 | 50.0% |" in md
+    assert eas_markdown({"records": [{"task": "t", "method": "vanilla"}]}) == ""

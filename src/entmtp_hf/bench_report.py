@@ -248,6 +248,30 @@ def details_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+def eas_markdown(results: dict) -> str:
+    """Per task and EAS method: chain lengths, halts by cause and the rejected fraction ("" if none)."""
+    rows = {}
+    for r in results["records"]:
+        e = r.get("eas")
+        if not isinstance(e, dict):
+            continue
+        agg = rows.setdefault((r["task"], r["method"]), {"chains": [], "halts": {}, "verified": 0, "accepted": 0})
+        agg["chains"] += e.get("chain_lengths", [])
+        for cause, n in e.get("halts", {}).items():
+            agg["halts"][cause] = agg["halts"].get(cause, 0) + n
+        agg["verified"] += e.get("verified_draft_tokens", 0)
+        agg["accepted"] += e.get("accepted_draft_tokens", 0)
+    if not rows:
+        return ""
+    out = ["| task | method | chains | mean chain | halts by cause | verified drafts rejected |", "|---|---|---|---|---|---|"]
+    for (task, method), a in rows.items():
+        mean = sum(a["chains"]) / len(a["chains"]) if a["chains"] else 0.0
+        halts = ", ".join(f"{k} {v}" for k, v in a["halts"].items() if v) or DASH
+        rejected = (a["verified"] - a["accepted"]) / a["verified"] if a["verified"] else None
+        out.append(f"| {task} | {method} | {len(a['chains'])} | {mean:.2f} | {halts} | {_f(rejected, '.1%')} |")
+    return "\n".join(out) + "\n"
+
+
 def mismatch_lines(results: dict) -> list[str]:
     lines = []
     for r in results["records"]:
@@ -296,6 +320,8 @@ def table_markdown(results: dict) -> str:
         "Cells: tok/s (speedup ρ over vanilla, geometric mean over prompts; τ = tokens per step).", "",
         table1_markdown(results), "", "### Details", "", details_markdown(results),
     ]  # fmt: skip
+    if eas_markdown(results):
+        parts += ["### Entropy-adaptive chains", "", eas_markdown(results)]
     mism = mismatch_lines(results)
     if results["settings"]["mode"] == "greedy":
         parts += ["### Greedy mismatches against vanilla", ""] + (mism or ["none: every output is token-identical"]) + [""]
@@ -327,6 +353,8 @@ def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
         "the machine is shared and absolute speeds drift.", "",
         table1_markdown(results), "", "## Details", "", details_markdown(results),
     ]  # fmt: skip
+    if eas_markdown(results):
+        parts += ["## Entropy-adaptive chains", "", eas_markdown(results)]
     if results["settings"]["mode"] == "greedy":
         parts += ["## Greedy outputs against vanilla", ""] + (mismatch_lines(results) or ["All outputs are token-identical."]) + [""]
     if skipped_lines(results):
@@ -416,6 +444,6 @@ def write_report(
 
 
 __all__ = [
-    "details_markdown", "geomean", "make_plots", "method_summary", "results_markdown", "summarize",
+    "details_markdown", "eas_markdown", "geomean", "make_plots", "method_summary", "results_markdown", "summarize",
     "table1_markdown", "table_markdown", "write_report", "environment", "json_safe", "read_results", "write_results",
 ]  # fmt: skip
