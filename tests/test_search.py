@@ -230,7 +230,7 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     assert (sched.conservative, sched.aggressive) == tuple(hyst["trees"]) and sched.conservative < sched.aggressive
     assert sched.tau_on == hyst["values"][0] and sched.tau_on in (0.3, 0.9) and len(sched.thresholds) == 2
     assert {lab.split(":")[3] for lab in result.sweep if lab.startswith("hysteresis")} == {"1-2", "1-3", "2-3"}
-    speed = {"static": 1.0, **{k: v["vs_static"] for k, v in result.winners.items()}}
+    speed = {"static": 1.0, **{k: v["vs_static"] for k, v in result.winners.items() if v["vs_static"] >= 1.05}}
     assert sched.policy == max(speed, key=speed.get) and sched.feature == "base_top1"
     meta = bank.metadata
     for k, info in enumerate(meta["trees"]):
@@ -271,3 +271,17 @@ def test_config_validation_and_cli():
 
     cfg = config_from_args(args)
     assert cfg.timed_sizes == (1, 3) and cfg.tau_grid == (0.1,) and args.func.__name__ == "run_cli"
+
+
+@pytest.mark.parametrize("hyst,ladder,policy", [(1.03, 0.9, "static"), (1.08, 1.06, "hysteresis"), (1.06, 1.2, "ladder")])
+def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, policy):
+    from entmtp_hf.search_report import SearchResult
+
+    choice = S.choose_trees([1, 2, 3], [10.0, 12.0, 11.0])
+    result = SearchResult(task="t", settings={}, frontier=[], timed={}, labels=["a", "b", "c"], choice=choice,
+                          vanilla_tokens_per_s=10.0, reference=None, elapsed={})  # fmt: skip
+    result.winners = {"hysteresis": {"feature": "chain_value", "values": [0.4], "vs_static": hyst, "trees": [0, 2]},
+                      "ladder": {"feature": "base_top1", "values": [0.2, 0.6], "vs_static": ladder}}  # fmt: skip
+    d = result.scheduler_defaults()
+    assert d["policy"] == policy and (d["conservative"], d["aggressive"]) == (0, 2) and d["tau_on"] == 0.4
+    assert d["feature"] == "chain_value" and d["ladder_feature"] == "base_top1" and d["thresholds"] == [0.2, 0.6]

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from .search import TreeSearch
 
 PLOTS = ("acceptance_frontier.png", "throughput_frontier.png")
+#: a scheduler becomes a bank's default policy only if it beat the static tree by this much
+SWEEP_MARGIN = 1.05
 
 
 # ============================================================================ summaries
@@ -123,14 +125,16 @@ class SearchResult:
 
     def scheduler_defaults(self) -> dict[str, Any]:
         """The bank's scheduler block: EntMTP*, the winning hysteresis pair and τ, the ladder
-        with its thresholds, and as default policy the fastest of the three against static."""
+        with its thresholds, and as default policy the fastest of the three against static,
+        where a scheduler must beat static by ``SWEEP_MARGIN`` (the sweep's few prompts are noisy
+        and its winner is the best of many tries)."""
         c = self.choice
         hyst, lad = self.winners.get("hysteresis"), self.winners.get("ladder")
         low, high = hyst["trees"] if hyst and "trees" in hyst else (c.conservative, c.aggressive)
         tau = hyst["values"][0] if hyst else 0.01
         ladder = sorted({c.conservative, c.static, c.aggressive})
         thresholds = lad["values"] if lad else list(default_thresholds(len(ladder) - 1, tau))
-        speed = {"static": 1.0, **{k: v["vs_static"] for k, v in self.winners.items()}}
+        speed = {"static": 1.0, **{k: v["vs_static"] for k, v in self.winners.items() if v["vs_static"] >= SWEEP_MARGIN}}
         return {"static": c.static, "conservative": low, "aggressive": high, "tau_on": tau, "tau_off": tau,
                 "ladder": ladder, "thresholds": thresholds, "policy": max(speed, key=lambda k: speed[k]),
                 "feature": hyst["feature"] if hyst else "best_path_value",
