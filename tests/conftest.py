@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import ARCHS, fitted_heads, tiny_model  # noqa: E402
+from tiny import fitted_heads, tiny_model  # noqa: E402
 
 # tiny models gain nothing from a second thread; the demo-model tests set their own
 torch.set_num_threads(1)
