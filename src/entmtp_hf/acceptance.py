@@ -90,18 +90,18 @@ def _acceptance(args: argparse.Namespace) -> int:
     from .bank import TopologyBank
     from .bench import set_threads
     from .bench_report import read_results
-    from .demo import demo_bank_dir, load_demo
+    from .demo import load_demo
 
     set_threads(args.threads)
     results = read_results(args.results)
-    model, _, _ = load_demo()
+    model, _, demo_banks = load_demo()
     heads = model.entmtp_heads
-    bank_dir = Path(args.bank) if args.bank else demo_bank_dir()
-    tasks = args.tasks or list(results["prompts"])
+    bank_dir = Path(args.bank) if args.bank else demo_banks
+    banked = set(TopologyBank.list_tasks(bank_dir))
     trees: dict[str, dict[str, Tree]] = {}
-    for task in tasks:
+    for task in args.tasks or list(results["prompts"]):
         named = {"mc_sim_7b_63": Tree.from_choices(MC_SIM_7B_63)}
-        if task in TopologyBank.list_tasks(bank_dir):
+        if task in banked:
             bank = TopologyBank.from_pretrained(bank_dir, task=task)
             for i, t in enumerate(bank.trees):
                 named[f"bank tree {i}"] = t

@@ -475,8 +475,8 @@ class _Meter:
         return gen, elapsed, self.counter.count, self.memory.peak_bytes()
 
 
-def _completed_prompts(resume: dict | None, results: dict, methods, available) -> set[tuple[str, int]]:
-    """(task, prompt index) pairs of ``resume`` that hold a record of every method to run."""
+def _completed_prompts(resume: dict | None, results: dict, methods, available, task: str) -> set[tuple[str, int]]:
+    """(task, prompt index) pairs of ``task`` in ``resume`` that hold a record of every method to run."""
     if not resume:
         return set()
     def normal(d: dict) -> str:  # compare as the JSON file holds them (tuples -> lists)
@@ -486,8 +486,10 @@ def _completed_prompts(resume: dict | None, results: dict, methods, available) -
         raise ValueError("cannot resume: the earlier run used other settings or prompts")
     seen: dict[tuple[str, int], set] = {}
     for r in resume["records"]:
-        seen.setdefault((r["task"], r["prompt_index"]), set()).add(r["method"])
-    return {key for key, ran in seen.items() if {m.name for m in methods if key[0] in available[m.name]} <= ran}
+        if r["task"] == task:
+            seen.setdefault((task, r["prompt_index"]), set()).add(r["method"])
+    wanted = {m.name for m in methods if task in available[m.name]}
+    return {key for key, ran in seen.items() if wanted <= ran}
 
 
 def run_benchmark(
@@ -527,7 +529,7 @@ def run_benchmark(
         for label, (_, basket, all_ids) in baskets.items():
             # per task, when it starts: its bank is read (and its methods warmed up) only now
             available = _availability(ctx, methods, {label: baskets[label]}, settings, results["skipped"])
-            done = {key for key in _completed_prompts(resume, results, methods, available) if key[0] == label}
+            done = _completed_prompts(resume, results, methods, available, label)
             if done:
                 results["records"] += [r for r in resume["records"] if (r["task"], r["prompt_index"]) in done]
                 results.setdefault("resumed", {"from": resume["environment"].get("date_utc"), "prompts": 0})

@@ -320,8 +320,9 @@ def table_markdown(results: dict) -> str:
         "Cells: tok/s (speedup ρ over vanilla, geometric mean over prompts; τ = tokens per step).", "",
         table1_markdown(results), "", "### Details", "", details_markdown(results),
     ]  # fmt: skip
-    if eas_markdown(results):
-        parts += ["### Entropy-adaptive chains", "", eas_markdown(results)]
+    eas = eas_markdown(results)
+    if eas:
+        parts += ["### Entropy-adaptive chains", "", eas]
     mism = mismatch_lines(results)
     if results["settings"]["mode"] == "greedy":
         parts += ["### Greedy mismatches against vanilla", ""] + (mism or ["none: every output is token-identical"]) + [""]
@@ -353,8 +354,9 @@ def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
         "the machine is shared and absolute speeds drift.", "",
         table1_markdown(results), "", "## Details", "", details_markdown(results),
     ]  # fmt: skip
-    if eas_markdown(results):
-        parts += ["## Entropy-adaptive chains", "", eas_markdown(results)]
+    eas = eas_markdown(results)
+    if eas:
+        parts += ["## Entropy-adaptive chains", "", eas]
     if results["settings"]["mode"] == "greedy":
         parts += ["## Greedy outputs against vanilla", ""] + (mismatch_lines(results) or ["All outputs are token-identical."]) + [""]
     if skipped_lines(results):

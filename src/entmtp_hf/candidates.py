@@ -33,7 +33,7 @@ class Candidates:
     tokens: torch.Tensor  # [N] long, node 0 = root
     buffers: TreeBuffers
     feature: float | None
-    retrieved: int = 0  # tokens of the retrieval branch (0: no branch this step)
+    branch_node: int | None = None  # the retrieval branch's first node (None: no branch this step)
 
 
 class EntMTPCandidateGenerator:
@@ -58,6 +58,8 @@ class EntMTPCandidateGenerator:
         self.branch_maps = tuple(
             tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for _, m in per) for per in plan.branches
         )
+        first = plan.union.num_nodes  # pool index of the first retrieved token
+        self.branch_nodes = tuple(tuple(m.index(first) for _, m in per) for per in plan.branches)
 
     def confidence(self, logits: torch.Tensor) -> tuple[float, float]:
         """Top-1 probability and entropy of the verifier's logits at the next root, when the
@@ -98,7 +100,8 @@ class EntMTPCandidateGenerator:
         found = self.index.continuation() if self.index is not None else []
         if found:
             pool = torch.cat([proposal.tokens, proposal.tokens.new_tensor(found)])
-            tokens = pool[self.branch_maps[k][len(found) - 1]].to(self.device)
-            return Candidates(k, tokens, self.branch_buffers[k][len(found) - 1], s, len(found))
+            n = len(found) - 1
+            tokens = pool[self.branch_maps[k][n]].to(self.device)
+            return Candidates(k, tokens, self.branch_buffers[k][n], s, self.branch_nodes[k][n])
         tokens = proposal.tokens[self.node_maps[k]].to(self.device)
         return Candidates(k, tokens, self.buffers[k], s)

@@ -363,9 +363,9 @@ def entmtp_decode(
         finished = _emit(input_ids, new_tokens, parent_scores, stopping_criteria, streamer)
         input_ids = finished.input_ids
         generator.extend_text(new_tokens[: finished.count])
-        if cand.retrieved:
+        if cand.branch_node is not None:
             stats.retrieval_steps += 1
-            if len(path) > 1 and path[1] == buffers.children[0][-1]:  # the branch is the root's last child
+            if len(path) > 1 and path[1] == cand.branch_node:
                 stats.retrieval_accepted += len(path) - 1
 
         stats.accept_lengths.append(finished.count)

@@ -160,9 +160,8 @@ def _markdown(report: dict) -> str:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from .bank import TopologyBank
     from .bench import set_threads
-    from .demo import load_demo
+    from .demo import config_for, load_demo
     from .tasks import evaluation_basket
 
     set_threads(args.threads)
@@ -174,12 +173,10 @@ def _profile(args: argparse.Namespace) -> int:
     report["breakdown"], report["bound"] = {}, {}
     for task in args.tasks:
         ids = torch.tensor([evaluation_basket(task, 1)[0].render(tokenizer)])
-        tasks = TopologyBank.list_tasks(bank_dir)
-        name = task if task in tasks else "default"
-        bank = TopologyBank.from_pretrained(bank_dir, task=name)
+        bank = config_for(bank_dir, task).load_bank()  # the task's bank, or the folder's default
         report["bound"][task] = analytic_bound(bank.metadata.get("trees", []), costs)
         for policy in ("static", None):
-            cfg = EntMTPConfig(bank=bank, task=name, policy=policy)
+            cfg = EntMTPConfig(bank=bank, task=bank.task, policy=policy)
             label = f"{task} {policy or 'bank default (' + bank.scheduler.policy + ')'}"
             step_breakdown(model, ids, cfg, max_new_tokens=8)  # warm-up
             report["breakdown"][label] = step_breakdown(model, ids, cfg, args.max_new_tokens)

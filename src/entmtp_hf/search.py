@@ -450,6 +450,11 @@ class Choice:
     hull: list[int]
     pareto: list[int]
 
+    @property
+    def ladder(self) -> list[int]:
+        """T-, EntMTP* and T+ without repeats, smallest first (timed trees are ordered by size)."""
+        return sorted({self.conservative, self.static, self.aggressive})
+
 
 def choose_trees(nodes: Sequence[int], tokens_per_s: Sequence[float]) -> Choice:
     """EntMTP* = the throughput-maximal tree (ties: fewer nodes); T- and T+ = the fastest timed
@@ -721,8 +726,7 @@ class TreeSearch:
         """The static tree, hysteresis over each pair of T-, EntMTP* and T+ (label
         ``hysteresis:{feature}:{tau}:{i}-{j}``, indices into ``labels``) and the ladder."""
         runs = {"static": self._tree_config(trees[labels[choice.static]])}
-        hull = sorted({choice.conservative, choice.static, choice.aggressive}, key=lambda i: trees[labels[i]].num_nodes)
-        pairs = [(a, b) for k, a in enumerate(hull) for b in hull[k + 1 :]]
+        pairs = [(a, b) for k, a in enumerate(choice.ladder) for b in choice.ladder[k + 1 :]]
         for f in self.cfg.features:
             for lo, hi in pairs:
                 for tau in self.cfg.tau_grid:
@@ -730,7 +734,7 @@ class TreeSearch:
                         None, trees=[trees[labels[lo]].choices, trees[labels[hi]].choices], policy="hysteresis",
                         tau_on=tau, tau_off=tau, feature=f,
                     )  # fmt: skip
-        ladder = [trees[labels[i]] for i in hull]
+        ladder = [trees[labels[i]] for i in choice.ladder]
         grid = sorted(set(self.cfg.tau_grid))
         cuts = [grid[i : i + len(ladder) - 1] for i in range(len(grid) - len(ladder) + 2)] if len(ladder) > 2 else []
         for f in self.cfg.features if self.cfg.ladder else ():

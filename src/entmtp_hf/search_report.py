@@ -132,7 +132,7 @@ class SearchResult:
         hyst, lad = self.winners.get("hysteresis"), self.winners.get("ladder")
         low, high = hyst["trees"] if hyst and "trees" in hyst else (c.conservative, c.aggressive)
         tau = hyst["values"][0] if hyst else 0.01
-        ladder = sorted({c.conservative, c.static, c.aggressive})
+        ladder = c.ladder
         thresholds = lad["values"] if lad else list(default_thresholds(len(ladder) - 1, tau))
         speed = {"static": 1.0, **{k: v["vs_static"] for k, v in self.winners.items() if v["vs_static"] >= SWEEP_MARGIN}}
         return {"static": c.static, "conservative": low, "aggressive": high, "tau_on": tau, "tau_off": tau,
