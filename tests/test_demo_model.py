@@ -58,6 +58,18 @@ def test_invalid_copy_is_rebuilt_and_valid_copy_reused(tmp_path, monkeypatch, ca
     assert len(built) == 1  # the valid copy is reused
 
 
+def test_stale_gguf_quantization_config_is_dropped_from_a_cached_copy(tmp_path):
+    stale = {"model_type": "llama", "hidden_size": 8,
+             "quantization_config": {"quant_method": "gguf", "dequantize": False, "gguf_file": "x.gguf"}}
+    target = _fake_copy(tmp_path / demo_model.DEMO_NAME, config=stale)
+    demo_model_dir(tmp_path)
+    assert json.loads((target / "config.json").read_text()) == {"model_type": "llama", "hidden_size": 8}
+    other = {"model_type": "llama", "quantization_config": {"quant_method": "bitsandbytes"}}
+    (target / "config.json").write_text(json.dumps(other))
+    demo_model_dir(tmp_path)  # another quantisation is the user's business: left alone
+    assert json.loads((target / "config.json").read_text()) == other
+
+
 def test_default_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path / "a"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
@@ -73,6 +85,7 @@ def test_real_demo_model_loads_and_generates_deterministically():
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert model.dtype == torch.float32 and not model.training
+    assert not getattr(model, "is_quantized", False)  # a plain copy, not through the GGUF quantizer
     enc = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
                                   add_generation_prompt=True, return_tensors="pt",
                                   return_dict=True)

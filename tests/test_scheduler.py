@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from entmtp_hf.scheduler import FeatureTracker, Scheduler, best_path_value, ema, path_values, top1_and_entropy
+from entmtp_hf.scheduler import (
+    FeatureTracker,
+    Scheduler,
+    best_path_value,
+    ema,
+    path_values,
+    threshold,
+    top1_and_entropy,
+)
 
 
 def test_path_values_and_best_path_value():
@@ -35,11 +43,20 @@ def test_feature_tracker_values():
     assert f.value(0.5, 1.0, [0.5, 0.5]) == pytest.approx(0.125)
     f = FeatureTracker("confidence")
     assert f.value(0.5, 2.0, []) == pytest.approx(math.exp(-2.0))
+    f = FeatureTracker("head_confidence")
+    assert f.value(0.9, 1.0, [0.3, 0.8]) == pytest.approx(0.3)  # head 0's top-1, not the base's
+    assert f.value(0.9, 1.0, []) == pytest.approx(0.9)  # no chain: the base's
     f = FeatureTracker("accept_ema", window=1)
     f.observe_accept(3)
     assert f.value(0.5, 2.0, []) == 3.0
     with pytest.raises(ValueError, match="unknown scheduler feature"):
         FeatureTracker("nope")
+
+
+def test_threshold_maps_the_probability_grid_to_each_feature():
+    assert threshold("head_confidence", 0.4, 4) == 0.4
+    assert threshold("accept_ema", 0.0, 4) == 1.0 and threshold("accept_ema", 1.0, 4) == 5.0  # 1 .. depth + 1
+    assert threshold("accept_ema", 0.25, 4) == pytest.approx(2.0)
 
 
 def test_static_policy_never_moves():

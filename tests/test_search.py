@@ -285,3 +285,18 @@ def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, policy):
     d = result.scheduler_defaults()
     assert d["policy"] == policy and (d["conservative"], d["aggressive"]) == (0, 2) and d["tau_on"] == 0.4
     assert d["feature"] == "chain_value" and d["ladder_feature"] == "base_top1" and d["thresholds"] == [0.2, 0.6]
+
+
+def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
+    """accept_ema is swept in tokens per step (1 + t * depth), probabilities as given."""
+    model, heads, prompts, _, _ = setup
+    cfg = small_config(features=("head_confidence", "accept_ema"), tau_grid=(0.25, 0.5, 0.75))
+    search = S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", progress=False)
+    trees = {f"t{n}": Tree.chain(n) for n in (1, 2, 3)}
+    runs = search.sweep_runs(trees, S.Choice(1, 0, 2, [0, 1, 2], [0, 1, 2]), list(trees))
+    taus = {f: sorted({float(lab.split(":")[2]) for lab in runs if lab.startswith(f"hysteresis:{f}:")})
+            for f in cfg.features}
+    assert taus == {"head_confidence": [0.25, 0.5, 0.75], "accept_ema": [1.0 + DEPTH * t for t in (0.25, 0.5, 0.75)]}
+    ladder = runs[f"ladder:accept_ema:{1 + DEPTH * 0.25:g},{1 + DEPTH * 0.5:g}"]
+    plan = ladder.resolve(DEPTH)
+    assert plan.feature == "accept_ema" and tuple(plan.scheduler_args["thresholds"]) == (1 + DEPTH * 0.25, 1 + DEPTH * 0.5)

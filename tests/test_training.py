@@ -6,6 +6,8 @@ sequences, so each test takes a second or two on a CPU.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,7 @@ from entmtp_hf.training import (
     epoch_batches,
     extract_hidden,
     head_targets,
+    supervised_tokens,
     teacher_logprobs,
     train_heads,
 )
@@ -107,6 +110,28 @@ def test_teacher_targets_align_with_a_direct_computation(tmp_path, model):
                 assert not rows[r, n - i - 1 :].any()  # no target beyond the sequence (padding)
 
 
+def test_bfloat16_teacher_is_close_to_float32_and_resumes_in_its_precision(tmp_path, model):
+    fp32 = make_cache(tmp_path / "fp32", model, n=6)
+    seqs = [TokenSeq("gsm8k", tuple(int(x) for x in fp32.ids(k))) for k in range(6)]
+    bf16 = TeacherCache.create(tmp_path / "bf16", seqs, H, {"sources": {}})
+    calls = []
+    extract_hidden(model, bf16, batch_tokens=64, log=calls.append, dtype="bfloat16")
+    assert json.loads((bf16.root / "extract.json").read_text())["dtype"] == "bfloat16"
+    a, b = np.asarray(fp32.hidden, np.float32), np.asarray(bf16.hidden, np.float32)
+    assert not np.array_equal(a, b)  # really ran in another precision
+    assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
+    # a resumed extraction keeps the recorded precision even when asked for another one
+    progress = json.loads((bf16.root / "extract.json").read_text())
+    redo = progress["done"].pop()
+    (bf16.root / "extract.json").write_text(json.dumps(progress))
+    bf16.hidden[:] = 0
+    extract_hidden(model, bf16, batch_tokens=64, log=calls.append, dtype="float32")
+    ks = bf16.extraction_batches()[0][redo]
+    for k in ks:
+        o, n = bf16.seqs[k, :2]
+        assert np.allclose(np.asarray(bf16.hidden[o:o + n], np.float32), b[o:o + n], atol=1e-3)
+
+
 # ----------------------------------------------------------------------------- training
 @pytest.mark.parametrize("family,arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp")])
 def test_a_few_steps_reduce_the_loss(tmp_path, model, family, arch):
@@ -156,3 +181,19 @@ def test_init_from_continues_given_heads_and_keeps_their_vocabulary(tmp_path, mo
     with pytest.raises(ValueError, match="init-from"):
         train_heads(config(tmp_path, run_name="c", family="medusa", init_from=str(src)), model, cache=cache,
                     measure=False)
+
+
+def test_init_from_with_init_vocab_data_rechooses_the_vocabulary_and_keeps_the_weights(tmp_path, model):
+    cache = make_cache(tmp_path / "data", model)
+    train_heads(config(tmp_path, run_name="a", epochs=1), model, cache=cache, measure=False)
+    src = DraftHeads.from_pretrained(tmp_path / "a" / "final")
+    other = make_cache(tmp_path / "other" / "data", model, n=20, seed=5)
+    train_heads(config(tmp_path / "other", run_name="b", max_steps=1, lr=0.0, init_from=str(tmp_path / "a" / "final"),
+                       init_vocab="data"), model, cache=other, measure=False)
+    got = DraftHeads.from_pretrained(tmp_path / "other" / "b" / "final")
+    want = draft_vocabulary(supervised_tokens(other, SPLIT_TRAIN), 48, V)
+    assert torch.equal(got.draft_vocab, want) and not torch.equal(got.draft_vocab, src.draft_vocab)
+    for (name, p), q in zip(src.named_parameters(), got.parameters()):
+        assert torch.equal(p, q), name  # lr 0: the weights are the given heads'
+    with pytest.raises(ValueError, match="init_vocab"):
+        config(tmp_path, init_vocab="fresh")

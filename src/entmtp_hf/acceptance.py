@@ -94,7 +94,7 @@ def _acceptance(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     results = read_results(args.results)
-    model, _, demo_banks = load_demo()
+    model, _, demo_banks = load_demo(args.heads)
     heads = model.entmtp_heads
     bank_dir = Path(args.bank) if args.bank else demo_banks
     banked = set(TopologyBank.list_tasks(bank_dir))
@@ -127,6 +127,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("results", help="results.json of a greedy `entmtp-hf bench` run with the vanilla method")
     p.add_argument("--tasks", nargs="+", default=None)
     p.add_argument("--bank", default=None, help="bank folder (default: the demo model's shipped banks)")
+    p.add_argument("--heads", default=None, help="heads folder (default: the demo model's shipped heads)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="runs/acceptance")
     p.set_defaults(func=_acceptance)

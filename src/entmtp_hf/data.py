@@ -58,6 +58,13 @@ def _ngrams(norm: str, n: int = NGRAM) -> set[tuple[str, ...]]:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSON-lines file (gzip when it ends in .gz); a missing file is named, with
+    where the offline data sets are looked for."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"{path}: no such file. entmtp-hf reads its offline data sets (gsm8k/, spec_bench/) "
+            f"from {SHARED_DATA} (the checkout's ../shared/data); set $ENTMTP_HF_DATA to the "
+            "folder that holds them")
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -113,6 +113,9 @@ def _build_cache(target: Path) -> None:
         model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
         del gguf_model
+        # The weights are plain fp32 now; a kept GGUF quantization_config would make every
+        # later load go through the GGUF quantizer (and warn about packed weights).
+        model.config.__dict__.pop("quantization_config", None)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         model.save_pretrained(tmp)
@@ -142,7 +145,20 @@ def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
               flush=True)
     if problem:
         _build_cache(target)
+    _drop_stale_quantization(target / "config.json")
     return target
+
+
+def _drop_stale_quantization(config_path: Path) -> None:
+    """Repair copies cached by entmtp-hf <= 0.1: their config.json kept the GGUF file's
+    ``quantization_config`` although the weights beside it are plain fp32."""
+    config = json.loads(config_path.read_text())
+    if config.get("quantization_config", {}).get("quant_method") != "gguf":
+        return
+    del config["quantization_config"]
+    tmp = config_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, config_path)
 
 
 def load_base_model(model_id: str | None = None, *, cache_dir: str | Path | None = None,

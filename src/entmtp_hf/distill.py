@@ -204,12 +204,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="leave out the chat prompts the model writes itself")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="bfloat16 generates ~1.7x faster on CPUs with AMX; the answers are data "
+                         "for the heads, whose targets are recomputed in float32 at training time")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     log = Log(args.out / "progress.log")
-    model, tok = load_base_model()
+    model, tok = load_base_model(dtype=getattr(torch, args.dtype))
+    log(f"answering in {args.dtype}, batches of {args.batch_size}")
     window = args.window * args.batch_size
     order, index, report = build_pool(args.out, log, window, args.seed, not args.no_self_questions)
     order = order[: args.limit]

@@ -11,6 +11,7 @@ without a model.
   probability along the greedy chain and ``g_d = p0 * p_1 * ... * p_d`` (EAGLE-2's path
   value). Since every ``p_d <= 1`` this equals ``p0``; it is kept as specified.
 * ``chain_value``: ``g_D``, the value of the deepest greedy chain node.
+* ``head_confidence``: ``p_1``, head 0's top-1 probability (the first drafted token).
 * ``base_top1``: ``p0``;  ``confidence``: ``exp(-H)`` of the base distribution;
   ``confidence_ema``: ``exp(-EMA(H))``;  ``accept_ema``: EMA of recent accept lengths.
 
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-FEATURES = ("best_path_value", "chain_value", "base_top1", "confidence", "confidence_ema", "accept_ema")
+FEATURES = ("best_path_value", "chain_value", "head_confidence", "base_top1", "confidence", "confidence_ema",
+            "accept_ema")
 POLICIES = ("static", "hysteresis", "ladder")
 
 
@@ -54,6 +56,12 @@ def path_values(p0: float, chain_probs: list[float]) -> list[float]:
 def best_path_value(p0: float, chain_probs: list[float]) -> float:
     """``max(p0, g_1, ..., g_D)``."""
     return max([p0, *path_values(p0, chain_probs)])
+
+
+def threshold(feature: str, t: float, depth: int) -> float:
+    """A threshold given on the probability scale [0, 1] in ``feature``'s own units: every
+    feature is a probability except ``accept_ema`` (tokens per step, 1 to depth + 1)."""
+    return 1.0 + t * depth if feature == "accept_ema" else t
 
 
 def ema(previous: float | None, value: float, window: int) -> float:
@@ -89,6 +97,8 @@ class FeatureTracker:
             return best_path_value(p0, chain_probs)
         if self.name == "chain_value":
             return path_values(p0, chain_probs)[-1] if chain_probs else p0
+        if self.name == "head_confidence":
+            return chain_probs[0] if chain_probs else p0
         if self.name == "base_top1":
             return p0
         if self.name == "confidence":

@@ -45,15 +45,15 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from .config import EntMTPConfig
-from .scheduler import FEATURES
+from .scheduler import FEATURES, threshold
 from .tree import MC_SIM_7B_63, Path, Tree
 from .verify import keep_accepted, tree_attention_mask, typical_accept_flags
 
 if TYPE_CHECKING:
     from .search_report import SearchResult
 
-#: hysteresis thresholds and ladder cut points swept per feature; ``best_path_value`` is the
-#: base model's top-1 probability, so useful values span most of (0, 1)
+#: hysteresis thresholds and ladder cut points swept per feature, on the probability scale
+#: (:func:`~entmtp_hf.scheduler.threshold` maps them to ``accept_ema``'s tokens per step)
 TAU_GRID = (0.05, 0.2, 0.4, 0.6, 0.8)
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SCORINGS = ("rank_tuple", "rollout")
@@ -85,7 +85,7 @@ class SearchConfig:
     time_reference: bool = True  # also time mc_sim_7b_63 when the heads can draft it
     sweep_prompts: int = 3  # first prompts of the calibration set used by the τ sweep
     tau_grid: tuple[float, ...] = TAU_GRID
-    features: tuple[str, ...] = ("best_path_value", "chain_value")
+    features: tuple[str, ...] = ("head_confidence", "accept_ema")  # tau_grid mapped by scheduler.threshold
     ladder: bool = True  # calibrate ladder thresholds (adjacent pairs of tau_grid)
     seed: int = 123
 
@@ -727,9 +727,10 @@ class TreeSearch:
         ``hysteresis:{feature}:{tau}:{i}-{j}``, indices into ``labels``) and the ladder."""
         runs = {"static": self._tree_config(trees[labels[choice.static]])}
         pairs = [(a, b) for k, a in enumerate(choice.ladder) for b in choice.ladder[k + 1 :]]
+        depth = self.heads.num_heads
         for f in self.cfg.features:
             for lo, hi in pairs:
-                for tau in self.cfg.tau_grid:
+                for tau in (threshold(f, t, depth) for t in self.cfg.tau_grid):
                     runs[f"hysteresis:{f}:{tau:g}:{lo}-{hi}"] = self._tree_config(
                         None, trees=[trees[labels[lo]].choices, trees[labels[hi]].choices], policy="hysteresis",
                         tau_on=tau, tau_off=tau, feature=f,
@@ -738,7 +739,7 @@ class TreeSearch:
         grid = sorted(set(self.cfg.tau_grid))
         cuts = [grid[i : i + len(ladder) - 1] for i in range(len(grid) - len(ladder) + 2)] if len(ladder) > 2 else []
         for f in self.cfg.features if self.cfg.ladder else ():
-            for th in cuts:
+            for th in ([threshold(f, t, depth) for t in cut] for cut in cuts):
                 runs[f"ladder:{f}:{','.join(f'{t:g}' for t in th)}"] = self._tree_config(
                     None, trees=[t.choices for t in ladder], policy="ladder", thresholds=list(th), feature=f
                 )

@@ -13,12 +13,11 @@ heads' training data (see docs/training-data.md).
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from .data import GSM8K_DIR, humaneval_problems, mt_bench_rows
+from .data import GSM8K_DIR, humaneval_problems, mt_bench_rows, read_jsonl
 
 SEED = 123
 BUILTIN_TASKS = ("humaneval", "gsm8k", "chat")
@@ -61,17 +60,12 @@ def _humaneval() -> list[TaskPrompt]:
 
 
 def _gsm8k() -> list[TaskPrompt]:
-    rows = _read_jsonl(Path(GSM8K_DIR) / "test.jsonl")
+    rows = read_jsonl(Path(GSM8K_DIR) / "test.jsonl")
     return [TaskPrompt("gsm8k", f"test-{i}", _user(r["question"])) for i, r in enumerate(rows)]
 
 
 def _chat() -> list[TaskPrompt]:
     return [TaskPrompt("chat", f"mt-bench-{r['question_id']}", _user(r["turns"][0])) for r in mt_bench_rows()]
-
-
-def _read_jsonl(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _prompt_text(row: dict, source: str, i: int) -> str:
@@ -85,7 +79,7 @@ def _prompt_text(row: dict, source: str, i: int) -> str:
 
 def _custom(source: str) -> list[TaskPrompt]:
     if Path(source).exists():
-        rows = _read_jsonl(source)
+        rows = read_jsonl(source)
     else:
         import datasets
 

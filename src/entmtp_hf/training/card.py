@@ -26,9 +26,13 @@ def model_card(s: dict[str, Any], heads: DraftHeads) -> str:
         "stdlib": "`stdlib`: Python standard-library source",
     }
     about = "; ".join(described[k] for k in SOURCES if k in sources)
-    start = (f"Training started from the heads in `{c['init_from']}` (same drafting vocabulary) instead of the "
+    vocab = ("its drafting vocabulary chosen anew from this run's data" if c.get("init_vocab") == "data"
+             else "same drafting vocabulary")
+    start = (f"Training started from the heads in `{c['init_from']}` ({vocab}) instead of the "
              "warm start." if c.get("init_from") else "Training started from the warm start (every head = base LM "
              "head on c_t).")
+    teacher = ("The teacher cache (hidden states and greedy tokens) was filled under bfloat16 autocast "
+               "(`--teacher-dtype bfloat16`; weights float32).\n\n" if s["extract"].get("dtype") == "bfloat16" else "")
     tau_line = (f"Greedy EntMTP decoding with the `mc_sim_7b_63` tree on {tau['prompts']} held-out prompts "
                 f"(held-out distilled prompts, then held-out GSM8K-train questions; {tau['max_new_tokens']} new tokens "
                 f"each): **mean accepted tokens per step τ = "
@@ -69,7 +73,7 @@ renormalised, with KL(teacher || head) (CE weight {c['ce_weight']}, head weights
 {s.get('command') or '(API call)'}
 ```
 
-{start}
+{teacher}{start}
 AdamW lr {c['lr']}, {c['schedule']} schedule with {c['warmup_steps']} warm-up steps, clip {c['grad_clip']},
 batches of ≤ {c['batch_tokens']} tokens, {s['steps']} of {s['total_steps']} steps
 ({s['train_tokens_seen']} tokens seen, ≈ {s['epochs_done']} epochs, {s['train_seconds']} s,

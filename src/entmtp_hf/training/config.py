@@ -29,6 +29,7 @@ class TrainConfig:
     run_name: str | None = None
     output: str | None = None
     init_from: str | None = None
+    init_vocab: str = "heads"
     distill_dir: str | None = "data/distill"
     sources: tuple[str, ...] = SOURCES
     max_tokens: int = 600_000
@@ -37,6 +38,7 @@ class TrainConfig:
     max_seq_len: int = 512
     batch_tokens: int = 2048
     extract_batch_tokens: int = 4096
+    teacher_dtype: str = "float32"
     epochs: int = 2
     max_steps: int | None = None
     lr: float = 1e-3
@@ -63,6 +65,10 @@ class TrainConfig:
             raise ValueError(f"schedule must be 'cosine' or 'linear', got {self.schedule!r}")
         if self.save_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"save_dtype must be float16, bfloat16 or float32, got {self.save_dtype!r}")
+        if self.init_vocab not in ("heads", "data"):
+            raise ValueError(f"init_vocab must be 'heads' or 'data', got {self.init_vocab!r}")
+        if self.teacher_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"teacher_dtype must be float32 or bfloat16, got {self.teacher_dtype!r}")
         bad = set(self.sources) - set(SOURCES)
         if bad:
             raise ValueError(f"unknown data sources {sorted(bad)}; choose from {SOURCES}")

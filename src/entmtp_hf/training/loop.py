@@ -191,8 +191,11 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
     elif acc.is_main_process:
         np.save(snapshot, np.nonzero(cache.ready)[0])
     vocab_size = model.config.get_text_config().vocab_size
-    if cfg.init_from:  # continue training given heads (their drafting vocabulary included) on this data
+    if cfg.init_from:  # continue training given heads on this data
         heads = init_heads_from(cfg, model)
+        if cfg.init_vocab == "data":
+            heads.draft_vocab.copy_(draft_vocabulary(supervised_tokens(cache, SPLIT_TRAIN), cfg.draft_vocab_size,
+                                                     vocab_size))
         dv = heads.draft_vocab.cpu()
     else:
         dv = draft_vocabulary(supervised_tokens(cache, SPLIT_TRAIN), cfg.draft_vocab_size, vocab_size)
