@@ -328,3 +328,32 @@ def test_bench_methods_eas_and_fixed_chains(tmp_path):
     assert set(recs) == {"vanilla", "eas", "chain-4"} and all(r["mismatch"] is None for r in recs.values())
     assert recs["eas"]["eas"]["halts"]["warmup"] > 0 and recs["chain-4"]["eas"] is None
     assert recs["chain-4"]["drafted_tokens"] == 4 * recs["chain-4"]["steps"]
+
+
+def test_bench_draft_model_methods_int8_draft(tmp_path):
+    """The draft-model form in the harness: the target's int8 copy drafts, EAS or a fixed chain
+    sets the length, output identical to vanilla."""
+    from entmtp_hf.bench import BenchContext, BenchSettings, random_heads, run_benchmark
+    from entmtp_hf.eas import fixed_length, quantized_draft
+    from test_bench import DEFAULTS, tiny_llama, tiny_tokenizer, write_task
+
+    model = tiny_llama()
+    draft = quantized_draft(model)
+    assert isinstance(draft.model.layers[0].mlp.up_proj, torch.ao.nn.quantized.dynamic.Linear)
+    assert isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)  # the target is untouched
+    ctx = BenchContext(model, tiny_tokenizer(), bank_folder=DEFAULTS, model_name="tiny")
+    ctx.heads["hydra"] = random_heads(model, "hydra", seed=0)
+    settings = BenchSettings(
+        tasks=(write_task(tmp_path, "alpha", 2),), num_prompts=2, max_new_tokens=12, preset="test",
+        methods=("vanilla", "draft-eas", "draft-chain-4"), warmup_tokens=4, perplexity=False,
+    )  # fmt: skip
+    results = run_benchmark(ctx, settings)
+    recs = [r for r in results["records"] if r["method"] != "vanilla"]
+    assert {r["method"] for r in recs} == {"draft-eas", "draft-chain-4"}
+    assert all(r["mismatch"] is None for r in recs)  # greedy: identical to vanilla
+    chain = [r["eas"] for r in recs if r["method"] == "draft-chain-4"]
+    assert all({k for k, n in c["halts"].items() if n} <= {"warmup", "length"} for c in chain)  # a fixed chain never halts early
+    for r in recs:  # steps are the target's verification forwards (the draft's are not counted)
+        assert r["steps"] == r["forwards"] == len(r["eas"]["chain_lengths"])
+        assert r["mean_accept_length"] == pytest.approx(r["new_tokens"] / r["steps"])
+    assert fixed_length(8).k_max == 8 and fixed_length(8).warmup_length == 8

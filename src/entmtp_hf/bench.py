@@ -40,7 +40,7 @@ import torch
 from .bank import TREES_DIR, TopologyBank
 from .bench_report import FORMAT, FORMAT_VERSION, environment, json_safe, read_results, summarize, write_results
 from .config import EntMTPConfig
-from .eas import EASConfig, eas_bench_config, fixed_chain_config
+from .eas import EASConfig, eas_bench_config, fixed_chain_config, fixed_length, quantized_draft
 from .tasks import BUILTIN_TASKS, evaluation_basket
 from .tree import MC_SIM_7B_63
 
@@ -101,6 +101,7 @@ class Generation:
 
     new_ids: list[int]
     stats: dict | None = None
+    assisted: bool = False  # transformers' assisted decoding: its first forward verifies drafts too
 
 
 @dataclass
@@ -116,10 +117,19 @@ class BenchContext:
     model_name: str = ""
     _banks: dict[str, Any] = field(default_factory=dict, repr=False)
     _configs: dict[tuple, EntMTPConfig] = field(default_factory=dict, repr=False)
+    _drafts: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def draft(self, kind: str):
+        """The draft model of the draft-model methods, built once: ``int8`` = :func:`quantized_draft`."""
+        if kind not in self._drafts:
+            if kind != "int8":
+                raise ValueError(f"unknown draft model {kind!r}")
+            self._drafts[kind] = quantized_draft(self.model)
+        return self._drafts[kind]
 
     def bank(self, task: str) -> TopologyBank:
         """The bank of ``task``, falling back to the folder's ``default`` task (logged)."""
@@ -186,7 +196,7 @@ class Method:
         def run(input_ids: torch.Tensor, gen_kwargs: dict) -> Generation:
             out = ctx.model.generate(input_ids, return_dict_in_generate=True, **gen_kwargs, **kwargs)
             new_ids = out.sequences[0, input_ids.shape[1] :].tolist()
-            return Generation(new_ids, getattr(out, "entmtp_stats", None))
+            return Generation(new_ids, getattr(out, "entmtp_stats", None), "prompt_lookup_num_tokens" in kwargs)
 
         return run
 
@@ -236,6 +246,43 @@ register_method(Method("eas-w16", "EAS with a 16-token warm-up (the default wait
 for _k in (4, 8, 12):
     register_method(Method(f"chain-{_k}", f"fixed Hydra head chain, k={_k}", heads="hydra",
                            entmtp=fixed_chain_config(_k), default=False))
+
+
+@dataclass(frozen=True)
+class DraftMethod(Method):
+    """Assisted decoding with a draft model of ``ctx.draft(draft)`` and EAS (or a fixed
+    chain: :func:`~entmtp_hf.eas.fixed_length`) deciding each chain's length."""
+
+    draft: str = "int8"
+    eas: EASConfig = field(default_factory=EASConfig)
+
+    def unavailable(self, ctx: BenchContext, task: str, mode: str) -> str | None:
+        if ctx.device.type != "cpu":
+            return "the int8 draft (dynamic quantisation) runs on the CPU only"
+        return None if ctx.heads else "eas_config needs a model enabled by enable_entmtp, i.e. some heads"
+
+    def prepare(self, ctx: BenchContext, task: str, mode: str) -> Callable[[torch.Tensor, dict], Generation]:
+        from .generation import EntMTPGenerationMixin, enable_entmtp
+
+        if not isinstance(ctx.model, EntMTPGenerationMixin):  # the heads are not used, only the generate hook
+            enable_entmtp(ctx.model, next(iter(ctx.heads.values())))
+        draft = ctx.draft(self.draft)
+
+        def run(input_ids: torch.Tensor, gen_kwargs: dict) -> Generation:
+            out = ctx.model.generate(input_ids, return_dict_in_generate=True, assistant_model=draft,
+                                     eas_config=self.eas, **gen_kwargs)
+            return Generation(out.sequences[0, input_ids.shape[1]:].tolist(), getattr(out, "entmtp_stats", None),
+                              assisted=True)
+
+        return run
+
+
+# The draft-model form of EAS against fixed chains, with the target's own int8 copy as the draft.
+register_method(DraftMethod("draft-eas", "int8 draft model, chain halted by EAS (k_max 12, 16-token warm-up)",
+                            eas=EASConfig(warmup_tokens=16), default=False))  # fmt: skip
+for _k in (4, 8, 12):
+    register_method(DraftMethod(f"draft-chain-{_k}", f"int8 draft model, fixed chain k={_k}", eas=fixed_length(_k),
+                                default=False))  # fmt: skip
 
 
 # ============================================================================ loading
@@ -396,7 +443,9 @@ def rotation(names: Sequence[str], index: int) -> list[str]:
 def _record(task, prompt_index, prompt, method, gen: Generation, elapsed, forwards, peak) -> dict:
     stats = gen.stats or {}
     new = len(gen.new_ids)
-    steps = len(stats["accept_lengths"]) if stats else max(forwards - 1, 0)
+    # steps = verification forwards; tree methods prefill first, assisted decoding verifies from its first forward
+    prefill = 0 if gen.assisted else 1
+    steps = len(stats["accept_lengths"]) if "accept_lengths" in stats else max(forwards - prefill, 0)
     rec = {
         "task": task,
         "prompt_index": prompt_index,
@@ -407,7 +456,7 @@ def _record(task, prompt_index, prompt, method, gen: Generation, elapsed, forwar
         "tokens_per_s": new / elapsed if elapsed > 0 else None,
         "forwards": forwards,
         "steps": steps,
-        "mean_accept_length": (new - 1) / steps if steps else None,  # tokens per step after the prefill
+        "mean_accept_length": (new - prefill) / steps if steps else None,  # tokens per verification step
         "peak_memory_bytes": peak,
         "output_ids": list(gen.new_ids),
     }

@@ -387,6 +387,27 @@ def fixed_chain_config(k: int):
 
 
 
+def quantized_draft(model):
+    """An int8 copy of ``model`` (dynamic quantisation of every ``nn.Linear``; CPU only) to
+    draft with: the target's own vocabulary and weights at a quarter of the bytes per step,
+    a draft/target pair that needs no second checkpoint and no training."""
+    import copy
+
+    import warnings
+
+    with warnings.catch_warnings():  # torch.ao's eager quantisation warns that it moved to torchao
+        warnings.simplefilter("ignore")
+        draft = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear},
+                                                       dtype=torch.qint8)
+    return draft.eval()
+
+
+def fixed_length(k: int) -> EASConfig:
+    """An :class:`EASConfig` that drafts exactly ``k`` tokens every step (the fixed-chain
+    baseline of the draft-model form): the warm-up never ends."""
+    return EASConfig(k_max=k, warmup_tokens=2**62, warmup_length=k)
+
+
 # ============================================================================ overhead
 def measure_overhead(model=None, heads=None, repeats: int = 200, tree=None) -> dict:
     """Median per-step cost (ms) of EAS on the demo model (or ``model`` + ``heads``).
