@@ -37,7 +37,9 @@ draft tokens that were rejected.
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from collections import deque
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -386,15 +388,10 @@ def fixed_chain_config(k: int):
     return make
 
 
-
 def quantized_draft(model):
     """An int8 copy of ``model`` (dynamic quantisation of every ``nn.Linear``; CPU only) to
     draft with: the target's own vocabulary and weights at a quarter of the bytes per step,
     a draft/target pair that needs no second checkpoint and no training."""
-    import copy
-
-    import warnings
-
     with warnings.catch_warnings():  # torch.ao's eager quantisation warns that it moved to torchao
         warnings.simplefilter("ignore")
         draft = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear},
