@@ -288,7 +288,7 @@ def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, policy):
 
 
 def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
-    """accept_ema is swept in tokens per step (1 + t * depth), probabilities as given."""
+    """accept_ema is swept in tokens per step (1 + t * depth of T-, or of the heads for the ladder)."""
     model, heads, prompts, _, _ = setup
     cfg = small_config(features=("head_confidence", "accept_ema"), tau_grid=(0.25, 0.5, 0.75))
     search = S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", progress=False)
@@ -296,7 +296,13 @@ def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
     runs = search.sweep_runs(trees, S.Choice(1, 0, 2, [0, 1, 2], [0, 1, 2]), list(trees))
     taus = {f: sorted({float(lab.split(":")[2]) for lab in runs if lab.startswith(f"hysteresis:{f}:")})
             for f in cfg.features}
-    assert taus == {"head_confidence": [0.25, 0.5, 0.75], "accept_ema": [1.0 + DEPTH * t for t in (0.25, 0.5, 0.75)]}
+    assert taus["head_confidence"] == [0.25, 0.5, 0.75]
+    # hysteresis on accept_ema: 1 + t * depth of T- (floored at 1), reachable while T- runs
+    for lo, hi in ((0, 1), (0, 2), (1, 2)):
+        got = sorted(float(lab.split(":")[2]) for lab in runs if lab.startswith("hysteresis:accept_ema:")
+                     and lab.endswith(f":{lo}-{hi}"))
+        d = max(trees[f"t{lo + 1}"].depth, 1)
+        assert got == [1.0 + d * t for t in (0.25, 0.5, 0.75)] and max(got) <= trees[f"t{lo + 1}"].depth + 1
     ladder = runs[f"ladder:accept_ema:{1 + DEPTH * 0.25:g},{1 + DEPTH * 0.5:g}"]
     plan = ladder.resolve(DEPTH)
     assert plan.feature == "accept_ema" and tuple(plan.scheduler_args["thresholds"]) == (1 + DEPTH * 0.25, 1 + DEPTH * 0.5)

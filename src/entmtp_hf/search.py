@@ -730,7 +730,9 @@ class TreeSearch:
         depth = self.heads.num_heads
         for f in self.cfg.features:
             for lo, hi in pairs:
-                for tau in (threshold(f, t, depth) for t in self.cfg.tau_grid):
+                # accept_ema under T- never exceeds T-'s depth + 1: scale its grid to that, not the heads' depth
+                low_depth = max(trees[labels[lo]].depth, 1)
+                for tau in (threshold(f, t, low_depth) for t in self.cfg.tau_grid):
                     runs[f"hysteresis:{f}:{tau:g}:{lo}-{hi}"] = self._tree_config(
                         None, trees=[trees[labels[lo]].choices, trees[labels[hi]].choices], policy="hysteresis",
                         tau_on=tau, tau_off=tau, feature=f,
