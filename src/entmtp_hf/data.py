@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 
-# The shared data folder of a checkout (../shared/data); $ENTMTP_HF_DATA overrides it.
-SHARED_DATA = Path(os.environ.get("ENTMTP_HF_DATA")
-                   or Path(__file__).resolve().parents[3] / "shared" / "data")
-GSM8K_DIR = SHARED_DATA / "gsm8k"
-SPEC_BENCH = SHARED_DATA / "spec_bench" / "question.jsonl"
+# The checkout's copies of the offline data sets (data/datasets); $ENTMTP_HF_DATA overrides it.
+DATA_DIR = Path(os.environ.get("ENTMTP_HF_DATA")
+                or Path(__file__).resolve().parents[2] / "data" / "datasets")
+GSM8K_DIR = DATA_DIR / "gsm8k"
+SPEC_BENCH = DATA_DIR / "spec_bench" / "question.jsonl"
 MT_BENCH_IDS = range(81, 161)
 SPEC_BENCH_CHAT = ("translation", "summarization", "qa", "rag")
 NGRAM = 13
@@ -63,7 +63,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
     if not Path(path).is_file():
         raise FileNotFoundError(
             f"{path}: no such file. entmtp-hf reads its offline data sets (gsm8k/, spec_bench/) "
-            f"from {SHARED_DATA} (the checkout's ../shared/data); set $ENTMTP_HF_DATA to the "
+            f"from {DATA_DIR} (the checkout's data/datasets); set $ENTMTP_HF_DATA to the "
             "folder that holds them")
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
