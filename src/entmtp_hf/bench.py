@@ -117,19 +117,17 @@ class BenchContext:
     model_name: str = ""
     _banks: dict[str, Any] = field(default_factory=dict, repr=False)
     _configs: dict[tuple, EntMTPConfig] = field(default_factory=dict, repr=False)
-    _drafts: dict[str, Any] = field(default_factory=dict, repr=False)
+    _int8_draft: Any = field(default=None, repr=False)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def draft(self, kind: str):
-        """The draft model of the draft-model methods, built once: ``int8`` = :func:`quantized_draft`."""
-        if kind not in self._drafts:
-            if kind != "int8":
-                raise ValueError(f"unknown draft model {kind!r}")
-            self._drafts[kind] = quantized_draft(self.model)
-        return self._drafts[kind]
+    def int8_draft(self):
+        """The draft model of the draft-model methods (:func:`quantized_draft`), built once."""
+        if self._int8_draft is None:
+            self._int8_draft = quantized_draft(self.model)
+        return self._int8_draft
 
     def bank(self, task: str) -> TopologyBank:
         """The bank of ``task``, falling back to the folder's ``default`` task (logged)."""
@@ -192,13 +190,19 @@ class Method:
         if self.entmtp is not None:
             enable_entmtp(ctx.model, ctx.heads[self.heads])  # a heads swap, outside the clock
             kwargs["entmtp_config"] = self._config(ctx, task, mode)
+        return _runner(ctx, kwargs)
 
-        def run(input_ids: torch.Tensor, gen_kwargs: dict) -> Generation:
-            out = ctx.model.generate(input_ids, return_dict_in_generate=True, **gen_kwargs, **kwargs)
-            new_ids = out.sequences[0, input_ids.shape[1] :].tolist()
-            return Generation(new_ids, getattr(out, "entmtp_stats", None), "prompt_lookup_num_tokens" in kwargs)
 
-        return run
+def _runner(ctx: BenchContext, kwargs: dict) -> Callable[[torch.Tensor, dict], Generation]:
+    """The timed callable: ``generate`` with the method's ``kwargs`` on top of the basket's."""
+    assisted = any(kwargs.get(k) is not None for k in ("assistant_model", "prompt_lookup_num_tokens"))
+
+    def run(input_ids: torch.Tensor, gen_kwargs: dict) -> Generation:
+        out = ctx.model.generate(input_ids, return_dict_in_generate=True, **gen_kwargs, **kwargs)
+        new_ids = out.sequences[0, input_ids.shape[1] :].tolist()
+        return Generation(new_ids, getattr(out, "entmtp_stats", None), assisted)
+
+    return run
 
 
 #: name -> method; insertion order is the default run and report order.
@@ -250,10 +254,9 @@ for _k in (4, 8, 12):
 
 @dataclass(frozen=True)
 class DraftMethod(Method):
-    """Assisted decoding with a draft model of ``ctx.draft(draft)`` and EAS (or a fixed
-    chain: :func:`~entmtp_hf.eas.fixed_length`) deciding each chain's length."""
+    """Assisted decoding with the target's int8 copy as the draft model (``ctx.int8_draft()``)
+    and EAS (or a fixed chain: :func:`~entmtp_hf.eas.fixed_length`) deciding each chain's length."""
 
-    draft: str = "int8"
     eas: EASConfig = field(default_factory=EASConfig)
 
     def unavailable(self, ctx: BenchContext, task: str, mode: str) -> str | None:
@@ -266,15 +269,7 @@ class DraftMethod(Method):
 
         if not isinstance(ctx.model, EntMTPGenerationMixin):  # the heads are not used, only the generate hook
             enable_entmtp(ctx.model, next(iter(ctx.heads.values())))
-        draft = ctx.draft(self.draft)
-
-        def run(input_ids: torch.Tensor, gen_kwargs: dict) -> Generation:
-            out = ctx.model.generate(input_ids, return_dict_in_generate=True, assistant_model=draft,
-                                     eas_config=self.eas, **gen_kwargs)
-            return Generation(out.sequences[0, input_ids.shape[1]:].tolist(), getattr(out, "entmtp_stats", None),
-                              assisted=True)
-
-        return run
+        return _runner(ctx, {"assistant_model": ctx.int8_draft(), "eas_config": self.eas})
 
 
 # The draft-model form of EAS against fixed chains, with the target's own int8 copy as the draft.

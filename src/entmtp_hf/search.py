@@ -727,7 +727,6 @@ class TreeSearch:
         ``hysteresis:{feature}:{tau}:{i}-{j}``, indices into ``labels``) and the ladder."""
         runs = {"static": self._tree_config(trees[labels[choice.static]])}
         pairs = [(a, b) for k, a in enumerate(choice.ladder) for b in choice.ladder[k + 1 :]]
-        depth = self.heads.num_heads
         for f in self.cfg.features:
             for lo, hi in pairs:
                 # accept_ema under T- never exceeds T-'s depth + 1: scale its grid to that, not the heads' depth
@@ -741,7 +740,7 @@ class TreeSearch:
         grid = sorted(set(self.cfg.tau_grid))
         cuts = [grid[i : i + len(ladder) - 1] for i in range(len(grid) - len(ladder) + 2)] if len(ladder) > 2 else []
         for f in self.cfg.features if self.cfg.ladder else ():
-            for th in ([threshold(f, t, depth) for t in cut] for cut in cuts):
+            for th in ([threshold(f, t, self.heads.num_heads) for t in cut] for cut in cuts):
                 runs[f"ladder:{f}:{','.join(f'{t:g}' for t in th)}"] = self._tree_config(
                     None, trees=[t.choices for t in ladder], policy="ladder", thresholds=list(th), feature=f
                 )

@@ -20,7 +20,7 @@ _HELP = {
     "work_dir": "folder of the teacher cache (WORK/data) and runs (WORK/RUN); keep it out of git",
     "run_name": "run folder name under WORK (default FAMILY-ARCH)",
     "output": "folder for the final heads (default WORK/RUN/final)",
-    "init_from": "start from these heads (a heads folder; keeps their drafting vocabulary) instead of a warm start",
+    "init_from": "start from these heads (a heads folder) instead of a warm start",
     "init_vocab": "with --init-from: 'heads' keeps their drafting vocabulary, 'data' chooses it anew from this "
                   "run's data (the head weights do not depend on it: their LM head is the base model's)",
     "distill_dir": "folder of distill-*.jsonl self-distilled records", "sources": "comma-separated data sources",

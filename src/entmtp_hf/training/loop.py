@@ -191,14 +191,15 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
     elif acc.is_main_process:
         np.save(snapshot, np.nonzero(cache.ready)[0])
     vocab_size = model.config.get_text_config().vocab_size
+    dv = None  # the drafting vocabulary: chosen from this data unless kept from --init-from heads
+    if not (cfg.init_from and cfg.init_vocab == "heads"):
+        dv = draft_vocabulary(supervised_tokens(cache, SPLIT_TRAIN), cfg.draft_vocab_size, vocab_size)
     if cfg.init_from:  # continue training given heads on this data
         heads = init_heads_from(cfg, model)
-        if cfg.init_vocab == "data":
-            heads.draft_vocab.copy_(draft_vocabulary(supervised_tokens(cache, SPLIT_TRAIN), cfg.draft_vocab_size,
-                                                     vocab_size))
+        if dv is not None:  # --init-vocab data: the weights do not depend on the vocabulary
+            heads.draft_vocab.copy_(dv)
         dv = heads.draft_vocab.cpu()
     else:
-        dv = draft_vocabulary(supervised_tokens(cache, SPLIT_TRAIN), cfg.draft_vocab_size, vocab_size)
         torch.manual_seed(cfg.seed)  # the random part of the initialisation (prefix layer)
         heads = HEADS_REGISTRY[cfg.family].for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, dv,
                                                        use_base_lm_head=True).float()
