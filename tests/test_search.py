@@ -168,7 +168,8 @@ def fake(measure, table, calls):
 
 def small_config(**kw):
     args = dict(num_prompts=2, timing_prompts=2, max_new_tokens=12, budget=8, timed_sizes=(1, 2, 4, 8),
-                time_reference=False, sweep_prompts=2, tau_grid=(0.3, 0.9), features=("base_top1",))  # fmt: skip
+                time_reference=False, sweep_prompts=2, tau_grid=(0.3, 0.9), features=("base_top1",),
+                ranking="measured")  # fmt: skip
     return S.SearchConfig(**{**args, **kw})
 
 
@@ -306,3 +307,53 @@ def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
     ladder = runs[f"ladder:accept_ema:{1 + DEPTH * 0.25:g},{1 + DEPTH * 0.5:g}"]
     plan = ladder.resolve(DEPTH)
     assert plan.feature == "accept_ema" and tuple(plan.scheduler_args["thresholds"]) == (1 + DEPTH * 0.25, 1 + DEPTH * 0.5)
+
+
+# ----------------------------------------------------------------------------- modelled ranking
+def test_modelled_speed_is_tokens_over_work_and_own_overhead():
+    from entmtp_hf.search_report import modelled_speed
+
+    run = {"seconds": 9.0, "new_tokens": 7, "accept_lengths": [2, 1, 3], "tree_sizes": [2, 2, 3],
+           "forward_seconds": 1.0, "decode_seconds": 1.1}  # fmt: skip
+    costs = {1: 1.0, 2: 1.2, 3: 1.5}
+    assert modelled_speed(run, costs) == pytest.approx(6 / ((1.2 + 1.2 + 1.5) * 1.1))
+    assert modelled_speed({**run, "seconds": 90.0}, costs) == modelled_speed(run, costs)  # wall time plays no part
+    assert modelled_speed({"seconds": 1.0, "new_tokens": 7, "accept_lengths": []}, costs) is None  # plain decoding
+    with pytest.raises(ValueError, match=r"tree sizes \[3\]"):
+        modelled_speed(run, {1: 1.0, 2: 1.2})
+
+
+def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_path):
+    """Wall times say the 8-node tree is fastest; with forward costs that grow fast in N the
+    modelled ranking picks the tree with the most tokens per unit of modelled work."""
+    from entmtp_hf.search_report import modelled_speed
+
+    model, heads, prompts, _, measure = setup
+    asked = []
+
+    def costs(model_, sizes, *, prefix_len, repeats):
+        asked.append((tuple(sizes), prefix_len, repeats))
+        return {n: 0.01 * (1 + 0.6 * (n - 1)) for n in sizes}
+
+    wall = {"vanilla": 10.0, "frontier-1": 10.0, "frontier-2": 11.0, "frontier-4": 12.0, "frontier-8": 30.0}
+    cfg = small_config(ranking="modelled", cost_repeats=3)
+    result = S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", measure=fake(measure, wall, []),
+                          forward_costs=costs, progress=False).run()  # fmt: skip
+    assert asked == [((1, 2, 4, 8), int(S.median([len(p) for p in prompts[:2]])) + 6, 3)]
+    rel = {n: 1 + 0.6 * (n - 1) for n in (1, 2, 4, 8)}
+    assert result.costs == pytest.approx(rel)
+    runs = json.loads((tmp_path / "rollouts.json").read_text())
+    want = {lab: S.median([modelled_speed(r, rel) for r in runs[lab].values()]) for lab in result.labels}
+    assert {lab: result.timed[lab]["modelled"] for lab in result.labels} == pytest.approx(want)
+    best = max(result.labels, key=lambda lab: (want[lab], -result.timed[lab]["num_nodes"]))
+    assert result.labels[result.choice.static] == best != "frontier-8"
+    static = json.loads((tmp_path / "sweep.json").read_text())["static"]
+    for lab, v in result.sweep.items():  # the sweep's winners are ranked the same way
+        mine = json.loads((tmp_path / "sweep.json").read_text())[lab]
+        ratios = [modelled_speed(r, rel) / modelled_speed(static[p], rel) for p, r in mine.items()]
+        assert v["vs_static"] == pytest.approx(S.median(ratios))
+    bank = TopologyBank.from_pretrained(tmp_path / "bank", task="tiny")
+    assert bank.metadata["calibration"]["ranked_by"].startswith("modelled")
+    assert "c(N)" in (tmp_path / "report.md").read_text()
+    S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", measure=fake(measure, wall, []),
+                 forward_costs=lambda *a, **k: pytest.fail("costs were measured again"), progress=False).run()  # fmt: skip

@@ -11,7 +11,8 @@ generator of :mod:`entmtp_hf.eas` (chosen through ``_get_candidate_generator``).
 
 The decode loop, per step:
   1. draft   - the heads propose the union of the schedulable trees; the scheduler picks one;
-  2. verify  - one base-model forward over the tree (4D float mask, depth positions);
+  2. verify  - one base-model forward over the tree (4D float mask, depth positions,
+               grouped key/value heads kept grouped: :mod:`entmtp_hf.attention`);
   3. accept  - greedy / exact / typical rule on the processed scores of every node;
   4. cache   - keep only the accepted path's keys and values;
   5. emit    - append the accepted tokens one by one, with streamer and stopping criteria.
@@ -30,6 +31,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .attention import tree_attention
 from .candidates import EntMTPCandidateGenerator
 from .config import EntMTPConfig
 from .eas import ACTIVE_EAS_CALL, EASCall, EASConfig, build_candidate_generator
@@ -64,6 +66,7 @@ class DecodeStats:
     features: list[float | None] = field(default_factory=list)
     draft_time: float = 0.0
     verify_time: float = 0.0
+    forward_time: float = 0.0  # the verification forwards alone (part of verify_time)
     prefill_time: float = 0.0
     total_time: float = 0.0
     eas: dict | None = None  # EAS statistics (policy ``entropy`` only)
@@ -327,15 +330,20 @@ def entmtp_decode(
         kv_len = cache.get_max_length() if isinstance(cache, StaticCache) else prefix_len + buffers.num_nodes
         if prefix_row.shape[0] < prefix_len:
             prefix_row = torch.cat([prefix_row, prefix_row.new_zeros(prefix_len - prefix_row.shape[0])])
-        out = model(
-            input_ids=tokens[None],
-            attention_mask=tree_attention_mask(buffers, prefix_row[:prefix_len], kv_len),
-            position_ids=(buffers.position_ids + next_pos)[None],
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=-1,
-        )
+        t_forward = time.perf_counter()
+        with tree_attention(model):
+            out = model(
+                input_ids=tokens[None],
+                attention_mask=tree_attention_mask(buffers, prefix_row[:prefix_len], kv_len),
+                position_ids=(buffers.position_ids + next_pos)[None],
+                cache=cache,
+                use_cache=True,
+                output_hidden_states=-1,
+            )
         logits = out.logits[0]
+        if device.type == "cuda":  # the accounting needs the kernels done; step 3 waits for them anyway
+            torch.cuda.synchronize(device)
+        stats.forward_time += time.perf_counter() - t_forward
 
         # 3. accept
         scores = _process_tree_scores(logits_processor, input_ids, tokens, buffers, logits)

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
+from .attention import tree_attention
 from .config import EntMTPConfig
 from .tree import Tree
 from .verify import tree_attention_mask
@@ -60,7 +61,8 @@ def forward_costs(
         for r in range(repeats + 1):
             for n in sizes:
                 t0 = time.perf_counter()
-                model(**inputs[n], cache=cache, use_cache=True)
+                with tree_attention(model):
+                    model(**inputs[n], cache=cache, use_cache=True)
                 elapsed = time.perf_counter() - t0
                 cache.crop(-n)
                 if r:  # the first round warms up

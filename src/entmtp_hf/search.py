@@ -22,10 +22,16 @@ the work folder so an interrupted search resumes where it stopped:
    interleaved, after one untimed warm-up each. The runs give the unbiased (canonical)
    accept length and tokens/s (median over prompts). For greedy decoding the rank tuples
    also give every frontier tree's canonical accept length exactly (:func:`simulate_canonical`).
-4. ``sweep`` - EntMTP* = the throughput-maximal tree; T- / T+ = the fastest smaller / larger
+4. ``costs`` - c(N), the forward time for N tokens over one token, for every timed size
+   (interleaved medians). With ``ranking="modelled"`` (the default) trees and schedulers are
+   ranked by decoded tokens per one-token forward: a run's tokens over Σ c(N) of its steps,
+   scaled by its own share of time outside the forwards. On a shared CPU single-run wall
+   times vary by tens of percent; this ranking only lets that noise in through the small
+   overhead share. ``ranking="measured"`` ranks by wall-clock tokens/s.
+5. ``sweep`` - EntMTP* = the throughput-maximal tree; T- / T+ = the fastest smaller / larger
    timed tree; hysteresis (every pair of the three) × τ × feature and ladder thresholds are
    measured against the static tree on the sweep prompts.
-5. ``outputs`` - the bank, plots and report (:mod:`entmtp_hf.search_report`).
+6. ``outputs`` - the bank, plots and report (:mod:`entmtp_hf.search_report`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from .config import EntMTPConfig
+from .profile import forward_costs as profile_forward_costs
 from .scheduler import FEATURES, threshold
 from .tree import MC_SIM_7B_63, Path, Tree
 from .verify import keep_accepted, tree_attention_mask, typical_accept_flags
@@ -60,6 +67,9 @@ SCORINGS = ("rank_tuple", "rollout")
 RULES = ("greedy", "exact", "typical")
 VANILLA = "vanilla"
 REFERENCE = "mc_sim_7b_63"
+RANKINGS = ("modelled", "measured")
+#: what is kept of each timed run (the last three only for EntMTP runs)
+RUN_KEYS = ("seconds", "new_tokens", "accept_lengths", "tree_sizes", "forward_seconds", "decode_seconds")
 
 
 # ============================================================================ settings
@@ -87,16 +97,21 @@ class SearchConfig:
     tau_grid: tuple[float, ...] = TAU_GRID
     features: tuple[str, ...] = ("head_confidence", "accept_ema")  # tau_grid mapped by scheduler.threshold
     ladder: bool = True  # calibrate ladder thresholds (adjacent pairs of tau_grid)
+    ranking: str = "modelled"  # choose trees and schedulers by modelled or by measured tokens/s
+    cost_repeats: int = 15  # interleaved rounds of the forward-cost measurement (ranking="modelled")
     seed: int = 123
 
     def __post_init__(self) -> None:
         self.timed_sizes = tuple(self.timed_sizes) if self.timed_sizes is not None else None
         self.tau_grid, self.features = tuple(self.tau_grid), tuple(self.features)
-        for name in ("num_prompts", "timing_prompts", "max_new_tokens", "budget", "time_every", "sweep_prompts"):
+        for name in ("num_prompts", "timing_prompts", "max_new_tokens", "budget", "time_every", "sweep_prompts",
+                     "cost_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SearchConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_new_tokens < 2:
             raise ValueError("SearchConfig.max_new_tokens must be >= 2 (the first token comes from the prefill)")
+        if self.ranking not in RANKINGS:
+            raise ValueError(f"SearchConfig.ranking must be one of {RANKINGS}, got {self.ranking!r}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"SearchConfig.scoring must be one of {SCORINGS}, got {self.scoring!r}")
         if self.acceptance not in RULES:
@@ -479,6 +494,7 @@ def choose_trees(nodes: Sequence[int], tokens_per_s: Sequence[float]) -> Choice:
 
 # ============================================================================ measuring
 Measure = Callable[[str, "EntMTPConfig | None", Sequence[int]], dict]
+CostFn = Callable[..., "dict[int, float]"]  # (model, sizes, *, prefix_len, repeats) -> seconds per size
 
 
 def generate_kwargs(model, cfg: SearchConfig, max_new_tokens: int) -> dict[str, Any]:
@@ -505,12 +521,16 @@ def generate_measure(model, cfg: SearchConfig, max_new_tokens: int | None = None
                                  **kwargs, **extra)  # fmt: skip
         seconds = time.perf_counter() - t0
         stats = getattr(out, "entmtp_stats", None) or {}
-        return {
+        run = {
             "seconds": seconds,
             "new_tokens": int(out.sequences.shape[1] - ids.shape[1]),
             "tokens": out.sequences[0, ids.shape[1] :].tolist(),
             "accept_lengths": list(stats.get("accept_lengths", [])),
         }
+        if stats:  # what the modelled ranking needs: the work done and this run's own overhead share
+            run.update(tree_sizes=list(stats["tree_sizes"]), forward_seconds=stats["forward_time"],
+                       decode_seconds=stats["total_time"] - stats["prefill_time"])  # fmt: skip
+        return run
 
     return measure
 
@@ -548,12 +568,14 @@ class TreeSearch:
     """
 
     FILES = {"settings": "settings.json", "trajectories": "trajectories.json", "frontier": "frontier.json",
-             "rollouts": "rollouts.json", "sweep": "sweep.json", "elapsed": "stage_seconds.json"}  # fmt: skip
+             "rollouts": "rollouts.json", "costs": "forward_costs.json", "sweep": "sweep.json",
+             "elapsed": "stage_seconds.json"}  # fmt: skip
 
     def __init__(
         self, model, heads, prompts: Sequence[Sequence[int]], work_dir: str | os.PathLike, config: SearchConfig,
         *, task: str = "task", prompt_ids: Sequence[str] | None = None, measure: Measure | None = None,
-        sweep_measure: Measure | None = None, info: dict | None = None, progress: bool = True,
+        sweep_measure: Measure | None = None, forward_costs: CostFn | None = None, info: dict | None = None,
+        progress: bool = True,
     ) -> None:  # fmt: skip
         if len(prompts) < 1:
             raise ValueError("the search needs at least one calibration prompt")
@@ -565,6 +587,7 @@ class TreeSearch:
         self.measure = measure or generate_measure(model, config)
         self.warmup_measure = measure or generate_measure(model, config, max_new_tokens=8)
         self.sweep_measure = sweep_measure or self.measure
+        self.forward_costs = forward_costs or profile_forward_costs
         self.info = dict(info or {})
         self.progress = progress
         self.max_depth = min(config.max_depth or heads.num_heads, heads.num_heads)
@@ -685,7 +708,7 @@ class TreeSearch:
                 if str(p) in saved.get(lab, {}):
                     continue
                 r = measure(lab, runs[lab], self.prompts[p])
-                saved.setdefault(lab, {})[str(p)] = {k: r[k] for k in ("seconds", "new_tokens", "accept_lengths")}
+                saved.setdefault(lab, {})[str(p)] = {k: r[k] for k in RUN_KEYS if k in r}
                 _atomic_json(self.path(name), saved)
                 bar.update(1)
         bar.close()
@@ -704,6 +727,28 @@ class TreeSearch:
         if measured:
             self._timed("rollouts", t0)
         return out
+
+    def costs(self, points: Sequence[FrontierPoint]) -> dict[int, float]:
+        """c(N) for every timed tree size: forward time relative to one token, at the calibration
+        runs' mean context length (interleaved medians; checkpointed).
+
+        The modelled ranking multiplies these by the steps each run took: on a shared CPU the
+        wall time of single runs varies by tens of percent, far more than the differences
+        between the trees it must rank (docs/search.md)."""
+        sizes = sorted({1} | {points[i].num_nodes for i in self.timed_indices(points)}
+                       | ({len(MC_SIM_7B_63) + 1} if self.reference_tree() is not None else set()))  # fmt: skip
+        saved = _read_json(self.path("costs"))
+        if saved is not None and all(str(n) in saved["relative"] for n in sizes):
+            return {int(n): float(c) for n, c in saved["relative"].items()}
+        t0 = time.perf_counter()
+        prefix_len = int(median([len(p) for p in self.prompts])) + self.cfg.max_new_tokens // 2
+        seconds = self.forward_costs(self.model, sizes, prefix_len=prefix_len, repeats=self.cfg.cost_repeats)
+        relative = {n: seconds[n] / seconds[1] for n in sizes}
+        _atomic_json(self.path("costs"), {"prefix_len": prefix_len, "repeats": self.cfg.cost_repeats,
+                                          "seconds": {str(n): seconds[n] for n in sizes},
+                                          "relative": {str(n): relative[n] for n in sizes}})  # fmt: skip
+        self._timed("costs", t0)
+        return relative
 
     def _tree_config(self, tree: Tree, **kw) -> EntMTPConfig:
         rule = {"greedy": "auto", "exact": "exact", "typical": "typical"}[self.cfg.acceptance]
@@ -754,7 +799,8 @@ class TreeSearch:
         trajectories = self.trajectories()
         points = self.frontier(trajectories)
         rollouts = self.rollouts(points)
-        result = summarise(self, trajectories, points, rollouts)
+        costs = self.costs(points) if self.cfg.ranking == "modelled" else None
+        result = summarise(self, trajectories, points, rollouts, costs)
         trees = {lab: row["tree"] for lab, row in result.timed.items()}
         result.with_sweep(self.sweep(trees, result.choice, result.labels))
         result.elapsed = dict(self.elapsed)

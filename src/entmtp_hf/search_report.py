@@ -17,10 +17,11 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path as FsPath
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .bank import TopologyBank, default_thresholds
 from .search import (
+    RANKINGS,
     REFERENCE,
     RULES,
     SCORINGS,
@@ -56,18 +57,43 @@ def _pooled_accept(runs: dict) -> float | None:
     return sum(lengths) / len(lengths) if lengths else None
 
 
+Speed = Callable[[dict], "float | None"]
+
+
+def measured_speed(run: dict) -> float | None:
+    """Tokens/s of one timed run (prefill included)."""
+    return run["new_tokens"] / run["seconds"] if run["seconds"] > 0 and run["new_tokens"] > 0 else None
+
+
+def modelled_speed(run: dict, costs: dict[int, float]) -> float | None:
+    """Decoded tokens per one-token forward: the run's tokens over its verification work
+    Σ_steps c(N_step), scaled by the run's own share of time outside those forwards.
+
+    For greedy decoding tokens and tree sizes do not depend on timing, so the machine's
+    noise enters only through that share (a few percent of a step), not through the work.
+    None for runs without EntMTP statistics (plain decoding)."""
+    sizes, forward, decode = run.get("tree_sizes"), run.get("forward_seconds"), run.get("decode_seconds")
+    if not sizes or not forward or decode is None:
+        return None
+    missing = sorted({n for n in sizes} - set(costs))
+    if missing:
+        raise ValueError(f"no forward cost for tree sizes {missing} (measured: {sorted(costs)})")
+    work = sum(costs[n] for n in sizes)
+    return sum(run["accept_lengths"]) / (work * (1.0 + max(decode - forward, 0.0) / forward))
+
+
+def _speeds(runs: dict, speed: Speed) -> dict[str, float]:
+    return {p: v for p, r in runs.items() if (v := speed(r)) is not None}
+
+
 def _tps(runs: dict) -> list[float]:
-    return [r["new_tokens"] / r["seconds"] for r in runs.values() if r["seconds"] > 0]
+    return list(_speeds(runs, measured_speed).values())
 
 
-def _paired_ratio(runs: dict, ref: dict) -> float:
-    """Median over prompts of (tokens/s of ``runs``) / (tokens/s of ``ref``) on the same prompt."""
-    ratios = [
-        (r["new_tokens"] / r["seconds"]) / (ref[p]["new_tokens"] / ref[p]["seconds"])
-        for p, r in runs.items()
-        if p in ref and r["seconds"] > 0 and ref[p]["seconds"] > 0 and ref[p]["new_tokens"] > 0
-    ]
-    return median(ratios)
+def _paired_ratio(runs: dict, ref: dict, speed: Speed = measured_speed) -> float:
+    """Median over prompts of speed(``runs``) / speed(``ref``) on the same prompt."""
+    a, b = _speeds(runs, speed), _speeds(ref, speed)
+    return median([a[p] / b[p] for p in a if p in b and b[p] > 0])
 
 
 def inversions(rows: Sequence[dict], a: str, b: str) -> list[tuple[int, int]]:
@@ -84,22 +110,28 @@ class SearchResult:
     task: str
     settings: dict
     frontier: list[dict]  # num_nodes, tree, biased, simulated
-    timed: dict[str, dict]  # label -> tree (Tree), num_nodes, biased, simulated, unbiased, tokens_per_s, speedup
+    timed: dict[str, dict]  # label -> tree, num_nodes, biased, simulated, unbiased, tokens_per_s, speedup, modelled
     labels: list[str]  # timed frontier labels, smallest first (bank order)
     choice: Choice
     vanilla_tokens_per_s: float
     reference: dict | None
     elapsed: dict[str, float]
-    sweep: dict[str, dict] = field(default_factory=dict)  # label -> tokens_per_s, vs_static
+    sweep: dict[str, dict] = field(default_factory=dict)  # label -> tokens_per_s, vs_static, measured_vs_static
     winners: dict[str, Any] = field(default_factory=dict)
+    costs: dict[int, float] | None = None  # c(N) of the modelled ranking; None = ranked by measured tokens/s
 
     def with_sweep(self, runs: dict) -> "SearchResult":
-        """Add the sweep's figures and pick the hysteresis and ladder winners (median ratio to static)."""
+        """Add the sweep's figures and pick the hysteresis and ladder winners: the median ratio
+        to static per prompt, modelled (with :attr:`costs`) or measured."""
         static = runs.get("static", {})
+        costs = self.costs
+        speed: Speed = (lambda r: modelled_speed(r, costs)) if costs is not None else measured_speed
         self.sweep = {
-            lab: {"tokens_per_s": median(_tps(r)), "vs_static": _paired_ratio(r, static) if lab != "static" else 1.0}
+            lab: {"tokens_per_s": median(_tps(r)),
+                  "vs_static": _paired_ratio(r, static, speed) if lab != "static" else 1.0,
+                  "measured_vs_static": _paired_ratio(r, static) if lab != "static" else 1.0}
             for lab, r in runs.items()
-        }
+        }  # fmt: skip
         for kind in ("hysteresis", "ladder"):
             cands = [lab for lab, v in self.sweep.items() if lab.startswith(kind + ":") and _finite(v["vs_static"])]
             if cands:
@@ -145,18 +177,22 @@ class SearchResult:
                  for lab, row in self.timed.items()}  # fmt: skip
         plain = ("task", "settings", "frontier", "labels", "vanilla_tokens_per_s", "reference", "elapsed", "sweep",
                  "winners")  # fmt: skip
-        return {**{k: getattr(self, k) for k in plain}, "timed": timed, "choice": asdict(self.choice),
+        costs = {str(n): c for n, c in self.costs.items()} if self.costs is not None else None
+        return {**{k: getattr(self, k) for k in plain}, "timed": timed, "choice": asdict(self.choice), "costs": costs,
                 "ranking_changed": self.ranking_changed, "ranking_changed_simulated": self.ranking_changed_simulated,
                 "scheduler": self.scheduler_defaults()}  # fmt: skip
 
 
 def summarise(
-    search: "TreeSearch", trajectories: Sequence[Trajectory], points: Sequence[FrontierPoint], runs: dict
+    search: "TreeSearch", trajectories: Sequence[Trajectory], points: Sequence[FrontierPoint], runs: dict,
+    costs: dict[int, float] | None = None,
 ) -> SearchResult:
     """Join the frontier with the canonical runs and choose EntMTP*, T- and T+.
 
     ``biased`` / ``simulated`` use every calibration prompt; ``biased_timed`` /
     ``simulated_timed`` only the timed prompts, the basis of the measured ``unbiased`` τ.
+    With ``costs`` (c(N) per size) the trees are ranked by ``modelled`` speed (tokens per
+    one-token forward, :func:`modelled_speed`), else by measured tokens/s.
     """
     greedy_table = search.cfg.scoring == "rank_tuple"
     timed_trajectories = [trajectories[i] for i in search.timing_indices()]
@@ -180,18 +216,23 @@ def summarise(
         timed[lab] = {"tree": points[i].tree, "num_nodes": points[i].num_nodes, "biased": points[i].accept,
                       "simulated": frontier[i]["simulated"], "biased_timed": biased_timed(points[i].tree),
                       "simulated_timed": simulated(points[i].tree, timed_trajectories), "unbiased": _pooled_accept(r),
-                      "tokens_per_s": median(_tps(r)), "speedup": _paired_ratio(r, vanilla)}  # fmt: skip
+                      "tokens_per_s": median(_tps(r)), "speedup": _paired_ratio(r, vanilla),
+                      "modelled": median(list(_speeds(r, lambda x: modelled_speed(x, costs)).values()))
+                      if costs is not None else None}  # fmt: skip
     labels = list(timed)
-    choice = choose_trees([timed[lab]["num_nodes"] for lab in labels], [timed[lab]["tokens_per_s"] for lab in labels])
+    rank_key = "modelled" if costs is not None else "tokens_per_s"
+    choice = choose_trees([timed[lab]["num_nodes"] for lab in labels], [timed[lab][rank_key] for lab in labels])
     reference = None
     if REFERENCE in runs:
         r = runs[REFERENCE]
         reference = {"num_nodes": len(MC_SIM_7B_63) + 1, "unbiased": _pooled_accept(r), "tokens_per_s": median(_tps(r)),
-                     "speedup": _paired_ratio(r, vanilla),
-                     "simulated": simulated(Tree.from_choices(MC_SIM_7B_63))}  # fmt: skip
+                     "speedup": _paired_ratio(r, vanilla), "simulated": simulated(Tree.from_choices(MC_SIM_7B_63)),
+                     "modelled": median(list(_speeds(r, lambda x: modelled_speed(x, costs)).values()))
+                     if costs is not None else None}  # fmt: skip
     return SearchResult(
         task=search.task, settings=search.cfg.to_dict(), frontier=frontier, timed=timed, labels=labels,
         choice=choice, vanilla_tokens_per_s=median(_tps(vanilla)), reference=reference, elapsed=dict(search.elapsed),
+        costs=costs,
     )  # fmt: skip
 
 
@@ -235,7 +276,8 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
         row = result.timed[lab]
         figures = {"mean_accept_length": row["unbiased"], "biased_accept_length": row["biased"],
                    "simulated_accept_length": row["simulated"], "tokens_per_s": row["tokens_per_s"],
-                   "speedup_vs_plain": row["speedup"]}  # fmt: skip
+                   "speedup_vs_plain": row["speedup"], "tokens_per_forward": row.get("modelled"),
+                   "relative_forward_cost": (result.costs or {}).get(row["num_nodes"])}  # fmt: skip
         per_tree.append({"num_nodes": row["num_nodes"], "name": lab, "source": "greedy acceptance frontier",
                          **{k: v for k, v in figures.items() if _finite(v)}})  # fmt: skip
     metadata = {
@@ -255,6 +297,7 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
             "sweep": {k: {kk: vv for kk, vv in v.items() if _finite(vv)} for k, v in result.sweep.items()},
             "ranking_changed": result.ranking_changed,
             "ranking_changed_simulated": result.ranking_changed_simulated,
+            "ranked_by": "modelled tokens per one-token forward" if result.costs is not None else "measured tokens/s",
             "timed_prompt_ids": [info.get("prompt_ids", [])[i] for i in info.get("timing_indices", [])],
             "stage_seconds": {k: round(v, 1) for k, v in result.elapsed.items()},
             "versions": versions(),
@@ -340,7 +383,8 @@ def _f(value: Any, digits: int = 3) -> str:
 
 def _bias_table(result: SearchResult) -> list[str]:
     header = ["tree", "nodes", "biased τ (all prompts)", "biased τ", "simulated τ", "unbiased τ (generate)", "bias",
-              "tokens/s", "vs plain"]  # fmt: skip
+              "tokens/s", "vs plain", "c(N)", "modelled"]  # fmt: skip
+    costs = result.costs or {}
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     c = result.choice
     marks = {c.static: " (EntMTP*)", c.conservative: " (T−)", c.aggressive: " (T+)"}
@@ -351,11 +395,12 @@ def _bias_table(result: SearchResult) -> list[str]:
         bias_text = f"{100 * bias:+.1f}%" if bias is not None else "–"
         lines.append(f"| {k}{marks.get(k, '')} | {r['num_nodes']} | {_f(r['biased'])} | {_f(r['biased_timed'])} | "
                      f"{_f(r['simulated_timed'])} | {_f(r['unbiased'])} | {bias_text} | {_f(r['tokens_per_s'], 2)} | "
-                     f"{_f(r['speedup'], 2)}× |")  # fmt: skip
+                     f"{_f(r['speedup'], 2)}× | {_f(costs.get(r['num_nodes']), 2)} | {_f(r.get('modelled'))} |")  # fmt: skip
     if result.reference:
         r = result.reference
         lines.append(f"| mc_sim_7b_63 | 64 | – | – | – | {_f(r['unbiased'])} | – | "
-                     f"{_f(r['tokens_per_s'], 2)} | {_f(r['speedup'], 2)}× |")  # fmt: skip
+                     f"{_f(r['tokens_per_s'], 2)} | {_f(r['speedup'], 2)}× | {_f(costs.get(64), 2)} | "
+                     f"{_f(r.get('modelled'))} |")  # fmt: skip
     return lines
 
 
@@ -384,7 +429,11 @@ def _frontier_section(result: SearchResult) -> list[str]:
         *_bias_table(result), "",
         "biased τ (all prompts) is the frontier's score; the other columns use the timed prompts only: biased τ "
         "averages every step start, simulated τ walks the rank tuples the way the decoder does, unbiased τ is "
-        "measured with `generate`; bias = (biased − unbiased) / unbiased.", "",
+        "measured with `generate`; bias = (biased − unbiased) / unbiased. c(N) = forward time for N tokens over "
+        "one token; modelled = decoded tokens per one-token forward (tokens over Σ c(N) of the steps, scaled by "
+        "the run's own time outside the forwards): " + (
+            "the trees and schedulers were ranked by it." if result.costs is not None
+            else "not computed, the trees and schedulers were ranked by measured tokens/s."), "",
         f"Frontier ranking changed by debiasing (timed trees, measured τ): **{yes_no[result.ranking_changed]}** "
         f"(inverted pairs, by nodes: {inverted or 'none'}); over all {len(f)} frontier trees (simulated τ): "
         f"**{yes_no[result.ranking_changed_simulated]}**. "
@@ -396,7 +445,9 @@ def _frontier_section(result: SearchResult) -> list[str]:
 def _choice_section(result: SearchResult) -> list[str]:
     c, t, labels = result.choice, result.timed, result.labels
     size = {k: t[labels[k]]["num_nodes"] for k in (c.static, c.conservative, c.aggressive)}
-    sweep = [f"| {lab} | {_f(v['tokens_per_s'], 2)} | {_f(v['vs_static'], 3)} |" for lab, v in result.sweep.items()]
+    sweep = [f"| {lab} | {_f(v['tokens_per_s'], 2)} | {_f(v.get('measured_vs_static'), 3)} | {_f(v['vs_static'], 3)} |"
+             for lab, v in result.sweep.items()]  # fmt: skip
+    ranked = "modelled" if result.costs is not None else "measured"
     features = {k: v["feature"] for k, v in result.winners.items()}
     return [
         "## Chosen trees", "",
@@ -409,7 +460,8 @@ def _choice_section(result: SearchResult) -> list[str]:
         f"- upper hull: {[t[labels[i]]['num_nodes'] for i in c.hull]} nodes; "
         f"Pareto set: {[t[labels[i]]['num_nodes'] for i in c.pareto]} nodes", "",
         "## Scheduler sweep", "",
-        "| run | tokens/s | vs static (median paired ratio) |", "|---|---|---|", *sweep, "",
+        f"Median paired ratios to the static tree; the winners were picked by the {ranked} ratio.", "",
+        "| run | tokens/s | measured vs static | ranking ratio vs static |", "|---|---|---|---|", *sweep, "",
         f"Stored defaults: {json.dumps(result.scheduler_defaults())}; features: {features}.", "",
     ]  # fmt: skip
 
@@ -480,6 +532,10 @@ def add_search_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tau-grid", default=",".join(f"{t:g}" for t in TAU_GRID))
     p.add_argument("--features", default=",".join(d.features), help=f"comma-separated, from {', '.join(FEATURES)}")
     p.add_argument("--no-ladder", action="store_true", help="skip the ladder threshold sweep")
+    p.add_argument("--ranking", choices=RANKINGS, default=d.ranking,
+                   help="choose trees and schedulers by modelled tokens per forward (measured forward costs x "
+                   "steps; robust to a noisy machine) or by measured tokens/s")  # fmt: skip
+    p.add_argument("--cost-repeats", type=int, default=d.cost_repeats, help="rounds of the forward-cost timing")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_cli)
@@ -493,7 +549,7 @@ def config_from_args(args: argparse.Namespace) -> SearchConfig:
         temperature=args.temperature, timed_sizes=sizes, time_every=args.time_every,
         time_reference=not args.no_reference, sweep_prompts=args.sweep_prompts,
         tau_grid=_parse_list(args.tau_grid, float), features=_parse_list(args.features, str),
-        ladder=not args.no_ladder, seed=args.seed,
+        ladder=not args.no_ladder, ranking=args.ranking, cost_repeats=args.cost_repeats, seed=args.seed,
     )  # fmt: skip
 
 
