@@ -167,6 +167,35 @@ def test_json_has_every_method_and_task(bench_run):
     assert "tokens_per_s.png" in paths["results_md"].read_text()
 
 
+def test_split_tasks_merge_into_one_report(bench_run, tmp_path):
+    """The basket's tasks run in two processes (one per core) merge back into one results file."""
+    from entmtp_hf.bench_report import merge_results, write_results
+
+    results = bench_run[0]
+    parts = []
+    for task in ("alpha", "beta"):
+        part = json.loads(json.dumps(results))
+        part["settings"]["tasks"] = [task]
+        part["prompts"] = {task: part["prompts"][task]}
+        part["records"] = [r for r in part["records"] if r["task"] == task]
+        part["environment"]["argv"] = ["entmtp-hf", "bench", "--tasks", task]
+        parts.append(write_results(part, tmp_path / task / "results.json"))
+    paths = write_report(parts, tmp_path / "merged", results_md=tmp_path / "results.md")
+    merged = read_results(paths["results"])
+    assert merged["settings"]["tasks"] == ["alpha", "beta"] and merged["records"] == results["records"]
+    assert merged["summary"] == json.loads(json.dumps(summarize(results)))
+    text = paths["results_md"].read_text()
+    assert "--tasks alpha" in text and "--tasks beta" in text
+    other = json.loads(json.dumps(read_results(parts[1])))
+    other["settings"]["max_new_tokens"] += 1
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        merge_results([read_results(parts[0]), other])
+    with pytest.raises(ValueError, match="repeats tasks"):
+        merge_results([read_results(parts[0]), read_results(parts[0])])
+    with pytest.raises(ValueError, match="--out"):
+        write_report(parts)
+
+
 def test_resume_runs_only_incomplete_prompts(bench_run):
     results, _, _, _, ctx = bench_run
     partial = json.loads(json.dumps(results))

@@ -780,8 +780,10 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_bench)
 
     r = sub.add_parser("bench-report", help="tables and plots from a bench results.json",
-                       description="Regenerate table.md and the PNG plots from RESULTS.json.")  # fmt: skip
-    r.add_argument("results", help="results.json written by entmtp-hf bench")
-    r.add_argument("--out", default=None, help="output folder (default: next to RESULTS)")
+                       description="Regenerate table.md and the PNG plots from RESULTS.json; given several "
+                       "files (the same basket's tasks split over processes), merge them into --out/results.json "
+                       "first.")  # fmt: skip
+    r.add_argument("results", nargs="+", help="results.json written by entmtp-hf bench (one or more)")
+    r.add_argument("--out", default=None, help="output folder (default: next to RESULTS; required to merge)")
     r.add_argument("--results-md", default=None, help="also write the docs/results.md page to this path")
     r.set_defaults(func=_bench_report)

@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 FORMAT = "entmtp-bench"
 FORMAT_VERSION = 1
@@ -65,6 +65,44 @@ def read_results(path: str | os.PathLike) -> dict:
     return data
 
 
+
+
+def merge_results(parts: Sequence[dict]) -> dict:
+    """One results dict from runs of the same basket on disjoint tasks (e.g. one process per core).
+
+    Settings other than the task list, and the model / heads / bank, must agree: ratios are only
+    ever taken within a task, so tasks timed in separate processes stay comparable as ratios.
+    The first part's environment is kept, with every part's command, machine load and wall time
+    listed under ``environment["parts"]``.
+    """
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]
+    base = {k: v for k, v in first["settings"].items() if k != "tasks"}
+    tasks: list[str] = []
+    for i, part in enumerate(parts):
+        other = {k: v for k, v in part["settings"].items() if k != "tasks"}
+        if other != base:
+            diff = sorted(k for k in base.keys() | other.keys() if base.get(k) != other.get(k))
+            raise ValueError(f"results part {i} has other settings ({', '.join(diff)}): only disjoint tasks merge")
+        if part.get("context") != first.get("context"):
+            raise ValueError(f"results part {i} used another model, heads or bank: {part.get('context')}")
+        overlap = set(tasks) & set(part["settings"]["tasks"])
+        if overlap:
+            raise ValueError(f"results part {i} repeats tasks {sorted(overlap)}")
+        tasks += part["settings"]["tasks"]
+    keep = ("argv", "load_average", "load_average_end", "wall_time_s", "date_utc", "cpu_affinity", "git_commit")
+    merged = {
+        **first,
+        "settings": {**first["settings"], "tasks": tasks},
+        "environment": {**first["environment"],
+                        "parts": [{k: p["environment"].get(k) for k in keep} for p in parts]},  # fmt: skip
+        "skipped": {k: v for p in parts for k, v in p.get("skipped", {}).items()},
+        "prompts": {k: v for p in parts for k, v in p["prompts"].items()},
+        "records": [r for p in parts for r in p["records"]],
+    }
+    merged["summary"] = summarize(merged)
+    return merged
 
 
 # ============================================================================ environment
@@ -332,6 +370,17 @@ def table_markdown(results: dict) -> str:
     return "\n".join(parts)
 
 
+def _command_lines(env: dict) -> list[str]:
+    def line(e: dict) -> str:
+        wall = e.get("wall_time_s")
+        return f"`{' '.join(e.get('argv') or [])}`" + (f", wall time {wall / 60:.1f} min" if wall else "")
+
+    if not env.get("parts"):
+        return [f"- command: {line(env)}"]
+    return ["- commands (one process per task group, run at the same time; ratios are taken within a task):",
+            *[f"  - {line(e)}" for e in env["parts"]]]  # fmt: skip
+
+
 def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
     """The ``docs/results.md`` page for one run; ``plots`` maps a caption to a relative path."""
     env = results["environment"]
@@ -347,7 +396,7 @@ def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
         f"- heads: {results.get('context', {}).get('heads')}",
         f"- bank: {results.get('context', {}).get('bank')}",
         f"- peak memory source: {env.get('memory_source')}",
-        f"- command: `{' '.join(env.get('argv') or [])}`" + (f", wall time {wall / 60:.1f} min" if wall else ""),
+        *_command_lines(env),
         "", "## Table 1 layout", "",
         "Cells: tok/s (ρ× over vanilla, τ). tok/s = all new tokens / all timed seconds; ρ = geometric mean over "
         "prompts of the per-prompt speedup; τ = tokens per decoding step. Compare methods within this run only: "
@@ -424,15 +473,26 @@ def make_plots(results: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
 
 
 def write_report(
-    results_path: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, results_md: str | os.PathLike | None = None
+    results_path: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None, *,
+    results_md: str | os.PathLike | None = None,
 ) -> dict[str, Path]:
-    """``table.md`` and the plots from a results file; optionally the docs/results.md page."""
-    results = read_results(results_path)
-    if "summary" not in results:  # a partial file of an interrupted run
-        results["summary"] = summarize(results)
-    out_dir = Path(out_dir) if out_dir is not None else Path(results_path).parent
+    """``table.md`` and the plots from a results file; optionally the docs/results.md page.
+
+    Several files (disjoint tasks of one basket) are merged first; the merged ``results.json``
+    is written to ``out_dir``, which is then required."""
+    paths_in = [results_path] if isinstance(results_path, (str, os.PathLike)) else list(results_path)
+    parts = [read_results(p) for p in paths_in]
+    for part in parts:
+        if "summary" not in part:  # a partial file of an interrupted run
+            part["summary"] = summarize(part)
+    if len(parts) > 1 and out_dir is None:
+        raise ValueError("merging several results files needs an output folder (--out)")
+    results = merge_results(parts) if len(parts) > 1 else parts[0]
+    out_dir = Path(out_dir) if out_dir is not None else Path(paths_in[0]).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"table": out_dir / "table.md"}
+    if len(parts) > 1:
+        paths["results"] = write_results(results, out_dir / "results.json")
     paths["table"].write_text(table_markdown(results), encoding="utf-8")
     plots = make_plots(results, out_dir)
     paths.update(plots)
@@ -446,6 +506,7 @@ def write_report(
 
 
 __all__ = [
-    "details_markdown", "eas_markdown", "geomean", "make_plots", "method_summary", "results_markdown", "summarize",
+    "details_markdown", "eas_markdown", "geomean", "make_plots", "merge_results", "method_summary", "results_markdown",
+    "summarize",
     "table1_markdown", "table_markdown", "write_report", "environment", "json_safe", "read_results", "write_results",
 ]  # fmt: skip

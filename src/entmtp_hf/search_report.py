@@ -86,6 +86,11 @@ def _speeds(runs: dict, speed: Speed) -> dict[str, float]:
     return {p: v for p, r in runs.items() if (v := speed(r)) is not None}
 
 
+def _median_modelled(runs: dict, costs: dict[int, float] | None) -> float | None:
+    """Median modelled speed over a label's prompts (None without forward costs)."""
+    return median(list(_speeds(runs, lambda r: modelled_speed(r, costs)).values())) if costs is not None else None
+
+
 def _tps(runs: dict) -> list[float]:
     return list(_speeds(runs, measured_speed).values())
 
@@ -217,8 +222,7 @@ def summarise(
                       "simulated": frontier[i]["simulated"], "biased_timed": biased_timed(points[i].tree),
                       "simulated_timed": simulated(points[i].tree, timed_trajectories), "unbiased": _pooled_accept(r),
                       "tokens_per_s": median(_tps(r)), "speedup": _paired_ratio(r, vanilla),
-                      "modelled": median(list(_speeds(r, lambda x: modelled_speed(x, costs)).values()))
-                      if costs is not None else None}  # fmt: skip
+                      "modelled": _median_modelled(r, costs)}  # fmt: skip
     labels = list(timed)
     rank_key = "modelled" if costs is not None else "tokens_per_s"
     choice = choose_trees([timed[lab]["num_nodes"] for lab in labels], [timed[lab][rank_key] for lab in labels])
@@ -227,8 +231,7 @@ def summarise(
         r = runs[REFERENCE]
         reference = {"num_nodes": len(MC_SIM_7B_63) + 1, "unbiased": _pooled_accept(r), "tokens_per_s": median(_tps(r)),
                      "speedup": _paired_ratio(r, vanilla), "simulated": simulated(Tree.from_choices(MC_SIM_7B_63)),
-                     "modelled": median(list(_speeds(r, lambda x: modelled_speed(x, costs)).values()))
-                     if costs is not None else None}  # fmt: skip
+                     "modelled": _median_modelled(r, costs)}  # fmt: skip
     return SearchResult(
         task=search.task, settings=search.cfg.to_dict(), frontier=frontier, timed=timed, labels=labels,
         choice=choice, vanilla_tokens_per_s=median(_tps(vanilla)), reference=reference, elapsed=dict(search.elapsed),
