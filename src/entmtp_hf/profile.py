@@ -70,39 +70,15 @@ def forward_costs(
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-class _ForwardTimer:
-    """Records the wall time of each base-model forward call (a pre/post hook pair)."""
-
-    def __init__(self, model) -> None:
-        self.durations: list[float] = []
-        self._t0 = 0.0
-        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
-
-    def _pre(self, module, args) -> None:
-        self._t0 = time.perf_counter()
-
-    def _post(self, module, args, output) -> None:
-        self.durations.append(time.perf_counter() - self._t0)
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
 def step_breakdown(model, input_ids: torch.Tensor, config: EntMTPConfig, max_new_tokens: int = 128) -> dict[str, Any]:
     """Milliseconds per decode step (prefill excluded): drafting, verifier forward, the rest."""
-    timer = _ForwardTimer(model)
-    try:
-        with torch.inference_mode():
-            out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, entmtp_config=config,
-                                 return_dict_in_generate=True)  # fmt: skip
-    finally:
-        timer.close()
+    with torch.inference_mode():
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, entmtp_config=config,
+                             return_dict_in_generate=True)  # fmt: skip
     st = out.entmtp_stats
     steps = max(st["steps"], 1)
     decode = st["total_time"] - st["prefill_time"]
-    forward = sum(timer.durations[1:])  # the first forward is the prefill
-    draft = st["draft_time"]
+    forward, draft = st["forward_time"], st["draft_time"]
     other = max(decode - draft - forward, 0.0)
     return {
         "steps": st["steps"],
