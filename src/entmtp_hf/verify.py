@@ -132,9 +132,10 @@ def keep_accepted(cache, prefix_len: int, num_nodes: int, path: list[int]) -> No
     """
     kept = len(path)
     if path != list(range(kept)):  # the accepted nodes are not already a prefix of the tree
-        for layer in cache.layers:
-            src = torch.tensor(path, device=layer.keys.device) + prefix_len
-            layer.keys[..., prefix_len : prefix_len + kept, :] = layer.keys.index_select(-2, src)
-            layer.values[..., prefix_len : prefix_len + kept, :] = layer.values.index_select(-2, src)
+        src = torch.tensor(path, device=cache.layers[0].keys.device) + prefix_len
+        for layer in cache.layers:  # .to: a no-op unless a device map spreads the layers
+            idx = src.to(layer.keys.device)
+            layer.keys[..., prefix_len : prefix_len + kept, :] = layer.keys.index_select(-2, idx)
+            layer.values[..., prefix_len : prefix_len + kept, :] = layer.values.index_select(-2, idx)
     if num_nodes > kept:
         cache.crop(-(num_nodes - kept))
