@@ -560,9 +560,10 @@ def _task_section(bank: TopologyBank) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        f"Scheduler defaults: static tree {sched.static}; hysteresis T− = tree {sched.conservative}, "
-        f"T+ = tree {sched.aggressive}, τ_on = {sched.tau_on:g}, τ_off = {sched.tau_off:g}; "
-        f"ladder trees {list(sched.ladder)} with thresholds {[float(f'{t:g}') for t in sched.thresholds]}.",
+        f"Scheduler defaults: policy `{sched.policy}` (what runs when none is given); static tree {sched.static}; "
+        f"hysteresis T− = tree {sched.conservative}, T+ = tree {sched.aggressive} on `{sched.feature}`, "
+        f"τ_on = {sched.tau_on:g}, τ_off = {sched.tau_off:g}; ladder trees {list(sched.ladder)} on "
+        f"`{sched.ladder_feature}` with thresholds {[float(f'{t:g}') for t in sched.thresholds]}.",
         "",
     ]
     return lines
