@@ -729,8 +729,9 @@ class TreeSearch:
         return out
 
     def costs(self, points: Sequence[FrontierPoint]) -> dict[int, float]:
-        """c(N) for every timed tree size: forward time relative to one token, at the calibration
-        runs' mean context length (interleaved medians; checkpointed).
+        """c(N) for every timed tree size: forward time relative to one token, at a typical context
+        length of the calibration runs (median prompt + half the new tokens; interleaved
+        medians; checkpointed).
 
         The modelled ranking multiplies these by the steps each run took: on a shared CPU the
         wall time of single runs varies by tens of percent, far more than the differences
