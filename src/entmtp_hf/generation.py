@@ -318,20 +318,20 @@ def entmtp_decode(
     generator.extend_text(input_ids[0].tolist())
     prefix_row = _prefix_row(attention_mask, prompt_len, device, dtype)
 
-    while not finished.stop:
-        # 1. draft
-        t0 = time.perf_counter()
-        cand = generator.get_candidates(input_ids[0, -1], p0, entropy)
-        buffers, tokens = cand.buffers, cand.tokens
-        t1 = time.perf_counter()
+    with tree_attention(model):  # the verification forwards' attention; restored when decoding ends
+        while not finished.stop:
+            # 1. draft
+            t0 = time.perf_counter()
+            cand = generator.get_candidates(input_ids[0, -1], p0, entropy)
+            buffers, tokens = cand.buffers, cand.tokens
+            t1 = time.perf_counter()
 
-        # 2. verify
-        prefix_len = int(cache.get_seq_length())
-        kv_len = cache.get_max_length() if isinstance(cache, StaticCache) else prefix_len + buffers.num_nodes
-        if prefix_row.shape[0] < prefix_len:
-            prefix_row = torch.cat([prefix_row, prefix_row.new_zeros(prefix_len - prefix_row.shape[0])])
-        t_forward = time.perf_counter()
-        with tree_attention(model):
+            # 2. verify
+            prefix_len = int(cache.get_seq_length())
+            kv_len = cache.get_max_length() if isinstance(cache, StaticCache) else prefix_len + buffers.num_nodes
+            if prefix_row.shape[0] < prefix_len:
+                prefix_row = torch.cat([prefix_row, prefix_row.new_zeros(prefix_len - prefix_row.shape[0])])
+            t_forward = time.perf_counter()
             out = model(
                 input_ids=tokens[None],
                 attention_mask=tree_attention_mask(buffers, prefix_row[:prefix_len], kv_len),
@@ -340,49 +340,49 @@ def entmtp_decode(
                 use_cache=True,
                 output_hidden_states=-1,
             )
-        logits = out.logits[0]
-        if device.type == "cuda":  # the accounting needs the kernels done; step 3 waits for them anyway
-            torch.cuda.synchronize(device)
-        stats.forward_time += time.perf_counter() - t_forward
+            logits = out.logits[0]
+            if device.type == "cuda":  # the accounting needs the kernels done; step 3 waits for them anyway
+                torch.cuda.synchronize(device)
+            stats.forward_time += time.perf_counter() - t_forward
 
-        # 3. accept
-        scores = _process_tree_scores(logits_processor, input_ids, tokens, buffers, logits)
-        if rule == "typical":
-            passed, node_logp = typical_accept_flags(
-                scores, tokens, buffers.parents, entmtp_config.posterior_threshold, entmtp_config.posterior_alpha
-            )
-            path = typical_best_path(passed, node_logp, buffers.retrieve_indices)
-            next_token = int(pick(scores[path[-1] : path[-1] + 1])[0])
-        else:
-            host = torch.stack([tokens, pick(scores)]).tolist()
-            acc = walk_tree(buffers.children, host[0], host[1])
-            path, next_token = acc.path, acc.next_token
+            # 3. accept
+            scores = _process_tree_scores(logits_processor, input_ids, tokens, buffers, logits)
+            if rule == "typical":
+                passed, node_logp = typical_accept_flags(
+                    scores, tokens, buffers.parents, entmtp_config.posterior_threshold, entmtp_config.posterior_alpha
+                )
+                path = typical_best_path(passed, node_logp, buffers.retrieve_indices)
+                next_token = int(pick(scores[path[-1] : path[-1] + 1])[0])
+            else:
+                host = torch.stack([tokens, pick(scores)]).tolist()
+                acc = walk_tree(buffers.children, host[0], host[1])
+                path, next_token = acc.path, acc.next_token
 
-        # 4. cache: keep the accepted path; the heads see its hidden states
-        keep_accepted(cache, prefix_len, buffers.num_nodes, path)
-        generator.observe(out.hidden_states[-1][0, path])
-        p0, entropy = generator.confidence(logits[path[-1]])
-        next_pos += len(path)
-        t2 = time.perf_counter()
+            # 4. cache: keep the accepted path; the heads see its hidden states
+            keep_accepted(cache, prefix_len, buffers.num_nodes, path)
+            generator.observe(out.hidden_states[-1][0, path])
+            p0, entropy = generator.confidence(logits[path[-1]])
+            next_pos += len(path)
+            t2 = time.perf_counter()
 
-        # 5. emit the accepted drafted tokens and the verifier's own next token
-        new_tokens = tokens[path[1:]].tolist() + [next_token]
-        parent_scores = scores[path]
-        finished = _emit(input_ids, new_tokens, parent_scores, stopping_criteria, streamer)
-        input_ids = finished.input_ids
-        generator.extend_text(new_tokens[: finished.count])
-        if cand.branch_node is not None:
-            stats.retrieval_steps += 1
-            if len(path) > 1 and path[1] == cand.branch_node:
-                stats.retrieval_accepted += len(path) - 1
+            # 5. emit the accepted drafted tokens and the verifier's own next token
+            new_tokens = tokens[path[1:]].tolist() + [next_token]
+            parent_scores = scores[path]
+            finished = _emit(input_ids, new_tokens, parent_scores, stopping_criteria, streamer)
+            input_ids = finished.input_ids
+            generator.extend_text(new_tokens[: finished.count])
+            if cand.branch_node is not None:
+                stats.retrieval_steps += 1
+                if len(path) > 1 and path[1] == cand.branch_node:
+                    stats.retrieval_accepted += len(path) - 1
 
-        stats.accept_lengths.append(finished.count)
-        stats.tree_indices.append(cand.tree_index)
-        stats.tree_sizes.append(buffers.num_nodes)
-        stats.features.append(cand.feature)
-        stats.draft_time += t1 - t0
-        stats.verify_time += t2 - t1
-        generator.observe_accept(finished.count, verified=buffers.num_nodes - 1, accepted=len(path) - 1)
+            stats.accept_lengths.append(finished.count)
+            stats.tree_indices.append(cand.tree_index)
+            stats.tree_sizes.append(buffers.num_nodes)
+            stats.features.append(cand.feature)
+            stats.draft_time += t1 - t0
+            stats.verify_time += t2 - t1
+            generator.observe_accept(finished.count, verified=buffers.num_nodes - 1, accepted=len(path) - 1)
 
     if streamer is not None:
         streamer.end()

@@ -58,15 +58,15 @@ def forward_costs(
                 position_ids=(b.position_ids + prefix_len)[None],
             )
         times: dict[int, list[float]] = {n: [] for n in sizes}
-        for r in range(repeats + 1):
-            for n in sizes:
-                t0 = time.perf_counter()
-                with tree_attention(model):
+        with tree_attention(model):  # the attention the decode loop verifies with
+            for r in range(repeats + 1):
+                for n in sizes:
+                    t0 = time.perf_counter()
                     model(**inputs[n], cache=cache, use_cache=True)
-                elapsed = time.perf_counter() - t0
-                cache.crop(-n)
-                if r:  # the first round warms up
-                    times[n].append(elapsed)
+                    elapsed = time.perf_counter() - t0
+                    cache.crop(-n)
+                    if r:  # the first round warms up
+                        times[n].append(elapsed)
     return {n: statistics.median(v) for n, v in times.items()}
 
 

@@ -82,13 +82,18 @@ def modelled_speed(run: dict, costs: dict[int, float]) -> float | None:
     return sum(run["accept_lengths"]) / (work * (1.0 + max(decode - forward, 0.0) / forward))
 
 
+def ranking_speed(costs: dict[int, float] | None) -> Speed:
+    """The speed trees and schedulers are ranked by: modelled with forward costs, else measured."""
+    return (lambda run: modelled_speed(run, costs)) if costs is not None else measured_speed
+
+
 def _speeds(runs: dict, speed: Speed) -> dict[str, float]:
     return {p: v for p, r in runs.items() if (v := speed(r)) is not None}
 
 
 def _median_modelled(runs: dict, costs: dict[int, float] | None) -> float | None:
     """Median modelled speed over a label's prompts (None without forward costs)."""
-    return median(list(_speeds(runs, lambda r: modelled_speed(r, costs)).values())) if costs is not None else None
+    return median(list(_speeds(runs, ranking_speed(costs)).values())) if costs is not None else None
 
 
 def _tps(runs: dict) -> list[float]:
@@ -129,8 +134,7 @@ class SearchResult:
         """Add the sweep's figures and pick the hysteresis and ladder winners: the median ratio
         to static per prompt, modelled (with :attr:`costs`) or measured."""
         static = runs.get("static", {})
-        costs = self.costs
-        speed: Speed = (lambda r: modelled_speed(r, costs)) if costs is not None else measured_speed
+        speed = ranking_speed(self.costs)
         self.sweep = {
             lab: {"tokens_per_s": median(_tps(r)),
                   "vs_static": _paired_ratio(r, static, speed) if lab != "static" else 1.0,
