@@ -77,6 +77,27 @@ def test_plan_maps_every_branch_node():
             assert sorted(m for m in mapping if m >= u) == list(range(u, u + length))
 
 
+def test_bank_default_decides_unless_the_config_says(tmp_path):
+    from entmtp_hf.bank import TopologyBank
+
+    trees = [Tree.chain(1), Tree.chain(2)]
+    on = TopologyBank("t", trees, {"scheduler": {"policy": "static", "retrieval": True}})
+    off = TopologyBank("t", trees, {"scheduler": {"policy": "static"}})  # banks from before the option: off
+    on.save_pretrained(tmp_path)
+    assert TopologyBank.from_pretrained(tmp_path, task="t").scheduler.retrieval is True  # survives the file
+    assert "retrieval branches on by default" in (tmp_path / "README.md").read_text()
+    assert EntMTPConfig(bank=on, task="t").resolve(4).retrieval == RetrievalConfig()
+    assert EntMTPConfig(bank=on, task="t", policy="hysteresis").resolve(4).branches  # every policy gets them
+    assert EntMTPConfig(bank=on, task="t", policy="entropy").resolve(4).retrieval is not None
+    assert EntMTPConfig(bank=on, task="t", retrieval=False).resolve(4).retrieval is None  # the caller's word wins
+    assert EntMTPConfig(bank=off, task="t").resolve(4).retrieval is None
+    mine = RetrievalConfig(num_tokens=2)
+    assert EntMTPConfig(bank=off, task="t", retrieval=mine).resolve(4).retrieval == mine
+    assert EntMTPConfig(tree=[[0]]).resolve(4).retrieval is None  # no bank: off unless asked for
+    with pytest.raises(ValueError, match="retrieval must be true or false"):
+        TopologyBank("t", trees, {"scheduler": {"retrieval": "yes"}})
+
+
 # ----------------------------------------------------------------------------- generate
 def looping_prompt(model, n=24):
     """The tiny model's own greedy text repeats itself, so suffixes recur."""

@@ -231,8 +231,11 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     assert (sched.conservative, sched.aggressive) == tuple(hyst["trees"]) and sched.conservative < sched.aggressive
     assert sched.tau_on == hyst["values"][0] and sched.tau_on in (0.3, 0.9) and len(sched.thresholds) == 2
     assert {lab.split(":")[3] for lab in result.sweep if lab.startswith("hysteresis")} == {"1-2", "1-3", "2-3"}
-    speed = {"static": 1.0, **{k: v["vs_static"] for k, v in result.winners.items() if v["vs_static"] >= 1.05}}
+    speed = {"static": 1.0, **{k: v["vs_static"] for k, v in result.winners.items()
+                               if k != "retrieval" and v["vs_static"] >= 1.05}}  # fmt: skip
     assert sched.policy == max(speed, key=speed.get) and sched.feature == "base_top1"
+    assert "static+retrieval" in result.sweep  # the static tree with retrieval branches, timed in the sweep
+    assert sched.retrieval == (result.winners["retrieval"]["vs_static"] >= 1.05)
     meta = bank.metadata
     for k, info in enumerate(meta["trees"]):
         assert info["num_nodes"] == bank.trees[k].num_nodes
@@ -274,16 +277,19 @@ def test_config_validation_and_cli():
     assert cfg.timed_sizes == (1, 3) and cfg.tau_grid == (0.1,) and args.func.__name__ == "run_cli"
 
 
-@pytest.mark.parametrize("hyst,ladder,policy", [(1.03, 0.9, "static"), (1.08, 1.06, "hysteresis"), (1.06, 1.2, "ladder")])
-def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, policy):
+@pytest.mark.parametrize("hyst,ladder,retrieval,policy", [(1.03, 0.9, 1.04, "static"), (1.08, 1.06, 1.3, "hysteresis"),
+                                                      (1.06, 1.2, 1.06, "ladder")])  # fmt: skip
+def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, retrieval, policy):
     from entmtp_hf.search_report import SearchResult
 
     choice = S.choose_trees([1, 2, 3], [10.0, 12.0, 11.0])
     result = SearchResult(task="t", settings={}, frontier=[], timed={}, labels=["a", "b", "c"], choice=choice,
                           vanilla_tokens_per_s=10.0, reference=None, elapsed={})  # fmt: skip
     result.winners = {"hysteresis": {"feature": "chain_value", "values": [0.4], "vs_static": hyst, "trees": [0, 2]},
-                      "ladder": {"feature": "base_top1", "values": [0.2, 0.6], "vs_static": ladder}}  # fmt: skip
+                      "ladder": {"feature": "base_top1", "values": [0.2, 0.6], "vs_static": ladder},
+                      "retrieval": {"label": "static+retrieval", "vs_static": retrieval}}  # fmt: skip
     d = result.scheduler_defaults()
+    assert d["retrieval"] == (retrieval >= 1.05)  # a win over static turns retrieval on; never a policy itself
     assert d["policy"] == policy and (d["conservative"], d["aggressive"]) == (0, 2) and d["tau_on"] == 0.4
     assert d["feature"] == "chain_value" and d["ladder_feature"] == "base_top1" and d["thresholds"] == [0.2, 0.6]
 
@@ -319,8 +325,21 @@ def test_modelled_speed_is_tokens_over_work_and_own_overhead():
     assert modelled_speed(run, costs) == pytest.approx(6 / ((1.2 + 1.2 + 1.5) * 1.1))
     assert modelled_speed({**run, "seconds": 90.0}, costs) == modelled_speed(run, costs)  # wall time plays no part
     assert modelled_speed({"seconds": 1.0, "new_tokens": 7, "accept_lengths": []}, costs) is None  # plain decoding
-    with pytest.raises(ValueError, match=r"tree sizes \[3\]"):
-        modelled_speed(run, {1: 1.0, 2: 1.2})
+    # sizes the cost stage did not time (retrieval branches): linear between neighbours, or along the last two
+    assert modelled_speed(run, {1: 1.0, 2: 1.2}) == pytest.approx(6 / ((1.2 + 1.2 + 1.4) * 1.1))
+
+
+def test_forward_cost_interpolates_between_measured_sizes():
+    from entmtp_hf.search_report import forward_cost
+
+    costs = {1: 1.0, 2: 1.1, 4: 1.5, 8: 2.3}
+    assert forward_cost(costs, 4) == 1.5  # measured: exact
+    assert forward_cost(costs, 3) == pytest.approx(1.3) and forward_cost(costs, 6) == pytest.approx(1.9)
+    assert forward_cost(costs, 12) == pytest.approx(3.1)  # beyond the largest: the last two sizes' slope
+    with pytest.raises(ValueError, match="tree of 0 nodes"):
+        forward_cost(costs, 0)
+    with pytest.raises(ValueError, match="measured: \\[1\\]"):
+        forward_cost({1: 1.0}, 2)
 
 
 def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_path):

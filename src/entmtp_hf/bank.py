@@ -129,7 +129,9 @@ class SchedulerDefaults:
     T− / T+ of the hysteresis policy, switched on ``tau_on`` / ``tau_off`` of ``feature``.
     ``ladder``: the tree indices, in increasing order, that ``thresholds`` (one fewer) bin
     ``ladder_feature`` into. ``policy``: what ``EntMTPConfig(bank=..., task=...)`` runs when
-    no policy is given (the search stores the fastest one it measured).
+    no policy is given (the search stores the fastest one it measured). ``retrieval``: whether
+    it also adds retrieval branches when ``retrieval`` is not given (the search turns them on
+    where they made the static tree faster).
     """
 
     static: int
@@ -142,8 +144,11 @@ class SchedulerDefaults:
     policy: str = "hysteresis"
     feature: str = "best_path_value"
     ladder_feature: str = "best_path_value"
+    retrieval: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.retrieval, bool):
+            raise ValueError(f"retrieval must be true or false, got {self.retrieval!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("feature", "ladder_feature"):
@@ -178,7 +183,8 @@ class SchedulerDefaults:
 
         Defaults: static = aggressive = the last tree, conservative = 0, tau_on = tau_off =
         0.01 (one given: the other copies it), ladder = every tree, thresholds =
-        :func:`default_thresholds`, policy ``hysteresis``, features ``best_path_value``.
+        :func:`default_thresholds`, policy ``hysteresis``, features ``best_path_value``,
+        retrieval off.
         """
         raw = dict(raw or {})
         unknown = sorted(set(raw) - {f for f in cls.__dataclass_fields__})
@@ -206,6 +212,7 @@ class SchedulerDefaults:
             policy=raw.get("policy", "hysteresis"),
             feature=raw.get("feature", "best_path_value"),
             ladder_feature=raw.get("ladder_feature", "best_path_value"),
+            retrieval=raw.get("retrieval", False),
         )
         used = {"static": sched.static, "conservative": sched.conservative, "aggressive": sched.aggressive}
         used.update({f"ladder entry {i}": v for i, v in enumerate(sched.ladder)})
@@ -563,7 +570,8 @@ def _task_section(bank: TopologyBank) -> list[str]:
         f"Scheduler defaults: policy `{sched.policy}` (what runs when none is given); static tree {sched.static}; "
         f"hysteresis T− = tree {sched.conservative}, T+ = tree {sched.aggressive} on `{sched.feature}`, "
         f"τ_on = {sched.tau_on:g}, τ_off = {sched.tau_off:g}; ladder trees {list(sched.ladder)} on "
-        f"`{sched.ladder_feature}` with thresholds {[float(f'{t:g}') for t in sched.thresholds]}.",
+        f"`{sched.ladder_feature}` with thresholds {[float(f'{t:g}') for t in sched.thresholds]}; "
+        f"retrieval branches {'on' if sched.retrieval else 'off'} by default.",
         "",
     ]
     return lines

@@ -240,6 +240,8 @@ register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra"
 register_method(Method("entmtp-ladder", "EntMTP-l: threshold ladder", heads="hydra", entmtp=_bank_policy("ladder")))
 register_method(Method("entmtp-tau-retrieval", "EntMTPτ + a retrieval branch copied from earlier text", heads="hydra",
                        entmtp=_bank_policy("hysteresis", retrieval=True)))  # fmt: skip
+register_method(Method("entmtp-tau-no-retrieval", "EntMTPτ without retrieval branches, whatever the bank's default",
+                       heads="hydra", entmtp=_bank_policy("hysteresis", retrieval=False), default=False))  # fmt: skip
 # Entropy-adaptive speculation (EAS) on the Hydra head chain and its fixed-chain baselines;
 # opt-in (`--methods vanilla eas chain-4 ...`). Chains longer than the heads are skipped.
 register_method(Method("eas", "EAS: Hydra head chain halted by entropy", heads="hydra", entmtp=eas_bench_config,

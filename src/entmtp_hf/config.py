@@ -69,7 +69,8 @@ class EntMTPConfig:
 
     ``retrieval=True`` (or a :class:`~entmtp_hf.retrieval.RetrievalConfig`) adds to each step's
     tree a branch copied from earlier text whenever the text's last few tokens recur (see
-    :mod:`entmtp_hf.retrieval`); verification is unchanged, so output is too.
+    :mod:`entmtp_hf.retrieval`); verification is unchanged, so output is too. Left unset, a
+    bank's calibrated default decides (off without a bank); ``retrieval=False`` turns it off.
     """
 
     bank: Any = None
@@ -117,9 +118,7 @@ class EntMTPConfig:
             raise ValueError("the entropy policy truncates one tree: pass `tree=` (or a `bank`), not `trees=`")
         if self.retrieval is True:
             self.retrieval = RetrievalConfig()
-        elif self.retrieval is False:
-            self.retrieval = None
-        elif self.retrieval is not None and not isinstance(self.retrieval, RetrievalConfig):
+        elif self.retrieval not in (None, False) and not isinstance(self.retrieval, RetrievalConfig):
             raise ValueError(f"retrieval must be True, False or a RetrievalConfig, got {self.retrieval!r}")
         if self.acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"unknown acceptance {self.acceptance!r}; choose one of {ACCEPTANCE_RULES}")
@@ -170,8 +169,10 @@ class EntMTPConfig:
         if self.entropy_adaptive:
             return self._entropy_plan(num_heads)
         feature = self.feature or "best_path_value"
+        retrieval = self._retrieval(None)
         if self.bank is not None:
             bank = self.load_bank()
+            retrieval = self._retrieval(bank)
             trees, policy, args = self._from_bank(bank)
             if self.feature is None:
                 feature = bank.scheduler.ladder_feature if policy == "ladder" else bank.scheduler.feature
@@ -200,19 +201,25 @@ class EntMTPConfig:
 
         depth = max(t.depth for t in trees)
         chain = Tree.chain(depth) if policy != "static" else Tree.root_only()
-        return _plan(trees, chain, args, feature=feature, retrieval=self.retrieval)
+        return _plan(trees, chain, args, feature=feature, retrieval=retrieval)
 
     def _entropy_plan(self, num_heads: int) -> DecodePlan:
         """Policy ``entropy``: the tree's truncations at depth 0..D (index = depth) and the chain."""
         if self.tree is not None:
-            tree = Tree.from_choices(self.tree)
+            tree, retrieval = Tree.from_choices(self.tree), self._retrieval(None)
         else:
             bank = self.load_bank()
-            tree = bank.trees[bank.scheduler.static]
+            tree, retrieval = bank.trees[bank.scheduler.static], self._retrieval(bank)
         _check_depth((tree,), num_heads)
         trees = tuple(Tree(tuple(p for p in tree.paths if len(p) <= d)) for d in range(tree.depth + 1))
         args = {"policy": "static", "static_index": tree.depth}
-        return _plan(trees, Tree.chain(tree.depth), args, eas=self.eas or EASConfig(), retrieval=self.retrieval)
+        return _plan(trees, Tree.chain(tree.depth), args, eas=self.eas or EASConfig(), retrieval=retrieval)
+
+    def _retrieval(self, bank: "TopologyBank | None") -> RetrievalConfig | None:
+        """The retrieval settings in force: the config's own, else the bank's default (off without one)."""
+        if self.retrieval is None:
+            return RetrievalConfig() if bank is not None and bank.scheduler.retrieval else None
+        return self.retrieval or None
 
     def _from_bank(self, bank: "TopologyBank") -> tuple[tuple[Tree, ...], str, dict]:
         d = bank.scheduler

@@ -65,6 +65,7 @@ TAU_GRID = (0.05, 0.2, 0.4, 0.6, 0.8)
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SCORINGS = ("rank_tuple", "rollout")
 RULES = ("greedy", "exact", "typical")
+RETRIEVAL = "static+retrieval"  # the sweep's run of the static tree with retrieval branches
 VANILLA = "vanilla"
 REFERENCE = "mc_sim_7b_63"
 RANKINGS = ("modelled", "measured")
@@ -97,6 +98,7 @@ class SearchConfig:
     tau_grid: tuple[float, ...] = TAU_GRID
     features: tuple[str, ...] = ("head_confidence", "accept_ema")  # tau_grid mapped by scheduler.threshold
     ladder: bool = True  # calibrate ladder thresholds (adjacent pairs of tau_grid)
+    retrieval: bool = True  # also time the static tree with retrieval branches (the bank's retrieval default)
     ranking: str = "modelled"  # choose trees and schedulers by modelled or by measured tokens/s
     cost_repeats: int = 15  # interleaved rounds of the forward-cost measurement (ranking="modelled")
     seed: int = 123
@@ -769,9 +771,12 @@ class TreeSearch:
         return out
 
     def sweep_runs(self, trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dict[str, EntMTPConfig]:
-        """The static tree, hysteresis over each pair of T-, EntMTP* and T+ (label
-        ``hysteresis:{feature}:{tau}:{i}-{j}``, indices into ``labels``) and the ladder."""
+        """The static tree (alone, and with retrieval branches: label ``static+retrieval``),
+        hysteresis over each pair of T-, EntMTP* and T+ (label ``hysteresis:{feature}:{tau}:{i}-{j}``,
+        indices into ``labels``) and the ladder."""
         runs = {"static": self._tree_config(trees[labels[choice.static]])}
+        if self.cfg.retrieval:
+            runs[RETRIEVAL] = self._tree_config(trees[labels[choice.static]], retrieval=True)
         pairs = [(a, b) for k, a in enumerate(choice.ladder) for b in choice.ladder[k + 1 :]]
         for f in self.cfg.features:
             for lo, hi in pairs:

@@ -23,6 +23,7 @@ from .bank import TopologyBank, default_thresholds
 from .search import (
     RANKINGS,
     REFERENCE,
+    RETRIEVAL,
     RULES,
     SCORINGS,
     TAU_GRID,
@@ -75,11 +76,22 @@ def modelled_speed(run: dict, costs: dict[int, float]) -> float | None:
     sizes, forward, decode = run.get("tree_sizes"), run.get("forward_seconds"), run.get("decode_seconds")
     if not sizes or not forward or decode is None:
         return None
-    missing = sorted({n for n in sizes} - set(costs))
-    if missing:
-        raise ValueError(f"no forward cost for tree sizes {missing} (measured: {sorted(costs)})")
-    work = sum(costs[n] for n in sizes)
+    work = sum(forward_cost(costs, n) for n in sizes)
     return sum(run["accept_lengths"]) / (work * (1.0 + max(decode - forward, 0.0) / forward))
+
+
+def forward_cost(costs: dict[int, float], n: int) -> float:
+    """c(n) from the measured sizes: exact where measured, else linear between the nearest
+    sizes around ``n`` (or along the last two, beyond the largest). Retrieval branches make
+    trees of sizes the cost stage did not time; c(N) is close to linear at these sizes."""
+    if n in costs:
+        return costs[n]
+    sizes = sorted(costs)
+    if len(sizes) < 2 or n < sizes[0]:
+        raise ValueError(f"no forward cost for a tree of {n} nodes (measured: {sizes})")
+    above = [m for m in sizes if m > n]
+    lo, hi = (sizes[-2], sizes[-1]) if not above else (max(m for m in sizes if m < n), above[0])
+    return costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
 
 
 def ranking_speed(costs: dict[int, float] | None) -> Speed:
@@ -141,6 +153,8 @@ class SearchResult:
                   "measured_vs_static": _paired_ratio(r, static) if lab != "static" else 1.0}
             for lab, r in runs.items()
         }  # fmt: skip
+        if RETRIEVAL in self.sweep and _finite(self.sweep[RETRIEVAL]["vs_static"]):
+            self.winners["retrieval"] = {"label": RETRIEVAL, **self.sweep[RETRIEVAL]}
         for kind in ("hysteresis", "ladder"):
             cands = [lab for lab, v in self.sweep.items() if lab.startswith(kind + ":") and _finite(v["vs_static"])]
             if cands:
@@ -168,18 +182,21 @@ class SearchResult:
         """The bank's scheduler block: EntMTP*, the winning hysteresis pair and τ, the ladder
         with its thresholds, and as default policy the fastest of the three against static,
         where a scheduler must beat static by ``SWEEP_MARGIN`` (the sweep's few prompts are noisy
-        and its winner is the best of many tries)."""
+        and its winner is the best of many tries); retrieval branches are on by default when they
+        made the static tree faster by the same margin."""
         c = self.choice
         hyst, lad = self.winners.get("hysteresis"), self.winners.get("ladder")
         low, high = hyst["trees"] if hyst and "trees" in hyst else (c.conservative, c.aggressive)
         tau = hyst["values"][0] if hyst else 0.01
         ladder = c.ladder
         thresholds = lad["values"] if lad else list(default_thresholds(len(ladder) - 1, tau))
-        speed = {"static": 1.0, **{k: v["vs_static"] for k, v in self.winners.items() if v["vs_static"] >= SWEEP_MARGIN}}
+        speed = {"static": 1.0, **{k: v["vs_static"] for k, v in self.winners.items()
+                                   if k != "retrieval" and v["vs_static"] >= SWEEP_MARGIN}}  # fmt: skip
+        retrieval = self.winners.get("retrieval", {}).get("vs_static", 0.0) >= SWEEP_MARGIN
         return {"static": c.static, "conservative": low, "aggressive": high, "tau_on": tau, "tau_off": tau,
                 "ladder": ladder, "thresholds": thresholds, "policy": max(speed, key=lambda k: speed[k]),
                 "feature": hyst["feature"] if hyst else "best_path_value",
-                "ladder_feature": lad["feature"] if lad else "best_path_value"}  # fmt: skip
+                "ladder_feature": lad["feature"] if lad else "best_path_value", "retrieval": retrieval}  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         timed = {lab: {k: (v.choices if isinstance(v, Tree) else v) for k, v in row.items()}
@@ -455,7 +472,7 @@ def _choice_section(result: SearchResult) -> list[str]:
     sweep = [f"| {lab} | {_f(v['tokens_per_s'], 2)} | {_f(v.get('measured_vs_static'), 3)} | {_f(v['vs_static'], 3)} |"
              for lab, v in result.sweep.items()]  # fmt: skip
     ranked = "modelled" if result.costs is not None else "measured"
-    features = {k: v["feature"] for k, v in result.winners.items()}
+    features = {k: v["feature"] for k, v in result.winners.items() if k != "retrieval"}
     return [
         "## Chosen trees", "",
         f"- EntMTP* (static optimum): tree {c.static}, **{_nodes(size[c.static])}** ({size[c.static] - 1} drafted) "
@@ -539,6 +556,8 @@ def add_search_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tau-grid", default=",".join(f"{t:g}" for t in TAU_GRID))
     p.add_argument("--features", default=",".join(d.features), help=f"comma-separated, from {', '.join(FEATURES)}")
     p.add_argument("--no-ladder", action="store_true", help="skip the ladder threshold sweep")
+    p.add_argument("--no-retrieval", action="store_true",
+                   help="do not time retrieval branches (the bank's retrieval default stays off)")  # fmt: skip
     p.add_argument("--ranking", choices=RANKINGS, default=d.ranking,
                    help="choose trees and schedulers by modelled tokens per forward (measured forward costs x "
                    "steps; robust to a noisy machine) or by measured tokens/s")  # fmt: skip
@@ -556,7 +575,7 @@ def config_from_args(args: argparse.Namespace) -> SearchConfig:
         temperature=args.temperature, timed_sizes=sizes, time_every=args.time_every,
         time_reference=not args.no_reference, sweep_prompts=args.sweep_prompts,
         tau_grid=_parse_list(args.tau_grid, float), features=_parse_list(args.features, str),
-        ladder=not args.no_ladder, ranking=args.ranking, cost_repeats=args.cost_repeats, seed=args.seed,
+        ladder=not args.no_ladder, retrieval=not args.no_retrieval, ranking=args.ranking, cost_repeats=args.cost_repeats, seed=args.seed,
     )  # fmt: skip
 
 
