@@ -183,6 +183,30 @@ def test_init_from_continues_given_heads_and_keeps_their_vocabulary(tmp_path, mo
                     measure=False)
 
 
+def test_init_from_fewer_heads_extends_them_with_copies_of_the_last(tmp_path, model):
+    from entmtp_hf.training.loop import init_heads_from
+
+    cache = make_cache(tmp_path / "data", model)
+    train_heads(config(tmp_path, run_name="a", epochs=1, arch="prefix-mlp"), model, cache=cache, measure=False)
+    src = tmp_path / "a" / "final"
+    given = DraftHeads.from_pretrained(src)
+    got = init_heads_from(config(tmp_path, num_heads=5, arch="prefix-mlp", init_from=str(src)), model)
+    assert got.num_heads == 5 and torch.equal(got.draft_vocab, given.draft_vocab)
+    mine, theirs = got.state_dict(), given.state_dict()
+    for key, value in theirs.items():
+        assert torch.equal(mine[key], value), key  # the given heads and the prefix layer, unchanged
+    last, new = theirs["mlps.2.0.linear.weight"], mine["mlps.4.0.linear.weight"]  # reads 4H -> 6H features
+    assert torch.equal(new[:, :H], last[:, :H]) and torch.equal(new[:, 3 * H :], last[:, H:])
+    assert not new[:, H : 3 * H].any() and torch.equal(mine["mlps.4.0.linear.bias"], theirs["mlps.2.0.linear.bias"])
+    # the extended heads train: a run from them finishes and keeps five heads
+    train_heads(config(tmp_path, run_name="b", max_steps=2, num_heads=5, arch="prefix-mlp", init_from=str(src)),
+                model, cache=cache, measure=False)
+    assert DraftHeads.from_pretrained(tmp_path / "b" / "final").num_heads == 5
+    assert "Those were 3 heads; heads 3..4 started as copies" in (tmp_path / "b" / "final" / "README.md").read_text()
+    with pytest.raises(ValueError, match="as many heads or fewer"):
+        init_heads_from(config(tmp_path, num_heads=2, arch="prefix-mlp", init_from=str(src)), model)
+
+
 def test_init_from_with_init_vocab_data_rechooses_the_vocabulary_and_keeps_the_weights(tmp_path, model):
     cache = make_cache(tmp_path / "data", model)
     train_heads(config(tmp_path, run_name="a", epochs=1), model, cache=cache, measure=False)

@@ -28,8 +28,11 @@ def model_card(s: dict[str, Any], heads: DraftHeads) -> str:
     about = "; ".join(described[k] for k in SOURCES if k in sources)
     vocab = ("its drafting vocabulary chosen anew from this run's data" if c.get("init_vocab") == "data"
              else "same drafting vocabulary")
+    extended = (f" Those were {s['init_num_heads']} heads; heads {s['init_num_heads']}..{hc.num_heads - 1} started "
+                "as copies of the last (its hidden-state weights kept, its embedding weights on the most recent "
+                "tokens)." if s.get("init_num_heads", hc.num_heads) < hc.num_heads else "")
     start = (f"Training started from the heads in `{c['init_from']}` ({vocab}) instead of the "
-             "warm start." if c.get("init_from") else "Training started from the warm start (every head = base LM "
+             f"warm start.{extended}" if c.get("init_from") else "Training started from the warm start (every head = base LM "
              "head on c_t).")
     teacher = ("The teacher cache (hidden states and greedy tokens) was filled under bfloat16 autocast "
                "(`--teacher-dtype bfloat16`; weights float32).\n\n" if s["extract"].get("dtype") == "bfloat16" else "")

@@ -288,15 +288,51 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
 
 
 def init_heads_from(cfg: TrainConfig, model) -> DraftHeads:
-    """Heads loaded from ``cfg.init_from`` (float32, on the model's device), checked against ``cfg``."""
+    """Heads loaded from ``cfg.init_from`` (float32, on the model's device), checked against ``cfg``;
+    fewer heads than ``cfg.num_heads`` are extended by :func:`extend_heads`."""
     heads = DraftHeads.from_pretrained(cfg.init_from).float()
     c = heads.config
-    got = (c.family, c.head_arch, c.num_heads, c.num_layers, c.draft_vocab_size, c.use_base_lm_head)
-    want = (cfg.family, cfg.arch, cfg.num_heads, cfg.num_layers, cfg.draft_vocab_size, True)
-    if got != want:
-        raise ValueError(f"--init-from {cfg.init_from}: heads are {got}, this run wants {want} "
-                         "(family, arch, heads, layers, draft vocab size, base LM head)")
-    return heads.to(next(model.parameters()).device)
+    got = (c.family, c.head_arch, c.num_layers, c.draft_vocab_size, c.use_base_lm_head)
+    want = (cfg.family, cfg.arch, cfg.num_layers, cfg.draft_vocab_size, True)
+    if got != want or c.num_heads > cfg.num_heads:
+        raise ValueError(f"--init-from {cfg.init_from}: heads are {got} with {c.num_heads} heads, this run wants "
+                         f"{want} with {cfg.num_heads} (family, arch, layers, draft vocab size, base LM head; "
+                         "as many heads or fewer)")
+    heads = heads.to(next(model.parameters()).device)
+    if c.num_heads < cfg.num_heads:
+        more = type(heads).for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, heads.draft_vocab.cpu(),
+                                     use_base_lm_head=True).float()
+        heads = extend_heads(heads, more)
+    return heads
+
+
+@torch.no_grad()
+def extend_heads(given: DraftHeads, more: DraftHeads) -> DraftHeads:
+    """``more`` (same kind, more heads) with ``given``'s weights, and each extra head started as a
+    copy of the last given head: deeper heads predict further ahead from the same signals.
+
+    A Hydra head's first block reads the hidden state and the embeddings of the tokens drafted
+    so far, one more per head; the copy keeps the hidden-state slice and puts the last head's
+    embedding slices on the most recent tokens (the older ones start at zero)."""
+    n, h = given.num_heads, given.config.hidden_size
+    state = more.state_dict()
+    src = given.state_dict()
+    for key, value in src.items():  # shared parts and the given heads, unchanged
+        state[key] = value.clone()
+    last = f"mlps.{n - 1}."
+    for j in range(n, more.num_heads):
+        for key, value in src.items():
+            if not key.startswith(last):
+                continue
+            target = f"mlps.{j}." + key[len(last):]
+            if value.shape == state[target].shape:
+                state[target] = value.clone()
+            else:  # block 0: columns [hidden, emb_1..emb_n] -> [hidden, 0.., the most recent n embeddings]
+                out = torch.zeros_like(state[target])
+                out[:, :h], out[:, out.shape[1] - (value.shape[1] - h) :] = value[:, :h], value[:, h:]
+                state[target] = out
+    more.load_state_dict(state)
+    return more
 
 
 def _base_io(model) -> tuple[nn.Module, nn.Module]:
@@ -327,6 +363,8 @@ def finalize(cfg: TrainConfig, model, tokenizer, heads: DraftHeads, cache: Teach
         "validation_fp32_weights": evaluate_heads(heads, *_base_io(model), cache),
         "weights_bytes": os.path.getsize(out / "model.safetensors"),
     }
+    if cfg.init_from:
+        summary["init_num_heads"] = DraftHeads.from_pretrained(cfg.init_from).num_heads
     if measure and cfg.tau_prompts > 0 and tokenizer is not None:
         prompts = tau_prompts(cache, tokenizer, cfg.tau_prompts, cfg.seed, cfg.val_fraction)
         summary["tau_mc_sim_7b_63"] = measure_tau(model, shipped, prompts, cfg.tau_new_tokens)
