@@ -47,7 +47,7 @@ def brute_force(toks, cfg):
     return []
 
 
-@pytest.mark.parametrize("kw", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(num_tokens=0)])
+@pytest.mark.parametrize("kw", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(num_tokens=0), dict(mode="swap")])
 def test_bad_config(kw):
     with pytest.raises(ValueError, match="RetrievalConfig"):
         RetrievalConfig(**kw)
@@ -81,12 +81,13 @@ def test_bank_default_decides_unless_the_config_says(tmp_path):
     from entmtp_hf.bank import TopologyBank
 
     trees = [Tree.chain(1), Tree.chain(2)]
-    on = TopologyBank("t", trees, {"scheduler": {"policy": "static", "retrieval": True}})
-    off = TopologyBank("t", trees, {"scheduler": {"policy": "static"}})  # banks from before the option: off
+    stored = RetrievalConfig(mode="replace", num_tokens=2)
+    on = TopologyBank("t", trees, {"scheduler": {"policy": "static", "retrieval": {"mode": "replace", "num_tokens": 2}}})
+    off = TopologyBank("t", trees, {"scheduler": {"policy": "static"}})  # banks from before the option: none
     on.save_pretrained(tmp_path)
-    assert TopologyBank.from_pretrained(tmp_path, task="t").scheduler.retrieval is True  # survives the file
-    assert "retrieval branches on by default" in (tmp_path / "README.md").read_text()
-    assert EntMTPConfig(bank=on, task="t").resolve(4).retrieval == RetrievalConfig()
+    assert TopologyBank.from_pretrained(tmp_path, task="t").scheduler.retrieval == stored  # survives the file
+    assert "retrieval branches by default: replace, up to 2 tokens" in (tmp_path / "README.md").read_text()
+    assert EntMTPConfig(bank=on, task="t").resolve(4).retrieval == stored
     assert EntMTPConfig(bank=on, task="t", policy="hysteresis").resolve(4).branches  # every policy gets them
     assert EntMTPConfig(bank=on, task="t", policy="entropy").resolve(4).retrieval is not None
     assert EntMTPConfig(bank=on, task="t", retrieval=False).resolve(4).retrieval is None  # the caller's word wins
@@ -94,8 +95,18 @@ def test_bank_default_decides_unless_the_config_says(tmp_path):
     mine = RetrievalConfig(num_tokens=2)
     assert EntMTPConfig(bank=off, task="t", retrieval=mine).resolve(4).retrieval == mine
     assert EntMTPConfig(tree=[[0]]).resolve(4).retrieval is None  # no bank: off unless asked for
-    with pytest.raises(ValueError, match="retrieval must be true or false"):
-        TopologyBank("t", trees, {"scheduler": {"retrieval": "yes"}})
+    for bad, message in (("yes", "JSON object or null"), ({"mode": "swap"}, "mode must be one of"),
+                         ({"tokens": 2}, "unknown retrieval keys"), ({"num_tokens": 1.5}, "must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            TopologyBank("t", trees, {"scheduler": {"retrieval": bad}})
+
+
+def test_replace_mode_verifies_the_chain_alone():
+    plan = EntMTPConfig(trees=[[[0]], MC_SIM_7B_63], retrieval=RetrievalConfig(num_tokens=3, mode="replace")).resolve(4)
+    u = plan.union.num_nodes
+    for per_length in plan.branches:
+        for length, (tree, mapping) in enumerate(per_length, start=1):
+            assert tree == Tree.chain(length) and mapping == (0, *range(u, u + length))
 
 
 # ----------------------------------------------------------------------------- generate
@@ -105,13 +116,14 @@ def looping_prompt(model, n=24):
     return model.generate(ids, max_new_tokens=n, do_sample=False)
 
 
+@pytest.mark.parametrize("mode", ["append", "replace"])
 @pytest.mark.parametrize("tree", [[], [[0]], MC_SIM_7B_63])
-def test_greedy_identical_with_retrieval(tiny_cache, tree):
+def test_greedy_identical_with_retrieval(tiny_cache, tree, mode):
     model = enabled(tiny_cache)
     used = accepted = 0
     for ids in [looping_prompt(model), *prompts(2)]:
         ref = model.generate(ids, max_new_tokens=40, do_sample=False)
-        cfg = EntMTPConfig(tree=tree, retrieval=RetrievalConfig(min_ngram=1, max_ngram=3, num_tokens=4))
+        cfg = EntMTPConfig(tree=tree, retrieval=RetrievalConfig(min_ngram=1, max_ngram=3, num_tokens=4, mode=mode))
         out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref)
         used += out.entmtp_stats["retrieval_steps"]
@@ -119,11 +131,12 @@ def test_greedy_identical_with_retrieval(tiny_cache, tree):
     assert used > 0 and (accepted > 0 or tree), "the looping text should accept retrieved tokens"
 
 
-def test_exact_sampling_with_retrieval_preserves_distribution(tiny_cache):
+@pytest.mark.parametrize("tree,mode", [([], "append"), ([[0], [1]], "replace")])  # retrieval only; or it and the heads
+def test_exact_sampling_with_retrieval_preserves_distribution(tiny_cache, tree, mode):
     model = enabled(tiny_cache)
     ids = looping_prompt(model, 10)
     probs = target_joint(model, ids, temperature=0.7, top_k=4)
-    cfg = EntMTPConfig(tree=[], retrieval=RetrievalConfig(min_ngram=1, max_ngram=2, num_tokens=2))  # retrieval only
+    cfg = EntMTPConfig(tree=tree, retrieval=RetrievalConfig(min_ngram=1, max_ngram=2, num_tokens=2, mode=mode))
     n, counts, copied = 800, {}, 0
     torch.manual_seed(99)
     for _ in range(n):

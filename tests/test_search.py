@@ -234,8 +234,10 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     speed = {"static": 1.0, **{k: v["vs_static"] for k, v in result.winners.items()
                                if k != "retrieval" and v["vs_static"] >= 1.05}}  # fmt: skip
     assert sched.policy == max(speed, key=speed.get) and sched.feature == "base_top1"
-    assert "static+retrieval" in result.sweep  # the static tree with retrieval branches, timed in the sweep
-    assert sched.retrieval == (result.winners["retrieval"]["vs_static"] >= 1.05)
+    assert set(S.RETRIEVAL_RUNS) <= set(result.sweep)  # the static tree with retrieval branches, timed in the sweep
+    won = result.winners["retrieval"]
+    assert won["vs_static"] == max(result.sweep[lab]["vs_static"] for lab in S.RETRIEVAL_RUNS)
+    assert sched.retrieval == (S.RETRIEVAL_RUNS[won["label"]] if won["vs_static"] >= 1.05 else None)
     meta = bank.metadata
     for k, info in enumerate(meta["trees"]):
         assert info["num_nodes"] == bank.trees[k].num_nodes
@@ -287,9 +289,11 @@ def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, retrieval, p
                           vanilla_tokens_per_s=10.0, reference=None, elapsed={})  # fmt: skip
     result.winners = {"hysteresis": {"feature": "chain_value", "values": [0.4], "vs_static": hyst, "trees": [0, 2]},
                       "ladder": {"feature": "base_top1", "values": [0.2, 0.6], "vs_static": ladder},
-                      "retrieval": {"label": "static+retrieval", "vs_static": retrieval}}  # fmt: skip
+                      "retrieval": {"label": "static+retrieval-replace", "vs_static": retrieval,
+                                    "config": {"mode": "replace", "num_tokens": 2}}}  # fmt: skip
     d = result.scheduler_defaults()
-    assert d["retrieval"] == (retrieval >= 1.05)  # a win over static turns retrieval on; never a policy itself
+    # a win over static turns retrieval on (its settings stored); never a policy itself
+    assert d["retrieval"] == ({"mode": "replace", "num_tokens": 2} if retrieval >= 1.05 else None)
     assert d["policy"] == policy and (d["conservative"], d["aggressive"]) == (0, 2) and d["tau_on"] == 0.4
     assert d["feature"] == "chain_value" and d["ladder_feature"] == "base_top1" and d["thresholds"] == [0.2, 0.6]
 

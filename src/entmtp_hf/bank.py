@@ -49,6 +49,7 @@ from huggingface_hub.errors import (
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from .retrieval import RetrievalConfig
 from .scheduler import FEATURES, POLICIES
 from .tree import MC_SIM_7B_63, Tree
 
@@ -129,9 +130,9 @@ class SchedulerDefaults:
     T− / T+ of the hysteresis policy, switched on ``tau_on`` / ``tau_off`` of ``feature``.
     ``ladder``: the tree indices, in increasing order, that ``thresholds`` (one fewer) bin
     ``ladder_feature`` into. ``policy``: what ``EntMTPConfig(bank=..., task=...)`` runs when
-    no policy is given (the search stores the fastest one it measured). ``retrieval``: whether
-    it also adds retrieval branches when ``retrieval`` is not given (the search turns them on
-    where they made the static tree faster).
+    no policy is given (the search stores the fastest one it measured). ``retrieval``: the
+    retrieval branches it adds when ``retrieval`` is not given (None: none; the search stores
+    the settings that made the static tree faster, if any did).
     """
 
     static: int
@@ -144,11 +145,11 @@ class SchedulerDefaults:
     policy: str = "hysteresis"
     feature: str = "best_path_value"
     ladder_feature: str = "best_path_value"
-    retrieval: bool = False
+    retrieval: RetrievalConfig | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.retrieval, bool):
-            raise ValueError(f"retrieval must be true or false, got {self.retrieval!r}")
+        if self.retrieval is not None and not isinstance(self.retrieval, RetrievalConfig):
+            raise ValueError(f"retrieval must be a RetrievalConfig or None, got {self.retrieval!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("feature", "ladder_feature"):
@@ -184,7 +185,7 @@ class SchedulerDefaults:
         Defaults: static = aggressive = the last tree, conservative = 0, tau_on = tau_off =
         0.01 (one given: the other copies it), ladder = every tree, thresholds =
         :func:`default_thresholds`, policy ``hysteresis``, features ``best_path_value``,
-        retrieval off.
+        no retrieval.
         """
         raw = dict(raw or {})
         unknown = sorted(set(raw) - {f for f in cls.__dataclass_fields__})
@@ -212,7 +213,7 @@ class SchedulerDefaults:
             policy=raw.get("policy", "hysteresis"),
             feature=raw.get("feature", "best_path_value"),
             ladder_feature=raw.get("ladder_feature", "best_path_value"),
-            retrieval=raw.get("retrieval", False),
+            retrieval=None if raw.get("retrieval") is None else RetrievalConfig.from_dict(raw["retrieval"]),
         )
         used = {"static": sched.static, "conservative": sched.conservative, "aggressive": sched.aggressive}
         used.update({f"ladder entry {i}": v for i, v in enumerate(sched.ladder)})
@@ -551,6 +552,12 @@ def _cell(value: object) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _retrieval_text(config: RetrievalConfig | None) -> str:
+    if config is None:
+        return "none"
+    return f"{config.mode}, up to {config.num_tokens} tokens after a {config.min_ngram}-{config.max_ngram}-token match"
+
+
 def _task_section(bank: TopologyBank) -> list[str]:
     meta, sched = bank.metadata, bank.scheduler
     per_tree = meta.get("trees") or [{} for _ in bank.trees]
@@ -571,7 +578,7 @@ def _task_section(bank: TopologyBank) -> list[str]:
         f"hysteresis T− = tree {sched.conservative}, T+ = tree {sched.aggressive} on `{sched.feature}`, "
         f"τ_on = {sched.tau_on:g}, τ_off = {sched.tau_off:g}; ladder trees {list(sched.ladder)} on "
         f"`{sched.ladder_feature}` with thresholds {[float(f'{t:g}') for t in sched.thresholds]}; "
-        f"retrieval branches {'on' if sched.retrieval else 'off'} by default.",
+        f"retrieval branches by default: {_retrieval_text(sched.retrieval)}.",
         "",
     ]
     return lines

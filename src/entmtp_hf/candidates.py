@@ -8,8 +8,9 @@ switch between trees is an index lookup, never a recompilation. Under the ``entr
 an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the plan's trees are the
 truncations of one tree at depth 0..D, and the index is the chain length the EAS rule gives
 for the greedy chain's head entropies. With retrieval on, the chosen tree gets one more
-branch whenever the text's suffix recurs (:mod:`entmtp_hf.retrieval`); the tree with a
-branch of each length is compiled up front too.
+branch whenever the text's suffix recurs (:mod:`entmtp_hf.retrieval`; in ``replace`` mode
+the branch is verified instead of the tree); the tree with a branch of each length is
+compiled up front too.
 """
 
 from __future__ import annotations
@@ -85,7 +86,13 @@ class EntMTPCandidateGenerator:
             self.eas.observe_verified(verified, accepted, accept_length)
 
     def get_candidates(self, root_token: torch.Tensor, p0: float, entropy: float) -> Candidates:
-        """Draft the union tree, score the step's confidence and pick the tree to verify."""
+        """Draft the union tree, score the step's confidence and pick the tree to verify (in
+        retrieval's ``replace`` mode a found continuation is verified alone, undrafted by the heads)."""
+        found = self.index.continuation() if self.index is not None else []
+        if found and self.plan.retrieval.mode == "replace":
+            k, n = self.scheduler.current, len(found) - 1
+            tokens = torch.cat([root_token.reshape(1).to(self.device), root_token.new_tensor(found, device=self.device)])
+            return Candidates(k, tokens.long(), self.branch_buffers[k][n], None, self.branch_nodes[k][n])
         proposal = self.heads.propose(self.state, root_token, self.union_buffers)
         s = None
         if self.eas is not None:
@@ -97,7 +104,6 @@ class EntMTPCandidateGenerator:
             k = self.scheduler.choose(s)
         else:
             k = self.scheduler.current
-        found = self.index.continuation() if self.index is not None else []
         if found:
             pool = torch.cat([proposal.tokens, proposal.tokens.new_tensor(found)])
             n = len(found) - 1

@@ -218,7 +218,7 @@ class EntMTPConfig:
     def _retrieval(self, bank: "TopologyBank | None") -> RetrievalConfig | None:
         """The retrieval settings in force: the config's own, else the bank's default (off without one)."""
         if self.retrieval is None:
-            return RetrievalConfig() if bank is not None and bank.scheduler.retrieval else None
+            return bank.scheduler.retrieval if bank is not None else None
         return self.retrieval or None
 
     def _from_bank(self, bank: "TopologyBank") -> tuple[tuple[Tree, ...], str, dict]:
@@ -254,8 +254,10 @@ def _plan(
     node_maps = tuple(tuple(union.subtree_map(t)) for t in trees)
     branches = ()
     if retrieval is not None:
+        replace = retrieval.mode == "replace"  # root + the chain only; else tree k + the chain
+
         def branch(k: int, length: int) -> tuple[Tree, tuple[int, ...]]:
-            tree, sources = with_branch(trees[k], length)
+            tree, sources = with_branch(Tree.root_only() if replace else trees[k], length)
             return tree, tuple(node_maps[k][i] if i >= 0 else union.num_nodes - i - 1 for i in sources)
 
         branches = tuple(tuple(branch(k, n) for n in range(1, retrieval.num_tokens + 1)) for k in range(len(trees)))

@@ -7,11 +7,14 @@ next. :class:`NgramIndex` finds the most recent earlier occurrence of the longes
 ``max_ngram`` down to ``min_ngram`` tokens, in O(1) per step, and returns up to
 ``num_tokens`` continuation tokens.
 
-The continuation is attached to the scheduled tree as a chain hanging from the root at the
-first free root rank (:func:`with_branch`), so it goes through the same verification as the
-heads' nodes: greedy output stays identical and exact sampling stays exact (acceptance only
-asks whether the verifier's own pick is among a node's children, however they were drafted).
-The heads never draft below a retrieval node.
+In ``append`` mode the continuation is attached to the scheduled tree as a chain hanging
+from the root at the first free root rank (:func:`with_branch`); in ``replace`` mode it is
+verified instead of the heads' tree (root + the chain; the heads skip drafting that step),
+which keeps the verified tree inside the few rows a CPU matmul handles at the cost of one
+(docs/performance.md). Either way it goes through the same verification as the heads' nodes:
+greedy output stays identical and exact sampling stays exact (acceptance only asks whether
+the verifier's own pick is among a node's children, however they were drafted). The heads
+never draft below a retrieval node.
 """
 
 from __future__ import annotations
@@ -21,21 +24,41 @@ from dataclasses import dataclass
 from .tree import Tree
 
 
+RETRIEVAL_MODES = ("append", "replace")
+
+
 @dataclass(frozen=True)
 class RetrievalConfig:
-    """Suffix lengths to match (longest first) and the most tokens one branch may carry."""
+    """Suffix lengths to match (longest first), the most tokens one branch may carry, and
+    whether the branch joins the heads' tree (``append``) or is verified instead of it (``replace``)."""
 
     min_ngram: int = 2
     max_ngram: int = 4
     num_tokens: int = 4
+    mode: str = "append"
 
     def __post_init__(self) -> None:
+        if self.mode not in RETRIEVAL_MODES:
+            raise ValueError(f"RetrievalConfig.mode must be one of {RETRIEVAL_MODES}, got {self.mode!r}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(
                 f"RetrievalConfig needs 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}"
             )
         if self.num_tokens < 1:
             raise ValueError(f"RetrievalConfig.num_tokens must be >= 1, got {self.num_tokens}")
+
+    @classmethod
+    def from_dict(cls, raw: object) -> "RetrievalConfig":
+        """From a bank's JSON (``{"mode": "replace", "num_tokens": 2}``; missing keys default)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"retrieval settings must be a JSON object or null, got {raw!r}")
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown retrieval keys {unknown}; allowed: {list(cls.__dataclass_fields__)}")
+        for key, value in raw.items():
+            if key != "mode" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"retrieval {key} must be an integer, got {value!r}")
+        return cls(**raw)
 
 
 class NgramIndex:

@@ -52,6 +52,7 @@ from transformers import DynamicCache
 
 from .config import EntMTPConfig
 from .profile import forward_costs as profile_forward_costs
+from .retrieval import RetrievalConfig
 from .scheduler import FEATURES, threshold
 from .tree import MC_SIM_7B_63, Path, Tree
 from .verify import keep_accepted, tree_attention_mask, typical_accept_flags
@@ -65,7 +66,12 @@ TAU_GRID = (0.05, 0.2, 0.4, 0.6, 0.8)
 TIMED_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SCORINGS = ("rank_tuple", "rollout")
 RULES = ("greedy", "exact", "typical")
-RETRIEVAL = "static+retrieval"  # the sweep's run of the static tree with retrieval branches
+#: the sweep's runs of the static tree with retrieval branches: appended (up to 4 tokens), or
+#: verified instead of the tree (2 tokens: a 3-node tree, which costs about one forward on a CPU)
+RETRIEVAL_RUNS = {
+    "static+retrieval": RetrievalConfig(),
+    "static+retrieval-replace": RetrievalConfig(mode="replace", num_tokens=2),
+}
 VANILLA = "vanilla"
 REFERENCE = "mc_sim_7b_63"
 RANKINGS = ("modelled", "measured")
@@ -771,12 +777,12 @@ class TreeSearch:
         return out
 
     def sweep_runs(self, trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dict[str, EntMTPConfig]:
-        """The static tree (alone, and with retrieval branches: label ``static+retrieval``),
+        """The static tree (alone, and with retrieval branches: :data:`RETRIEVAL_RUNS`),
         hysteresis over each pair of T-, EntMTP* and T+ (label ``hysteresis:{feature}:{tau}:{i}-{j}``,
         indices into ``labels``) and the ladder."""
         runs = {"static": self._tree_config(trees[labels[choice.static]])}
-        if self.cfg.retrieval:
-            runs[RETRIEVAL] = self._tree_config(trees[labels[choice.static]], retrieval=True)
+        for label, retrieval in RETRIEVAL_RUNS.items() if self.cfg.retrieval else ():
+            runs[label] = self._tree_config(trees[labels[choice.static]], retrieval=retrieval)
         pairs = [(a, b) for k, a in enumerate(choice.ladder) for b in choice.ladder[k + 1 :]]
         for f in self.cfg.features:
             for lo, hi in pairs:

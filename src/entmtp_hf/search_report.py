@@ -23,7 +23,7 @@ from .bank import TopologyBank, default_thresholds
 from .search import (
     RANKINGS,
     REFERENCE,
-    RETRIEVAL,
+    RETRIEVAL_RUNS,
     RULES,
     SCORINGS,
     TAU_GRID,
@@ -153,8 +153,10 @@ class SearchResult:
                   "measured_vs_static": _paired_ratio(r, static) if lab != "static" else 1.0}
             for lab, r in runs.items()
         }  # fmt: skip
-        if RETRIEVAL in self.sweep and _finite(self.sweep[RETRIEVAL]["vs_static"]):
-            self.winners["retrieval"] = {"label": RETRIEVAL, **self.sweep[RETRIEVAL]}
+        tried = [lab for lab in RETRIEVAL_RUNS if lab in self.sweep and _finite(self.sweep[lab]["vs_static"])]
+        if tried:
+            best = max(tried, key=lambda lab: self.sweep[lab]["vs_static"])
+            self.winners["retrieval"] = {"label": best, "config": asdict(RETRIEVAL_RUNS[best]), **self.sweep[best]}
         for kind in ("hysteresis", "ladder"):
             cands = [lab for lab, v in self.sweep.items() if lab.startswith(kind + ":") and _finite(v["vs_static"])]
             if cands:
@@ -183,7 +185,7 @@ class SearchResult:
         with its thresholds, and as default policy the fastest of the three against static,
         where a scheduler must beat static by ``SWEEP_MARGIN`` (the sweep's few prompts are noisy
         and its winner is the best of many tries); retrieval branches are on by default when they
-        made the static tree faster by the same margin."""
+        made the static tree faster by the same margin (the faster of appended and replacing)."""
         c = self.choice
         hyst, lad = self.winners.get("hysteresis"), self.winners.get("ladder")
         low, high = hyst["trees"] if hyst and "trees" in hyst else (c.conservative, c.aggressive)
@@ -192,7 +194,8 @@ class SearchResult:
         thresholds = lad["values"] if lad else list(default_thresholds(len(ladder) - 1, tau))
         speed = {"static": 1.0, **{k: v["vs_static"] for k, v in self.winners.items()
                                    if k != "retrieval" and v["vs_static"] >= SWEEP_MARGIN}}  # fmt: skip
-        retrieval = self.winners.get("retrieval", {}).get("vs_static", 0.0) >= SWEEP_MARGIN
+        won = self.winners.get("retrieval", {})
+        retrieval = won["config"] if won.get("vs_static", 0.0) >= SWEEP_MARGIN else None
         return {"static": c.static, "conservative": low, "aggressive": high, "tau_on": tau, "tau_off": tau,
                 "ladder": ladder, "thresholds": thresholds, "policy": max(speed, key=lambda k: speed[k]),
                 "feature": hyst["feature"] if hyst else "best_path_value",
@@ -575,7 +578,8 @@ def config_from_args(args: argparse.Namespace) -> SearchConfig:
         temperature=args.temperature, timed_sizes=sizes, time_every=args.time_every,
         time_reference=not args.no_reference, sweep_prompts=args.sweep_prompts,
         tau_grid=_parse_list(args.tau_grid, float), features=_parse_list(args.features, str),
-        ladder=not args.no_ladder, retrieval=not args.no_retrieval, ranking=args.ranking, cost_repeats=args.cost_repeats, seed=args.seed,
+        ladder=not args.no_ladder, retrieval=not args.no_retrieval, ranking=args.ranking,
+        cost_repeats=args.cost_repeats, seed=args.seed,
     )  # fmt: skip
 
 
