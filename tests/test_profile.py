@@ -5,7 +5,7 @@ import torch
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.generation import enable_entmtp
-from entmtp_hf.profile import analytic_bound, forward_costs, relative_cost, step_breakdown
+from entmtp_hf.profile import analytic_bound, forward_costs, interpolate_cost, linear_costs, relative_cost, step_breakdown
 from tiny import VOCAB
 
 
@@ -19,7 +19,18 @@ def test_relative_cost_interpolates_between_timed_sizes():
     costs = {1: 0.1, 4: 0.2, 8: 0.4}
     assert relative_cost(costs, 1) == 1.0 and relative_cost(costs, 4) == pytest.approx(2.0)
     assert relative_cost(costs, 6) == pytest.approx(3.0)  # halfway between 2 and 4
-    assert relative_cost(costs, 64) == pytest.approx(4.0)  # beyond the last size: its cost
+    assert relative_cost(costs, 12) == pytest.approx(6.0)  # beyond the last size: the last two sizes' slope
+    with pytest.raises(ValueError, match="tree of 0 nodes"):
+        relative_cost(costs, 0)
+    with pytest.raises(ValueError, match=r"measured: \[1\]"):
+        interpolate_cost({1: 1.0}, 2)
+
+
+def test_linear_costs_time_every_weight_shape(tiny_cache):
+    model, _ = tiny_cache("llama", "hydra", "mlp")
+    costs = linear_costs(model, rows=(1, 4), repeats=2)
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert len(costs) == len(shapes) and all(set(per) == {1, 4} and min(per.values()) > 0 for per in costs.values())
 
 
 def test_analytic_bound_is_tau_over_cost():

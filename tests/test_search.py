@@ -333,19 +333,6 @@ def test_modelled_speed_is_tokens_over_work_and_own_overhead():
     assert modelled_speed(run, {1: 1.0, 2: 1.2}) == pytest.approx(6 / ((1.2 + 1.2 + 1.4) * 1.1))
 
 
-def test_forward_cost_interpolates_between_measured_sizes():
-    from entmtp_hf.search_report import forward_cost
-
-    costs = {1: 1.0, 2: 1.1, 4: 1.5, 8: 2.3}
-    assert forward_cost(costs, 4) == 1.5  # measured: exact
-    assert forward_cost(costs, 3) == pytest.approx(1.3) and forward_cost(costs, 6) == pytest.approx(1.9)
-    assert forward_cost(costs, 12) == pytest.approx(3.1)  # beyond the largest: the last two sizes' slope
-    with pytest.raises(ValueError, match="tree of 0 nodes"):
-        forward_cost(costs, 0)
-    with pytest.raises(ValueError, match="measured: \\[1\\]"):
-        forward_cost({1: 1.0}, 2)
-
-
 def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_path):
     """Wall times say the 8-node tree is fastest; with forward costs that grow fast in N the
     modelled ranking picks the tree with the most tokens per unit of modelled work."""

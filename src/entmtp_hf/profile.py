@@ -6,6 +6,8 @@
   it stays near 1 for small ``N``.
 * :func:`step_breakdown`: one generate call split into prefill, drafting (the heads),
   the verifier's forward passes and everything else (Python, masks, cache, acceptance).
+* :func:`linear_costs`: one linear layer's time by the number of rows, for every weight
+  shape of the model: why ``c(N)`` is flat for a few tokens and then jumps on a CPU.
 * :func:`analytic_bound`: for each tree, ``tau / c(N)``: the speedup over one-token decoding
   if drafting and bookkeeping were free; the best tree's value is this machine's limit for
   these heads.
@@ -93,17 +95,50 @@ def step_breakdown(model, input_ids: torch.Tensor, config: EntMTPConfig, max_new
     }
 
 
-def relative_cost(costs: dict[int, float], n: int) -> float:
-    """``c(n)``: forward time for ``n`` tokens over one token's (linear between timed sizes)."""
-    sizes = sorted(costs)
+def interpolate_cost(costs: dict[int, float], n: int) -> float:
+    """The cost of ``n`` tokens from the timed sizes: exact where timed, else linear between the
+    nearest sizes around ``n`` (along the last two beyond the largest). Retrieval branches and
+    bank trees make sizes the timing skipped; between nearby sizes the cost is close to linear."""
     if n in costs:
-        return costs[n] / costs[1]
-    lo = max((s for s in sizes if s < n), default=sizes[0])
-    hi = min((s for s in sizes if s > n), default=sizes[-1])
-    if lo == hi:
-        return costs[lo] / costs[1]
-    w = (n - lo) / (hi - lo)
-    return ((1 - w) * costs[lo] + w * costs[hi]) / costs[1]
+        return costs[n]
+    sizes = sorted(costs)
+    if len(sizes) < 2 or n < sizes[0]:
+        raise ValueError(f"no forward cost for a tree of {n} nodes (measured: {sizes})")
+    above = [m for m in sizes if m > n]
+    lo, hi = (sizes[-2], sizes[-1]) if not above else (max(m for m in sizes if m < n), above[0])
+    return costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
+
+
+def relative_cost(costs: dict[int, float], n: int) -> float:
+    """``c(n)``: forward time for ``n`` tokens over one token's."""
+    return interpolate_cost(costs, n) / costs[1]
+
+
+def linear_costs(
+    model, rows: Sequence[int] = (1, 2, 3, 4, 6, 8, 16), *, repeats: int = 15
+) -> dict[str, dict[int, float]]:
+    """Median seconds of ``F.linear`` on ``M`` rows for every distinct weight shape of ``model``.
+
+    Explains the shape of c(N) on a CPU: BLAS libraries handle a few rows with a streaming
+    kernel that reads the weight once, and switch to a packing GEMM from a few rows on, whose
+    cost per call can double at that step (measured in docs/performance.md)."""
+    by_shape: dict[tuple[int, ...], tuple[str, torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):  # one weight per shape, named after its first layer
+            by_shape.setdefault(tuple(module.weight.shape), (name.split(".")[-1], module.weight.detach()))
+    weights = {f"{list(shape)} {name}": w for shape, (name, w) in by_shape.items()}
+    g = torch.Generator().manual_seed(0)
+    times: dict[str, dict[int, list[float]]] = {k: {m: [] for m in rows} for k in weights}
+    with torch.inference_mode():
+        xs = {(k, m): torch.randn(m, w.shape[1], generator=g).to(w) for k, w in weights.items() for m in rows}
+        for r in range(repeats + 1):
+            for k, w in weights.items():
+                for m in rows:
+                    t0 = time.perf_counter()
+                    torch.nn.functional.linear(xs[k, m], w)
+                    if r:  # the first round warms up
+                        times[k][m].append(time.perf_counter() - t0)
+    return {k: {m: statistics.median(v) for m, v in per.items()} for k, per in times.items()}
 
 
 def analytic_bound(trees: Sequence[dict], costs: dict[int, float]) -> list[dict]:
@@ -130,6 +165,14 @@ def _markdown(report: dict) -> str:
         lines.append(f"| {name} | {b['mean_tree_nodes']:.1f} | {b['mean_accept_length']:.2f} | {b['ms_per_step']:.1f} | "
                      f"{b['draft_ms']:.1f} | {b['forward_ms']:.1f} | {b['other_ms']:.1f} | {b['draft_share']:.1%} | "
                      f"{b['other_share']:.1%} |")  # fmt: skip
+    if report.get("linear_costs_ms"):
+        sizes = list(next(iter(report["linear_costs_ms"].values())))
+        lines += ["", "## One linear layer by rows (time relative to one row)", "",
+                  "| weight | ms at 1 row | " + " | ".join(f"{m} rows" for m in sizes) + " |",
+                  "|---|---|" + "---|" * len(sizes)]  # fmt: skip
+        for name, per in report["linear_costs_ms"].items():
+            lines.append(f"| {name} | {per[sizes[0]]:.3f} | " + " | ".join(f"{per[m] / per[sizes[0]]:.2f}" for m in sizes)
+                         + " |")  # fmt: skip
     for task, rows in report.get("bound", {}).items():
         lines += ["", f"## Analytic bound, task {task} (tau / c(N))", "", "| nodes | tau | c(N) | bound |", "|---|---|---|---|"]
         lines += [f"| {r['num_nodes']} | {r['mean_accept_length']:.2f} | {r['relative_cost']:.2f} | {r['bound']:.2f}x |"
@@ -148,6 +191,8 @@ def _profile(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"threads": torch.get_num_threads(), "bank": str(bank_dir)}
     costs = forward_costs(model, prefix_len=args.prefix_len, repeats=args.repeats)
     report["forward_costs_ms"] = {str(n): 1e3 * s for n, s in costs.items()}
+    report["linear_costs_ms"] = {k: {str(m): 1e3 * t for m, t in per.items()}
+                                 for k, per in linear_costs(model, repeats=args.repeats).items()}  # fmt: skip
     report["breakdown"], report["bound"] = {}, {}
     for task in args.tasks:
         ids = torch.tensor([evaluation_basket(task, 1)[0].render(tokenizer)])

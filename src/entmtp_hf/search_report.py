@@ -40,6 +40,7 @@ from .search import (
     simulate_canonical,
     table_accept,
 )
+from .profile import interpolate_cost
 from .scheduler import FEATURES
 from .tree import MC_SIM_7B_63, Tree
 
@@ -76,22 +77,8 @@ def modelled_speed(run: dict, costs: dict[int, float]) -> float | None:
     sizes, forward, decode = run.get("tree_sizes"), run.get("forward_seconds"), run.get("decode_seconds")
     if not sizes or not forward or decode is None:
         return None
-    work = sum(forward_cost(costs, n) for n in sizes)
+    work = sum(interpolate_cost(costs, n) for n in sizes)
     return sum(run["accept_lengths"]) / (work * (1.0 + max(decode - forward, 0.0) / forward))
-
-
-def forward_cost(costs: dict[int, float], n: int) -> float:
-    """c(n) from the measured sizes: exact where measured, else linear between the nearest
-    sizes around ``n`` (or along the last two, beyond the largest). Retrieval branches make
-    trees of sizes the cost stage did not time; c(N) is close to linear at these sizes."""
-    if n in costs:
-        return costs[n]
-    sizes = sorted(costs)
-    if len(sizes) < 2 or n < sizes[0]:
-        raise ValueError(f"no forward cost for a tree of {n} nodes (measured: {sizes})")
-    above = [m for m in sizes if m > n]
-    lo, hi = (sizes[-2], sizes[-1]) if not above else (max(m for m in sizes if m < n), above[0])
-    return costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
 
 
 def ranking_speed(costs: dict[int, float] | None) -> Speed:
