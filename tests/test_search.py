@@ -349,8 +349,10 @@ def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_pat
     cfg = small_config(ranking="modelled", cost_repeats=3)
     result = S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", measure=fake(measure, wall, []),
                           forward_costs=costs, progress=False).run()  # fmt: skip
-    assert asked == [((1, 2, 4, 8), int(S.median([len(p) for p in prompts[:2]])) + 6, 3)]
-    rel = {n: 1 + 0.6 * (n - 1) for n in (1, 2, 4, 8)}
+    # the timed trees' sizes and those plus up to 4 retrieved tokens (the sweep's retrieval runs)
+    want_sizes = tuple(sorted({1, 2, 4, 8} | {n + k for n in (1, 2, 4, 8) for k in range(1, 5)}))
+    assert asked == [(want_sizes, int(S.median([len(p) for p in prompts[:2]])) + 6, 3)]
+    rel = {n: 1 + 0.6 * (n - 1) for n in want_sizes}
     assert result.costs == pytest.approx(rel)
     runs = json.loads((tmp_path / "rollouts.json").read_text())
     want = {lab: S.median([modelled_speed(r, rel) for r in runs[lab].values()]) for lab in result.labels}

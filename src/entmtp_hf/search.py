@@ -744,7 +744,10 @@ class TreeSearch:
         The modelled ranking multiplies these by the steps each run took: on a shared CPU the
         wall time of single runs varies by tens of percent, far more than the differences
         between the trees it must rank (docs/search.md)."""
-        sizes = sorted({1} | {points[i].num_nodes for i in self.timed_indices(points)}
+        timed = {points[i].num_nodes for i in self.timed_indices(points)}
+        # the sweep's retrieval runs verify a timed tree plus up to L retrieved tokens (or L + 1 alone)
+        extra = max(r.num_tokens for r in RETRIEVAL_RUNS.values()) if self.cfg.retrieval else 0
+        sizes = sorted({1} | timed | {n + k for n in timed for k in range(1, extra + 1)}
                        | ({len(MC_SIM_7B_63) + 1} if self.reference_tree() is not None else set()))  # fmt: skip
         saved = _read_json(self.path("costs"))
         if saved is not None and all(str(n) in saved["relative"] for n in sizes):
