@@ -55,6 +55,7 @@ class EntMTPCandidateGenerator:
         self.chain_nodes = torch.tensor(plan.chain_nodes, dtype=torch.long, device=heads_device)
         self.device = device
         self.index = NgramIndex(plan.retrieval) if plan.retrieval is not None else None
+        self.replace = plan.retrieval is not None and plan.retrieval.mode == "replace"
         self.branch_buffers = tuple(tuple(t.buffers(device, dtype) for t, _ in per) for per in plan.branches)
         self.branch_maps = tuple(
             tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for _, m in per) for per in plan.branches
@@ -89,7 +90,7 @@ class EntMTPCandidateGenerator:
         """Draft the union tree, score the step's confidence and pick the tree to verify (in
         retrieval's ``replace`` mode a found continuation is verified alone, undrafted by the heads)."""
         found = self.index.continuation() if self.index is not None else []
-        if found and self.plan.retrieval.mode == "replace":
+        if found and self.replace:
             k, n = self.scheduler.current, len(found) - 1
             tokens = torch.cat([root_token.reshape(1).to(self.device), root_token.new_tensor(found, device=self.device)])
             return Candidates(k, tokens.long(), self.branch_buffers[k][n], None, self.branch_nodes[k][n])

@@ -169,10 +169,9 @@ class EntMTPConfig:
         if self.entropy_adaptive:
             return self._entropy_plan(num_heads)
         feature = self.feature or "best_path_value"
-        retrieval = self._retrieval(None)
-        if self.bank is not None:
-            bank = self.load_bank()
-            retrieval = self._retrieval(bank)
+        bank = self.load_bank() if self.bank is not None else None
+        retrieval = self._retrieval(bank)
+        if bank is not None:
             trees, policy, args = self._from_bank(bank)
             if self.feature is None:
                 feature = bank.scheduler.ladder_feature if policy == "ladder" else bank.scheduler.feature
