@@ -107,6 +107,25 @@ def test_limits_k_max_and_length_budget():
     assert EASController(EASConfig(k_max=12), k_max=4).k_max == 4  # heads: capped at the tree depth
 
 
+@pytest.mark.parametrize("entropies", [[0.1, 0.2, 2.5, 0.1], [2.1], [0.1] * 6, [0.1, 0.1]])
+def test_walk_fed_one_entropy_at_a_time_matches_chain_length(entropies):
+    """The lazy form asks for no entropy after the chain has ended and agrees with chain_length."""
+    eager, lazy = controller(k_max=4, window=16), controller(k_max=4, window=16)
+    fill(eager, 1.5)
+    fill(lazy, 1.5)
+    walk, fed = lazy.walk(), 0
+    for h in entropies:
+        fed += 1
+        if walk.feed(h):
+            break
+    assert walk.close() == eager.chain_length(entropies) and lazy.stats == eager.stats
+    assert list(lazy.recent) == list(eager.recent)
+    assert fed == min(len(entropies), walk.length + (walk.length < 4))  # stopped asking at the halt
+    with pytest.raises(RuntimeError, match="ended"):
+        walk.feed(0.1)
+    assert controller().walk(limit=0).done  # an empty chain needs no entropy at all
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -262,7 +281,9 @@ HEAD_EAS = dict(warmup_tokens=6, warmup_length=2, thresholds=(2.0, 1.5, 1.0), ba
 def test_heads_entropy_policy_greedy_identical(tiny_cache, tree):
     model, heads = tiny_cache()
     enable_entmtp(model, heads)
-    depths, halts = set(), {}
+    depths, halts, proposals = set(), {}, []
+    propose = heads.propose
+    heads.propose = lambda *a, **k: proposals.append(propose(*a, **k)) or proposals[-1]
     for ids in prompts():
         ref = model.generate(ids, max_new_tokens=40, do_sample=False)
         cfg = EntMTPConfig(tree=tree, eas=EASConfig(**HEAD_EAS))
@@ -273,6 +294,9 @@ def test_heads_entropy_policy_greedy_identical(tiny_cache, tree):
         warm = [n for n, tau in zip(st["eas"]["chain_lengths"], st["eas"]["thresholds"]) if tau is None]
         assert warm and warm == [2] * len(warm) == st["tree_indices"][: len(warm)]  # warm-up: fixed length
         depths.update(st["tree_indices"])
+        drafted = [p.depth or 4 for p in proposals[-st["steps"]:]]  # depths the heads computed
+        assert all(d <= n + 1 for d, n in zip(drafted, st["eas"]["chain_lengths"]))
+        assert drafted[: len(warm)] == [2] * len(warm)  # warm-up chains of 2 draft only 2 depths
         halts = {k: halts.get(k, 0) + v for k, v in st["eas"]["halts"].items()}
     assert len(depths) >= 3 and halts["threshold"] > 0 and halts["k_max"] > 0
 

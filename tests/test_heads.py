@@ -305,6 +305,30 @@ def test_propose_agrees_with_forward_train(base, family, arch, restricted):
             assert torch.isin(prop.tokens[1:], dv).all()
 
 
+@pytest.mark.parametrize("family,arch", FAMILIES)
+def test_propose_until_stops_after_the_depth_it_asks(base, family, arch):
+    """``until`` sees every drafted depth in order; stopping leaves the shallower nodes as in a full draft."""
+    heads = make_heads(base, family, arch)
+    state = observe_prompt(heads, base, rand(6, H, gen=torch.Generator().manual_seed(8), scale=1.0).to(DTYPE))
+    tree = Tree.from_choices(MC_SIM_7B_63)
+    buffers = tree.buffers(dtype=DTYPE)
+    full = heads.propose(state, torch.tensor(4), buffers)
+    depth_of = [0] + [len(p) for p in tree.paths]
+    for stop in (1, 2, 4):
+        seen = []
+
+        def until(d, entropy):
+            seen.append(d)
+            return d == stop
+
+        part = heads.propose(state, torch.tensor(4), buffers, until=until)
+        assert seen == list(range(1, stop + 1)) and part.depth == stop
+        kept = torch.tensor([d <= stop for d in depth_of])
+        assert torch.equal(part.tokens[kept], full.tokens[kept])
+        torch.testing.assert_close(part.entropy[kept], full.entropy[kept])
+    assert full.depth is None
+
+
 def test_prefix_layer_incremental_equals_full(base):
     heads = make_heads(base, "hydra", "prefix-mlp")
     h = rand(10, H, gen=torch.Generator().manual_seed(4), scale=1.0).to(DTYPE)

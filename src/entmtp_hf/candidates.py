@@ -7,7 +7,8 @@ scheduler choose a tree, and returns that tree's tokens with its precompiled buf
 switch between trees is an index lookup, never a recompilation. Under the ``entropy`` policy
 an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the plan's trees are the
 truncations of one tree at depth 0..D, and the index is the chain length the EAS rule gives
-for the greedy chain's head entropies. With retrieval on, the chosen tree gets one more
+for the greedy chain's head entropies; the heads draft depth by depth and stop where the rule
+stops, so a short chain does not pay for the deeper heads. With retrieval on, the chosen tree gets one more
 branch whenever the text's suffix recurs (:mod:`entmtp_hf.retrieval`; in ``replace`` mode
 the branch is verified instead of the tree); the tree with a branch of each length is
 compiled up front too.
@@ -53,6 +54,7 @@ class EntMTPCandidateGenerator:
         self.buffers = tuple(t.buffers(device, dtype) for t in plan.trees)
         self.node_maps = tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for m in plan.node_maps)
         self.chain_nodes = torch.tensor(plan.chain_nodes, dtype=torch.long, device=heads_device)
+        self.chain_list = list(plan.chain_nodes)
         self.device = device
         self.index = NgramIndex(plan.retrieval) if plan.retrieval is not None else None
         self.replace = plan.retrieval is not None and plan.retrieval.mode == "replace"
@@ -94,17 +96,23 @@ class EntMTPCandidateGenerator:
             k, n = self.scheduler.current, len(found) - 1
             tokens = torch.cat([root_token.reshape(1).to(self.device), root_token.new_tensor(found, device=self.device)])
             return Candidates(k, tokens.long(), self.branch_buffers[k][n], None, self.branch_nodes[k][n])
-        proposal = self.heads.propose(self.state, root_token, self.union_buffers)
         s = None
         if self.eas is not None:
-            entropies = proposal.entropy[self.chain_nodes].tolist() if len(self.chain_nodes) else []
-            k = self.eas.chain_length(entropies)
-        elif self.scheduler.needs_feature:
-            chain = proposal.probs[self.chain_nodes].tolist() if len(self.chain_nodes) else []
-            s = self.feature.value(p0, entropy, chain)
-            k = self.scheduler.choose(s)
+            # the heads draft depth by depth and stop as soon as the EAS rule ends the chain
+            walk, chain = self.eas.walk(), self.chain_list
+            proposal = self.heads.propose(
+                self.state, root_token, self.union_buffers,
+                until=lambda d, ent: walk.done or walk.feed(float(ent[chain[d - 1]])),
+            )  # fmt: skip
+            k = walk.close()
         else:
-            k = self.scheduler.current
+            proposal = self.heads.propose(self.state, root_token, self.union_buffers)
+            if self.scheduler.needs_feature:
+                values = proposal.probs[self.chain_nodes].tolist() if len(self.chain_nodes) else []
+                s = self.feature.value(p0, entropy, values)
+                k = self.scheduler.choose(s)
+            else:
+                k = self.scheduler.current
         if found:
             pool = torch.cat([proposal.tokens, proposal.tokens.new_tensor(found)])
             n = len(found) - 1

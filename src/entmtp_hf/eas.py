@@ -161,6 +161,42 @@ class ChainRule:
         return None
 
 
+class ChainWalk:
+    """One chain, fed the candidate entropies in order; stops as soon as the rule does.
+
+    ``done`` says whether the next entropy is still needed; :meth:`close` ends the chain when
+    the drafter has no more tokens (cause ``k_max``) and returns its length.
+    """
+
+    def __init__(self, controller: "EASController", rule: ChainRule) -> None:
+        self.controller, self.rule = controller, rule
+        self.length: int = 0
+        self.examined: list[float] = []
+        self.done = False
+        self._end_if(rule.cause_at(0))
+
+    def _end_if(self, cause: str | None) -> bool:
+        if cause is not None:
+            self.controller.finish_chain(self.rule, self.length, cause, self.examined)
+            self.done = True
+        return self.done
+
+    def feed(self, entropy: float) -> bool:
+        """Entropy of candidate ``length``; True when the chain has ended (no more needed)."""
+        if self.done:
+            raise RuntimeError("the chain has ended")
+        self.examined.append(float(entropy))
+        if self._end_if(self.rule.cause_at(self.length, entropy)):
+            return True
+        self.length += 1
+        return self._end_if(self.rule.cause_at(self.length))
+
+    def close(self) -> int:
+        if not self.done:
+            self._end_if("k_max")
+        return self.length
+
+
 class EASController:
     """Per-call EAS state: the recent entropy window, the warm-up count and the statistics.
 
@@ -215,20 +251,17 @@ class EASController:
         self.stats.thresholds.append(rule.threshold)
         self._last_length = length
 
+    def walk(self, limit: int | None = None) -> "ChainWalk":
+        """Start a chain whose candidate entropies arrive one at a time (heads drafting lazily)."""
+        return ChainWalk(self, self.start_chain(limit))
+
     def chain_length(self, entropies: Sequence[float], limit: int | None = None) -> int:
         """Length of a chain whose candidate tokens have ``entropies`` (all known up front)."""
-        rule = self.start_chain(limit)
-        i = 0
-        while True:
-            entropy = entropies[i] if i < len(entropies) else None
-            cause = rule.cause_at(i, entropy)
-            if cause is None and entropy is None:  # the drafter has no more tokens than this
-                cause = "k_max"
-            if cause is not None:
-                examined = entropies[: i + 1] if cause in ("threshold", "fork") else entropies[:i]
-                self.finish_chain(rule, i, cause, examined)
-                return i
-            i += 1
+        walk = self.walk(limit)
+        for h in entropies:
+            if walk.done or walk.feed(h):
+                break
+        return walk.close()
 
     def observe_verified(self, verified: int, accepted: int, new_tokens: int) -> None:
         """After verification: ``verified`` drafted tokens checked, ``accepted`` kept, ``new_tokens`` emitted."""

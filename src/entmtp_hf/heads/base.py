@@ -35,6 +35,9 @@ HEADS_REGISTRY: dict[str, type["DraftHeads"]] = {}
 _H = TypeVar("_H", bound=type["DraftHeads"])
 
 
+StopFn = Callable[[int, Tensor], bool]
+
+
 def register_heads(family: str) -> Callable[[_H], _H]:
     """Class decorator adding a heads class to :data:`HEADS_REGISTRY` under ``family``."""
 
@@ -53,11 +56,14 @@ class Proposal:
     ``tokens`` are base-vocabulary ids (node 0 = the root token); ``probs`` is each node
     token's softmax probability under the head that drafted it (1 for the root);
     ``entropy`` the entropy in nats of that head distribution (0 for the root).
+    ``depth`` is how many depths were drafted: when ``propose(..., until=...)`` stopped early
+    the nodes deeper than it are unset and must not be read.
     """
 
     tokens: Tensor  # [N] long
     probs: Tensor  # [N] float32 (float64 for float64 heads)
     entropy: Tensor | None = None  # [N] same dtype as probs
+    depth: int | None = None  # depths drafted (None: all of the tree's)
 
 
 @dataclass
@@ -255,7 +261,15 @@ class DraftHeads(nn.Module):
         state.num_observed += hidden.shape[0]
         state.cond = cond[-1]
 
-    def propose(self, state: DraftState, root_token: Tensor, buffers: TreeBuffers) -> Proposal:
+    def propose(
+        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None
+    ) -> Proposal:
+        """Draft the tree of ``buffers`` from the root token.
+
+        ``until(depth, entropy)``, if given, is called after each drafted depth (1-based) with
+        the entropy tensor filled so far; returning True stops drafting there, so a caller that
+        decides from the heads' entropies (EAS) pays only for the depths it reads.
+        """
         raise NotImplementedError
 
     def forward_train(

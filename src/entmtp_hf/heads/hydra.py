@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..tree import TreeBuffers
-from .base import DraftHeads, DraftState, Proposal, ResBlock, register_heads, text_config
+from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn, register_heads, text_config
 
 #: config entries that describe the checkpoint, not the layer; dropped from prefix_layer_config
 _NOISE_KEYS = (
@@ -144,8 +144,10 @@ class HydraHeads(DraftHeads):
         return out[0]
 
     @torch.no_grad()
-    def propose(self, state: DraftState, root_token: Tensor, buffers: TreeBuffers) -> Proposal:
-        """Draft the tree depth by depth, one batched head call per depth.
+    def propose(
+        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None
+    ) -> Proposal:
+        """Draft the tree depth by depth, one batched head call per depth (``until``: see the base class).
 
         ``feats`` holds, for every node of the previous depth, its head input
         concat[c_t, E(root), E(path...)]; a parent's row is found through ``slot`` (each
@@ -162,6 +164,8 @@ class HydraHeads(DraftHeads):
             tok, p, h = self._children(logits, step.child_parent_row, step)
             tokens[step.children], probs[step.children], entropy[step.children] = tok, p, h
             slot[step.children] = torch.arange(step.children.shape[0], device=slot.device)
+            if until is not None and until(i + 1, entropy):
+                return Proposal(tokens=tokens, probs=probs, entropy=entropy, depth=i + 1)
             feats = torch.cat([parent_x[step.child_parent_row], embed(tok).to(dtype)], dim=-1)
         return Proposal(tokens=tokens, probs=probs, entropy=entropy)
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..tree import TreeBuffers
-from .base import DraftHeads, DraftState, Proposal, ResBlock, register_heads
+from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn, register_heads
 
 
 @register_heads("medusa")
@@ -27,8 +27,11 @@ class MedusaHeads(DraftHeads):
         )
 
     @torch.no_grad()
-    def propose(self, state: DraftState, root_token: Tensor, buffers: TreeBuffers) -> Proposal:
-        """One call per depth's head on h_t; children take their rank of that head's top-k."""
+    def propose(
+        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None
+    ) -> Proposal:
+        """One call per depth's head on h_t; children take their rank of that head's top-k
+        (``until``: see the base class)."""
         tokens, probs, entropy = self._start(state, root_token, buffers)
         cond = state.cond[None]
         for i, step in enumerate(buffers.depth_plan):
@@ -36,6 +39,8 @@ class MedusaHeads(DraftHeads):
             rows = torch.zeros_like(step.child_rank)
             tok, p, h = self._children(logits, rows, step)
             tokens[step.children], probs[step.children], entropy[step.children] = tok, p, h
+            if until is not None and until(i + 1, entropy):
+                return Proposal(tokens=tokens, probs=probs, entropy=entropy, depth=i + 1)
         return Proposal(tokens=tokens, probs=probs, entropy=entropy)
 
     def forward_train(
