@@ -99,6 +99,14 @@ def test_warmup_uses_the_fixed_length():
     assert ctrl.stats.as_dict()["rejected_fraction"] == pytest.approx(10 / 15)
 
 
+def test_min_length_exempts_the_first_tokens_from_entropy_halts():
+    ctrl = controller(k_max=5, min_length=2, detect_forks=False)
+    fill(ctrl, 1.5)  # tau = 2.0
+    assert ctrl.chain_length([9.0, 9.0, 9.0, 0.1]) == 2 and ctrl.stats.halts["threshold"] == 1
+    assert ctrl.chain_length([0.1, 9.0, 0.1, 0.1, 0.1]) == 5  # the spike is inside the exempt prefix
+    assert controller(min_length=1, k_max=1).chain_length([9.0]) == 1
+
+
 def test_limits_k_max_and_length_budget():
     ctrl = controller(k_max=3)
     fill(ctrl, 0.1)
@@ -136,6 +144,7 @@ def test_walk_fed_one_entropy_at_a_time_matches_chain_length(entropies):
         (dict(fork_ratio=0.5), "fork_ratio"),
         (dict(window=4, fork_min_history=8), "fork_min_history"),
         (dict(warmup_length=-1), "warmup_length"),
+        (dict(min_length=-1), "min_length"),
         (dict(window=2.5), "window"),
     ],
 )
@@ -344,14 +353,22 @@ def test_bench_methods_eas_and_fixed_chains(tmp_path):
     ctx.heads["hydra"] = random_heads(model, "hydra", seed=0)
     settings = BenchSettings(
         tasks=(write_task(tmp_path, "alpha", 1),), num_prompts=1, max_new_tokens=8, preset="test",
-        methods=("vanilla", "eas", "chain-4", "chain-8"), warmup_tokens=4, perplexity=False,
+        methods=("vanilla", "eas", "chain-4", "chain-8", "eas-calibrated"), warmup_tokens=4, perplexity=False,
     )  # fmt: skip
     results = run_benchmark(ctx, settings)
     assert "depth 8" in results["skipped"]["chain-8"]["alpha"]  # 4 heads: no chain of 8
+    assert "--eas-config" in results["skipped"]["eas-calibrated"]["alpha"]  # no settings file given
     recs = {r["method"]: r for r in results["records"]}
     assert set(recs) == {"vanilla", "eas", "chain-4"} and all(r["mismatch"] is None for r in recs.values())
     assert recs["eas"]["eas"]["halts"]["warmup"] > 0 and recs["chain-4"]["eas"] is None
     assert recs["chain-4"]["drafted_tokens"] == 4 * recs["chain-4"]["steps"]
+    # the calibrated settings of each task come from --eas-config ({task} replaced)
+    (tmp_path / "eas-alpha.json").write_text('{"thresholds": [0.0], "band_edges": [], "warmup_tokens": 0}')
+    ctx.eas_config = str(tmp_path / "eas-{task}.json")
+    results = run_benchmark(ctx, BenchSettings(**{**settings.__dict__, "methods": ("vanilla", "eas-calibrated")}))
+    (rec,) = [r for r in results["records"] if r["method"] == "eas-calibrated"]
+    assert rec["mismatch"] is None and rec["eas"]["halts"]["threshold"] == rec["steps"]  # tau 0: every chain halts
+    assert results["context"]["eas_config"] == ctx.eas_config
 
 
 def test_bench_draft_model_methods_int8_draft(tmp_path):

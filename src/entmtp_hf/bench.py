@@ -115,6 +115,7 @@ class BenchContext:
     missing_heads: dict[str, str] = field(default_factory=dict)  # family -> why absent
     bank_folder: Path | None = None
     model_name: str = ""
+    eas_config: str | None = None  # EAS settings file of ``eas-calibrated`` ({task} is replaced)
     _banks: dict[str, Any] = field(default_factory=dict, repr=False)
     _configs: dict[tuple, EntMTPConfig] = field(default_factory=dict, repr=False)
     _int8_draft: Any = field(default=None, repr=False)
@@ -249,9 +250,19 @@ register_method(Method("eas", "EAS: Hydra head chain halted by entropy", heads="
 register_method(Method("eas-w16", "EAS with a 16-token warm-up (the default waits 100 tokens)", heads="hydra",
                        entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, EASConfig(warmup_tokens=16)),
                        default=False))  # fmt: skip
+register_method(Method("eas-calibrated", "EAS with the task's calibrated settings (--eas-config)", heads="hydra",
+                       entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, calibrated_eas(ctx, task)),
+                       default=False))  # fmt: skip
 for _k in (4, 8, 12):
     register_method(Method(f"chain-{_k}", f"fixed Hydra head chain, k={_k}", heads="hydra",
                            entmtp=fixed_chain_config(_k), default=False))
+
+
+def calibrated_eas(ctx: BenchContext, task: str) -> EASConfig:
+    """The ``--eas-config`` settings of ``task`` (``entmtp-hf eas-calibrate`` writes them)."""
+    if ctx.eas_config is None:
+        raise ValueError("eas-calibrated needs --eas-config (e.g. runs/eas-calibration-{task}/eas_config.json)")
+    return EASConfig.from_json(ctx.eas_config.replace("{task}", Path(task).stem))
 
 
 @dataclass(frozen=True)
@@ -559,7 +570,8 @@ def run_benchmark(
         "format_version": FORMAT_VERSION,
         "settings": asdict(settings) | {"methods": list(settings.method_names)},
         "environment": environment(ctx.device, PeakMemory(ctx.device).source),
-        "context": {"model": ctx.model_name, "heads": dict(ctx.heads_sources), "bank": str(ctx.bank_folder)},
+        "context": {"model": ctx.model_name, "heads": dict(ctx.heads_sources), "bank": str(ctx.bank_folder),
+                    "eas_config": ctx.eas_config},  # fmt: skip
         "skipped": {},
         "prompts": {},
         "records": [],
@@ -722,6 +734,7 @@ def _bench(args: argparse.Namespace) -> int:
     heads = {"hydra": args.hydra_heads, "medusa": args.medusa_heads}
     t0 = time.perf_counter()
     ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank, device=args.device)
+    ctx.eas_config = args.eas_config
     previous = read_results(out / "results.json") if args.resume and (out / "results.json").is_file() else None
     results = run_benchmark(ctx, settings, out_path=out / "results.json", resume=previous)
     results["environment"]["wall_time_s"] = time.perf_counter() - t0
@@ -768,6 +781,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hydra-heads", default=None, help=f"Hydra heads (default {DEFAULT_HEADS['hydra']})")
     p.add_argument("--medusa-heads", default=None, help=f"Medusa heads (default {DEFAULT_HEADS['medusa']})")
     p.add_argument("--random-heads", action="store_true", help="use random heads where trained ones are missing (smoke runs)")
+    p.add_argument("--eas-config", default=None,
+                   help="EAS settings (JSON) of the eas-calibrated method; {task} is replaced by the task")  # fmt: skip
     p.add_argument("--bank", default=None, help="tree bank folder (default: trees/smollm2-135m-cpu, else trees/published-defaults)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None,

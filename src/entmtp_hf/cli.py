@@ -50,8 +50,9 @@ from .bench import add_subcommand as _add_bench  # noqa: E402  (bench, bench-rep
 from .acceptance import add_subcommand as _add_acceptance  # noqa: E402
 from .profile import add_subcommand as _add_profile  # noqa: E402
 from .regime import add_subcommand as _add_regime  # noqa: E402
+from .eas_calibration import add_subcommand as _add_eas_calibrate  # noqa: E402
 
-SUBCOMMANDS += [_add_bench, _add_regime, _add_profile, _add_acceptance]
+SUBCOMMANDS += [_add_bench, _add_regime, _add_profile, _add_acceptance, _add_eas_calibrate]
 
 
 def build_parser() -> argparse.ArgumentParser:

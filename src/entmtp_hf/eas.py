@@ -9,7 +9,8 @@ stops at the **first** ``i`` with
 * ``H_i >= max(m + fork_margin, fork_ratio * m)`` (cause ``fork``: an entropy spike, a
   "logical fork" where the text may go several ways),
 
-and token ``i`` is not proposed. ``m`` is the mean of the last ``window`` draft entropies and
+and token ``i`` is not proposed (``min_length`` > 0 exempts the first tokens: on a CPU the
+first few tokens of a chain are verified at about the cost of one). ``m`` is the mean of the last ``window`` draft entropies and
 ``tau`` follows it in bands: ``m <= band_edges[0]`` (confident context) gives
 ``thresholds[0]`` (report: 3.0 nats), the next band ``thresholds[1]`` (2.0), and so on down to
 the least confident band (1.5). ``tau`` and ``m`` are read once at the start of a chain; the
@@ -38,11 +39,14 @@ draft tokens that were rejected.
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
 import warnings
 from collections import deque
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -82,11 +86,15 @@ class EASConfig:
     detect_forks: bool = field(default=True, metadata={"help": "halt at entropy spikes below the threshold"})
     warmup_tokens: int = field(default=100, metadata={"help": "generated tokens drafted at the fixed length"})
     warmup_length: int = field(default=4, metadata={"help": "fixed chain length during warm-up (capped at k_max)"})
+    min_length: int = field(
+        default=0, metadata={"help": "no entropy halt before this many tokens (where a CPU verifies them at no extra cost)"}
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "thresholds", tuple(float(t) for t in self.thresholds))
         object.__setattr__(self, "band_edges", tuple(float(e) for e in self.band_edges))
-        minimum = {"k_max": 1, "window": 1, "fork_min_history": 1, "warmup_tokens": 0, "warmup_length": 0}
+        minimum = {"k_max": 1, "window": 1, "fork_min_history": 1, "warmup_tokens": 0, "warmup_length": 0,
+                   "min_length": 0}  # fmt: skip
         for name, low in minimum.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -106,6 +114,21 @@ class EASConfig:
             raise ValueError(f"EASConfig.fork_ratio must be >= 1, got {self.fork_ratio}")
         if self.fork_min_history > self.window:
             raise ValueError(f"EASConfig.fork_min_history ({self.fork_min_history}) exceeds window ({self.window})")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "EASConfig":
+        """Settings saved as a JSON object of fields (``entmtp-hf eas-calibrate`` writes one);
+        a missing, malformed or invalid file is named in the error."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            unknown = sorted(set(data) - {f.name for f in fields(cls)})
+            if unknown:
+                raise ValueError(f"unknown fields {unknown}")
+            return cls(**data)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: not valid EAS settings ({e})") from e
 
     def threshold_for(self, mean: float | None) -> float:
         """The band threshold for a recent mean entropy (the least confident band when unknown)."""
@@ -147,12 +170,13 @@ class ChainRule:
     end_cause: str  # cause when ``max_length`` is reached
     threshold: float | None  # None during warm-up: no entropy halts
     fork_level: float | None  # H at or above this is a fork (None: no fork detection)
+    min_length: int = 0  # tokens before the first entropy halt may happen
 
     def cause_at(self, index: int, entropy: float | None = None) -> str | None:
         """Why the chain stops before token ``index`` (0-based) with entropy ``entropy``, or None."""
         if index >= self.max_length:
             return self.end_cause
-        if entropy is None or self.threshold is None:
+        if entropy is None or self.threshold is None or index < self.min_length:
             return None
         if entropy > self.threshold:
             return "threshold"
@@ -235,7 +259,7 @@ class EASController:
                 fork = max(mean + cfg.fork_margin, cfg.fork_ratio * mean)
         if limit is not None and limit < length:
             length, cause = max(limit, 0), "length"
-        return ChainRule(length, cause, tau, fork)
+        return ChainRule(length, cause, tau, fork, cfg.min_length)
 
     def finish_chain(self, rule: ChainRule, length: int, cause: str, entropies: Sequence[float]) -> None:
         """Record a chain of ``length`` proposed tokens that ended for ``cause``.
