@@ -46,3 +46,4 @@ def test_step_breakdown_parts_add_up(tiny_cache):
     assert b["steps"] > 0 and b["mean_tree_nodes"] == 3.0
     assert b["draft_ms"] > 0 and b["forward_ms"] > 0 and b["other_ms"] >= 0
     assert b["draft_ms"] + b["forward_ms"] + b["other_ms"] == pytest.approx(b["ms_per_step"], rel=1e-6)
+    assert b["observe_ms"] > 0 and b["draft_ms"] == pytest.approx(b["propose_ms"] + b["observe_ms"])

@@ -67,6 +67,7 @@ class DecodeStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     forward_time: float = 0.0  # the verification forwards alone (part of verify_time)
+    observe_time: float = 0.0  # the heads conditioning on accepted positions (Hydra's prefix layer; part of verify_time)
     prefill_time: float = 0.0
     total_time: float = 0.0
     eas: dict | None = None  # EAS statistics (policy ``entropy`` only)
@@ -360,7 +361,9 @@ def entmtp_decode(
 
             # 4. cache: keep the accepted path; the heads see its hidden states
             keep_accepted(cache, prefix_len, buffers.num_nodes, path)
+            t_observe = time.perf_counter()
             generator.observe(out.hidden_states[-1][0, path])
+            stats.observe_time += time.perf_counter() - t_observe
             p0, entropy = generator.confidence(logits[path[-1]])
             next_pos += len(path)
             t2 = time.perf_counter()

@@ -73,14 +73,19 @@ def forward_costs(
 
 
 def step_breakdown(model, input_ids: torch.Tensor, config: EntMTPConfig, max_new_tokens: int = 128) -> dict[str, Any]:
-    """Milliseconds per decode step (prefill excluded): drafting, verifier forward, the rest."""
+    """Milliseconds per decode step (prefill excluded): drafting, verifier forward, the rest.
+
+    Drafting is the heads' proposal plus their conditioning on the accepted positions
+    (``observe``: Hydra's prefix layer, a transformer layer of the drafter, run after each
+    verification); "other" is what is left: Python, masks, acceptance, cache bookkeeping."""
     with torch.inference_mode():
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, entmtp_config=config,
                              return_dict_in_generate=True)  # fmt: skip
     st = out.entmtp_stats
     steps = max(st["steps"], 1)
     decode = st["total_time"] - st["prefill_time"]
-    forward, draft = st["forward_time"], st["draft_time"]
+    forward, propose, observe = st["forward_time"], st["draft_time"], st.get("observe_time", 0.0)
+    draft = propose + observe
     other = max(decode - draft - forward, 0.0)
     return {
         "steps": st["steps"],
@@ -88,6 +93,8 @@ def step_breakdown(model, input_ids: torch.Tensor, config: EntMTPConfig, max_new
         "mean_tree_nodes": sum(st["tree_sizes"]) / steps,
         "ms_per_step": 1e3 * decode / steps,
         "draft_ms": 1e3 * draft / steps,
+        "propose_ms": 1e3 * propose / steps,
+        "observe_ms": 1e3 * observe / steps,
         "forward_ms": 1e3 * forward / steps,
         "other_ms": 1e3 * other / steps,
         "draft_share": draft / decode if decode else 0.0,
@@ -159,12 +166,13 @@ def _markdown(report: dict) -> str:
     base = report["forward_costs_ms"]["1"]
     lines += [f"| {n} | {ms:.1f} | {ms / base:.2f} |" for n, ms in report["forward_costs_ms"].items()]
     lines += ["", "## Step breakdown (per decode step)", "",
-              "| run | nodes | tau | ms/step | drafting | verifier forward | other | drafting share | other share |",
+              "| run | nodes | tau | ms/step | drafting (proposal + prefix layer) | verifier forward | other "
+              "| drafting share | other share |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, b in report["breakdown"].items():
         lines.append(f"| {name} | {b['mean_tree_nodes']:.1f} | {b['mean_accept_length']:.2f} | {b['ms_per_step']:.1f} | "
-                     f"{b['draft_ms']:.1f} | {b['forward_ms']:.1f} | {b['other_ms']:.1f} | {b['draft_share']:.1%} | "
-                     f"{b['other_share']:.1%} |")  # fmt: skip
+                     f"{b['draft_ms']:.1f} ({b['propose_ms']:.1f} + {b['observe_ms']:.1f}) | {b['forward_ms']:.1f} | "
+                     f"{b['other_ms']:.1f} | {b['draft_share']:.1%} | {b['other_share']:.1%} |")  # fmt: skip
     if report.get("linear_costs_ms"):
         sizes = list(next(iter(report["linear_costs_ms"].values())))
         lines += ["", "## One linear layer by rows (time relative to one row)", "",
