@@ -8,10 +8,10 @@ switch between trees is an index lookup, never a recompilation. Under the ``entr
 an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the plan's trees are the
 truncations of one tree at depth 0..D, and the index is the chain length the EAS rule gives
 for the greedy chain's head entropies; the heads draft depth by depth and stop where the rule
-stops, so a short chain does not pay for the deeper heads. With retrieval on, the chosen tree gets one more
-branch whenever the text's suffix recurs (:mod:`entmtp_hf.retrieval`; in ``replace`` mode
-the branch is verified instead of the tree); the tree with a branch of each length is
-compiled up front too.
+stops, so a short chain does not pay for the deeper heads. With retrieval on, the chosen tree
+gets one more branch whenever the text's suffix recurs (:mod:`entmtp_hf.retrieval`; in
+``replace`` mode the branch is verified instead of the tree); the tree with a branch of each
+length is compiled up front too.
 """
 
 from __future__ import annotations
