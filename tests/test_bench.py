@@ -385,6 +385,18 @@ def test_geomean_and_write_roundtrip(tmp_path):
     assert read_results(write_results(doc, tmp_path / "r.json"))["x"] is None
 
 
+def test_speculation_table_reports_speedup_and_waste():
+    from entmtp_hf.bench_report import speculation_markdown
+
+    rec = lambda m, sp, steps, d, a: {"task": "t", "method": m, "new_tokens": 21, "time_s": 1.0, "steps": steps,  # noqa: E731
+                                      "speedup": sp, "drafted_tokens": d, "accepted_draft_tokens": a}  # fmt: skip
+    results = {"prompts": {"t": []}, "settings": {"methods": ["vanilla", "chain-4", "eas"]},
+               "records": [rec("vanilla", 1.0, 20, None, None), rec("chain-4", 1.2, 10, 40, 10), rec("eas", 1.5, 8, 12, 9)]}  # fmt: skip
+    md = speculation_markdown(results)
+    assert "| t | chain-4 | 1.20× | 2.00 | 4.00 | 25.0% | 75.0% |" in md
+    assert "| t | eas | 1.50× | 2.50 | 1.50 | 75.0% | 25.0% |" in md and "vanilla" not in md
+
+
 def test_eas_table_pools_chains_and_halts():
     from entmtp_hf.bench_report import eas_markdown
 

@@ -205,6 +205,7 @@ def method_summary(recs: list[dict]) -> dict[str, Any]:
         "speedup_geomean": geomean(speedups),
         "speedup_median": _median(speedups),
         "speedup_mean": _mean(speedups),
+        "steps": steps,
         "tau": (tokens - len(recs)) / steps if steps else None,
         "tau_median": _median(_vals(recs, "mean_accept_length")),
         "drafted_tokens": drafted,
@@ -310,6 +311,25 @@ def eas_markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def speculation_markdown(results: dict) -> str:
+    """The EAS report's layout: per task and drafting method, speed-up, tokens per step, drafted
+    tokens verified per step, their acceptance rate and the wasted share ("" if no method drafts)."""
+    summary = summarize(results)  # from the records: summaries stored by older versions lack "steps"
+    out = []
+    for task, per in summary.items():
+        for method in _methods(results):
+            s = per.get(method)
+            if not s or not s.get("drafted_tokens") or not s.get("steps"):
+                continue
+            rate = s["accepted_draft_tokens"] / s["drafted_tokens"]
+            out.append(f"| {task} | {method} | {_f(s['speedup_geomean'], '.2f', '×')} | {_f(s['tau'])} | "
+                       f"{s['drafted_tokens'] / s['steps']:.2f} | {rate:.1%} | {1 - rate:.1%} |")  # fmt: skip
+    if not out:
+        return ""
+    head = ["| task | method | speed-up | tokens/step | verified drafts/step | accepted | wasted |", "|---" * 7 + "|"]
+    return "\n".join(head + out) + "\n"
+
+
 def mismatch_lines(results: dict) -> list[str]:
     lines = []
     for r in results["records"]:
@@ -358,6 +378,9 @@ def table_markdown(results: dict) -> str:
         "Cells: tok/s (speedup ρ over vanilla, geometric mean over prompts; τ = tokens per step).", "",
         table1_markdown(results), "", "### Details", "", details_markdown(results),
     ]  # fmt: skip
+    spec = speculation_markdown(results)
+    if spec:
+        parts += ["### Speculation: speed-up and wasted verification", "", spec]
     eas = eas_markdown(results)
     if eas:
         parts += ["### Entropy-adaptive chains", "", eas]
