@@ -78,3 +78,21 @@ def test_demo_heads_accept_more_than_one_token_per_step(runs):
     steps = sum(len(out.entmtp_stats["accept_lengths"]) for _, cfg, _, _, out in runs if cfg.tree is not None)
     added = sum(sum(out.entmtp_stats["accept_lengths"]) for _, cfg, _, _, out in runs if cfg.tree is not None)
     assert added / steps > 1.5, f"the shipped heads should add > 1.5 tokens per step with mc_sim_7b_63; per task: {taus}"
+
+
+def test_eas_calibrate_cli_on_the_demo_model(tmp_path):
+    """`entmtp-hf eas-calibrate` end to end: replay, costs, ranking and a settings file bench can read."""
+    import json
+
+    from entmtp_hf.cli import main
+    from entmtp_hf.eas import EASConfig
+
+    out = tmp_path / "cal-{task}"
+    args = ["eas-calibrate", "--task", "gsm8k", "--n", "1", "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)]
+    assert main(args) == 0
+    folder = tmp_path / "cal-gsm8k"
+    result = json.loads((folder / "calibration.json").read_text())
+    labels = {r["label"] for r in result["rows"]}
+    assert {f"chain-{k}" for k in range(1, 5)} <= labels and not result["best"].startswith("chain-")
+    assert EASConfig.from_json(folder / "eas_config.json") == EASConfig(**result["config"])
+    assert result["new_tokens"] == 11 and "Fastest adaptive setting" in (folder / "report.md").read_text()
