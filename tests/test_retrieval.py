@@ -131,6 +131,27 @@ def test_greedy_identical_with_retrieval(tiny_cache, tree, mode):
     assert used > 0 and (accepted > 0 or tree), "the looping text should accept retrieved tokens"
 
 
+@pytest.mark.parametrize("mode", ["append", "replace"])
+def test_greedy_identical_with_retrieval_and_eas(tiny_cache, mode):
+    """EAS drafts lazily: an appended branch must only point at nodes the heads did draft."""
+    from entmtp_hf.eas import EASConfig
+
+    model = enabled(tiny_cache)
+    eas = EASConfig(k_max=4, thresholds=(1.0,), band_edges=(), warmup_tokens=0)
+    plan = EntMTPConfig(tree=MC_SIM_7B_63, eas=eas, retrieval=RetrievalConfig(mode=mode)).resolve(4)
+    depth = [0] + [len(p) for p in plan.union.paths]
+    assert len(plan.branches) == len(plan.trees) == 5 and all(plan.branches)
+    for k, per_length in enumerate(plan.branches):  # truncation k reads union nodes of depth <= k only
+        assert all(depth[m] <= k for m in plan.node_maps[k])
+        assert all(depth[m] <= k for _, nodes in per_length for m in nodes if m < plan.union.num_nodes)
+    for ids in [looping_prompt(model), *prompts(2)]:
+        ref = model.generate(ids, max_new_tokens=40, do_sample=False)
+        cfg = EntMTPConfig(tree=MC_SIM_7B_63, eas=eas,
+                           retrieval=RetrievalConfig(min_ngram=1, max_ngram=3, num_tokens=4, mode=mode))  # fmt: skip
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+
+
 @pytest.mark.parametrize("tree,mode", [([], "append"), ([[0], [1]], "replace")])  # retrieval only; or it and the heads
 def test_exact_sampling_with_retrieval_preserves_distribution(tiny_cache, tree, mode):
     model = enabled(tiny_cache)
