@@ -96,3 +96,5 @@ def test_eas_calibrate_cli_on_the_demo_model(tmp_path):
     assert {f"chain-{k}" for k in range(1, 5)} <= labels and not result["best"].startswith("chain-")
     assert EASConfig.from_json(folder / "eas_config.json") == EASConfig(**result["config"])
     assert result["new_tokens"] == 11 and "Fastest adaptive setting" in (folder / "report.md").read_text()
+    # the replays are resumed, but never from other settings
+    assert main([*args[:6], "16", *args[7:]]) == 2

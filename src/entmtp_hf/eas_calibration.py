@@ -230,6 +230,18 @@ TABLE_HEADER = ("| setting | modelled speed-up | tokens/step | mean chain | reje
                 "|---|---|---|---|---|---|")
 
 
+def check_settings(path: Path, settings: dict) -> None:
+    """Replays are resumed per prompt: refuse a folder whose replays came from other settings."""
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved != settings:
+            diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+            raise ValueError(f"{path}: this folder's replays were made with other settings {diff} "
+                             "(saved, now); use another --out or delete the folder")  # fmt: skip
+    else:
+        path.write_text(json.dumps(settings, indent=1), encoding="utf-8")
+
+
 def markdown(result: dict, task: str, costs: Costs, top: int = 12) -> str:
     base = costs.forward[1]
     lines = [
@@ -268,6 +280,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from .demo_model import load_base_model
     from .heads import load_heads
     from .profile import forward_costs
+    from .search import heads_fingerprint
     from .search_report import DEMO_HEADS
     from .tasks import calibration_prompts
 
@@ -277,6 +290,8 @@ def run_cli(args: argparse.Namespace) -> int:
     heads = load_heads(args.heads or str(DEMO_HEADS), base_config=model.config).eval()
     out = Path(args.out.replace("{task}", Path(args.task).stem))
     out.mkdir(parents=True, exist_ok=True)
+    check_settings(out / "settings.json", {"model": args.model, "heads": heads_fingerprint(heads),
+                                           "task": args.task, "max_new_tokens": args.max_new_tokens})  # fmt: skip
     replays = load_replays(out / "replays.json") if (out / "replays.json").is_file() else {}
     prompts = calibration_prompts(args.task, args.n)
     for p in tqdm(prompts, desc="replay", unit="prompt"):
@@ -288,6 +303,7 @@ def run_cli(args: argparse.Namespace) -> int:
                                  pad_token_id=tokenizer.eos_token_id)  # fmt: skip
         replays[p.prompt_id] = replay_chains(model, heads, gen[0].tolist(), len(ids))
         save_replays(out / "replays.json", replays)  # checkpoint per prompt
+    replays = {p.prompt_id: replays[p.prompt_id] for p in prompts}  # a larger earlier --n left more
     prefix = int(statistics.median(len(r.tokens) for r in replays.values()))
     depth = heads.num_heads
     forward = forward_costs(model, list(range(1, depth + 2)), prefix_len=prefix, repeats=args.repeats)
