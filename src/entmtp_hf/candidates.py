@@ -54,7 +54,6 @@ class EntMTPCandidateGenerator:
         self.buffers = tuple(t.buffers(device, dtype) for t in plan.trees)
         self.node_maps = tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for m in plan.node_maps)
         self.chain_nodes = torch.tensor(plan.chain_nodes, dtype=torch.long, device=heads_device)
-        self.chain_list = list(plan.chain_nodes)
         self.device = device
         self.index = NgramIndex(plan.retrieval) if plan.retrieval is not None else None
         self.replace = plan.retrieval is not None and plan.retrieval.mode == "replace"
@@ -99,7 +98,7 @@ class EntMTPCandidateGenerator:
         s = None
         if self.eas is not None:
             # the heads draft depth by depth and stop as soon as the EAS rule ends the chain
-            walk, chain = self.eas.walk(), self.chain_list
+            walk, chain = self.eas.walk(), self.plan.chain_nodes
             proposal = self.heads.propose(
                 self.state, root_token, self.union_buffers,
                 until=lambda d, ent: walk.done or walk.feed(float(ent[chain[d - 1]])),

@@ -14,9 +14,9 @@ first few tokens of a chain are verified at about the cost of one). ``m`` is the
 last ``window`` draft entropies and ``tau`` follows it in bands: ``m <= band_edges[0]``
 (confident context) gives ``thresholds[0]`` (report: 3.0 nats), the next band
 ``thresholds[1]`` (2.0), and so on down to the least confident band (1.5). ``tau`` and ``m``
-are read once at the start of a chain; the
-chain's entropies enter the window when it ends. A chain also ends at ``k_max`` tokens
-(``k_max``) or at the generation's length budget (``length``). During the first
+are read once at the start of a chain; the chain's entropies enter the window when it ends. A
+chain also ends at ``k_max`` tokens (``k_max``) or at the generation's length budget
+(``length``). During the first
 ``warmup_tokens`` generated tokens the chain has the fixed length ``warmup_length``
 (``warmup``) while the window fills.
 

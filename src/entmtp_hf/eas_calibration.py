@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import torch
 
 from .eas import EASConfig, EASController, fixed_length
+from .search import _atomic_json, _read_json, heads_fingerprint
 from .tree import Tree
 
 
@@ -212,9 +213,7 @@ def drafting_costs(model, heads, repeats: int = 30, prefix_len: int = 128) -> li
 
 # ============================================================================ persistence
 def save_replays(path: str | os.PathLike, replays: dict[str, ChainReplay]) -> None:
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps({pid: asdict(r) for pid, r in replays.items()}), encoding="utf-8")
-    os.replace(tmp, path)
+    _atomic_json(Path(path), {pid: asdict(r) for pid, r in replays.items()})
 
 
 def load_replays(path: str | os.PathLike) -> dict[str, ChainReplay]:
@@ -232,14 +231,12 @@ TABLE_HEADER = ("| setting | modelled speed-up | tokens/step | mean chain | reje
 
 def check_settings(path: Path, settings: dict) -> None:
     """Replays are resumed per prompt: refuse a folder whose replays came from other settings."""
-    if path.is_file():
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        if saved != settings:
-            diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
-            raise ValueError(f"{path}: this folder's replays were made with other settings {diff} "
-                             "(saved, now); use another --out or delete the folder")  # fmt: skip
-    else:
-        path.write_text(json.dumps(settings, indent=1), encoding="utf-8")
+    saved = _read_json(path)
+    if saved is not None and saved != settings:
+        diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+        raise ValueError(f"{path}: this folder's replays were made with other settings {diff} "
+                         "(saved, now); use another --out or delete the folder")  # fmt: skip
+    _atomic_json(path, settings)
 
 
 def markdown(result: dict, task: str, costs: Costs, top: int = 12) -> str:
@@ -280,7 +277,6 @@ def run_cli(args: argparse.Namespace) -> int:
     from .demo_model import load_base_model
     from .heads import load_heads
     from .profile import forward_costs
-    from .search import heads_fingerprint
     from .search_report import DEMO_HEADS
     from .tasks import calibration_prompts
 
@@ -303,21 +299,21 @@ def run_cli(args: argparse.Namespace) -> int:
                                  pad_token_id=tokenizer.eos_token_id)  # fmt: skip
         replays[p.prompt_id] = replay_chains(model, heads, gen[0].tolist(), len(ids))
         save_replays(out / "replays.json", replays)  # checkpoint per prompt
-    replays = {p.prompt_id: replays[p.prompt_id] for p in prompts}  # a larger earlier --n left more
-    prefix = int(statistics.median(len(r.tokens) for r in replays.values()))
+    chosen = [replays[p.prompt_id] for p in prompts]  # a larger earlier --n left more in the file
+    prefix = int(statistics.median(len(r.tokens) for r in chosen))
     depth = heads.num_heads
     forward = forward_costs(model, list(range(1, depth + 2)), prefix_len=prefix, repeats=args.repeats)
     costs = Costs(forward, drafting_costs(model, heads, repeats=args.repeats, prefix_len=prefix))
-    result = calibrate(list(replays.values()), costs)
+    result = calibrate(chosen, costs)
     # the regime EAS was designed for, modelled only: verifying N tokens costs what one does (a GPU)
-    flat = Costs({n: forward[1] for n in forward}, costs.draft)
-    result["flat_cost"] = calibrate(list(replays.values()), flat)
-    result.update(task=args.task, replays=len(replays), new_tokens=sum(r.new_tokens for r in replays.values()),
+    result["flat_cost"] = calibrate(chosen, Costs({n: forward[1] for n in forward}, costs.draft))
+    result.update(task=args.task, replays=len(chosen), new_tokens=sum(r.new_tokens for r in chosen),
                   forward_costs={str(n): s for n, s in forward.items()}, drafting_costs=costs.draft)  # fmt: skip
     (out / "calibration.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     (out / "eas_config.json").write_text(json.dumps(result["config"], indent=1), encoding="utf-8")
-    (out / "report.md").write_text(markdown(result, args.task, costs), encoding="utf-8")
-    print(markdown(result, args.task, costs))
+    report = markdown(result, args.task, costs)
+    (out / "report.md").write_text(report, encoding="utf-8")
+    print(report)
     print(f"EAS settings for --eas-config: {out / 'eas_config.json'}")
     return 0
 
