@@ -92,6 +92,9 @@ def test_scheduler_defaults_when_absent() -> None:
     one = TopologyBank("t", [Tree.chain(2), Tree.chain(3)], {"scheduler": {"tau_off": 0.005}})
     assert (one.scheduler.tau_on, one.scheduler.tau_off, one.scheduler.thresholds) == (0.005, 0.005, (0.005,))
     assert SchedulerDefaults.from_metadata(bank.scheduler.to_dict(), 4) == bank.scheduler
+    value = TopologyBank("t", [Tree.chain(2), Tree.from_choices([[0], [1]])],
+                         {"scheduler": {"policy": "value", "value": [0, 1], "value_costs": [1.0, 1.0]}})  # fmt: skip
+    assert SchedulerDefaults.from_metadata(value.scheduler.to_dict(), 2) == value.scheduler
 
 
 @pytest.mark.parametrize(
@@ -121,6 +124,11 @@ def test_scheduler_defaults_when_absent() -> None:
         ("t", [[]], {"scheduler": {"feature": "entropy"}}, "feature must be one of"),
         ("t", [[]], {"scheduler": {"ladder_feature": 3}}, "ladder_feature must be one of"),
         ("t", [[[2**31]]], None, "int32"),
+        ("t", [[], [[0]]], {"scheduler": {"value": [0, 2], "value_costs": [1, 1]}}, "value entry 1 is tree 2"),
+        ("t", [[], [[0]]], {"scheduler": {"value": [0, 1], "value_costs": [1]}}, "one positive cost per value tree"),
+        ("t", [[], [[0]]], {"scheduler": {"value": [0, 1], "value_costs": [1, 0]}}, "one positive cost per value tree"),
+        ("t", [[], [[0]]], {"scheduler": {"value": 1, "value_costs": [1]}}, "value must be a list"),
+        ("t", [[], [[0]]], {"scheduler": {"policy": "value"}}, "needs the trees it picks from"),
     ],
 )
 def test_constructor_rejects(task, trees, meta, message) -> None:

@@ -48,6 +48,8 @@ CONFIGS = {
     "ladder": lambda: EntMTPConfig(
         trees=[[[0]], CHAIN, MC_SIM_7B_63], policy="ladder", thresholds=[0.5, 0.8], feature="base_top1"
     ),
+    # two 3-node shapes at one cost, and a big tree at a cost that makes it win only on sure steps
+    "value": lambda: EntMTPConfig(trees=[[[0], [0, 0]], [[0], [1]], MC_SIM_7B_63], policy="value", costs=[1, 1, 1.9]),
 }
 
 
@@ -199,6 +201,28 @@ def sample_counts(model, ids, n, **kwargs):
     return counts, long_paths
 
 
+def test_value_policy_switches_between_same_size_shapes(tiny_cache):
+    """The value policy must actually use each tree, or the greedy test above proves little."""
+    model = enabled(tiny_cache)
+    used = set()
+    for ids in prompts():
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=CONFIGS["value"](),
+                             return_dict_in_generate=True)  # fmt: skip
+        used.update(out.entmtp_stats["tree_indices"])
+    assert used == {0, 1, 2}
+
+
+def test_exact_sampling_preserves_distribution_under_the_value_policy(tiny_cache):
+    model = enabled(tiny_cache)
+    ids = prompts(1, seed=3)[0]
+    probs = target_joint(model, ids, temperature=0.7, top_k=4)
+    n = 1000
+    config = EntMTPConfig(trees=[[[0], [0, 0]], [[0], [1]], SAMPLING_TREE], policy="value", costs=[1, 1, 2])
+    counts, long_paths = sample_counts(model, ids, n, entmtp_config=config)
+    assert long_paths > n // 4
+    assert chi_square_p(counts, probs, n) > 1e-3
+
+
 def test_exact_sampling_preserves_distribution(tiny_cache):
     model = enabled(tiny_cache)
     ids = prompts(1, seed=3)[0]
@@ -320,6 +344,9 @@ def test_bad_input_raises_before_any_forward(forward_counter, make_kwargs, messa
         (dict(tree=CHAIN, acceptance="fast"), "unknown acceptance"),
         (dict(), "exactly one of"),
         (dict(tree=CHAIN, policy="ladder"), "several trees"),
+        (dict(tree=CHAIN, policy="value"), "several trees"),
+        (dict(trees=[CHAIN, CHAIN[:1]], policy="value", costs=[1.0]), "one positive forward cost"),
+        (dict(trees=[CHAIN, CHAIN[:1]], policy="value", costs=[1.0, 0.0]), "one positive forward cost"),
     ],
 )
 def test_invalid_config(kwargs, message):
@@ -351,3 +378,9 @@ def test_bank_default_policy_and_feature_are_used_unless_overridden():
     assert plan.feature == "base_top1"
     plan = EntMTPConfig(bank=bank, task="t", policy="hysteresis", feature="confidence").resolve(num_heads=4)
     assert plan.feature == "confidence"
+    with pytest.raises(ValueError, match="lists no trees for the value policy"):
+        EntMTPConfig(bank=bank, task="t", policy="value").resolve(num_heads=4)
+    sched = {**sched, "value": [1, 2], "value_costs": [1.0, 1.4]}
+    bank = TopologyBank("t", trees, {"scheduler": sched})
+    plan = EntMTPConfig(bank=bank, task="t", policy="value").resolve(num_heads=4)
+    assert plan.trees == (trees[1], trees[2]) and plan.scheduler_args == {"policy": "value", "costs": (1.0, 1.4)}

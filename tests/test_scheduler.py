@@ -13,7 +13,9 @@ from entmtp_hf.scheduler import (
     path_values,
     threshold,
     top1_and_entropy,
+    tree_values,
 )
+from entmtp_hf.tree import Tree
 
 
 def test_path_values_and_best_path_value():
@@ -75,6 +77,28 @@ def test_ladder_bins():
     assert [s.choose(x) for x in (0.05, 0.1, 0.2, 0.5, 0.9)] == [0, 0, 1, 1, 2]
 
 
+def test_tree_values_sum_path_values_per_tree():
+    # union: root, a=(0,) p=.6, b=(1,) p=.3, c=(0,0) p=.5 ; trees: chain {a, c}, fan {a, b}
+    tree = Tree.from_choices([[0], [1], [0, 0]])
+    index = tree.node_index()
+    probs = torch.ones(tree.num_nodes, dtype=torch.float64)
+    probs[index[(0,)]], probs[index[(1,)]], probs[index[(0, 0)]] = 0.6, 0.3, 0.5
+    members = torch.zeros(2, tree.num_nodes)
+    members[0, [index[(0,)], index[(0, 0)]]] = 1
+    members[1, [index[(0,)], index[(1,)]]] = 1
+    values = tree_values(probs, tree.buffers().ancestors, members)
+    assert values.tolist() == pytest.approx([0.6 + 0.6 * 0.5, 0.6 + 0.3])
+
+
+def test_value_policy_weighs_value_by_cost():
+    s = Scheduler("value", num_trees=3, costs=(1.0, 1.0, 1.5))
+    assert s.choose_value([0.9, 0.8, 1.5]) == 0
+    assert s.choose_value([0.5, 0.8, 1.5]) == 1  # 1.8 vs 2.5 / 1.5 = 1.67
+    assert s.choose_value([0.5, 0.8, 2.0]) == 2  # 3 / 1.5 = 2
+    assert s.choose_value([0.7, 0.7, 0.0]) == 0  # ties go to the earlier tree
+    assert not s.needs_feature
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -83,6 +107,8 @@ def test_ladder_bins():
         (dict(policy="ladder", num_trees=3, thresholds=(0.5,)), "needs 2 thresholds"),
         (dict(policy="ladder", num_trees=3, thresholds=(0.5, 0.1)), "strictly increasing"),
         (dict(policy="static", num_trees=2, static_index=2), "not a tree index"),
+        (dict(policy="value", num_trees=2, costs=(1.0,)), "one positive cost per tree"),
+        (dict(policy="value", num_trees=2, costs=(1.0, -1.0)), "one positive cost per tree"),
     ],
 )
 def test_invalid_scheduler(kwargs, message):

@@ -224,11 +224,18 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     bank = TopologyBank.from_pretrained(out / "banks", task="tiny")
     copy = TopologyBank.from_pretrained(out / "bank", task="tiny")  # rewritten by the third run
     assert (copy.trees, copy.scheduler) == (bank.trees, bank.scheduler)
-    assert [t.num_nodes for t in bank.trees] == [1, 2, 4, 8]
+    # the timed frontier, plus the 4-node fan the value policy may pick instead of frontier-4
+    assert [t.num_nodes for t in bank.trees] == [1, 2, 4, 4, 8] and bank.trees[3] == S.fan(4)
+    trees, at = result.bank_trees()
+    assert trees == list(bank.trees) and at == [0, 1, 2, 4]
     sched = bank.scheduler
-    assert sched.static == 2 and sched.ladder == (1, 2, 3)  # the max; the ladder = it and its hull neighbours
+    assert sched.static == 2 and sched.ladder == (1, 2, 4)  # the max; the ladder = it and its hull neighbours
     hyst = result.winners["hysteresis"]  # the best of every pair of ladder trees and every tau
-    assert (sched.conservative, sched.aggressive) == tuple(hyst["trees"]) and sched.conservative < sched.aggressive
+    assert (sched.conservative, sched.aggressive) == tuple(at[i] for i in hyst["trees"])
+    assert sched.conservative < sched.aggressive
+    # value: frontier-4 against the fan of 4 (T+ has 8 nodes, too many to offer a fan for)
+    assert [lab for lab in result.sweep if lab.startswith("value")] == ["value:4"]
+    assert sched.value == (2, 3) and sched.value_costs == tuple(result.winners["value"]["costs"])
     assert sched.tau_on == hyst["values"][0] and sched.tau_on in (0.3, 0.9) and len(sched.thresholds) == 2
     assert {lab.split(":")[3] for lab in result.sweep if lab.startswith("hysteresis")} == {"1-2", "1-3", "2-3"}
     speed = {"static": 1.0, **{k: v["vs_static"] for k, v in result.winners.items()
@@ -241,7 +248,10 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     meta = bank.metadata
     for k, info in enumerate(meta["trees"]):
         assert info["num_nodes"] == bank.trees[k].num_nodes
-        assert {"mean_accept_length", "biased_accept_length", "tokens_per_s"} <= set(info)
+        if k in at:
+            assert {"mean_accept_length", "biased_accept_length", "tokens_per_s"} <= set(info)
+        else:
+            assert info["name"] == "fan-4" and info["source"].startswith("value policy")
     assert meta["calibration"]["settings"]["budget"] == 8 and meta["hardware"] and meta["calibration"]["versions"]
     plan = EntMTPConfig(bank=str(out / "banks"), task="tiny").resolve(8)  # the bank's calibrated defaults
     assert plan.feature == "base_top1" and plan.scheduler_args["policy"] == sched.policy
@@ -263,7 +273,8 @@ def test_search_with_rollout_scoring_and_sampling(setup, tmp_path):
     assert [p["num_nodes"] for p in frontier["points"]] == [1, 2, 3, 4] and frontier["complete"]
     assert result.frontier[0]["simulated"] is None and result.timed["frontier-4"]["unbiased"] >= 1.0
     bank = TopologyBank.from_pretrained(tmp_path / "bank", task="tiny-exact")
-    assert [t.num_nodes for t in bank.trees] == [1, 4]
+    assert [t.num_nodes for t in bank.trees] == [1, 4, 4]  # the frontier-4 and its fan, for the value policy
+    assert bank.scheduler.value == (1, 2) and "value:4" in result.sweep
 
 
 def test_config_validation_and_cli():
@@ -279,21 +290,27 @@ def test_config_validation_and_cli():
     assert cfg.timed_sizes == (1, 3) and cfg.tau_grid == (0.1,) and args.func.__name__ == "run_cli"
 
 
-@pytest.mark.parametrize("hyst,ladder,retrieval,policy", [(1.03, 0.9, 1.04, "static"), (1.08, 1.06, 1.3, "hysteresis"),
-                                                      (1.06, 1.2, 1.06, "ladder")])  # fmt: skip
-def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, retrieval, policy):
+@pytest.mark.parametrize("hyst,ladder,value,retrieval,policy", [
+    (1.03, 0.9, 1.0, 1.04, "static"), (1.08, 1.06, 1.07, 1.3, "hysteresis"), (1.06, 1.2, 1.0, 1.06, "ladder"),
+    (1.06, 1.05, 1.1, 1.0, "value")])  # fmt: skip
+def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, value, retrieval, policy):
     from entmtp_hf.search_report import SearchResult
 
     choice = S.choose_trees([1, 2, 3], [10.0, 12.0, 11.0])
-    result = SearchResult(task="t", settings={}, frontier=[], timed={}, labels=["a", "b", "c"], choice=choice,
+    timed = {lab: {"tree": Tree.chain(n - 1), "num_nodes": n} for lab, n in (("a", 1), ("b", 2), ("c", 3))}
+    result = SearchResult(task="t", settings={}, frontier=[], timed=timed, labels=["a", "b", "c"], choice=choice,
                           vanilla_tokens_per_s=10.0, reference=None, elapsed={})  # fmt: skip
     result.winners = {"hysteresis": {"feature": "chain_value", "values": [0.4], "vs_static": hyst, "trees": [0, 2]},
                       "ladder": {"feature": "base_top1", "values": [0.2, 0.6], "vs_static": ladder},
+                      "value": {"trees": [Tree.chain(2).choices, S.fan(3).choices], "costs": [1.0, 1.0],
+                                "vs_static": value},
                       "retrieval": {"label": "static+retrieval-replace", "vs_static": retrieval,
                                     "config": {"mode": "replace", "num_tokens": 2}}}  # fmt: skip
     d = result.scheduler_defaults()
     # a win over static turns retrieval on (its settings stored); never a policy itself
     assert d["retrieval"] == ({"mode": "replace", "num_tokens": 2} if retrieval >= 1.05 else None)
+    # the fan joins the bank after the 3-node chain: indices past it move up by one
+    assert d["value"] == [2, 3] and d["ladder"] == [0, 1, 2]
     assert d["policy"] == policy and (d["conservative"], d["aggressive"]) == (0, 2) and d["tau_on"] == 0.4
     assert d["feature"] == "chain_value" and d["ladder_feature"] == "base_top1" and d["thresholds"] == [0.2, 0.6]
 

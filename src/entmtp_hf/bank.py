@@ -107,6 +107,12 @@ def _as_number(value: object, what: str) -> float:
     return float(value)
 
 
+def _as_list(value: object, what: str) -> Sequence:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{what} must be a list, got {value!r}")
+    return value
+
+
 def _strictly_increasing(values: Sequence[float]) -> bool:
     return all(a < b for a, b in zip(values, values[1:]))
 
@@ -146,6 +152,8 @@ class SchedulerDefaults:
     feature: str = "best_path_value"
     ladder_feature: str = "best_path_value"
     retrieval: RetrievalConfig | None = None
+    value: tuple[int, ...] = ()
+    value_costs: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.retrieval is not None and not isinstance(self.retrieval, RetrievalConfig):
@@ -160,6 +168,14 @@ class SchedulerDefaults:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         _as_number(self.tau_on, "tau_on")
         _as_number(self.tau_off, "tau_off")
+        if any(_as_index(i, "value entry") < 0 for i in self.value):
+            raise ValueError(f"value must list tree indices >= 0, got {list(self.value)}")
+        if len(self.value_costs) != len(self.value) or any(not _as_number(c, "value cost") > 0 for c in self.value_costs):
+            raise ValueError(
+                f"value_costs must give one positive cost per value tree ({len(self.value)}), got {list(self.value_costs)}"
+            )
+        if self.policy == "value" and not self.value:
+            raise ValueError("policy 'value' needs the trees it picks from in `value`")
         if self.tau_off > self.tau_on:
             raise ValueError(f"tau_off ({self.tau_off}) must be <= tau_on ({self.tau_on})")
         if self.conservative > self.aggressive:
@@ -214,9 +230,12 @@ class SchedulerDefaults:
             feature=raw.get("feature", "best_path_value"),
             ladder_feature=raw.get("ladder_feature", "best_path_value"),
             retrieval=None if raw.get("retrieval") is None else RetrievalConfig.from_dict(raw["retrieval"]),
+            value=tuple(_as_index(i, "value entry") for i in _as_list(raw.get("value", ()), "value")),
+            value_costs=tuple(_as_number(c, "value cost") for c in _as_list(raw.get("value_costs", ()), "value_costs")),
         )
         used = {"static": sched.static, "conservative": sched.conservative, "aggressive": sched.aggressive}
         used.update({f"ladder entry {i}": v for i, v in enumerate(sched.ladder)})
+        used.update({f"value entry {i}": v for i, v in enumerate(sched.value)})
         for name, index in used.items():
             if index > last:
                 raise ValueError(f"{name} is tree {index}, but the bank has only {num_trees} trees (0..{last})")
@@ -578,7 +597,9 @@ def _task_section(bank: TopologyBank) -> list[str]:
         f"hysteresis T− = tree {sched.conservative}, T+ = tree {sched.aggressive} on `{sched.feature}`, "
         f"τ_on = {sched.tau_on:g}, τ_off = {sched.tau_off:g}; ladder trees {list(sched.ladder)} on "
         f"`{sched.ladder_feature}` with thresholds {[float(f'{t:g}') for t in sched.thresholds]}; "
-        f"retrieval branches by default: {_retrieval_text(sched.retrieval)}.",
+        + (f"value policy over trees {list(sched.value)} (relative costs {[float(f'{c:.3g}') for c in sched.value_costs]}); "
+           if sched.value else "")
+        + f"retrieval branches by default: {_retrieval_text(sched.retrieval)}.",
         "",
     ]
     return lines

@@ -3,7 +3,8 @@
 :class:`EntMTPCandidateGenerator` is built once per ``generate`` call. Each step it drafts
 the union of every tree the scheduler may pick (one batched head call per depth for Hydra,
 one call per head for Medusa), reads the confidence feature off the draft, lets the
-scheduler choose a tree, and returns that tree's tokens with its precompiled buffers: a
+scheduler choose a tree (under the ``value`` policy: the tree whose drafted nodes carry
+the most path value per unit of cost), and returns that tree's tokens with its precompiled buffers: a
 switch between trees is an index lookup, never a recompilation. Under the ``entropy`` policy
 an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the plan's trees are the
 truncations of one tree at depth 0..D, and the index is the chain length the EAS rule gives
@@ -23,7 +24,7 @@ import torch
 from .config import DecodePlan
 from .eas import EASController
 from .retrieval import NgramIndex
-from .scheduler import FeatureTracker, Scheduler, top1_and_entropy
+from .scheduler import FeatureTracker, Scheduler, top1_and_entropy, tree_values
 from .tree import TreeBuffers
 
 
@@ -54,6 +55,12 @@ class EntMTPCandidateGenerator:
         self.buffers = tuple(t.buffers(device, dtype) for t in plan.trees)
         self.node_maps = tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for m in plan.node_maps)
         self.chain_nodes = torch.tensor(plan.chain_nodes, dtype=torch.long, device=heads_device)
+        self.members = None  # value policy: [K, N] which non-root union nodes each tree has
+        if self.scheduler.policy == "value":
+            self.members = torch.zeros(len(plan.trees), plan.union.num_nodes, dtype=torch.float64)
+            for k, m in enumerate(plan.node_maps):
+                self.members[k, list(m[1:])] = 1.0
+            self.members = self.members.to(heads_device)
         self.device = device
         self.index = NgramIndex(plan.retrieval) if plan.retrieval is not None else None
         self.replace = plan.retrieval is not None and plan.retrieval.mode == "replace"
@@ -106,7 +113,10 @@ class EntMTPCandidateGenerator:
             k = walk.close()
         else:
             proposal = self.heads.propose(self.state, root_token, self.union_buffers)
-            if self.scheduler.needs_feature:
+            if self.members is not None:
+                values = tree_values(proposal.probs, self.union_buffers.ancestors, self.members)
+                k = self.scheduler.choose_value(values.tolist())
+            elif self.scheduler.needs_feature:
                 values = proposal.probs[self.chain_nodes].tolist() if len(self.chain_nodes) else []
                 s = self.feature.value(p0, entropy, values)
                 k = self.scheduler.choose(s)

@@ -59,6 +59,9 @@ class EntMTPConfig:
     measured), and without a bank to ``static`` for one tree, ``hysteresis`` for two trees
     (T- = first, T+ = second) and ``ladder`` for more. ``tau_on``/``tau_off``/``thresholds``
     and ``feature`` default to the bank's calibrated values (``best_path_value`` otherwise).
+    ``policy="value"`` verifies, each step, the tree whose drafted nodes carry the most path
+    value (the product of head probabilities along a node's path) per unit of ``costs`` (each
+    tree's forward cost, relative; equal when not given, the bank's measured costs with one).
     ``acceptance="auto"`` means greedy without sampling and exact (lossless) sampling with
     ``do_sample=True``.
 
@@ -83,6 +86,7 @@ class EntMTPConfig:
     thresholds: Sequence[float] | None = None
     feature: str | None = None
     feature_window: int = 8
+    costs: Sequence[float] | None = None
     acceptance: str = "auto"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
@@ -134,6 +138,11 @@ class EntMTPConfig:
             raise ValueError(f"posterior_threshold must be in (0, 1], got {self.posterior_threshold}")
         if self.posterior_alpha <= 0.0:
             raise ValueError(f"posterior_alpha must be > 0, got {self.posterior_alpha}")
+        if self.costs is not None:
+            if self.trees is None or len(self.costs) != len(self.trees) or any(not c > 0 for c in self.costs):
+                raise ValueError(f"costs must give one positive forward cost per tree in `trees`, got {self.costs!r}")
+        if self.policy == "value" and self.tree is not None:
+            raise ValueError("the value policy picks among several trees: pass `trees=` or a `bank`")
         if self.policy == "ladder" and self.tree is not None:
             raise ValueError("the ladder policy needs several trees: pass `trees=` or a `bank`")
         if self.policy == "hysteresis" and self.trees is not None and len(self.trees) < 2:
@@ -182,6 +191,8 @@ class EntMTPConfig:
             all_trees = tuple(Tree.from_choices(t) for t in self.trees)
             policy = self.policy or ("static" if len(all_trees) == 1 else "hysteresis" if len(all_trees) == 2 else "ladder")
             trees, args = all_trees, {"low": 0, "high": min(1, len(all_trees) - 1)}
+            if self.costs is not None:
+                args["costs"] = tuple(float(c) for c in self.costs)
             if policy == "ladder":
                 if self.thresholds is None:
                     raise ValueError(f"the ladder over {len(trees)} trees needs `thresholds` ({len(trees) - 1} values)")
@@ -194,12 +205,12 @@ class EntMTPConfig:
             args["tau_off"] = self.tau_off
         elif self.tau_on is not None and args.get("tau_off", self.tau_on) > self.tau_on:
             args["tau_off"] = self.tau_on
-        if policy != "static":
+        if policy in ("hysteresis", "ladder"):
             args.setdefault("tau_off", args.get("tau_on", 0.01))
         Scheduler(num_trees=len(trees), **args)  # validate now, before any compute
 
         depth = max(t.depth for t in trees)
-        chain = Tree.chain(depth) if policy != "static" else Tree.root_only()
+        chain = Tree.chain(depth) if policy in ("hysteresis", "ladder") else Tree.root_only()  # what features read
         return _plan(trees, chain, args, feature=feature, retrieval=retrieval)
 
     def _entropy_plan(self, num_heads: int) -> DecodePlan:
@@ -229,6 +240,10 @@ class EntMTPConfig:
         if policy == "hysteresis":
             low, high = sorted((d.conservative, d.aggressive), key=lambda i: trees[i].num_nodes)
             return (trees[low], trees[high]), policy, {"low": 0, "high": 1, "tau_on": d.tau_on, "tau_off": d.tau_off}
+        if policy == "value":
+            if not d.value:
+                raise ValueError(f"the bank for task {bank.task!r} lists no trees for the value policy")
+            return tuple(trees[i] for i in d.value), policy, {"costs": tuple(d.value_costs)}
         ladder = tuple(trees[i] for i in d.ladder)
         thresholds = tuple(self.thresholds) if self.thresholds is not None else tuple(d.thresholds)
         return ladder, policy, {"thresholds": thresholds}

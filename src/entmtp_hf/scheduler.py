@@ -17,7 +17,9 @@ without a model.
 
 Policies: ``static`` (one tree: EntMTP*), ``hysteresis`` (EntMTPτ: switch up to T+ when
 ``s > tau_on``, back down to T- when ``s <= tau_off``), ``ladder`` (EntMTP-l: K-1 increasing
-thresholds bin ``s`` into K trees). The ``entropy`` policy of :class:`~entmtp_hf.config.EntMTPConfig`
+thresholds bin ``s`` into K trees), ``value`` (EntMTP-v: no scalar; every step verifies the tree
+whose drafted nodes have the largest summed path value per unit of forward cost, EAGLE-2's
+expansion rule restricted to precompiled trees; :func:`tree_values`). The ``entropy`` policy of :class:`~entmtp_hf.config.EntMTPConfig`
 is not a scalar-feature policy: it reads every chain depth's head entropy and lives in
 :mod:`entmtp_hf.eas`.
 """
@@ -32,7 +34,7 @@ import torch
 
 FEATURES = ("best_path_value", "chain_value", "head_confidence", "base_top1", "confidence", "confidence_ema",
             "accept_ema")
-POLICIES = ("static", "hysteresis", "ladder")
+POLICIES = ("static", "hysteresis", "ladder", "value")
 
 
 # ----------------------------------------------------------------------------- features
@@ -56,6 +58,20 @@ def path_values(p0: float, chain_probs: list[float]) -> list[float]:
 def best_path_value(p0: float, chain_probs: list[float]) -> float:
     """``max(p0, g_1, ..., g_D)``."""
     return max([p0, *path_values(p0, chain_probs)])
+
+
+def tree_values(probs: torch.Tensor, ancestors: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """Expected drafted tokens accepted of each tree, estimated from one drafted union tree.
+
+    ``probs`` [N]: each union node's probability under the head that drafted it (1 for the
+    root); ``ancestors`` [N, D + 1]: root→node indices, -1 padded; ``members`` [K, N]: 1 where
+    tree k has the (non-root) union node. A node's path value is the product of the
+    probabilities along its path (the chance the whole path is accepted if the heads were
+    calibrated); a tree's value is the sum over its nodes, its expected accept length minus one.
+    """
+    logp = torch.cat([probs.double().clamp(min=1e-30).log(), probs.new_zeros(1, dtype=torch.float64)])
+    path = logp[ancestors.masked_fill(ancestors < 0, probs.shape[0])].sum(-1).exp()
+    return members.double() @ path
 
 
 def threshold(feature: str, t: float, depth: int) -> float:
@@ -115,7 +131,8 @@ class Scheduler:
 
     ``num_trees`` trees are indexed smallest first. ``static`` always returns ``static_index``;
     ``hysteresis`` moves between ``low`` (T-) and ``high`` (T+); ``ladder`` returns the number of
-    ``thresholds`` below ``s``.
+    ``thresholds`` below ``s``; ``value`` picks from per-tree values (:meth:`choose_value`)
+    weighed by ``costs``, each tree's forward cost relative to the others.
     """
 
     policy: str
@@ -126,6 +143,7 @@ class Scheduler:
     tau_on: float = 0.01
     tau_off: float = 0.01
     thresholds: tuple[float, ...] = ()
+    costs: tuple[float, ...] = ()
     current: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -144,11 +162,22 @@ class Scheduler:
                 )
             if any(b <= a for a, b in zip(self.thresholds, self.thresholds[1:])):
                 raise ValueError(f"ladder thresholds must be strictly increasing, got {list(self.thresholds)}")
-        self.current = {"static": self.static_index, "hysteresis": self.low, "ladder": 0}[self.policy]
+        if self.costs and (len(self.costs) != self.num_trees or any(not c > 0 for c in self.costs)):
+            raise ValueError(f"costs must give one positive cost per tree ({self.num_trees}), got {list(self.costs)}")
+        self.current = {"static": self.static_index, "hysteresis": self.low, "ladder": 0, "value": 0}[self.policy]
 
     @property
     def needs_feature(self) -> bool:
-        return self.policy != "static"
+        """Whether ``choose`` reads a scalar feature (``value`` reads per-tree values instead)."""
+        return self.policy in ("hysteresis", "ladder")
+
+    def choose_value(self, values: list[float]) -> int:
+        """Policy ``value``: the tree with the most expected tokens, ``1 + values[k]``, per unit
+        of cost (ties: the earlier, smaller tree)."""
+        costs = self.costs or (1.0,) * self.num_trees
+        rates = [(1.0 + v) / c for v, c in zip(values, costs)]
+        self.current = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        return self.current
 
     def choose(self, s: float) -> int:
         """Tree index for a step whose confidence is ``s``."""

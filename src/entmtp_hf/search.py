@@ -52,6 +52,7 @@ from transformers import DynamicCache
 
 from .config import EntMTPConfig
 from .profile import forward_costs as profile_forward_costs
+from .profile import interpolate_cost
 from .retrieval import RetrievalConfig
 from .scheduler import FEATURES, threshold
 from .tree import MC_SIM_7B_63, Path, Tree
@@ -479,6 +480,34 @@ class Choice:
         return sorted({self.conservative, self.static, self.aggressive})
 
 
+def fan(num_nodes: int) -> Tree:
+    """The depth-1 tree of ``num_nodes`` nodes: the first token's top ``num_nodes - 1`` guesses."""
+    return Tree.from_choices([[r] for r in range(num_nodes - 1)]) if num_nodes > 1 else Tree.root_only()
+
+
+#: the widest fan the value policy is offered (drafted nodes + root): small trees are where two
+#: shapes cost the same forward and the per-step choice between them is free
+VALUE_MAX_NODES = 4
+
+
+def value_sets(trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dict[str, list[Tree]]:
+    """The tree sets the value policy is swept over, labelled ``value:{N}`` (or ``value:{N}+{M}``).
+
+    For EntMTP* and T+ with 3 <= N <= :data:`VALUE_MAX_NODES` nodes: the frontier tree and the
+    fan of the same size, two shapes at one forward cost, so the policy trades depth against
+    width per step for free; with both sizes, all four trees (then the trees' forward costs
+    weigh the choice)."""
+    sets: dict[str, list[Tree]] = {}
+    for i in sorted({choice.static, choice.aggressive}, key=lambda i: trees[labels[i]].num_nodes):
+        tree = trees[labels[i]]
+        if 3 <= tree.num_nodes <= VALUE_MAX_NODES and fan(tree.num_nodes) != tree:
+            sets[f"value:{tree.num_nodes}"] = [tree, fan(tree.num_nodes)]
+    if len(sets) == 2:
+        (a, ta), (b, tb) = sets.items()
+        sets[f"{a}+{b.split(':')[1]}"] = ta + tb
+    return sets
+
+
 def choose_trees(nodes: Sequence[int], tokens_per_s: Sequence[float]) -> Choice:
     """EntMTP* = the throughput-maximal tree (ties: fewer nodes); T- and T+ = the fastest timed
     tree with fewer / more nodes than it (EntMTP* itself when there is none).
@@ -769,20 +798,25 @@ class TreeSearch:
             return EntMTPConfig(acceptance=rule, **extra, **kw)
         return EntMTPConfig(tree=tree.choices, acceptance=rule, **extra, **kw)
 
-    def sweep(self, trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dict:
-        """Hysteresis τ × feature and ladder thresholds, measured against the static tree."""
+    def sweep(
+        self, trees: dict[str, Tree], choice: Choice, labels: list[str], costs: dict[int, float] | None = None
+    ) -> dict:
+        """Hysteresis τ × feature, ladder thresholds and value sets, measured against the static tree."""
         t0 = time.perf_counter()
-        runs = self.sweep_runs(trees, choice, labels)
+        runs = self.sweep_runs(trees, choice, labels, costs)
         prompts = self.timing_indices()[: self.cfg.sweep_prompts]
         out, measured = self._interleaved("sweep", runs, prompts, self.sweep_measure)
         if measured:
             self._timed("sweep", t0)
         return out
 
-    def sweep_runs(self, trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dict[str, EntMTPConfig]:
+    def sweep_runs(
+        self, trees: dict[str, Tree], choice: Choice, labels: list[str], costs: dict[int, float] | None = None
+    ) -> dict[str, EntMTPConfig]:
         """The static tree (alone, and with retrieval branches: :data:`RETRIEVAL_RUNS`),
         hysteresis over each pair of T-, EntMTP* and T+ (label ``hysteresis:{feature}:{tau}:{i}-{j}``,
-        indices into ``labels``) and the ladder."""
+        indices into ``labels``), the ladder, and the value policy over :func:`value_sets`
+        (weighed by ``costs``, c(N) relative to one token; equal costs without them)."""
         runs = {"static": self._tree_config(trees[labels[choice.static]])}
         for label, retrieval in RETRIEVAL_RUNS.items() if self.cfg.retrieval else ():
             runs[label] = self._tree_config(trees[labels[choice.static]], retrieval=retrieval)
@@ -804,6 +838,9 @@ class TreeSearch:
                 runs[f"ladder:{f}:{','.join(f'{t:g}' for t in th)}"] = self._tree_config(
                     None, trees=[t.choices for t in ladder], policy="ladder", thresholds=list(th), feature=f
                 )
+        for label, members in value_sets(trees, choice, labels).items():
+            weights = [interpolate_cost(costs, t.num_nodes) for t in members] if costs else [1.0] * len(members)
+            runs[label] = self._tree_config(None, trees=[t.choices for t in members], policy="value", costs=weights)
         return runs
 
     # ---------------------------------------------------------------- everything
@@ -817,7 +854,7 @@ class TreeSearch:
         costs = self.costs(points) if self.cfg.ranking == "modelled" else None
         result = summarise(self, trajectories, points, rollouts, costs)
         trees = {lab: row["tree"] for lab, row in result.timed.items()}
-        result.with_sweep(self.sweep(trees, result.choice, result.labels))
+        result.with_sweep(self.sweep(trees, result.choice, result.labels, costs))
         result.elapsed = dict(self.elapsed)
         t0 = time.perf_counter()
         full = bool(self.stages_run) or not (self.dir / "report.md").is_file()

@@ -39,6 +39,7 @@ from .search import (
     median,
     simulate_canonical,
     table_accept,
+    value_sets,
 )
 from .profile import interpolate_cost
 from .scheduler import FEATURES
@@ -153,7 +154,25 @@ class SearchResult:
                                       "values": [float(v) for v in values.split(",")], **self.sweep[best]}  # fmt: skip
                 if pair:
                     self.winners[kind]["trees"] = [int(i) for i in pair[0].split("-")]
+        sets = value_sets({lab: row["tree"] for lab, row in self.timed.items()}, self.choice, self.labels)
+        cands = [lab for lab in sets if lab in self.sweep and _finite(self.sweep[lab]["vs_static"])]
+        if cands:
+            best = max(cands, key=lambda lab: self.sweep[lab]["vs_static"])
+            costs = [interpolate_cost(self.costs, t.num_nodes) if self.costs else 1.0 for t in sets[best]]
+            self.winners["value"] = {"label": best, "trees": [t.choices for t in sets[best]], "costs": costs,
+                                     **self.sweep[best]}  # fmt: skip
         return self
+
+    def bank_trees(self) -> tuple[list[Tree], list[int]]:
+        """The bank's trees, smallest first: the timed frontier trees plus the value winner's
+        trees that are not among them (each after the frontier tree of its size); and where
+        each timed tree went (``labels`` index -> bank index)."""
+        timed = [self.timed[lab]["tree"] for lab in self.labels]
+        extra = [t for t in map(Tree.from_choices, self.winners.get("value", {}).get("trees", [])) if t not in timed]
+        trees = timed + extra
+        order = sorted(range(len(trees)), key=lambda i: (trees[i].num_nodes, i))
+        position = {old: new for new, old in enumerate(order)}
+        return [trees[i] for i in order], [position[i] for i in range(len(timed))]
 
     @property
     def ranking_changed(self) -> bool:
@@ -168,8 +187,9 @@ class SearchResult:
         return bool(inversions(self.frontier, "biased", "simulated"))
 
     def scheduler_defaults(self) -> dict[str, Any]:
-        """The bank's scheduler block: EntMTP*, the winning hysteresis pair and τ, the ladder
-        with its thresholds, and as default policy the fastest of the three against static,
+        """The bank's scheduler block (tree indices into :meth:`bank_trees`): EntMTP*, the
+        winning hysteresis pair and τ, the ladder with its thresholds, the value policy's trees
+        and costs, and as default policy the fastest of the four against static,
         where a scheduler must beat static by ``SWEEP_MARGIN`` (the sweep's few prompts are noisy
         and its winner is the best of many tries); retrieval branches are on by default when they
         made the static tree faster by the same margin (the faster of appended and replacing)."""
@@ -183,10 +203,15 @@ class SearchResult:
                                    if k != "retrieval" and v["vs_static"] >= SWEEP_MARGIN}}  # fmt: skip
         won = self.winners.get("retrieval", {})
         retrieval = won["config"] if won.get("vs_static", 0.0) >= SWEEP_MARGIN else None
-        return {"static": c.static, "conservative": low, "aggressive": high, "tau_on": tau, "tau_off": tau,
-                "ladder": ladder, "thresholds": thresholds, "policy": max(speed, key=lambda k: speed[k]),
+        trees, at = self.bank_trees()
+        value = self.winners.get("value")
+        return {"static": at[c.static], "conservative": at[low], "aggressive": at[high], "tau_on": tau, "tau_off": tau,
+                "ladder": [at[i] for i in ladder], "thresholds": thresholds,
+                "policy": max(speed, key=lambda k: speed[k]),
                 "feature": hyst["feature"] if hyst else "best_path_value",
-                "ladder_feature": lad["feature"] if lad else "best_path_value", "retrieval": retrieval}  # fmt: skip
+                "ladder_feature": lad["feature"] if lad else "best_path_value", "retrieval": retrieval,
+                "value": [trees.index(Tree.from_choices(t)) for t in value["trees"]] if value else [],
+                "value_costs": value["costs"] if value else []}  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         timed = {lab: {k: (v.choices if isinstance(v, Tree) else v) for k, v in row.items()}
@@ -284,22 +309,30 @@ def _finite(value: Any) -> bool:
 
 
 def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
-    """The task's bank: the timed frontier trees, smallest first, with every calibration figure."""
-    per_tree = []
-    for lab in result.labels:
+    """The task's bank: the timed frontier trees and the value policy's other shapes, smallest
+    first, with every calibration figure."""
+    trees, at = result.bank_trees()
+    per_tree: list[dict] = [{} for _ in trees]
+    for k, tree in enumerate(trees):
+        if k not in at:
+            cost = interpolate_cost(result.costs, tree.num_nodes) if result.costs else None
+            per_tree[k] = {"num_nodes": tree.num_nodes, "name": f"fan-{tree.num_nodes}",
+                           "source": "value policy: same size, depth 1",
+                           **({"relative_forward_cost": cost} if _finite(cost) else {})}  # fmt: skip
+    for i, lab in enumerate(result.labels):
         row = result.timed[lab]
         figures = {"mean_accept_length": row["unbiased"], "biased_accept_length": row["biased"],
                    "simulated_accept_length": row["simulated"], "tokens_per_s": row["tokens_per_s"],
                    "speedup_vs_plain": row["speedup"], "tokens_per_forward": row.get("modelled"),
                    "relative_forward_cost": (result.costs or {}).get(row["num_nodes"])}  # fmt: skip
-        per_tree.append({"num_nodes": row["num_nodes"], "name": lab, "source": "greedy acceptance frontier",
-                         **{k: v for k, v in figures.items() if _finite(v)}})  # fmt: skip
+        per_tree[at[i]] = {"num_nodes": row["num_nodes"], "name": lab, "source": "greedy acceptance frontier",
+                           **{k: v for k, v in figures.items() if _finite(v)}}  # fmt: skip
     metadata = {
         **{k: info[k] for k in ("base_model", "heads") if info.get(k)},
         "hardware": hardware_string(),
         "created_by": "entmtp_hf.search",
         "description": f"Per-task bank from the offline tree search (task {result.task}); EntMTP* = tree "
-        f"{result.choice.static} ({_nodes(result.timed[result.labels[result.choice.static]]['num_nodes'])}).",
+        f"{at[result.choice.static]} ({_nodes(result.timed[result.labels[result.choice.static]]['num_nodes'])}).",
         "trees": per_tree,
         "scheduler": result.scheduler_defaults(),
         "calibration": {
@@ -317,7 +350,7 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
             "versions": versions(),
         },
     }
-    return TopologyBank(result.task, [result.timed[lab]["tree"] for lab in result.labels], _json_clean(metadata))
+    return TopologyBank(result.task, trees, _json_clean(metadata))
 
 
 def _json_clean(value: Any) -> Any:
@@ -462,13 +495,14 @@ def _choice_section(result: SearchResult) -> list[str]:
     sweep = [f"| {lab} | {_f(v['tokens_per_s'], 2)} | {_f(v.get('measured_vs_static'), 3)} | {_f(v['vs_static'], 3)} |"
              for lab, v in result.sweep.items()]  # fmt: skip
     ranked = "modelled" if result.costs is not None else "measured"
-    features = {k: v["feature"] for k, v in result.winners.items() if k != "retrieval"}
+    features = {k: v["feature"] for k, v in result.winners.items() if "feature" in v}
+    _, at = result.bank_trees()  # "tree k" below is the bank's index
     return [
         "## Chosen trees", "",
-        f"- EntMTP* (static optimum): tree {c.static}, **{_nodes(size[c.static])}** ({size[c.static] - 1} drafted) "
+        f"- EntMTP* (static optimum): tree {at[c.static]}, **{_nodes(size[c.static])}** ({size[c.static] - 1} drafted) "
         f"against mc_sim_7b_63's 63 drafted nodes; {_f(t[labels[c.static]]['tokens_per_s'], 2)} tokens/s",
-        f"- T− (conservative): tree {c.conservative}, {_nodes(size[c.conservative])}; "
-        f"T+ (aggressive): tree {c.aggressive}, {_nodes(size[c.aggressive])}",
+        f"- T− (conservative): tree {at[c.conservative]}, {_nodes(size[c.conservative])}; "
+        f"T+ (aggressive): tree {at[c.aggressive]}, {_nodes(size[c.aggressive])}",
         *(["- EntMTP* is the root-only tree: no drafted tree paid for its verification on this machine with "
            "these heads (the bank then decodes plainly through the EntMTP loop)."] if size[c.static] == 1 else []),
         f"- upper hull: {[t[labels[i]]['num_nodes'] for i in c.hull]} nodes; "
