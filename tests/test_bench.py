@@ -101,7 +101,8 @@ def bench_run(tmp_path_factory):
     clock = CountingClock()
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(METHODS, "planted", Planted("planted", "vanilla with a planted change", default=False))
-        names = tuple(n for n, m in METHODS.items() if m.default) + ("planted",)
+        # the published-defaults bank lists no value trees: entmtp-value is checked on its own below
+        names = tuple(n for n, m in METHODS.items() if m.default and n != "entmtp-value") + ("planted",)
         settings = BenchSettings(tasks=tasks, num_prompts=N_PROMPTS, max_new_tokens=NEW_TOKENS, preset="test",
                                  methods=names, warmup_tokens=4)  # fmt: skip
         Planted.calls = 0
@@ -142,6 +143,11 @@ def test_methods_are_interleaved_and_rotated(bench_run):
             assert [r["order"] for r in block] == list(range(block[0]["order"], block[0]["order"] + len(names)))
     first = {r["method"] for r in records if r["rotation_position"] == 0}
     assert len(first) > 1
+
+
+def test_value_method_needs_a_bank_with_value_trees(bench_run):
+    ctx = bench_run[4]
+    assert "lists no trees for the value policy" in METHODS["entmtp-value"].unavailable(ctx, "alpha", "greedy")
 
 
 def test_json_has_every_method_and_task(bench_run):

@@ -238,6 +238,8 @@ register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="m
 register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hydra", entmtp=_default_tree))
 register_method(Method("entmtp-static", "EntMTP*: the bank's static optimum", heads="hydra", entmtp=_bank_policy("static")))
 register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis")))
+register_method(Method("entmtp-value", "EntMTP-v: per step, the bank's value tree with the most path value",
+                       heads="hydra", entmtp=_bank_policy("value")))  # fmt: skip
 register_method(Method("entmtp-ladder", "EntMTP-l: threshold ladder", heads="hydra", entmtp=_bank_policy("ladder")))
 register_method(Method("entmtp-tau-retrieval", "EntMTPτ + a retrieval branch copied from earlier text", heads="hydra",
                        entmtp=_bank_policy("hysteresis", retrieval=True)))  # fmt: skip

@@ -21,6 +21,7 @@ from .bank import TopologyBank, shipped_bank_path
 from .config import EntMTPConfig
 from .demo_model import load_base_model
 from .generation import enable_entmtp
+from .scheduler import POLICIES
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEMO_HEADS = ASSETS / "smollm2-135m-hydra"
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="EntMTP on the embedded demo model")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method")
-    parser.add_argument("--policy", choices=("static", "hysteresis", "ladder"), default=None)
+    parser.add_argument("--policy", choices=POLICIES, default=None)
     args = parser.parse_args(argv)
     run_demo(args.max_new_tokens, args.repeats, args.policy)
     return 0
