@@ -241,6 +241,7 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     speed = {"static": 1.0, **{k: v["vs_static"] for k, v in result.winners.items()
                                if k != "retrieval" and v["vs_static"] >= 1.05}}  # fmt: skip
     assert sched.policy == max(speed, key=speed.get) and sched.feature == "base_top1"
+    assert result.confirmation == {} and not (out / "confirm.json").exists()  # 2 prompts, both the sweep's
     assert set(S.RETRIEVAL_RUNS) <= set(result.sweep)  # the static tree with retrieval branches, timed in the sweep
     won = result.winners["retrieval"]
     assert won["vs_static"] == max(result.sweep[lab]["vs_static"] for lab in S.RETRIEVAL_RUNS)
@@ -290,22 +291,28 @@ def test_config_validation_and_cli():
     assert cfg.timed_sizes == (1, 3) and cfg.tau_grid == (0.1,) and args.func.__name__ == "run_cli"
 
 
-@pytest.mark.parametrize("hyst,ladder,value,retrieval,policy", [
-    (1.03, 0.9, 1.0, 1.04, "static"), (1.08, 1.06, 1.07, 1.3, "hysteresis"), (1.06, 1.2, 1.0, 1.06, "ladder"),
-    (1.06, 1.05, 1.1, 1.0, "value")])  # fmt: skip
-def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, value, retrieval, policy):
+@pytest.mark.parametrize("hyst,ladder,value,retrieval,held_out,policy", [
+    (1.03, 0.9, 1.0, 1.04, None, "static"), (1.08, 1.06, 1.07, 1.3, None, "hysteresis"),
+    (1.06, 1.2, 1.0, 1.06, 1.03, "ladder"), (1.06, 1.05, 1.1, 1.0, None, "value"),
+    (1.08, 1.06, 1.07, 1.3, 1.01, "static")])  # fmt: skip
+def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, value, retrieval, held_out, policy):
     from entmtp_hf.search_report import SearchResult
 
     choice = S.choose_trees([1, 2, 3], [10.0, 12.0, 11.0])
     timed = {lab: {"tree": Tree.chain(n - 1), "num_nodes": n} for lab, n in (("a", 1), ("b", 2), ("c", 3))}
     result = SearchResult(task="t", settings={}, frontier=[], timed=timed, labels=["a", "b", "c"], choice=choice,
                           vanilla_tokens_per_s=10.0, reference=None, elapsed={})  # fmt: skip
-    result.winners = {"hysteresis": {"feature": "chain_value", "values": [0.4], "vs_static": hyst, "trees": [0, 2]},
-                      "ladder": {"feature": "base_top1", "values": [0.2, 0.6], "vs_static": ladder},
-                      "value": {"trees": [Tree.chain(2).choices, S.fan(3).choices], "costs": [1.0, 1.0],
+    result.winners = {"hysteresis": {"label": "h", "feature": "chain_value", "values": [0.4], "vs_static": hyst,
+                                     "trees": [0, 2]},
+                      "ladder": {"label": "l", "feature": "base_top1", "values": [0.2, 0.6], "vs_static": ladder},
+                      "value": {"label": "v", "trees": [Tree.chain(2).choices, S.fan(3).choices], "costs": [1.0, 1.0],
                                 "vs_static": value},
                       "retrieval": {"label": "static+retrieval-replace", "vs_static": retrieval,
                                     "config": {"mode": "replace", "num_tokens": 2}}}  # fmt: skip
+    assert result.scheduler_candidate() == (None if max(hyst, ladder, value) < 1.05 else
+                                            {"hysteresis": "h", "ladder": "l", "value": "v"}.get(policy, "h"))
+    if held_out is not None:  # the sweep's winner measured again on prompts it was not picked on
+        result.confirmation = {"label": result.scheduler_candidate(), "vs_static": held_out, "prompts": 8}
     d = result.scheduler_defaults()
     # a win over static turns retrieval on (its settings stored); never a policy itself
     assert d["retrieval"] == ({"mode": "replace", "num_tokens": 2} if retrieval >= 1.05 else None)
@@ -313,6 +320,34 @@ def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, value, retri
     assert d["value"] == [2, 3] and d["ladder"] == [0, 1, 2]
     assert d["policy"] == policy and (d["conservative"], d["aggressive"]) == (0, 2) and d["tau_on"] == 0.4
     assert d["feature"] == "chain_value" and d["ladder_feature"] == "base_top1" and d["thresholds"] == [0.2, 0.6]
+
+
+def test_confirm_measures_the_candidate_on_prompts_the_sweep_did_not_use(setup, tmp_path):
+    model, heads, prompts, _, measure = setup
+    calls: list[str] = []
+    seen: list[list[int]] = []
+
+    def record(label, config, prompt):
+        seen.append(prompt)
+        return fake(measure, {"static": 10.0, "cand": 12.0}, calls)(label, config, prompt)
+
+    cfg = small_config(num_prompts=3, timing_prompts=3, sweep_prompts=1)
+    search = S.TreeSearch(model, heads, prompts, tmp_path, cfg, task="tiny", measure=record, progress=False)
+    runs = {"static": EntMTPConfig(tree=Tree.chain(1).choices), "cand": EntMTPConfig(tree=Tree.chain(2).choices),
+            "other": EntMTPConfig(tree=Tree.chain(3).choices)}  # fmt: skip
+    out = search.confirm(runs, "cand")
+    assert set(out) == {"static", "cand"} and set(out["cand"]) == {"1", "2"}  # prompt 0 was the sweep's
+    assert all(p in (prompts[1], prompts[2]) for p in seen[-4:]) and "other" not in calls
+    from entmtp_hf.search_report import SearchResult
+
+    result = SearchResult(task="t", settings={}, frontier=[], timed={}, labels=[], choice=S.choose_trees([1], [1.0]),
+                          vanilla_tokens_per_s=1.0, reference=None, elapsed={})  # fmt: skip
+    result.with_confirmation(out)
+    assert result.confirmation["label"] == "cand" and result.confirmation["prompts"] == 2
+    assert result.confirmation["measured_vs_static"] == pytest.approx(1.2)
+    cfg = small_config(num_prompts=3, timing_prompts=3, sweep_prompts=3)  # nothing held out: nothing to confirm
+    assert S.TreeSearch(model, heads, prompts, tmp_path / "b", cfg, task="tiny", measure=record,
+                        progress=False).confirm(runs, "cand") == {}  # fmt: skip
 
 
 def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):

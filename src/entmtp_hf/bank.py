@@ -170,10 +170,9 @@ class SchedulerDefaults:
         _as_number(self.tau_off, "tau_off")
         if any(_as_index(i, "value entry") < 0 for i in self.value):
             raise ValueError(f"value must list tree indices >= 0, got {list(self.value)}")
-        if len(self.value_costs) != len(self.value) or any(not _as_number(c, "value cost") > 0 for c in self.value_costs):
-            raise ValueError(
-                f"value_costs must give one positive cost per value tree ({len(self.value)}), got {list(self.value_costs)}"
-            )
+        costs = [_as_number(c, "value cost") for c in self.value_costs]
+        if len(costs) != len(self.value) or any(c <= 0 for c in costs):
+            raise ValueError(f"value_costs must give one positive cost per value tree ({len(self.value)}), got {costs}")
         if self.policy == "value" and not self.value:
             raise ValueError("policy 'value' needs the trees it picks from in `value`")
         if self.tau_off > self.tau_on:
@@ -597,8 +596,8 @@ def _task_section(bank: TopologyBank) -> list[str]:
         f"hysteresis T− = tree {sched.conservative}, T+ = tree {sched.aggressive} on `{sched.feature}`, "
         f"τ_on = {sched.tau_on:g}, τ_off = {sched.tau_off:g}; ladder trees {list(sched.ladder)} on "
         f"`{sched.ladder_feature}` with thresholds {[float(f'{t:g}') for t in sched.thresholds]}; "
-        + (f"value policy over trees {list(sched.value)} (relative costs {[float(f'{c:.3g}') for c in sched.value_costs]}); "
-           if sched.value else "")
+        + (f"value policy over trees {list(sched.value)} (relative costs "
+           f"{[float(f'{c:.3g}') for c in sched.value_costs]}); " if sched.value else "")
         + f"retrieval branches by default: {_retrieval_text(sched.retrieval)}.",
         "",
     ]

@@ -17,11 +17,11 @@ without a model.
 
 Policies: ``static`` (one tree: EntMTP*), ``hysteresis`` (EntMTPτ: switch up to T+ when
 ``s > tau_on``, back down to T- when ``s <= tau_off``), ``ladder`` (EntMTP-l: K-1 increasing
-thresholds bin ``s`` into K trees), ``value`` (EntMTP-v: no scalar; every step verifies the tree
-whose drafted nodes have the largest summed path value per unit of forward cost, EAGLE-2's
-expansion rule restricted to precompiled trees; :func:`tree_values`). The ``entropy`` policy of :class:`~entmtp_hf.config.EntMTPConfig`
-is not a scalar-feature policy: it reads every chain depth's head entropy and lives in
-:mod:`entmtp_hf.eas`.
+thresholds bin ``s`` into K trees), ``value`` (EntMTP-v: no scalar; every step verifies the
+tree whose drafted nodes have the largest summed path value per unit of forward cost,
+EAGLE-2's expansion rule restricted to precompiled trees; :func:`tree_values`). The
+``entropy`` policy of :class:`~entmtp_hf.config.EntMTPConfig` is not a scalar-feature policy:
+it reads every chain depth's head entropy and lives in :mod:`entmtp_hf.eas`.
 """
 
 from __future__ import annotations

@@ -49,8 +49,10 @@ if TYPE_CHECKING:
     from .search import TreeSearch
 
 PLOTS = ("acceptance_frontier.png", "throughput_frontier.png")
-#: a scheduler becomes a bank's default policy only if it beat the static tree by this much
+#: a scheduler becomes a bank's default policy only if it beat the static tree by this much in
+#: the sweep, and by CONFIRM_MARGIN on held-out prompts (``TreeSearch.confirm``)
 SWEEP_MARGIN = 1.05
+CONFIRM_MARGIN = 1.02
 
 
 # ============================================================================ summaries
@@ -129,6 +131,7 @@ class SearchResult:
     sweep: dict[str, dict] = field(default_factory=dict)  # label -> tokens_per_s, vs_static, measured_vs_static
     winners: dict[str, Any] = field(default_factory=dict)
     costs: dict[int, float] | None = None  # c(N) of the modelled ranking; None = ranked by measured tokens/s
+    confirmation: dict[str, Any] = field(default_factory=dict)  # label, vs_static, prompts (held-out check)
 
     def with_sweep(self, runs: dict) -> "SearchResult":
         """Add the sweep's figures and pick the hysteresis and ladder winners: the median ratio
@@ -163,6 +166,25 @@ class SearchResult:
                                      **self.sweep[best]}  # fmt: skip
         return self
 
+    def _sweep_speeds(self) -> dict[str, float]:
+        """Each scheduler kind's sweep ratio to static, where it clears ``SWEEP_MARGIN``."""
+        return {k: v["vs_static"] for k, v in self.winners.items()
+                if k != "retrieval" and v["vs_static"] >= SWEEP_MARGIN}  # fmt: skip
+
+    def scheduler_candidate(self) -> str | None:
+        """The sweep label of the scheduler that would become the default policy, if any."""
+        speeds = self._sweep_speeds()
+        return self.winners[max(speeds, key=lambda k: speeds[k])]["label"] if speeds else None
+
+    def with_confirmation(self, runs: dict) -> "SearchResult":
+        """Record the candidate's ratio to static on the held-out prompts (``runs``: static + it)."""
+        label = next((lab for lab in runs if lab != "static"), None)
+        if label is not None:
+            ratio = _paired_ratio(runs[label], runs["static"], ranking_speed(self.costs))
+            self.confirmation = {"label": label, "vs_static": ratio, "prompts": len(runs[label]),
+                                 "measured_vs_static": _paired_ratio(runs[label], runs["static"])}  # fmt: skip
+        return self
+
     def bank_trees(self) -> tuple[list[Tree], list[int]]:
         """The bank's trees, smallest first: the timed frontier trees plus the value winner's
         trees that are not among them (each after the frontier tree of its size); and where
@@ -191,7 +213,8 @@ class SearchResult:
         winning hysteresis pair and τ, the ladder with its thresholds, the value policy's trees
         and costs, and as default policy the fastest of the four against static,
         where a scheduler must beat static by ``SWEEP_MARGIN`` (the sweep's few prompts are noisy
-        and its winner is the best of many tries); retrieval branches are on by default when they
+        and its winner is the best of many tries) and then by ``CONFIRM_MARGIN`` on held-out
+        prompts (when the search had any left); retrieval branches are on by default when they
         made the static tree faster by the same margin (the faster of appended and replacing)."""
         c = self.choice
         hyst, lad = self.winners.get("hysteresis"), self.winners.get("ladder")
@@ -199,8 +222,10 @@ class SearchResult:
         tau = hyst["values"][0] if hyst else 0.01
         ladder = c.ladder
         thresholds = lad["values"] if lad else list(default_thresholds(len(ladder) - 1, tau))
-        speed = {"static": 1.0, **{k: v["vs_static"] for k, v in self.winners.items()
-                                   if k != "retrieval" and v["vs_static"] >= SWEEP_MARGIN}}  # fmt: skip
+        speed = {"static": 1.0, **self._sweep_speeds()}
+        held_out = self.confirmation
+        if held_out and held_out["vs_static"] < CONFIRM_MARGIN:
+            speed = {"static": 1.0}  # the sweep's winner did not hold up on prompts it was not picked on
         won = self.winners.get("retrieval", {})
         retrieval = won["config"] if won.get("vs_static", 0.0) >= SWEEP_MARGIN else None
         trees, at = self.bank_trees()
@@ -217,7 +242,7 @@ class SearchResult:
         timed = {lab: {k: (v.choices if isinstance(v, Tree) else v) for k, v in row.items()}
                  for lab, row in self.timed.items()}  # fmt: skip
         plain = ("task", "settings", "frontier", "labels", "vanilla_tokens_per_s", "reference", "elapsed", "sweep",
-                 "winners")  # fmt: skip
+                 "winners", "confirmation")  # fmt: skip
         costs = {str(n): c for n, c in self.costs.items()} if self.costs is not None else None
         return {**{k: getattr(self, k) for k in plain}, "timed": timed, "choice": asdict(self.choice), "costs": costs,
                 "ranking_changed": self.ranking_changed, "ranking_changed_simulated": self.ranking_changed_simulated,
@@ -342,6 +367,7 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
             "vanilla_tokens_per_s": result.vanilla_tokens_per_s if _finite(result.vanilla_tokens_per_s) else None,
             "reference_mc_sim_7b_63": result.reference,
             "sweep": {k: {kk: vv for kk, vv in v.items() if _finite(vv)} for k, v in result.sweep.items()},
+            "held_out_confirmation": result.confirmation or None,
             "ranking_changed": result.ranking_changed,
             "ranking_changed_simulated": result.ranking_changed_simulated,
             "ranked_by": "modelled tokens per one-token forward" if result.costs is not None else "measured tokens/s",
@@ -510,8 +536,19 @@ def _choice_section(result: SearchResult) -> list[str]:
         "## Scheduler sweep", "",
         f"Median paired ratios to the static tree; the winners were picked by the {ranked} ratio.", "",
         "| run | tokens/s | measured vs static | ranking ratio vs static |", "|---|---|---|---|", *sweep, "",
+        _confirmation_line(result),
         f"Stored defaults: {json.dumps(result.scheduler_defaults())}; features: {features}.", "",
     ]  # fmt: skip
+
+
+def _confirmation_line(result: SearchResult) -> str:
+    c = result.confirmation
+    if not c:
+        return "No scheduler cleared the sweep's margin (or no held-out prompt was left): nothing to confirm.\n"
+    verdict = "kept as the default policy" if c["vs_static"] >= CONFIRM_MARGIN else "rejected: the default stays static"
+    return (f"Held-out check of the sweep's best scheduler `{c['label']}` on {c['prompts']} calibration prompts the "
+            f"sweep did not use: {_f(c['vs_static'])} vs static ({_f(c.get('measured_vs_static'))} measured); "
+            f"needs {CONFIRM_MARGIN}: {verdict}.\n")
 
 
 def report_markdown(result: SearchResult, info: dict[str, Any]) -> str:
