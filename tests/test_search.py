@@ -195,7 +195,7 @@ def pipeline(setup, tmp_path_factory):
 
     with pytest.raises(Interrupt):
         search(measure_fn=flaky).run()
-    interrupted = {k: len(v) for k, v in json.loads((out / "rollouts.json").read_text()).items()}
+    interrupted = {k: len(v) for k, v in json.loads((out / "rollouts.json").read_text()).items() if k != "_configs"}
     frontier_done = json.loads((out / "frontier.json").read_text())["complete"]
     with pytest.MonkeyPatch.context() as mp:  # resumed runs must not recompute the first stages
         mp.setattr(S, "rank_tuples", lambda *a, **k: pytest.fail("trajectories stage was recomputed"))
@@ -348,6 +348,24 @@ def test_confirm_measures_the_candidate_on_prompts_the_sweep_did_not_use(setup, 
     cfg = small_config(num_prompts=3, timing_prompts=3, sweep_prompts=3)  # nothing held out: nothing to confirm
     assert S.TreeSearch(model, heads, prompts, tmp_path / "b", cfg, task="tiny", measure=record,
                         progress=False).confirm(runs, "cand") == {}  # fmt: skip
+
+
+def test_checkpointed_runs_are_remeasured_when_their_label_gets_another_config(setup, tmp_path):
+    model, heads, prompts, _, measure = setup
+    calls: list[str] = []
+    search = S.TreeSearch(model, heads, prompts[:2], tmp_path, small_config(), task="tiny",
+                          measure=fake(measure, {}, calls), progress=False)  # fmt: skip
+    first = {"static": EntMTPConfig(tree=Tree.chain(1).choices), "other": EntMTPConfig(tree=Tree.chain(2).choices)}
+    out, measured = search._interleaved("sweep", first, [0, 1], search.measure)
+    assert measured and set(out) == {"static", "other"}
+    calls.clear()
+    # a re-ranking gives the role "static" another tree: only it is measured again, "other" is kept
+    second = {"static": EntMTPConfig(tree=Tree.chain(3).choices), "other": first["other"]}
+    out, measured = search._interleaved("sweep", second, [0, 1], search.measure)
+    assert measured and [c for c in calls if c == "other"] == ["other"]  # its warm-up only
+    assert calls.count("static") == 1 + 2
+    out, measured = search._interleaved("sweep", {"other": first["other"]}, [0, 1], search.measure)
+    assert not measured and set(out) == {"other"}  # only the labels asked for come back
 
 
 def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):

@@ -591,6 +591,11 @@ def _read_json(path: FsPath) -> Any:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
+def _fingerprint(config: EntMTPConfig | None) -> str:
+    """What a timed run label was measured with (its config's fields), to spot stale checkpoints."""
+    return hashlib.sha256(repr(config).encode()).hexdigest()[:16]
+
+
 def heads_fingerprint(heads) -> str:
     """A short hash of the heads' config and weights: resuming with other heads is refused."""
     h = hashlib.sha256(json.dumps(heads.config.to_dict(), sort_keys=True, default=str).encode())
@@ -732,11 +737,19 @@ class TreeSearch:
     ) -> tuple[dict, bool]:
         """Every (label, prompt) once, labels rotated per prompt; one untimed warm-up per label.
 
-        Returns the runs and whether anything was measured now."""
+        A label's saved runs are kept only while its config is the one it was measured with
+        (``_configs`` in the file; labels such as ``static`` name a role, and a re-ranking can
+        give the role another tree). Returns the requested labels' runs and whether anything
+        was measured now."""
         saved = _read_json(self.path(name)) or {}
+        configs = saved.pop("_configs", {})
+        for lab in runs:
+            if lab in configs and configs[lab] != _fingerprint(runs[lab]):
+                saved.pop(lab, None)  # measured with another tree or setting: stale
+        configs = {lab: _fingerprint(conf) for lab, conf in runs.items()}
         todo = [(p, lab) for p in prompts for lab in runs if str(p) not in saved.get(lab, {})]
         if not todo:
-            return saved, False
+            return {lab: saved[lab] for lab in runs if lab in saved}, False
         warm_prompt = self.prompts[todo[0][0]][:]
         for lab, conf in tqdm(runs.items(), desc=f"{name} warm-up", unit="run", disable=not self.progress):
             self.warmup_measure(lab, conf, warm_prompt)  # untimed: first-call costs stay out of the medians
@@ -749,10 +762,10 @@ class TreeSearch:
                     continue
                 r = measure(lab, runs[lab], self.prompts[p])
                 saved.setdefault(lab, {})[str(p)] = {k: r[k] for k in RUN_KEYS if k in r}
-                _atomic_json(self.path(name), saved)
+                _atomic_json(self.path(name), {**saved, "_configs": configs})
                 bar.update(1)
         bar.close()
-        return saved, True
+        return {lab: saved[lab] for lab in runs if lab in saved}, True
 
     def rollouts(self, points: Sequence[FrontierPoint]) -> dict:
         """Debias + throughput: canonical ``generate`` runs of the timed trees and of plain decoding."""
