@@ -107,9 +107,9 @@ def _as_number(value: object, what: str) -> float:
     return float(value)
 
 
-def _as_list(value: object, what: str) -> Sequence:
+def _as_list(value: object, what: str, of: str) -> Sequence:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ValueError(f"{what} must be a list, got {value!r}")
+        raise ValueError(f"{what} must be a list of {of}, got {value!r}")
     return value
 
 
@@ -208,15 +208,12 @@ class SchedulerDefaults:
             raise ValueError(f"unknown scheduler keys {unknown}; allowed: {list(cls.__dataclass_fields__)}")
         last = num_trees - 1
         tau_on = raw.get("tau_on", raw.get("tau_off", 0.01))
-        ladder = raw.get("ladder", range(num_trees))
-        if isinstance(ladder, (str, bytes)) or not isinstance(ladder, Sequence):
-            raise ValueError(f"ladder must be a list of tree indices, got {ladder!r}")
+        ladder = _as_list(raw.get("ladder", range(num_trees)), "ladder", "tree indices")
         ladder = tuple(_as_index(i, "ladder entry") for i in ladder)
         thresholds = raw.get("thresholds")
         if thresholds is None:
             thresholds = default_thresholds(len(ladder) - 1, _as_number(tau_on, "tau_on"))
-        elif isinstance(thresholds, (str, bytes)) or not isinstance(thresholds, Sequence):
-            raise ValueError(f"thresholds must be a list of numbers, got {thresholds!r}")
+        _as_list(thresholds, "thresholds", "numbers")
         sched = cls(
             static=_as_index(raw.get("static", last), "static"),
             conservative=_as_index(raw.get("conservative", 0), "conservative"),
@@ -229,8 +226,8 @@ class SchedulerDefaults:
             feature=raw.get("feature", "best_path_value"),
             ladder_feature=raw.get("ladder_feature", "best_path_value"),
             retrieval=None if raw.get("retrieval") is None else RetrievalConfig.from_dict(raw["retrieval"]),
-            value=tuple(_as_index(i, "value entry") for i in _as_list(raw.get("value", ()), "value")),
-            value_costs=tuple(_as_number(c, "value cost") for c in _as_list(raw.get("value_costs", ()), "value_costs")),
+            value=tuple(_as_index(i, "value entry") for i in _as_list(raw.get("value", ()), "value", "tree indices")),
+            value_costs=tuple(_as_number(c, "value cost") for c in _as_list(raw.get("value_costs", ()), "value_costs", "numbers")),
         )
         used = {"static": sched.static, "conservative": sched.conservative, "aggressive": sched.aggressive}
         used.update({f"ladder entry {i}": v for i, v in enumerate(sched.ladder)})

@@ -5,10 +5,10 @@ the union of every tree the scheduler may pick (one batched head call per depth 
 one call per head for Medusa), reads the confidence feature off the draft, lets the
 scheduler choose a tree (under the ``value`` policy: the tree whose drafted nodes carry the
 most path value per unit of cost), and returns that tree's tokens with its precompiled
-buffers: a switch between trees is an index lookup, never a recompilation. Under the ``entropy`` policy
-an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the plan's trees are the
-truncations of one tree at depth 0..D, and the index is the chain length the EAS rule gives
-for the greedy chain's head entropies; the heads draft depth by depth and stop where the rule
+buffers: a switch between trees is an index lookup, never a recompilation. Under the
+``entropy`` policy an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the
+plan's trees are the truncations of one tree at depth 0..D, and the index is the chain length
+the EAS rule gives for the greedy chain's head entropies; the heads draft depth by depth and stop where the rule
 stops, so a short chain does not pay for the deeper heads. With retrieval on, the chosen tree
 gets one more branch whenever the text's suffix recurs (:mod:`entmtp_hf.retrieval`; in
 ``replace`` mode the branch is verified instead of the tree); the tree with a branch of each

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from .eas import EASConfig
 from .retrieval import RetrievalConfig, with_branch
-from .scheduler import FEATURES, POLICIES, Scheduler
+from .scheduler import FEATURE_POLICIES, FEATURES, POLICIES, Scheduler
 from .tree import Tree
 
 if TYPE_CHECKING:
@@ -205,12 +205,12 @@ class EntMTPConfig:
             args["tau_off"] = self.tau_off
         elif self.tau_on is not None and args.get("tau_off", self.tau_on) > self.tau_on:
             args["tau_off"] = self.tau_on
-        if policy in ("hysteresis", "ladder"):
+        if policy in FEATURE_POLICIES:
             args.setdefault("tau_off", args.get("tau_on", 0.01))
         Scheduler(num_trees=len(trees), **args)  # validate now, before any compute
 
         depth = max(t.depth for t in trees)
-        chain = Tree.chain(depth) if policy in ("hysteresis", "ladder") else Tree.root_only()  # what features read
+        chain = Tree.chain(depth) if policy in FEATURE_POLICIES else Tree.root_only()  # what features read
         return _plan(trees, chain, args, feature=feature, retrieval=retrieval)
 
     def _entropy_plan(self, num_heads: int) -> DecodePlan:

@@ -35,6 +35,8 @@ import torch
 FEATURES = ("best_path_value", "chain_value", "head_confidence", "base_top1", "confidence", "confidence_ema",
             "accept_ema")
 POLICIES = ("static", "hysteresis", "ladder", "value")
+#: the policies that switch on one scalar feature (read off the greedy chain and the verifier)
+FEATURE_POLICIES = ("hysteresis", "ladder")
 
 
 # ----------------------------------------------------------------------------- features
@@ -169,7 +171,7 @@ class Scheduler:
     @property
     def needs_feature(self) -> bool:
         """Whether ``choose`` reads a scalar feature (``value`` reads per-tree values instead)."""
-        return self.policy in ("hysteresis", "ladder")
+        return self.policy in FEATURE_POLICIES
 
     def choose_value(self, values: list[float]) -> int:
         """Policy ``value``: the tree with the most expected tokens, ``1 + values[k]``, per unit

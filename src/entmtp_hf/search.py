@@ -511,6 +511,11 @@ def value_sets(trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dic
     return sets
 
 
+def value_costs(trees: Sequence[Tree], costs: dict[int, float] | None) -> list[float]:
+    """The value policy's weights: each tree's c(N) relative to one token (equal without costs)."""
+    return [interpolate_cost(costs, t.num_nodes) if costs else 1.0 for t in trees]
+
+
 def choose_trees(nodes: Sequence[int], tokens_per_s: Sequence[float]) -> Choice:
     """EntMTP* = the throughput-maximal tree (ties: fewer nodes); T- and T+ = the fastest timed
     tree with fewer / more nodes than it (EntMTP* itself when there is none).
@@ -814,12 +819,10 @@ class TreeSearch:
             return EntMTPConfig(acceptance=rule, **extra, **kw)
         return EntMTPConfig(tree=tree.choices, acceptance=rule, **extra, **kw)
 
-    def sweep(
-        self, trees: dict[str, Tree], choice: Choice, labels: list[str], costs: dict[int, float] | None = None
-    ) -> dict:
-        """Hysteresis τ × feature, ladder thresholds and value sets, measured against the static tree."""
+    def sweep(self, runs: dict[str, EntMTPConfig]) -> dict:
+        """The :meth:`sweep_runs` (hysteresis τ × feature, ladder thresholds, value sets), measured
+        against the static tree."""
         t0 = time.perf_counter()
-        runs = self.sweep_runs(trees, choice, labels, costs)
         prompts = self.timing_indices()[: self.cfg.sweep_prompts]
         out, measured = self._interleaved("sweep", runs, prompts, self.sweep_measure)
         if measured:
@@ -855,8 +858,8 @@ class TreeSearch:
                     None, trees=[t.choices for t in ladder], policy="ladder", thresholds=list(th), feature=f
                 )
         for label, members in value_sets(trees, choice, labels).items():
-            weights = [interpolate_cost(costs, t.num_nodes) for t in members] if costs else [1.0] * len(members)
-            runs[label] = self._tree_config(None, trees=[t.choices for t in members], policy="value", costs=weights)
+            runs[label] = self._tree_config(None, trees=[t.choices for t in members], policy="value",
+                                            costs=value_costs(members, costs))  # fmt: skip
         return runs
 
     def confirm(self, runs: dict[str, EntMTPConfig], label: str) -> dict:
@@ -872,7 +875,7 @@ class TreeSearch:
                                           self.sweep_measure)  # fmt: skip
         if measured:
             self._timed("confirm", t0)
-        return {k: out[k] for k in ("static", label)}
+        return out
 
     # ---------------------------------------------------------------- everything
     def run(self, bank_dir: str | os.PathLike | None = None) -> "SearchResult":
@@ -885,10 +888,10 @@ class TreeSearch:
         costs = self.costs(points) if self.cfg.ranking == "modelled" else None
         result = summarise(self, trajectories, points, rollouts, costs)
         trees = {lab: row["tree"] for lab, row in result.timed.items()}
-        result.with_sweep(self.sweep(trees, result.choice, result.labels, costs))
+        runs = self.sweep_runs(trees, result.choice, result.labels, costs)
+        result.with_sweep(self.sweep(runs))
         candidate = result.scheduler_candidate()
         if candidate is not None:
-            runs = self.sweep_runs(trees, result.choice, result.labels, costs)
             result.with_confirmation(self.confirm(runs, candidate))
         result.elapsed = dict(self.elapsed)
         t0 = time.perf_counter()

@@ -39,6 +39,7 @@ from .search import (
     median,
     simulate_canonical,
     table_accept,
+    value_costs,
     value_sets,
 )
 from .profile import interpolate_cost
@@ -161,9 +162,8 @@ class SearchResult:
         cands = [lab for lab in sets if lab in self.sweep and _finite(self.sweep[lab]["vs_static"])]
         if cands:
             best = max(cands, key=lambda lab: self.sweep[lab]["vs_static"])
-            costs = [interpolate_cost(self.costs, t.num_nodes) if self.costs else 1.0 for t in sets[best]]
-            self.winners["value"] = {"label": best, "trees": [t.choices for t in sets[best]], "costs": costs,
-                                     **self.sweep[best]}  # fmt: skip
+            self.winners["value"] = {"label": best, "trees": [t.choices for t in sets[best]],
+                                     "costs": value_costs(sets[best], self.costs), **self.sweep[best]}  # fmt: skip
         return self
 
     def _sweep_speeds(self) -> dict[str, float]:
