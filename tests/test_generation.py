@@ -148,6 +148,35 @@ def test_logits_processors_see_each_nodes_path(tiny_cache, kwargs):
         assert torch.equal(out, ref)
 
 
+def test_row_wise_processors_run_once_for_the_whole_tree():
+    """Temperature, top-k, top-p, min-p: one batched call gives what the per-depth calls give."""
+    from transformers.generation.logits_process import (
+        LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+        TopPLogitsWarper,
+    )  # fmt: skip
+
+    from entmtp_hf.generation import _process_tree_scores
+
+    class Identity(LogitsProcessor):  # not a known row-wise type: forces the per-depth calls
+        calls = 0
+
+        def __call__(self, input_ids, scores):
+            Identity.calls += 1
+            return scores
+
+    buffers = Tree.from_choices(MC_SIM_7B_63).buffers()
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(buffers.num_nodes, 500, generator=g) * 4
+    tokens = torch.randint(0, 500, (buffers.num_nodes,), generator=g)
+    ids = torch.randint(0, 500, (1, 7), generator=g)
+    warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(40), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)]
+    batched = _process_tree_scores(LogitsProcessorList(warpers), ids, tokens, buffers, logits)
+    per_depth = _process_tree_scores(LogitsProcessorList([*warpers, Identity()]), ids, tokens, buffers, logits)
+    assert Identity.calls == int(buffers.position_ids.max()) + 1
+    assert torch.equal(batched, per_depth)
+    assert torch.isinf(batched).any() and not torch.equal(batched, logits)
+
+
 # ----------------------------------------------------------------------------- sampling
 def target_joint(model, ids, temperature, top_k, length=3):
     """Exact probabilities of every continuation of ``length`` tokens under the warped model."""

@@ -2,12 +2,17 @@
 
 import math
 
+import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
 
 from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from test_generation import chi_square_p
+
 from entmtp_hf.verify import (
+    check_pick,
     keep_accepted,
+    sample_tokens,
     tree_attention_mask,
     typical_accept_flags,
     typical_best_path,
@@ -85,3 +90,37 @@ def test_keep_accepted_moves_path_to_front():
     for layer in cache.layers:
         assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 7]
         assert layer.values[0, 0, :, 0].tolist() == [100, 101, 102, 103, 105, 107]
+
+
+def test_sample_tokens_draws_each_row_from_its_distribution():
+    probs = torch.tensor([
+        [0.5, 0.0, 0.25, 0.125, 0.0, 0.125],  # zeros inside and at both ends
+        [0.0, 0.0, 0.0, 0.0, 0.0, 3.0],  # unnormalised, one token
+        [1e-3, 2e-3, 0.0, 4e-3, 5e-3, 0.0],  # small total
+    ])
+    n = 20000
+    g = torch.Generator().manual_seed(0)
+    draws = sample_tokens(probs[:, None, :].expand(-1, n, -1).reshape(-1, 6), g).view(3, n)
+    for row, d in zip(probs, draws):
+        dist = row / row.sum()
+        counts = {t: int((d == t).sum()) for t in range(6)}
+        assert all(counts[t] == 0 for t in range(6) if dist[t] == 0), counts
+        if int((dist > 0).sum()) > 1:  # one possible token: the zero counts above are the test
+            assert chi_square_p(counts, {t: float(dist[t]) for t in range(6)}, n) > 1e-3, counts
+
+
+def test_sample_tokens_ends_at_the_last_possible_token():
+    """A uniform draw that rounds up to the row's total must not land on a zero-probability tail."""
+    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
+    torch.manual_seed(0)
+    draws = sample_tokens(probs.expand(50000, -1))
+    assert set(draws.tolist()) == {0, 1}
+
+
+def test_sample_tokens_flags_rows_that_are_not_distributions():
+    probs = torch.tensor([[0.5, 0.5], [float("nan"), 1.0], [float("inf"), 1.0], [0.0, 0.0]])
+    draws = sample_tokens(probs).tolist()
+    assert draws[0] in (0, 1) and draws[1:] == [-1, -1, -1]
+    assert check_pick(1) == 1
+    with pytest.raises(RuntimeError, match="inf"):
+        check_pick(-1)
