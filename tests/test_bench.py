@@ -413,3 +413,25 @@ def test_eas_table_pools_chains_and_halts():
     md = eas_markdown(results)
     assert "| t | eas | 3 | 2.00 | warmup 1, threshold 2 | 50.0% |" in md
     assert eas_markdown({"records": [{"task": "t", "method": "vanilla"}]}) == ""
+
+
+def test_pairwise_table_pairs_prompts_and_bounds_the_noise():
+    from entmtp_hf.bench_report import bootstrap_interval, paired_ratios, pairwise_markdown
+
+    def rec(m, i, tps, steps):
+        return {"task": "t", "method": m, "prompt_index": i, "new_tokens": 21, "tokens_per_s": tps, "steps": steps}
+
+    noisy = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]  # per-prompt drift shared by both methods of a round
+    records = [rec("vanilla", i, 10 * d, 20) for i, d in enumerate(noisy)]
+    records += [rec("entmtp-static", i, 15 * d, 10) for i, d in enumerate(noisy)]
+    records += [rec("entmtp-tau", i, 15 * d * (1.05 if i % 2 else 0.97), 8) for i, d in enumerate(noisy)]
+    results = {"prompts": {"t": []}, "settings": {"methods": ["vanilla", "entmtp-static", "entmtp-tau"]},
+               "records": records}  # fmt: skip
+    pairs = paired_ratios(results, "t", "entmtp-static", "entmtp-tau")
+    assert [round(p[0], 2) for p in pairs] == [0.97, 1.05] * 3 and all(p[1] == pytest.approx(1.25) for p in pairs)
+    lo, hi = bootstrap_interval([p[0] for p in pairs])
+    assert lo < geomean([p[0] for p in pairs]) < hi and 0.97 <= lo < 1.0 < hi <= 1.05
+    assert bootstrap_interval([1.1] * 5) == pytest.approx((1.1, 1.1)) and bootstrap_interval([1.0, 2.0]) is None
+    md = pairwise_markdown(results)
+    assert "| t | entmtp-tau | 6 |" in md and "1.250×" in md and "vanilla |" not in md
+    assert pairwise_markdown(results, reference="absent") == ""

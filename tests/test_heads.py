@@ -278,7 +278,8 @@ def test_convert_heads_and_cli(tmp_path, base):
 @pytest.mark.parametrize("family,arch", FAMILIES)
 @pytest.mark.parametrize("restricted", [False, True])
 def test_propose_agrees_with_forward_train(base, family, arch, restricted):
-    """Every node's token/prob/entropy equal a teacher-forced pass along that node's path."""
+    """Every node's token/prob/entropy equal a teacher-forced pass along that node's path; at a
+    temperature the tokens and entropies stay and the probs are those of the tempered head."""
     dv = torch.randperm(V, generator=torch.Generator().manual_seed(7))[:24] if restricted else None
     heads = make_heads(base, family, arch, draft_vocab=dv)
     gen = torch.Generator().manual_seed(11)
@@ -288,7 +289,10 @@ def test_propose_agrees_with_forward_train(base, family, arch, restricted):
     rng = random.Random(5)
     for tree in [Tree.from_choices(MC_SIM_7B_63)] + [random_tree(rng) for _ in range(2)]:
         prop = heads.propose(state, torch.tensor(9), tree.buffers(dtype=DTYPE))
+        cold = heads.propose(state, torch.tensor(9), tree.buffers(dtype=DTYPE), temperature=0.6)
         assert isinstance(prop, Proposal) and prop.tokens.shape == prop.probs.shape == (tree.num_nodes,)
+        assert torch.equal(cold.tokens, prop.tokens) and torch.equal(cold.entropy, prop.entropy)
+        assert cold.probs[0] == 1
         index = tree.node_index()
         for n, path in enumerate(tree.paths, start=1):
             drafted = [prop.tokens[index[path[:k]]] for k in range(1, len(path))]
@@ -301,6 +305,8 @@ def test_propose_agrees_with_forward_train(base, family, arch, restricted):
             p = logits.softmax(-1)
             torch.testing.assert_close(prop.probs[n].double(), p[order[path[-1]]], rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(prop.entropy[n].double(), -torch.special.xlogy(p, p).sum(), rtol=1e-5, atol=1e-6)
+            p_cold = (logits / 0.6).softmax(-1)
+            torch.testing.assert_close(cold.probs[n].double(), p_cold[order[path[-1]]], rtol=1e-5, atol=1e-7)
         if restricted:
             assert torch.isin(prop.tokens[1:], dv).all()
 

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -32,6 +33,9 @@ from typing import Any, Iterable, Sequence
 FORMAT = "entmtp-bench"
 FORMAT_VERSION = 1
 DASH = "–"
+PAIRWISE_NOTE = ("Per prompt, a method's tok/s over the reference's on the same prompt (same interleaved round), "
+                 "their geometric mean, a bootstrap 95% interval over prompts, and the tokens-per-step ratio "
+                 "(no timing noise in it). A ratio whose interval spans 1 is not resolved by the run.")
 
 
 # ============================================================================ files
@@ -330,6 +334,67 @@ def speculation_markdown(results: dict) -> str:
     return "\n".join(head + out) + "\n"
 
 
+PAIR_REFERENCE = "entmtp-static"  # EntMTP*: what a scheduler must beat to pay for itself
+
+
+def paired_ratios(results: dict, task: str, reference: str, method: str) -> list[tuple[float, float]]:
+    """Per prompt of ``task``: (tok/s ratio, tokens-per-step ratio) of ``method`` over ``reference``.
+
+    Both ran the same prompt in the same interleaved round, so the pair shares the machine's
+    drift; the tokens-per-step ratio is the part of the speed ratio that timing noise cannot touch.
+    """
+    def by_prompt(m: str) -> dict[int, dict]:
+        return {r["prompt_index"]: r for r in results["records"] if r["task"] == task and r["method"] == m}
+
+    ref, other = by_prompt(reference), by_prompt(method)
+    out = []
+    for i in sorted(set(ref) & set(other)):
+        a, b = ref[i], other[i]
+        if not (a.get("tokens_per_s") and b.get("tokens_per_s") and a.get("steps") and b.get("steps")):
+            continue
+        tau_a, tau_b = (a["new_tokens"] - 1) / a["steps"], (b["new_tokens"] - 1) / b["steps"]
+        out.append((b["tokens_per_s"] / a["tokens_per_s"], tau_b / tau_a if tau_a > 0 else float("nan")))
+    return out
+
+
+def bootstrap_interval(xs: Sequence[float], *, level: float = 0.95, draws: int = 2000, seed: int = 0
+                       ) -> tuple[float, float] | None:  # fmt: skip
+    """Percentile bootstrap interval of the geometric mean, resampling prompts (None if < 3).
+
+    How far the ratio could move with another draw of prompts and noise: a difference inside
+    it is below what the run can resolve.
+    """
+    if len(xs) < 3:
+        return None
+    logs = [math.log(x) for x in xs]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
+    lo, hi = means[int((1 - level) / 2 * draws)], means[int((1 + level) / 2 * draws) - 1]
+    return math.exp(lo), math.exp(hi)
+
+
+def pairwise_markdown(results: dict, reference: str = PAIR_REFERENCE) -> str:
+    """Every other tree method against ``reference`` prompt by prompt ("" if it did not run)."""
+    rows = []
+    for task in results["prompts"]:
+        for method in _methods(results):
+            if method in (reference, "vanilla"):
+                continue
+            pairs = paired_ratios(results, task, reference, method)
+            if not pairs:
+                continue
+            speed = [p[0] for p in pairs]
+            ci = bootstrap_interval(speed)
+            ci_text = f"{ci[0]:.2f}–{ci[1]:.2f}" if ci else DASH
+            rows.append(f"| {task} | {method} | {len(pairs)} | {_f(geomean(speed), '.3f', '×')} | {ci_text} | "
+                        f"{_f(geomean([p[1] for p in pairs]), '.3f', '×')} |")  # fmt: skip
+    if not rows:
+        return ""
+    head = [f"| task | method | prompts | tok/s over {reference} (geomean) | 95% interval | tokens/step over "
+            f"{reference} |", "|---" * 6 + "|"]  # fmt: skip
+    return "\n".join(head + rows) + "\n"
+
+
 def mismatch_lines(results: dict) -> list[str]:
     lines = []
     for r in results["records"]:
@@ -381,6 +446,9 @@ def table_markdown(results: dict) -> str:
     spec = speculation_markdown(results)
     if spec:
         parts += ["### Speculation: speed-up and wasted verification", "", spec]
+    pairs = pairwise_markdown(results)
+    if pairs:
+        parts += [f"### Against {PAIR_REFERENCE}, prompt by prompt", "", PAIRWISE_NOTE, "", pairs]
     eas = eas_markdown(results)
     if eas:
         parts += ["### Entropy-adaptive chains", "", eas]
@@ -426,6 +494,9 @@ def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
         "the machine is shared and absolute speeds drift.", "",
         table1_markdown(results), "", "## Details", "", details_markdown(results),
     ]  # fmt: skip
+    pairs = pairwise_markdown(results)
+    if pairs:
+        parts += [f"## Against {PAIR_REFERENCE}, prompt by prompt", "", PAIRWISE_NOTE, "", pairs]
     eas = eas_markdown(results)
     if eas:
         parts += ["## Entropy-adaptive chains", "", eas]
@@ -529,7 +600,8 @@ def write_report(
 
 
 __all__ = [
-    "details_markdown", "eas_markdown", "geomean", "make_plots", "merge_results", "method_summary", "results_markdown",
+    "bootstrap_interval", "details_markdown", "eas_markdown", "geomean", "make_plots", "merge_results", "method_summary", "paired_ratios",
+    "pairwise_markdown", "results_markdown",
     "summarize",
     "table1_markdown", "table_markdown", "write_report", "environment", "json_safe", "read_results", "write_results",
 ]  # fmt: skip

@@ -4,7 +4,8 @@
 the union of every tree the scheduler may pick (one batched head call per depth for Hydra,
 one call per head for Medusa), reads the confidence feature off the draft, lets the
 scheduler choose a tree (under the ``value`` policy: the tree whose drafted nodes carry the
-most path value per unit of cost), and returns that tree's tokens with its precompiled
+most path value per unit of cost, with the heads' probabilities taken at the sampling
+temperature when sampling), and returns that tree's tokens with its precompiled
 buffers: a switch between trees is an index lookup, never a recompilation. Under the
 ``entropy`` policy an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the
 plan's trees are the truncations of one tree at depth 0..D, and the index is the chain length
@@ -42,7 +43,9 @@ class Candidates:
 class EntMTPCandidateGenerator:
     """Owns the heads' per-call state, the scheduler and the compiled trees of one call."""
 
-    def __init__(self, model, heads, plan: DecodePlan, feature: FeatureTracker, device, dtype) -> None:
+    def __init__(
+        self, model, heads, plan: DecodePlan, feature: FeatureTracker, device, dtype, temperature: float = 1.0
+    ) -> None:
         self.heads = heads
         self.plan = plan
         self.scheduler: Scheduler = plan.new_scheduler()
@@ -61,6 +64,8 @@ class EntMTPCandidateGenerator:
             for k, m in enumerate(plan.node_maps):
                 self.members[k, list(m[1:])] = 1.0
             self.members = self.members.to(heads_device)
+        # the value policy estimates acceptance: under sampling at T, a draft is kept with its probability at T
+        self.temperature = temperature if self.members is not None else 1.0
         self.device = device
         self.index = NgramIndex(plan.retrieval) if plan.retrieval is not None else None
         self.replace = plan.retrieval is not None and plan.retrieval.mode == "replace"
@@ -112,7 +117,7 @@ class EntMTPCandidateGenerator:
             )  # fmt: skip
             k = walk.close()
         else:
-            proposal = self.heads.propose(self.state, root_token, self.union_buffers)
+            proposal = self.heads.propose(self.state, root_token, self.union_buffers, temperature=self.temperature)
             if self.members is not None:
                 values = tree_values(proposal.probs, self.union_buffers.ancestors, self.members)
                 k = self.scheduler.choose_value(values.tolist())

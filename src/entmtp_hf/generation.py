@@ -310,8 +310,10 @@ def entmtp_decode(
     max_nodes = plan.max_nodes
     cache = _prepare_cache(model, model_kwargs, generation_config.max_length, max_nodes)
     attention_mask = model_kwargs.get("attention_mask")
+    sampling_t = generation_config.temperature if generation_config.do_sample else None
     generator = EntMTPCandidateGenerator(
-        model, heads, plan, FeatureTracker(plan.feature, entmtp_config.feature_window), device, dtype
+        model, heads, plan, FeatureTracker(plan.feature, entmtp_config.feature_window), device, dtype,
+        temperature=float(sampling_t) if sampling_t else 1.0,
     )
 
     def pick(scores: torch.Tensor) -> torch.Tensor:

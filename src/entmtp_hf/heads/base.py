@@ -262,13 +262,17 @@ class DraftHeads(nn.Module):
         state.cond = cond[-1]
 
     def propose(
-        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None
+        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None,
+        temperature: float = 1.0,
     ) -> Proposal:
         """Draft the tree of ``buffers`` from the root token.
 
         ``until(depth, entropy)``, if given, is called after each drafted depth (1-based) with
         the entropy tensor filled so far; returning True stops drafting there, so a caller that
         decides from the heads' entropies (EAS) pays only for the depths it reads.
+        ``temperature``: the proposal's ``probs`` are those of the heads' distributions at it
+        (the tokens, ranked, and the entropies, at 1, do not change): sampling at T < 1 accepts
+        a drafted token with its probability at T, so that is what a value estimate should read.
         """
         raise NotImplementedError
 
@@ -311,15 +315,20 @@ class DraftHeads(nn.Module):
         stat = torch.promote_types(self._dtype, torch.float32)  # float32 unless the heads run in float64
         return tokens, torch.ones(n, dtype=stat, device=device), torch.zeros(n, dtype=stat, device=device)
 
-    def _children(self, logits: Tensor, rows: Tensor, step: DepthStep) -> tuple[Tensor, Tensor, Tensor]:
-        """Token, probability and head entropy of each child of ``step``.
+    def _children(
+        self, logits: Tensor, rows: Tensor, step: DepthStep, temperature: float = 1.0
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Token, probability (at ``temperature``) and head entropy (at 1) of each child of ``step``.
 
         ``logits`` [R, V'] are the head outputs of the parent rows; child c takes the
         rank ``step.child_rank[c]`` token of row ``rows[c]``.
         """
-        logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logp = torch.log_softmax(logits, dim=-1)
         entropy = entropy_from_logp(logp)
         top_logp, top_idx = logp.topk(step.topk, dim=-1)
+        if temperature != 1.0:  # same ranking; the probabilities of those tokens at the temperature
+            top_logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, top_idx)
         idx = top_idx[rows, step.child_rank]
         tokens = self.draft_vocab[idx] if self.draft_vocab is not None else idx
         return tokens, top_logp[rows, step.child_rank].exp(), entropy[rows]

@@ -145,9 +145,10 @@ class HydraHeads(DraftHeads):
 
     @torch.no_grad()
     def propose(
-        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None
+        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None,
+        temperature: float = 1.0,
     ) -> Proposal:
-        """Draft the tree depth by depth, one batched head call per depth (``until``: see the base class).
+        """Draft the tree depth by depth, one batched head call per depth (``until``, ``temperature``: see the base class).
 
         ``feats`` holds, for every node of the previous depth, its head input
         concat[c_t, E(root), E(path...)]; a parent's row is found through ``slot`` (each
@@ -161,7 +162,7 @@ class HydraHeads(DraftHeads):
         for i, step in enumerate(buffers.depth_plan):
             parent_x = feats[slot[step.parents]]
             logits = self._head(i, parent_x, state.lm_weight, state.lm_bias)
-            tok, p, h = self._children(logits, step.child_parent_row, step)
+            tok, p, h = self._children(logits, step.child_parent_row, step, temperature)
             tokens[step.children], probs[step.children], entropy[step.children] = tok, p, h
             slot[step.children] = torch.arange(step.children.shape[0], device=slot.device)
             if until is not None and until(i + 1, entropy):

@@ -28,16 +28,17 @@ class MedusaHeads(DraftHeads):
 
     @torch.no_grad()
     def propose(
-        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None
+        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None,
+        temperature: float = 1.0,
     ) -> Proposal:
         """One call per depth's head on h_t; children take their rank of that head's top-k
-        (``until``: see the base class)."""
+        (``until``, ``temperature``: see the base class)."""
         tokens, probs, entropy = self._start(state, root_token, buffers)
         cond = state.cond[None]
         for i, step in enumerate(buffers.depth_plan):
             logits = self._head(i, cond, state.lm_weight, state.lm_bias)  # [1, V']
             rows = torch.zeros_like(step.child_rank)
-            tok, p, h = self._children(logits, rows, step)
+            tok, p, h = self._children(logits, rows, step, temperature)
             tokens[step.children], probs[step.children], entropy[step.children] = tok, p, h
             if until is not None and until(i + 1, entropy):
                 return Proposal(tokens=tokens, probs=probs, entropy=entropy, depth=i + 1)
