@@ -44,9 +44,10 @@ CONFIGS = {
     "chain": lambda: EntMTPConfig(tree=CHAIN),
     "mc_sim": lambda: EntMTPConfig(tree=MC_SIM_7B_63),
     "random": lambda: EntMTPConfig(tree=random_choices(0)),
-    "hysteresis": lambda: EntMTPConfig(trees=[CHAIN[:2], MC_SIM_7B_63], tau_on=0.6, tau_off=0.4, feature="base_top1"),
+    # the tiny models' top-1 probabilities lie around 0.06-0.14: thresholds there use every tree
+    "hysteresis": lambda: EntMTPConfig(trees=[CHAIN[:2], MC_SIM_7B_63], tau_on=0.1, tau_off=0.09, feature="base_top1"),
     "ladder": lambda: EntMTPConfig(
-        trees=[[[0]], CHAIN, MC_SIM_7B_63], policy="ladder", thresholds=[0.5, 0.8], feature="base_top1"
+        trees=[[[0]], CHAIN, MC_SIM_7B_63], policy="ladder", thresholds=[0.08, 0.1], feature="base_top1"
     ),
     # two 3-node shapes at one cost, and a big tree at a cost that makes it win only on sure steps
     "value": lambda: EntMTPConfig(trees=[[[0], [0, 0]], [[0], [1]], MC_SIM_7B_63], policy="value", costs=[1, 1, 1.9]),
@@ -230,6 +231,18 @@ def sample_counts(model, ids, n, **kwargs):
     return counts, long_paths
 
 
+@pytest.mark.parametrize("name,trees", [("hysteresis", {0, 1}), ("ladder", {0, 1, 2})])
+def test_feature_policies_use_every_tree(tiny_cache, name, trees):
+    """Else the greedy test above would check one tree, not the switching."""
+    model = enabled(tiny_cache)
+    used = set()
+    for ids in prompts():
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=CONFIGS[name](),
+                             return_dict_in_generate=True)  # fmt: skip
+        used.update(out.entmtp_stats["tree_indices"])
+    assert used == trees
+
+
 def test_value_policy_switches_between_same_size_shapes(tiny_cache):
     """The value policy must actually use each tree, or the greedy test above proves little."""
     model = enabled(tiny_cache)
@@ -239,6 +252,27 @@ def test_value_policy_switches_between_same_size_shapes(tiny_cache):
                              return_dict_in_generate=True)  # fmt: skip
         used.update(out.entmtp_stats["tree_indices"])
     assert used == {0, 1, 2}
+
+
+@pytest.mark.parametrize("feature,drafts_union", [("base_top1", False), ("accept_ema", False), ("head_confidence", True)])
+def test_a_feature_known_before_drafting_drafts_the_chosen_tree_only(tiny_cache, monkeypatch, feature, drafts_union):
+    model = enabled(tiny_cache)
+    heads, drafted = model.entmtp_heads, []
+    real = heads.propose
+    monkeypatch.setattr(heads, "propose", lambda s, r, b, **k: drafted.append(b.num_nodes) or real(s, r, b, **k))
+    trees = [[[0]], MC_SIM_7B_63]  # T-: one drafted node; T+: 63
+    thresholds = {"accept_ema": (1.5, 1.5), "head_confidence": (0.2, 0.2)}.get(feature, (0.1, 0.1))
+    config = EntMTPConfig(trees=trees, tau_on=thresholds[0], tau_off=thresholds[1], feature=feature)
+    used = set()
+    for ids in prompts():
+        ref = model.generate(ids, max_new_tokens=30, do_sample=False)
+        drafted.clear()
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=config, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        sizes = [Tree.from_choices(trees[k]).num_nodes for k in out.entmtp_stats["tree_indices"]]
+        assert drafted == ([64] * len(sizes) if drafts_union else sizes)
+        used.update(sizes)
+    assert used == {2, 64}, "both trees should be used for the test to mean anything"
 
 
 def test_value_policy_reads_head_probabilities_at_the_sampling_temperature(tiny_cache, monkeypatch):

@@ -10,7 +10,9 @@ buffers: a switch between trees is an index lookup, never a recompilation. Under
 ``entropy`` policy an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the
 plan's trees are the truncations of one tree at depth 0..D, and the index is the chain length
 the EAS rule gives for the greedy chain's head entropies; the heads draft depth by depth and stop where the rule
-stops, so a short chain does not pay for the deeper heads. With retrieval on, the chosen tree
+stops, so a short chain does not pay for the deeper heads. Likewise a feature known before
+drafting (the verifier's confidence, recent accept lengths) picks the tree first, and only
+that tree is drafted. With retrieval on, the chosen tree
 gets one more branch whenever the text's suffix recurs (:mod:`entmtp_hf.retrieval`; in
 ``replace`` mode the branch is verified instead of the tree); the tree with a branch of each
 length is compiled up front too.
@@ -56,6 +58,8 @@ class EntMTPCandidateGenerator:
         # compiled once here, never inside the loop
         self.union_buffers = plan.union.buffers(heads_device, dtype)
         self.buffers = tuple(t.buffers(device, dtype) for t in plan.trees)
+        same = torch.device(heads_device) == torch.device(device)
+        self.draft_buffers = self.buffers if same else tuple(t.buffers(heads_device, dtype) for t in plan.trees)
         self.node_maps = tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for m in plan.node_maps)
         self.chain_nodes = torch.tensor(plan.chain_nodes, dtype=torch.long, device=heads_device)
         self.members = None  # value policy: [K, N] which non-root union nodes each tree has
@@ -116,6 +120,12 @@ class EntMTPCandidateGenerator:
                 until=lambda d, ent: walk.done or walk.feed(float(ent[chain[d - 1]])),
             )  # fmt: skip
             k = walk.close()
+        elif self.scheduler.needs_feature and not self.feature.reads_draft and not found:
+            # the feature is known before drafting: draft the chosen tree only, not the union
+            s = self.feature.value(p0, entropy, [])
+            k = self.scheduler.choose(s)
+            proposal = self.heads.propose(self.state, root_token, self.draft_buffers[k])
+            return Candidates(k, proposal.tokens.to(self.device), self.buffers[k], s)
         else:
             proposal = self.heads.propose(self.state, root_token, self.union_buffers, temperature=self.temperature)
             if self.members is not None:

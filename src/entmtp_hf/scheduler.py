@@ -37,6 +37,9 @@ FEATURES = ("best_path_value", "chain_value", "head_confidence", "base_top1", "c
 POLICIES = ("static", "hysteresis", "ladder", "value")
 #: the policies that switch on one scalar feature (read off the greedy chain and the verifier)
 FEATURE_POLICIES = ("hysteresis", "ladder")
+#: the features that read the heads' draft; the others are known before the heads run, so only
+#: the chosen tree is drafted (``best_path_value`` is max(p0, p0·p1, ...) = p0: no draft needed)
+DRAFT_FEATURES = ("chain_value", "head_confidence")
 
 
 # ----------------------------------------------------------------------------- features
@@ -108,8 +111,13 @@ class FeatureTracker:
     def observe_accept(self, accept_length: int) -> None:
         self.accept_ema = ema(self.accept_ema, float(accept_length), self.window)
 
+    @property
+    def reads_draft(self) -> bool:
+        """Whether the feature needs the heads' chain probabilities (see :data:`DRAFT_FEATURES`)."""
+        return self.name in DRAFT_FEATURES
+
     def value(self, p0: float, entropy: float, chain_probs: list[float]) -> float:
-        """The scalar ``s`` for this step."""
+        """The scalar ``s`` for this step (``chain_probs`` is read only if :attr:`reads_draft`)."""
         self.entropy_ema = ema(self.entropy_ema, entropy, self.window)
         if self.name == "best_path_value":
             return best_path_value(p0, chain_probs)
