@@ -184,6 +184,22 @@ def geomean(xs: list[float]) -> float | None:
     return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else None
 
 
+def bootstrap_interval(xs: Sequence[float], *, level: float = 0.95, draws: int = 2000, seed: int = 0
+                       ) -> tuple[float, float] | None:  # fmt: skip
+    """Percentile bootstrap interval of the geometric mean, resampling prompts (None if < 3).
+
+    How far the ratio could move with another draw of prompts and noise: a difference inside
+    it is below what the run can resolve.
+    """
+    if len(xs) < 3:
+        return None
+    logs = [math.log(x) for x in xs]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
+    lo, hi = means[int((1 - level) / 2 * draws)], means[int((1 + level) / 2 * draws) - 1]
+    return math.exp(lo), math.exp(hi)
+
+
 def _sum_or_none(records: list[dict], key: str) -> float | None:
     xs = _vals(records, key)
     return sum(xs) if xs else None
@@ -207,6 +223,7 @@ def method_summary(recs: list[dict]) -> dict[str, Any]:
         "tokens_per_s_median": _median(_vals(recs, "tokens_per_s")),
         "tokens_per_s_mean": _mean(_vals(recs, "tokens_per_s")),
         "speedup_geomean": geomean(speedups),
+        "speedup_interval": bootstrap_interval(speedups) if all(x > 0 for x in speedups) else None,
         "speedup_median": _median(speedups),
         "speedup_mean": _mean(speedups),
         "steps": steps,
@@ -272,8 +289,8 @@ def details_markdown(results: dict) -> str:
     """One table per task with the secondary figures."""
     summary = results.get("summary") or summarize(results)
     out = []
-    head = ("| method | tok/s median | ρ median | ρ geomean | τ | drafted → accepted (rate) | draft / verify time "
-            "| peak MB | PPL median | mismatches |")  # fmt: skip
+    head = ("| method | tok/s median | ρ median | ρ geomean (95% interval) | τ | drafted → accepted (rate) "
+            "| draft / verify time | peak MB | PPL median | mismatches |")  # fmt: skip
     for task, per in summary.items():
         out += [f"#### {task}", "", head, "|---" * 10 + "|"]
         for m, s in per.items():
@@ -282,9 +299,11 @@ def details_markdown(results: dict) -> str:
             split = DASH if s["draft_share"] is None else f"{s['draft_share']:.0%} / {s['verify_share']:.0%}"
             mb = None if s["peak_memory_bytes"] is None else s["peak_memory_bytes"] / 2**20
             gap = "" if s["mismatch_min_logit_gap"] is None else f" (min gap {s['mismatch_min_logit_gap']:.2g})"
+            ci = s.get("speedup_interval") if m != "vanilla" else None  # older summaries lack it
+            rho = _f(s["speedup_geomean"], ".2f", "×") + (f" ({ci[0]:.2f}–{ci[1]:.2f})" if ci else "")
             out.append(
                 f"| {m} | {_f(s['tokens_per_s_median'], '.1f')} | {_f(s['speedup_median'], '.2f', '×')} "
-                f"| {_f(s['speedup_geomean'], '.2f', '×')} | {_f(s['tau'])} | {drafted} | {split} | {_f(mb, '.0f')} "
+                f"| {rho} | {_f(s['tau'])} | {drafted} | {split} | {_f(mb, '.0f')} "
                 f"| {_f(s['perplexity_median'], '.3f')} | {s['mismatches']}{gap} |"
             )
         out.append("")
@@ -355,22 +374,6 @@ def paired_ratios(results: dict, task: str, reference: str, method: str) -> list
         tau_a, tau_b = (a["new_tokens"] - 1) / a["steps"], (b["new_tokens"] - 1) / b["steps"]
         out.append((b["tokens_per_s"] / a["tokens_per_s"], tau_b / tau_a if tau_a > 0 else float("nan")))
     return out
-
-
-def bootstrap_interval(xs: Sequence[float], *, level: float = 0.95, draws: int = 2000, seed: int = 0
-                       ) -> tuple[float, float] | None:  # fmt: skip
-    """Percentile bootstrap interval of the geometric mean, resampling prompts (None if < 3).
-
-    How far the ratio could move with another draw of prompts and noise: a difference inside
-    it is below what the run can resolve.
-    """
-    if len(xs) < 3:
-        return None
-    logs = [math.log(x) for x in xs]
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
-    lo, hi = means[int((1 - level) / 2 * draws)], means[int((1 + level) / 2 * draws) - 1]
-    return math.exp(lo), math.exp(hi)
 
 
 def pairwise_markdown(results: dict, reference: str = PAIR_REFERENCE) -> str:
@@ -576,9 +579,8 @@ def write_report(
     is written to ``out_dir``, which is then required."""
     paths_in = [results_path] if isinstance(results_path, (str, os.PathLike)) else list(results_path)
     parts = [read_results(p) for p in paths_in]
-    for part in parts:
-        if "summary" not in part:  # a partial file of an interrupted run
-            part["summary"] = summarize(part)
+    for part in parts:  # from the records: a partial file has no summary, an older one lacks newer figures
+        part["summary"] = summarize(part)
     if len(parts) > 1 and out_dir is None:
         raise ValueError("merging several results files needs an output folder (--out)")
     results = merge_results(parts) if len(parts) > 1 else parts[0]
