@@ -602,8 +602,7 @@ def write_report(
 
 
 __all__ = [
-    "bootstrap_interval", "details_markdown", "eas_markdown", "geomean", "make_plots", "merge_results", "method_summary", "paired_ratios",
-    "pairwise_markdown", "results_markdown",
-    "summarize",
-    "table1_markdown", "table_markdown", "write_report", "environment", "json_safe", "read_results", "write_results",
-]  # fmt: skip
+    "bootstrap_interval", "details_markdown", "eas_markdown", "environment", "geomean", "json_safe",
+    "make_plots", "merge_results", "method_summary", "paired_ratios", "pairwise_markdown", "read_results",
+    "results_markdown", "summarize", "table1_markdown", "table_markdown", "write_report", "write_results",
+]
