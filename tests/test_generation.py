@@ -302,6 +302,17 @@ def test_exact_sampling_preserves_distribution_under_the_value_policy(tiny_cache
     assert chi_square_p(counts, probs, n) > 1e-3
 
 
+def test_exact_sampling_preserves_distribution_when_only_the_chosen_tree_is_drafted(tiny_cache):
+    model = enabled(tiny_cache)
+    ids = prompts(1, seed=3)[0]
+    probs = target_joint(model, ids, temperature=0.7, top_k=4)
+    n = 1000
+    config = EntMTPConfig(trees=[[[0]], SAMPLING_TREE], tau_on=0.1, tau_off=0.1, feature="base_top1")
+    counts, long_paths = sample_counts(model, ids, n, entmtp_config=config)
+    assert long_paths > n // 6
+    assert chi_square_p(counts, probs, n) > 1e-3
+
+
 def test_exact_sampling_preserves_distribution(tiny_cache):
     model = enabled(tiny_cache)
     ids = prompts(1, seed=3)[0]
