@@ -47,3 +47,7 @@ def test_step_breakdown_parts_add_up(tiny_cache):
     assert b["draft_ms"] > 0 and b["forward_ms"] > 0 and b["other_ms"] >= 0
     assert b["draft_ms"] + b["forward_ms"] + b["other_ms"] == pytest.approx(b["ms_per_step"], rel=1e-6)
     assert b["observe_ms"] > 0 and b["draft_ms"] == pytest.approx(b["propose_ms"] + b["observe_ms"])
+    torch.manual_seed(0)
+    sampled = step_breakdown(model, ids, EntMTPConfig(tree=[[0], [0, 0]]), max_new_tokens=20, temperature=0.7)
+    assert sampled["steps"] > 0
+    assert sampled["draft_ms"] + sampled["forward_ms"] + sampled["other_ms"] == pytest.approx(sampled["ms_per_step"])

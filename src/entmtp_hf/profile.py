@@ -72,15 +72,19 @@ def forward_costs(
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def step_breakdown(model, input_ids: torch.Tensor, config: EntMTPConfig, max_new_tokens: int = 128) -> dict[str, Any]:
+def step_breakdown(
+    model, input_ids: torch.Tensor, config: EntMTPConfig, max_new_tokens: int = 128, temperature: float | None = None
+) -> dict[str, Any]:
     """Milliseconds per decode step (prefill excluded): drafting, verifier forward, the rest.
 
     Drafting is the heads' proposal plus their conditioning on the accepted positions
     (``observe``: Hydra's prefix layer, a transformer layer of the drafter, run after each
-    verification); "other" is what is left: Python, masks, acceptance, cache bookkeeping."""
+    verification); "other" is what is left: Python, masks, acceptance, cache bookkeeping, and
+    with a ``temperature`` (exact sampling) the logits processors and the draws."""
+    sample = {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
     with torch.inference_mode():
-        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, entmtp_config=config,
-                             return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, entmtp_config=config,
+                             return_dict_in_generate=True, **sample)  # fmt: skip
     st = out.entmtp_stats
     steps = max(st["steps"], 1)
     decode = st["total_time"] - st["prefill_time"]
@@ -209,8 +213,11 @@ def _profile(args: argparse.Namespace) -> int:
         for policy in ("static", None):
             cfg = EntMTPConfig(bank=bank, task=bank.task, policy=policy)
             label = f"{task} {policy or 'bank default (' + bank.scheduler.policy + ')'}"
-            step_breakdown(model, ids, cfg, max_new_tokens=8)  # warm-up
-            report["breakdown"][label] = step_breakdown(model, ids, cfg, args.max_new_tokens)
+            for t in (None, args.temperature) if args.temperature else (None,):
+                step_breakdown(model, ids, cfg, max_new_tokens=8, temperature=t)  # warm-up
+                report["breakdown"][label + (f", sampled at T = {t:g}" if t else "")] = step_breakdown(
+                    model, ids, cfg, args.max_new_tokens, temperature=t
+                )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
@@ -234,6 +241,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prefix-len", type=int, default=256, help="cached tokens before the timed forward")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="also break down sampled steps (exact acceptance) at this temperature")  # fmt: skip
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="runs/profile")
     p.set_defaults(func=_profile)
