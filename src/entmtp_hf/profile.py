@@ -80,8 +80,10 @@ def step_breakdown(
     Drafting is the heads' proposal plus their conditioning on the accepted positions
     (``observe``: Hydra's prefix layer, a transformer layer of the drafter, run after each
     verification); "other" is what is left: Python, masks, acceptance, cache bookkeeping, and
-    with a ``temperature`` (exact sampling) the logits processors and the draws."""
-    sample = {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
+    with a ``temperature`` (exact sampling at it alone, no top-k / top-p, as ``entmtp-hf bench
+    --sampling``) the logits processor and the draws."""
+    sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
+    sample.setdefault("do_sample", False)
     with torch.inference_mode():
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, entmtp_config=config,
                              return_dict_in_generate=True, **sample)  # fmt: skip
