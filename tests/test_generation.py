@@ -291,25 +291,22 @@ def test_value_policy_reads_head_probabilities_at_the_sampling_temperature(tiny_
         assert set(seen) == want
 
 
-def test_exact_sampling_preserves_distribution_under_the_value_policy(tiny_cache):
+SCHEDULED_SAMPLING = {
+    "value": lambda: EntMTPConfig(trees=[[[0], [0, 0]], [[0], [1]], SAMPLING_TREE], policy="value", costs=[1, 1, 2]),
+    # a feature known before drafting: only the chosen tree is drafted
+    "pre-draft hysteresis": lambda: EntMTPConfig(trees=[[[0]], SAMPLING_TREE], tau_on=0.1, tau_off=0.1,
+                                                 feature="base_top1"),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULED_SAMPLING))
+def test_exact_sampling_preserves_distribution_under_schedulers(tiny_cache, name):
     model = enabled(tiny_cache)
     ids = prompts(1, seed=3)[0]
     probs = target_joint(model, ids, temperature=0.7, top_k=4)
     n = 1000
-    config = EntMTPConfig(trees=[[[0], [0, 0]], [[0], [1]], SAMPLING_TREE], policy="value", costs=[1, 1, 2])
-    counts, long_paths = sample_counts(model, ids, n, entmtp_config=config)
+    counts, long_paths = sample_counts(model, ids, n, entmtp_config=SCHEDULED_SAMPLING[name]())
     assert long_paths > n // 6  # enough multi-token steps for the test to have power (~200 of 1000)
-    assert chi_square_p(counts, probs, n) > 1e-3
-
-
-def test_exact_sampling_preserves_distribution_when_only_the_chosen_tree_is_drafted(tiny_cache):
-    model = enabled(tiny_cache)
-    ids = prompts(1, seed=3)[0]
-    probs = target_joint(model, ids, temperature=0.7, top_k=4)
-    n = 1000
-    config = EntMTPConfig(trees=[[[0]], SAMPLING_TREE], tau_on=0.1, tau_off=0.1, feature="base_top1")
-    counts, long_paths = sample_counts(model, ids, n, entmtp_config=config)
-    assert long_paths > n // 6
     assert chi_square_p(counts, probs, n) > 1e-3
 
 
