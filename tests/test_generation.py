@@ -156,7 +156,7 @@ def test_row_wise_processors_run_once_for_the_whole_tree():
         TopPLogitsWarper,
     )  # fmt: skip
 
-    from entmtp_hf.generation import _process_tree_scores
+    from entmtp_hf.generation import _process_tree_scores, _row_wise
 
     class Identity(LogitsProcessor):  # not a known row-wise type: forces the per-depth calls
         calls = 0
@@ -171,8 +171,9 @@ def test_row_wise_processors_run_once_for_the_whole_tree():
     tokens = torch.randint(0, 500, (buffers.num_nodes,), generator=g)
     ids = torch.randint(0, 500, (1, 7), generator=g)
     warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(40), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)]
-    batched = _process_tree_scores(LogitsProcessorList(warpers), ids, tokens, buffers, logits)
-    per_depth = _process_tree_scores(LogitsProcessorList([*warpers, Identity()]), ids, tokens, buffers, logits)
+    batched_list, per_depth_list = LogitsProcessorList(warpers), LogitsProcessorList([*warpers, Identity()])
+    batched = _process_tree_scores(batched_list, ids, tokens, buffers, logits, row_wise=_row_wise(batched_list))
+    per_depth = _process_tree_scores(per_depth_list, ids, tokens, buffers, logits, row_wise=_row_wise(per_depth_list))
     assert Identity.calls == int(buffers.position_ids.max()) + 1
     assert torch.equal(batched, per_depth)
     assert torch.isinf(batched).any() and not torch.equal(batched, logits)

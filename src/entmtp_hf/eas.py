@@ -56,7 +56,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList, MinLengthLogitsProcessor
 
 from .heads.base import entropy_from_logp
-from .verify import check_pick, sample_tokens
+from .verify import check_pick, sample_picks
 
 if TYPE_CHECKING:
     from .config import EntMTPConfig
@@ -373,7 +373,7 @@ class EntropyAdaptiveCandidateGenerator(CandidateGenerator):
             context = torch.cat([ids, ids.new_tensor(drafted)])[None]
             step_scores = self.logits_processor(context, logits[None])
             if self.do_sample:
-                token = check_pick(int(sample_tokens(torch.softmax(step_scores.float(), -1))[0]))
+                token = check_pick(int(sample_picks(step_scores)[0]))
             else:
                 token = int(step_scores[0].argmax())
             drafted.append(token)

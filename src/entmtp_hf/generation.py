@@ -243,17 +243,22 @@ def _prepare_cache(model, model_kwargs: dict, max_length: int, max_nodes: int):
     return cache
 
 
-def _process_tree_scores(logits_processor, input_ids, tokens, buffers, logits):
+def _row_wise(logits_processor) -> bool:
+    """Whether every processor reads only its row's scores (:data:`ROW_WISE_PROCESSORS`)."""
+    return all(type(p) in ROW_WISE_PROCESSORS for p in logits_processor or ())
+
+
+def _process_tree_scores(logits_processor, input_ids, tokens, buffers, logits, *, row_wise: bool):
     """Apply the logits processors to every node with that node's own path as context.
 
-    When every processor reads only its row's scores (temperature, top-k, top-p, ...), the
-    context does not matter and one call covers the whole tree: the per-depth calls cost
-    ~1 ms each on the demo model, a few percent of a step.
+    When every processor reads only its row's scores (``row_wise``: temperature, top-k,
+    top-p, ...), the context does not matter and one call covers the whole tree: the
+    per-depth calls cost ~1 ms each on the demo model, a few percent of a step.
     """
     scores = logits.float()
     if not logits_processor:
         return scores
-    if all(type(p) in ROW_WISE_PROCESSORS for p in logits_processor):
+    if row_wise:
         return logits_processor(input_ids.expand(scores.shape[0], -1), scores)
     out = torch.empty_like(scores)
     depths = buffers.position_ids
@@ -310,11 +315,11 @@ def entmtp_decode(
     max_nodes = plan.max_nodes
     cache = _prepare_cache(model, model_kwargs, generation_config.max_length, max_nodes)
     attention_mask = model_kwargs.get("attention_mask")
-    sampling_t = generation_config.temperature if generation_config.do_sample else None
     generator = EntMTPCandidateGenerator(
         model, heads, plan, FeatureTracker(plan.feature, entmtp_config.feature_window), device, dtype,
-        temperature=float(sampling_t) if sampling_t else 1.0,
+        temperature=float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0,
     )
+    row_wise = _row_wise(logits_processor)  # decided once: the processors do not change during the call
 
     def pick(scores: torch.Tensor) -> torch.Tensor:
         return sample_picks(scores) if generation_config.do_sample else greedy_picks(scores)
@@ -376,7 +381,7 @@ def entmtp_decode(
             stats.forward_time += time.perf_counter() - t_forward
 
             # 3. accept
-            scores = _process_tree_scores(logits_processor, input_ids, tokens, buffers, logits)
+            scores = _process_tree_scores(logits_processor, input_ids, tokens, buffers, logits, row_wise=row_wise)
             if rule == "typical":
                 passed, node_logp = typical_accept_flags(
                     scores, tokens, buffers.parents, entmtp_config.posterior_threshold, entmtp_config.posterior_alpha

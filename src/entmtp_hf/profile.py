@@ -82,8 +82,9 @@ def step_breakdown(
     verification); "other" is what is left: Python, masks, acceptance, cache bookkeeping, and
     with a ``temperature`` (exact sampling at it alone, no top-k / top-p, as ``entmtp-hf bench
     --sampling``) the logits processor and the draws."""
-    sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
-    sample.setdefault("do_sample", False)
+    sample: dict[str, Any] = {"do_sample": False}
+    if temperature:
+        sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     with torch.inference_mode():
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, entmtp_config=config,
                              return_dict_in_generate=True, **sample)  # fmt: skip

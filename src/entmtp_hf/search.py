@@ -56,7 +56,7 @@ from .profile import interpolate_cost
 from .retrieval import RetrievalConfig
 from .scheduler import FEATURES, threshold
 from .tree import MC_SIM_7B_63, Path, Tree
-from .verify import keep_accepted, sample_tokens, tree_attention_mask, typical_accept_flags
+from .verify import keep_accepted, sample_picks, tree_attention_mask, typical_accept_flags
 
 if TYPE_CHECKING:
     from .search_report import SearchResult
@@ -379,7 +379,7 @@ def joint_rollout(
         scores = logits.float() * scale
         if rule == "greedy":
             return scores.argmax(-1)
-        return sample_tokens(torch.softmax(scores, -1), generator)
+        return sample_picks(scores, generator)
 
     state, cache = heads.new_state(model), DynamicCache(config=model.config)
     out = model(input_ids=torch.tensor([list(prompt)], device=device), cache=cache, use_cache=True,
