@@ -233,9 +233,13 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     hyst = result.winners["hysteresis"]  # the best of every pair of ladder trees and every tau
     assert (sched.conservative, sched.aggressive) == tuple(at[i] for i in hyst["trees"])
     assert sched.conservative < sched.aggressive
-    # value: frontier-4 against the fan of 4 (T+ has 8 nodes, too many to offer a fan for)
-    assert [lab for lab in result.sweep if lab.startswith("value")] == ["value:4"]
-    assert sched.value == (2, 3) and sched.value_costs == tuple(result.winners["value"]["costs"])
+    # value: frontier-4 against the fan of 4 (T+ has 8 nodes, too many to offer a fan for), alone and
+    # with T- (frontier-2) as the cheaper option
+    assert [lab for lab in result.sweep if lab.startswith("value")] == ["value:4", "value:2+4"]
+    win = result.winners["value"]
+    assert sched.value == tuple(bank.trees.index(Tree.from_choices(t)) for t in win["trees"])
+    assert sched.value == {"value:4": (2, 3), "value:2+4": (1, 2, 3)}[win["label"]]
+    assert sched.value_costs == tuple(win["costs"])
     assert sched.tau_on == hyst["values"][0] and sched.tau_on in (0.3, 0.9) and len(sched.thresholds) == 2
     assert {lab.split(":")[3] for lab in result.sweep if lab.startswith("hysteresis")} == {"1-2", "1-3", "2-3"}
     speed = {"static": 1.0, **{k: v["vs_static"] for k, v in result.winners.items()
@@ -275,7 +279,8 @@ def test_search_with_rollout_scoring_and_sampling(setup, tmp_path):
     assert result.frontier[0]["simulated"] is None and result.timed["frontier-4"]["unbiased"] >= 1.0
     bank = TopologyBank.from_pretrained(tmp_path / "bank", task="tiny-exact")
     assert [t.num_nodes for t in bank.trees] == [1, 4, 4]  # the frontier-4 and its fan, for the value policy
-    assert bank.scheduler.value == (1, 2) and "value:4" in result.sweep
+    assert {"value:4", "value:1+4"} <= set(result.sweep)  # the value sets, with root-only (T-) in front too
+    assert bank.scheduler.value == {"value:4": (1, 2), "value:1+4": (0, 1, 2)}[result.winners["value"]["label"]]
 
 
 def test_config_validation_and_cli():
@@ -289,6 +294,22 @@ def test_config_validation_and_cli():
 
     cfg = config_from_args(args)
     assert cfg.timed_sizes == (1, 3) and cfg.tau_grid == (0.1,) and args.func.__name__ == "run_cli"
+
+
+def test_value_sets_are_also_offered_with_the_cheaper_t_minus():
+    trees = {"f1": Tree.root_only(), "f2": Tree.chain(1), "f3": Tree.chain(2), "f4": Tree.from_choices([[0], [0, 0], [1]])}
+    labels = list(trees)
+    choice = S.Choice(static=2, conservative=1, aggressive=3, hull=[0, 1, 2, 3], pareto=[0, 1, 2, 3])
+    sets = S.value_sets(trees, choice, labels)
+    assert list(sets) == ["value:3", "value:4", "value:3+4", "value:2+3", "value:2+4", "value:2+3+4"]
+    assert sets["value:2+3"] == [trees["f2"], trees["f3"], S.fan(3)]
+    assert sets["value:2+3+4"] == [trees["f2"], trees["f3"], S.fan(3), trees["f4"], S.fan(4)]
+    # T- no smaller than a set's trees adds nothing; root-only is offered like any smaller tree
+    same = S.Choice(static=2, conservative=2, aggressive=3, hull=[0, 1, 2, 3], pareto=[0, 1, 2, 3])
+    assert list(S.value_sets(trees, same, labels)) == ["value:3", "value:4", "value:3+4"]
+    root = S.Choice(static=2, conservative=0, aggressive=2, hull=[0, 2], pareto=[0, 2])
+    assert S.value_sets(trees, root, labels) == {"value:3": [trees["f3"], S.fan(3)],
+                                                 "value:1+3": [trees["f1"], trees["f3"], S.fan(3)]}
 
 
 @pytest.mark.parametrize("hyst,ladder,value,retrieval,held_out,policy", [

@@ -107,7 +107,7 @@ class SearchConfig:
     ladder: bool = True  # calibrate ladder thresholds (adjacent pairs of tau_grid)
     retrieval: bool = True  # also time the static tree with retrieval branches (the bank's retrieval default)
     ranking: str = "modelled"  # choose trees and schedulers by modelled or by measured tokens/s
-    cost_repeats: int = 15  # interleaved rounds of the forward-cost measurement (ranking="modelled")
+    cost_repeats: int = 60  # interleaved rounds of the forward-cost measurement (15 left c(2) off by up to 7%)
     seed: int = 123
 
     def __post_init__(self) -> None:
@@ -499,7 +499,9 @@ def value_sets(trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dic
     For EntMTP* and T+ with 3 <= N <= :data:`VALUE_MAX_NODES` nodes: the frontier tree and the
     fan of the same size, two shapes at one forward cost, so the policy trades depth against
     width per step for free; with both sizes, all four trees (then the trees' forward costs
-    weigh the choice)."""
+    weigh the choice). Each set is also offered with T- in front when T- is smaller (label
+    ``value:{n}+...``): on steps where the drafted nodes' values are too low to pay for their
+    share of the forward, the policy verifies the cheaper tree (its nodes are drafted anyway)."""
     sets: dict[str, list[Tree]] = {}
     for i in sorted({choice.static, choice.aggressive}, key=lambda i: trees[labels[i]].num_nodes):
         tree = trees[labels[i]]
@@ -508,6 +510,10 @@ def value_sets(trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dic
     if len(sets) == 2:
         (a, ta), (b, tb) = sets.items()
         sets[f"{a}+{b.split(':')[1]}"] = ta + tb
+    low = trees[labels[choice.conservative]]
+    for label, members in list(sets.items()):
+        if low.num_nodes < members[0].num_nodes:
+            sets[f"value:{low.num_nodes}+{label.split(':')[1]}"] = [low, *members]
     return sets
 
 
