@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from .attention import tree_attention
@@ -37,11 +38,12 @@ SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def forward_costs(
-    model, sizes: Sequence[int] = SIZES, *, prefix_len: int = 256, repeats: int = 7
+    model, sizes: Sequence[int] = SIZES, *, prefix_len: int = 256, repeats: int = 7, progress: bool = False
 ) -> dict[int, float]:
     """Median seconds of one forward over ``N`` chained tokens after a ``prefix_len`` cache.
 
-    Sizes are timed round-robin ``repeats`` times, so drift hits every size alike.
+    Sizes are timed round-robin ``repeats`` times, so drift hits every size alike
+    (``progress``: a bar over the rounds).
     """
     device = model.get_output_embeddings().weight.device
     dtype = model.get_output_embeddings().weight.dtype
@@ -61,7 +63,7 @@ def forward_costs(
             )
         times: dict[int, list[float]] = {n: [] for n in sizes}
         with tree_attention(model):  # the attention the decode loop verifies with
-            for r in range(repeats + 1):
+            for r in tqdm(range(repeats + 1), desc="forward costs", unit="round", disable=not progress):
                 for n in sizes:
                     t0 = time.perf_counter()
                     model(**inputs[n], cache=cache, use_cache=True)

@@ -43,6 +43,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path as FsPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -643,7 +644,7 @@ class TreeSearch:
         self.measure = measure or generate_measure(model, config)
         self.warmup_measure = measure or generate_measure(model, config, max_new_tokens=8)
         self.sweep_measure = sweep_measure or self.measure
-        self.forward_costs = forward_costs or profile_forward_costs
+        self.forward_costs = forward_costs or partial(profile_forward_costs, progress=progress)
         self.info = dict(info or {})
         self.progress = progress
         self.max_depth = min(config.max_depth or heads.num_heads, heads.num_heads)
