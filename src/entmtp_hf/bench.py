@@ -789,7 +789,9 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice; 1 is far faster on an oversubscribed CPU)")
-    p.add_argument("--seed", type=int, default=123)
+    p.add_argument("--seed", type=int, default=123,
+                   help="seed of the sampling draws (prompt i of every method: seed * 100003 + i); it does not "
+                        "choose the prompts: --n takes the first N of each task's fixed evaluation pool")  # fmt: skip
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's warm-up generation")
     p.add_argument("--no-perplexity", action="store_true", help="skip the response perplexity")
     p.add_argument("--resume", action="store_true", help="keep the complete prompts of --out's results.json, run the rest")

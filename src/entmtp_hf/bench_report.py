@@ -421,9 +421,9 @@ def skipped_lines(results: dict) -> list[str]:
 
 def _basket_line(results: dict) -> str:
     s = results["settings"]
-    return (f"basket `{s['preset']}`: {s['num_prompts']} prompts per task (seed {s['seed']}) × up to "
+    return (f"basket `{s['preset']}`: the first {s['num_prompts']} prompts of each task's evaluation pool × up to "
             f"{s['max_new_tokens']} new tokens, mode `{s['mode']}`, one warm-up generation per method "
-            f"({s['warmup_tokens']} tokens) excluded, prefill included")  # fmt: skip
+            f"({s['warmup_tokens']} tokens) excluded, prefill included, sampling seed {s['seed']}")  # fmt: skip
 
 
 def machine_line(env: dict) -> str:
