@@ -84,9 +84,9 @@ def step_breakdown(
     verification); "other" is what is left: Python, masks, acceptance, cache bookkeeping, and
     with a ``temperature`` (exact sampling at it alone, no top-k / top-p, as ``entmtp-hf bench
     --sampling``) the logits processor and the draws."""
-    sample: dict[str, Any] = {"do_sample": False}
-    if temperature:
-        sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    from .bench import SAMPLING  # the benchmark's sampling settings, at this temperature
+
+    sample = {**SAMPLING, "temperature": temperature} if temperature else {"do_sample": False}
     with torch.inference_mode():
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, entmtp_config=config,
                              return_dict_in_generate=True, **sample)  # fmt: skip
