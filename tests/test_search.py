@@ -336,7 +336,8 @@ def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, value, retri
         result.confirmation = {"label": result.scheduler_candidate(), "vs_static": held_out, "prompts": 8}
     d = result.scheduler_defaults()
     # a win over static turns retrieval on (its settings stored); never a policy itself
-    assert d["retrieval"] == ({"mode": "replace", "num_tokens": 2} if retrieval >= 1.05 else None)
+    stored = {"min_ngram": 2, "max_ngram": 4, "num_tokens": 2, "mode": "replace"}
+    assert d["retrieval"] == (stored if retrieval >= 1.05 else None)
     # the fan joins the bank after the 3-node chain: indices past it move up by one
     assert d["value"] == [2, 3] and d["ladder"] == [0, 1, 2]
     assert d["policy"] == policy and (d["conservative"], d["aggressive"]) == (0, 2) and d["tau_on"] == 0.4
@@ -450,9 +451,16 @@ def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_pat
     assert {lab: result.timed[lab]["modelled"] for lab in result.labels} == pytest.approx(want)
     best = max(result.labels, key=lambda lab: (want[lab], -result.timed[lab]["num_nodes"]))
     assert result.labels[result.choice.static] == best != "frontier-8"
-    static = json.loads((tmp_path / "sweep.json").read_text())["static"]
-    for lab, v in result.sweep.items():  # the sweep's winners are ranked the same way
-        mine = json.loads((tmp_path / "sweep.json").read_text())[lab]
+    timed_sweep = json.loads((tmp_path / "sweep.json").read_text())
+    static = timed_sweep["static"]
+    replayed = {lab for lab, v in result.sweep.items() if v.get("replayed")}
+    # greedy rank tuples + forward costs: every hysteresis and ladder run is replayed, not timed
+    assert replayed == {lab for lab in result.sweep if lab.startswith(("hysteresis:", "ladder:"))} | {"static (replayed)"}
+    assert len(replayed) >= 3 and not replayed & set(timed_sweep)
+    for lab, v in result.sweep.items():  # the timed sweep's winners are ranked the same way
+        if lab in replayed:
+            continue
+        mine = timed_sweep[lab]
         ratios = [modelled_speed(r, rel) / modelled_speed(static[p], rel) for p, r in mine.items()]
         assert v["vs_static"] == pytest.approx(S.median(ratios))
     bank = TopologyBank.from_pretrained(tmp_path / "bank", task="tiny")

@@ -44,9 +44,14 @@ class DecodePlan:
         return Scheduler(num_trees=len(self.trees), **self.scheduler_args)
 
     @property
+    def node_counts(self) -> set[int]:
+        """Every number of nodes one step may verify (trees, and trees with retrieved branches)."""
+        return {t.num_nodes for t in (*self.trees, *(b for per in self.branches for b, _ in per))}
+
+    @property
     def max_nodes(self) -> int:
         """The most nodes one step can verify (a static cache must hold that many more)."""
-        return max(t.num_nodes for t in (*self.trees, *(b for per in self.branches for b, _ in per)))
+        return max(self.node_counts)
 
 
 @dataclass

@@ -44,6 +44,7 @@ from .attention import tree_attention
 from .candidates import EntMTPCandidateGenerator
 from .config import EntMTPConfig
 from .eas import ACTIVE_EAS_CALL, EASCall, EASConfig, build_candidate_generator
+from .lm_head import LOGITS_ATTR, TreeLogits, tree_forward
 from .scheduler import FeatureTracker
 from .verify import (
     check_pick,
@@ -211,6 +212,8 @@ def enable_entmtp(model, heads) -> Any:
     if not isinstance(model, EntMTPGenerationMixin):
         model.__class__ = _entmtp_class(type(model))
     setattr(model, HEADS_ATTR, heads)
+    plain = model._supports_logits_to_keep() and getattr(lm_head, "bias", None) is None
+    setattr(model, LOGITS_ATTR, TreeLogits(lm_head) if plain else None)
     return model
 
 
@@ -218,6 +221,7 @@ def disable_entmtp(model) -> Any:
     """Undo :func:`enable_entmtp`: drop the heads and restore the model's class."""
     if isinstance(model, EntMTPGenerationMixin):
         delattr(model, HEADS_ATTR)
+        delattr(model, LOGITS_ATTR)
         model.__class__ = next(c for c in type(model).__mro__[1:] if not issubclass(c, EntMTPGenerationMixin))
     return model
 
@@ -346,6 +350,12 @@ def entmtp_decode(
     root = check_pick(int(pick(scores)[0]))
     generator.observe(out.hidden_states[-1][0])
     p0, entropy = generator.confidence(last_logits[0])
+    # verification logits in this machine's faster layout, where the model's logits are the plain product
+    tree_logits = getattr(model, LOGITS_ATTR, None)
+    if tree_logits is not None and not tree_logits.matches(out.hidden_states[-1][0, -1], out.logits[0, -1]):
+        tree_logits = None
+    for n in sorted(plan.node_counts) if tree_logits is not None else ():
+        tree_logits.layout(n, out.hidden_states[-1])  # timed once per model and size, not inside a step
     stats.prefill_time = time.perf_counter() - t_start
 
     finished = _emit(input_ids, [root], scores, stopping_criteria, streamer)
@@ -367,15 +377,15 @@ def entmtp_decode(
             if prefix_row.shape[0] < prefix_len:
                 prefix_row = torch.cat([prefix_row, prefix_row.new_zeros(prefix_len - prefix_row.shape[0])])
             t_forward = time.perf_counter()
-            out = model(
+            logits, hidden = tree_forward(
+                model,
+                tree_logits,
                 input_ids=tokens[None],
                 attention_mask=tree_attention_mask(buffers, prefix_row[:prefix_len], kv_len),
                 position_ids=(buffers.position_ids + next_pos)[None],
                 cache=cache,
                 use_cache=True,
-                output_hidden_states=-1,
             )
-            logits = out.logits[0]
             if device.type == "cuda":  # the accounting needs the kernels done; step 3 waits for them anyway
                 torch.cuda.synchronize(device)
             stats.forward_time += time.perf_counter() - t_forward
@@ -396,7 +406,7 @@ def entmtp_decode(
             # 4. cache: keep the accepted path; the heads see its hidden states
             keep_accepted(cache, prefix_len, buffers.num_nodes, path)
             t_observe = time.perf_counter()
-            generator.observe(out.hidden_states[-1][0, path])
+            generator.observe(hidden[path])
             stats.observe_time += time.perf_counter() - t_observe
             p0, entropy = generator.confidence(logits[path[-1]])
             next_pos += len(path)

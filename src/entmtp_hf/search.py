@@ -30,7 +30,9 @@ the work folder so an interrupted search resumes where it stopped:
    overhead share. ``ranking="measured"`` ranks by wall-clock tokens/s.
 5. ``sweep`` - EntMTP* = the throughput-maximal tree; T- / T+ = the fastest smaller / larger
    timed tree; hysteresis (every pair of the three) × τ × feature and ladder thresholds are
-   measured against the static tree on the sweep prompts.
+   scored against the static tree: replayed along the rank tuples of every calibration prompt
+   (:mod:`entmtp_hf.replay`, greedy with the modelled ranking), else timed on the sweep
+   prompts like the retrieval runs and the value policy.
 6. ``outputs`` - the bank, plots and report (:mod:`entmtp_hf.search_report`).
 """
 
@@ -54,8 +56,9 @@ from transformers import DynamicCache
 from .config import EntMTPConfig
 from .profile import forward_costs as profile_forward_costs
 from .profile import interpolate_cost
+from .replay import replay, why_not_replayable
 from .retrieval import RetrievalConfig
-from .scheduler import FEATURES, threshold
+from .scheduler import FEATURE_POLICIES, FEATURES, threshold, top1_and_entropy
 from .tree import MC_SIM_7B_63, Path, Tree
 from .verify import keep_accepted, sample_picks, tree_attention_mask, typical_accept_flags
 
@@ -102,7 +105,7 @@ class SearchConfig:
     timed_sizes: tuple[int, ...] | None = TIMED_SIZES  # frontier sizes to time; None = every k-th
     time_every: int = 1  # with timed_sizes=None: time every k-th frontier size (and the last)
     time_reference: bool = True  # also time mc_sim_7b_63 when the heads can draft it
-    sweep_prompts: int = 3  # first prompts of the calibration set used by the τ sweep
+    sweep_prompts: int = 3  # first calibration prompts of the timed sweep (hysteresis and ladder are replayed on all)
     tau_grid: tuple[float, ...] = TAU_GRID
     features: tuple[str, ...] = ("head_confidence", "accept_ema")  # tau_grid mapped by scheduler.threshold
     ladder: bool = True  # calibrate ladder thresholds (adjacent pairs of tau_grid)
@@ -149,20 +152,27 @@ class Trajectory:
 
     ``tuples[j]`` belongs to step start ``t = prompt_len - 1 + j``; it lists the ranks of the
     true tokens up to (not including) the first one the heads cannot draft within the rank
-    cap, and never reaches the last token (a step's emission ends there anyway).
+    cap, and never reaches the last token (a step's emission ends there anyway). ``signals``
+    are empty in checkpoints written before they were recorded.
     """
 
     prompt_len: int
     tokens: list[int]  # prompt + greedy output
     tuples: list[list[int]]
+    #: per step start, what the scheduler's features read (:data:`~entmtp_hf.replay.SIGNALS`)
+    signals: dict[str, list[float]] = field(default_factory=dict)
 
 
 @torch.no_grad()
-def rank_tuples(model, heads, tokens: Sequence[int], prompt_len: int, max_depth: int, rank_cap: int) -> list[list[int]]:
-    """Rank tuples of the true continuation at every step start, from one teacher-forced pass."""
+def step_table(
+    model, heads, tokens: Sequence[int], prompt_len: int, max_depth: int, rank_cap: int
+) -> tuple[list[list[int]], dict[str, list[float]]]:
+    """Rank tuples of the true continuation at every step start, and the scheduler's
+    :data:`~entmtp_hf.replay.SIGNALS` there, from one teacher-forced pass."""
     device = model.get_output_embeddings().weight.device
     ids = torch.tensor([list(tokens)], device=device)
-    hidden = model(input_ids=ids, output_hidden_states=-1).hidden_states[-1]
+    out = model(input_ids=ids, output_hidden_states=-1)
+    hidden = out.hidden_states[-1]
     logits = heads.forward_train(hidden, ids, model.get_input_embeddings(), model.get_output_embeddings())
     length = len(tokens)
     starts = torch.arange(prompt_len - 1, length - 2, device=device)  # t = P-1 .. L-3
@@ -186,7 +196,16 @@ def rank_tuples(model, heads, tokens: Sequence[int], prompt_len: int, max_depth:
         ok = valid & (draft_id >= 0) & (rank < rank_cap)
         columns.append(torch.where(ok, rank, torch.full_like(rank, -1)))
     table = torch.stack(columns, dim=1).tolist() if columns else [[] for _ in range(len(starts))]
-    return [row[: row.index(-1)] if -1 in row else row for row in table]
+    base_top1, entropy = top1_and_entropy(out.logits[0, starts])
+    signals = {"base_top1": base_top1.tolist(), "entropy": entropy.tolist()}
+    if logits and logits[0].shape[1] > 0:
+        signals["head_confidence"] = torch.softmax(logits[0][0, starts].float(), -1).max(-1).values.tolist()
+    return [row[: row.index(-1)] if -1 in row else row for row in table], signals
+
+
+def rank_tuples(model, heads, tokens: Sequence[int], prompt_len: int, max_depth: int, rank_cap: int) -> list[list[int]]:
+    """Rank tuples of the true continuation at every step start (:func:`step_table`)."""
+    return step_table(model, heads, tokens, prompt_len, max_depth, rank_cap)[0]
 
 
 def prefix_counts(trajectories: Iterable[Trajectory]) -> tuple[dict[Path, int], int]:
@@ -678,23 +697,33 @@ class TreeSearch:
 
     # ---------------------------------------------------------------- stage 1
     def trajectories(self) -> list[Trajectory]:
-        """Greedy run + rank tuples per prompt (rollout scoring: prompts only); resumes per prompt."""
+        """Greedy run + rank tuples and signals per prompt (rollout scoring: prompts only);
+        resumes per prompt. Checkpoints from before signals were recorded get them from one
+        more teacher-forced pass over the stored tokens."""
         saved = _read_json(self.path("trajectories")) or {"done": {}, "seconds": 0.0}
         todo = [i for i in range(len(self.prompts)) if self.prompt_ids[i] not in saved["done"]]
-        if not todo:
+        stale = [] if self.cfg.scoring != "rank_tuple" else [
+            pid for pid in self.prompt_ids if pid in saved["done"] and "signals" not in saved["done"][pid]]
+        if not todo and not stale:
             return [Trajectory(**saved["done"][pid]) for pid in self.prompt_ids]
         t0 = time.perf_counter()
+        for pid in stale:
+            row = saved["done"][pid]
+            row["tuples"], row["signals"] = step_table(self.model, self.heads, row["tokens"], row["prompt_len"],
+                                                       self.max_depth, self.max_rank)  # fmt: skip
         measure = generate_measure(self.model, self.cfg)
         for i in tqdm(todo, desc="trajectories", unit="prompt", disable=not self.progress):
             t1 = time.perf_counter()
-            tokens, tuples = self.prompts[i], []
+            tokens, tuples, signals = self.prompts[i], [], {}
             if self.cfg.scoring == "rank_tuple":  # the rollout scoring decodes by itself
                 tokens = tokens + measure("trajectory", None, self.prompts[i])["tokens"]
-                tuples = rank_tuples(self.model, self.heads, tokens, len(self.prompts[i]), self.max_depth,
-                                     self.max_rank)  # fmt: skip
-            saved["done"][self.prompt_ids[i]] = {"prompt_len": len(self.prompts[i]), "tokens": tokens, "tuples": tuples}
+                tuples, signals = step_table(self.model, self.heads, tokens, len(self.prompts[i]), self.max_depth,
+                                             self.max_rank)  # fmt: skip
+            saved["done"][self.prompt_ids[i]] = {"prompt_len": len(self.prompts[i]), "tokens": tokens,
+                                                 "tuples": tuples, "signals": signals}  # fmt: skip
             saved["seconds"] += time.perf_counter() - t1
             _atomic_json(self.path("trajectories"), saved)
+        _atomic_json(self.path("trajectories"), saved)
         self._timed("trajectories", t0)
         return [Trajectory(**saved["done"][pid]) for pid in self.prompt_ids]
 
@@ -837,15 +866,18 @@ class TreeSearch:
         return out
 
     def sweep_runs(
-        self, trees: dict[str, Tree], choice: Choice, labels: list[str], costs: dict[int, float] | None = None
+        self, trees: dict[str, Tree], choice: Choice, labels: list[str], costs: dict[int, float] | None = None,
+        retrieval: RetrievalConfig | None = None,
     ) -> dict[str, EntMTPConfig]:
         """The static tree (alone, and with retrieval branches: :data:`RETRIEVAL_RUNS`),
         hysteresis over each pair of T-, EntMTP* and T+ (label ``hysteresis:{feature}:{tau}:{i}-{j}``,
         indices into ``labels``), the ladder, and the value policy over :func:`value_sets`
-        (weighed by ``costs``, c(N) relative to one token; equal costs without them)."""
+        (weighed by ``costs``, c(N) relative to one token; equal costs without them). The
+        hysteresis and ladder runs use ``retrieval`` (the bank's retrieval default; off without it)."""
         runs = {"static": self._tree_config(trees[labels[choice.static]])}
-        for label, retrieval in RETRIEVAL_RUNS.items() if self.cfg.retrieval else ():
-            runs[label] = self._tree_config(trees[labels[choice.static]], retrieval=retrieval)
+        switch = {"retrieval": retrieval or False}
+        for label, branch in RETRIEVAL_RUNS.items() if self.cfg.retrieval else ():
+            runs[label] = self._tree_config(trees[labels[choice.static]], retrieval=branch)
         pairs = [(a, b) for k, a in enumerate(choice.ladder) for b in choice.ladder[k + 1 :]]
         for f in self.cfg.features:
             for lo, hi in pairs:
@@ -854,7 +886,7 @@ class TreeSearch:
                 for tau in (threshold(f, t, low_depth) for t in self.cfg.tau_grid):
                     runs[f"hysteresis:{f}:{tau:g}:{lo}-{hi}"] = self._tree_config(
                         None, trees=[trees[labels[lo]].choices, trees[labels[hi]].choices], policy="hysteresis",
-                        tau_on=tau, tau_off=tau, feature=f,
+                        tau_on=tau, tau_off=tau, feature=f, **switch,
                     )  # fmt: skip
         ladder = [trees[labels[i]] for i in choice.ladder]
         grid = sorted(set(self.cfg.tau_grid))
@@ -862,7 +894,7 @@ class TreeSearch:
         for f in self.cfg.features if self.cfg.ladder else ():
             for th in ([threshold(f, t, self.heads.num_heads) for t in cut] for cut in cuts):
                 runs[f"ladder:{f}:{','.join(f'{t:g}' for t in th)}"] = self._tree_config(
-                    None, trees=[t.choices for t in ladder], policy="ladder", thresholds=list(th), feature=f
+                    None, trees=[t.choices for t in ladder], policy="ladder", thresholds=list(th), feature=f, **switch
                 )
         for label, members in value_sets(trees, choice, labels).items():
             runs[label] = self._tree_config(None, trees=[t.choices for t in members], policy="value",
@@ -884,6 +916,25 @@ class TreeSearch:
             self._timed("confirm", t0)
         return out
 
+    def replayable(self, runs: dict[str, EntMTPConfig]) -> set[str]:
+        """The hysteresis and ladder runs scored by :func:`~entmtp_hf.replay.replay` over every
+        calibration prompt instead of timed on the sweep prompts: with greedy rank tuples and
+        forward costs c(N) (the modelled ranking) their accept lengths and work are exact."""
+        if self.cfg.scoring != "rank_tuple" or self.cfg.ranking != "modelled":
+            return set()
+        return {lab for lab, conf in runs.items() if lab.split(":")[0] in FEATURE_POLICIES
+                and why_not_replayable(conf.resolve(self.heads.num_heads)) is None}  # fmt: skip
+
+    def replay(self, runs: dict[str, EntMTPConfig], trajectories: Sequence[Trajectory]) -> dict[str, dict]:
+        """Accept lengths and verified tree sizes of each run replayed over ``trajectories`` (pooled)."""
+        out = {}
+        for lab, conf in runs.items():
+            plan = conf.resolve(self.heads.num_heads)
+            reps = [replay(t, plan, conf.feature_window) for t in trajectories]
+            out[lab] = {"accept_lengths": [a for r in reps for a in r.accept_lengths],
+                        "tree_sizes": [n for r in reps for n in r.tree_sizes]}  # fmt: skip
+        return out
+
     # ---------------------------------------------------------------- everything
     def run(self, bank_dir: str | os.PathLike | None = None) -> "SearchResult":
         """Run (or resume) every stage, then write the bank, plots and report."""
@@ -896,9 +947,16 @@ class TreeSearch:
         result = summarise(self, trajectories, points, rollouts, costs)
         trees = {lab: row["tree"] for lab, row in result.timed.items()}
         runs = self.sweep_runs(trees, result.choice, result.labels, costs)
-        result.with_sweep(self.sweep(runs))
+        replayed = self.replayable(runs)
+        result.with_sweep(self.sweep({lab: conf for lab, conf in runs.items() if lab not in replayed}))
+        if replayed:  # after the timed sweep: replayed with the retrieval default it chose
+            retrieval = result.retrieval_default()
+            again = self.sweep_runs(trees, result.choice, result.labels, costs, retrieval=retrieval)
+            static = self._tree_config(trees[result.labels[result.choice.static]], retrieval=retrieval or False)
+            result.with_replay(self.replay({"static": static, **{lab: c for lab, c in again.items() if lab in replayed}},
+                                           trajectories), len(trajectories))  # fmt: skip
         candidate = result.scheduler_candidate()
-        if candidate is not None:
+        if candidate is not None and not result.sweep[candidate].get("replayed"):
             result.with_confirmation(self.confirm(runs, candidate))
         result.elapsed = dict(self.elapsed)
         t0 = time.perf_counter()

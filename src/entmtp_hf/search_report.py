@@ -43,6 +43,7 @@ from .search import (
     value_sets,
 )
 from .profile import interpolate_cost
+from .retrieval import RetrievalConfig
 from .scheduler import FEATURES
 from .tree import MC_SIM_7B_63, Tree
 
@@ -149,6 +150,36 @@ class SearchResult:
         if tried:
             best = max(tried, key=lambda lab: self.sweep[lab]["vs_static"])
             self.winners["retrieval"] = {"label": best, "config": asdict(RETRIEVAL_RUNS[best]), **self.sweep[best]}
+        self._pick_switching_winners()
+        sets = value_sets({lab: row["tree"] for lab, row in self.timed.items()}, self.choice, self.labels)
+        cands = [lab for lab in sets if lab in self.sweep and _finite(self.sweep[lab]["vs_static"])]
+        if cands:
+            best = max(cands, key=lambda lab: self.sweep[lab]["vs_static"])
+            self.winners["value"] = {"label": best, "trees": [t.choices for t in sets[best]],
+                                     "costs": value_costs(sets[best], self.costs), **self.sweep[best]}  # fmt: skip
+        return self
+
+    def with_replay(self, runs: dict[str, dict], prompts: int) -> "SearchResult":
+        """Add the replayed hysteresis and ladder runs (``runs``: label -> accept lengths and
+        tree sizes over every calibration prompt, ``static`` the reference with the same
+        retrieval setting) and pick those winners from them: the ratio to static of tokens per
+        unit of verification work, Σ accept / Σ c(N). The replayed reference is listed as
+        ``static (replayed)``."""
+
+        def rate(run: dict) -> float:
+            return sum(run["accept_lengths"]) / sum(interpolate_cost(self.costs, n) for n in run["tree_sizes"])
+
+        ref = rate(runs["static"])
+        for lab, run in runs.items():
+            row = "static (replayed)" if lab == "static" else lab
+            self.sweep[row] = {"tokens_per_s": None, "vs_static": rate(run) / ref, "measured_vs_static": None,
+                               "tokens_per_step": sum(run["accept_lengths"]) / len(run["accept_lengths"]),
+                               "replayed": prompts}  # fmt: skip
+        self._pick_switching_winners()
+        return self
+
+    def _pick_switching_winners(self) -> None:
+        """The hysteresis and ladder settings with the best ratio to static."""
         for kind in ("hysteresis", "ladder"):
             cands = [lab for lab, v in self.sweep.items() if lab.startswith(kind + ":") and _finite(v["vs_static"])]
             if cands:
@@ -158,13 +189,12 @@ class SearchResult:
                                       "values": [float(v) for v in values.split(",")], **self.sweep[best]}  # fmt: skip
                 if pair:
                     self.winners[kind]["trees"] = [int(i) for i in pair[0].split("-")]
-        sets = value_sets({lab: row["tree"] for lab, row in self.timed.items()}, self.choice, self.labels)
-        cands = [lab for lab in sets if lab in self.sweep and _finite(self.sweep[lab]["vs_static"])]
-        if cands:
-            best = max(cands, key=lambda lab: self.sweep[lab]["vs_static"])
-            self.winners["value"] = {"label": best, "trees": [t.choices for t in sets[best]],
-                                     "costs": value_costs(sets[best], self.costs), **self.sweep[best]}  # fmt: skip
-        return self
+
+    def retrieval_default(self) -> RetrievalConfig | None:
+        """The bank's retrieval setting: the sweep's faster retrieval run where it made the
+        static tree faster by ``SWEEP_MARGIN``, else off."""
+        won = self.winners.get("retrieval", {})
+        return RetrievalConfig(**won["config"]) if won.get("vs_static", 0.0) >= SWEEP_MARGIN else None
 
     def _sweep_speeds(self) -> dict[str, float]:
         """Each scheduler kind's sweep ratio to static, where it clears ``SWEEP_MARGIN``."""
@@ -226,8 +256,8 @@ class SearchResult:
         held_out = self.confirmation
         if held_out and held_out["vs_static"] < CONFIRM_MARGIN:
             speed = {"static": 1.0}  # the sweep's winner did not hold up on prompts it was not picked on
-        won = self.winners.get("retrieval", {})
-        retrieval = won["config"] if won.get("vs_static", 0.0) >= SWEEP_MARGIN else None
+        retrieval = self.retrieval_default()
+        retrieval = asdict(retrieval) if retrieval is not None else None
         trees, at = self.bank_trees()
         value = self.winners.get("value")
         return {"static": at[c.static], "conservative": at[low], "aggressive": at[high], "tau_on": tau, "tau_off": tau,
@@ -518,8 +548,15 @@ def _frontier_section(result: SearchResult) -> list[str]:
 def _choice_section(result: SearchResult) -> list[str]:
     c, t, labels = result.choice, result.timed, result.labels
     size = {k: t[labels[k]]["num_nodes"] for k in (c.static, c.conservative, c.aggressive)}
-    sweep = [f"| {lab} | {_f(v['tokens_per_s'], 2)} | {_f(v.get('measured_vs_static'), 3)} | {_f(v['vs_static'], 3)} |"
-             for lab, v in result.sweep.items()]  # fmt: skip
+    sweep = [f"| {lab} | {_f(v['tokens_per_s'], 2)} | {_f(v.get('measured_vs_static'), 3)} | {_f(v['vs_static'], 3)} "
+             f"| {_f(v.get('tokens_per_step'), 3)} |" for lab, v in result.sweep.items()]  # fmt: skip
+    replayed = next((v["replayed"] for v in result.sweep.values() if v.get("replayed")), None)
+    retrieval = result.retrieval_default()
+    how = (f"Rows with a tokens/step figure were replayed, not timed: greedy decoding walked along the rank tuples "
+           f"of all {replayed} calibration prompts (exact accept lengths, the scheduler fed the teacher-forced "
+           f"features, retrieval {'`' + retrieval.mode + '`' if retrieval else 'off'} as the bank stores it), "
+           f"ranked by tokens per unit of verification work (Σ accept / Σ c(N)) against the static tree replayed "
+           f"the same way, `static (replayed)`.") if replayed else ""
     ranked = "modelled" if result.costs is not None else "measured"
     features = {k: v["feature"] for k, v in result.winners.items() if "feature" in v}
     _, at = result.bank_trees()  # "tree k" below is the bank's index
@@ -535,7 +572,9 @@ def _choice_section(result: SearchResult) -> list[str]:
         f"Pareto set: {[t[labels[i]]['num_nodes'] for i in c.pareto]} nodes", "",
         "## Scheduler sweep", "",
         f"Median paired ratios to the static tree; the winners were picked by the {ranked} ratio.", "",
-        "| run | tokens/s | measured vs static | ranking ratio vs static |", "|---|---|---|---|", *sweep, "",
+        *([how, ""] if how else []),
+        "| run | tokens/s | measured vs static | ranking ratio vs static | tokens/step (replayed) |",
+        "|---|---|---|---|---|", *sweep, "",
         _confirmation_line(result),
         f"Stored defaults: {json.dumps(result.scheduler_defaults())}; features: {features}.", "",
     ]  # fmt: skip

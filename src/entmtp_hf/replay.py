@@ -1,0 +1,115 @@
+"""Replaying greedy decoding from rank tuples: a plan's exact accept lengths without a model.
+
+Under greedy decoding the output does not depend on the trees, so one greedy run of a prompt
+and one teacher-forced pass of the heads along it (:func:`~entmtp_hf.search.rank_tuples`)
+fix what every step of any :class:`~entmtp_hf.config.DecodePlan` would accept: a drafted
+node is the verifier's pick iff its rank equals the rank of the true token at its depth, a
+retrieved token iff it is the true token. The scheduler's features come from the same pass
+(:data:`SIGNALS`, one value per step start), retrieval from the text so far, exactly as
+the decode loop builds them. So the offline search can score every hysteresis and ladder
+setting on all its calibration prompts in milliseconds, with no timing noise, instead of
+timing each on a few prompts (docs/search.md).
+
+Not replayable: the ``value`` and ``entropy`` policies and the ``chain_value`` feature,
+which read the heads' probabilities below the first drafted depth along drafted (not
+true) paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from .retrieval import NgramIndex
+from .scheduler import FEATURE_POLICIES, FeatureTracker
+from .verify import walk_tree
+
+if TYPE_CHECKING:
+    from .config import DecodePlan
+    from .search import Trajectory
+
+#: per step start: head 0's top-1 probability, the verifier's top-1 probability and entropy
+#: (nats) at the position the root was chosen from
+SIGNALS = ("head_confidence", "base_top1", "entropy")
+REPLAY_POLICIES = ("static", *FEATURE_POLICIES)
+REPLAY_FEATURES = ("best_path_value", "head_confidence", "base_top1", "confidence", "confidence_ema", "accept_ema")
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One generation replayed: tokens added and nodes verified at every step."""
+
+    accept_lengths: list[int]
+    tree_sizes: list[int]
+
+
+def why_not_replayable(plan: "DecodePlan") -> str | None:
+    """None when :func:`replay` reproduces ``plan`` exactly, else the reason it cannot."""
+    policy = plan.scheduler_args.get("policy")
+    if plan.eas is not None or policy not in REPLAY_POLICIES:
+        return f"policy {policy if plan.eas is None else 'entropy'!r} reads drafted paths"
+    if policy in FEATURE_POLICIES and plan.feature not in REPLAY_FEATURES:
+        return f"feature {plan.feature!r} reads drafted paths"
+    return None
+
+
+def _flags(tree_paths, sources, union_paths, row: Sequence[int], found: Sequence[int], truth: Sequence[int],
+           union_size: int) -> list[int]:  # fmt: skip
+    """1 for each node whose token is the true one at its depth (given a true parent), else 0."""
+    flags = [1]
+    for path, src in zip(tree_paths, sources[1:]):
+        d = len(path)
+        if src < union_size:
+            hit = d <= len(row) and union_paths[src][-1] == row[d - 1]
+        else:
+            k = src - union_size  # the k-th retrieved token
+            hit = k < len(found) and d <= len(truth) and found[k] == truth[d - 1]
+        flags.append(int(hit))
+    return flags
+
+
+def replay(traj: "Trajectory", plan: "DecodePlan", window: int = 8) -> Replay:
+    """The accept lengths and verified tree sizes of greedy ``generate`` with ``plan`` on the
+    trajectory's prompt, stopping where its rank tuples end (as
+    :func:`~entmtp_hf.search.simulate_canonical` does).
+
+    Mirrors the decode loop step by step: retrieval first (``replace`` mode verifies the found
+    continuation alone and skips the scheduler), else the scheduler reads its feature and
+    picks a tree; the accepted tokens then extend the text and the accept-length average."""
+    reason = why_not_replayable(plan)
+    if reason is not None:
+        raise ValueError(f"cannot replay this plan: {reason}")
+    if plan.scheduler_args.get("policy") in FEATURE_POLICIES and plan.feature != "accept_ema":
+        missing = [s for s in SIGNALS if len(traj.signals.get(s, ())) < len(traj.tuples)]
+        if missing:
+            raise ValueError(f"the trajectory lacks the signals {missing} the feature {plan.feature!r} reads")
+    scheduler, tracker = plan.new_scheduler(), FeatureTracker(plan.feature, window)
+    union_paths = [()] + list(plan.union.paths)
+    union_size = plan.union.num_nodes
+    replace = plan.retrieval is not None and plan.retrieval.mode == "replace"
+    prompt_len, tokens = traj.prompt_len, traj.tokens
+    index = NgramIndex(plan.retrieval, tokens[: prompt_len + 1]) if plan.retrieval is not None else None
+    lengths, sizes, j = [], [], 0
+    while j < len(traj.tuples):
+        found = index.continuation() if index is not None else []
+        k = scheduler.current
+        if scheduler.needs_feature and not (found and replace):
+            sig = traj.signals
+            chain = [sig["head_confidence"][j]] if tracker.reads_draft else []
+            p0, entropy = (sig["base_top1"][j], sig["entropy"][j]) if sig else (0.0, 0.0)
+            k = scheduler.choose(tracker.value(p0, entropy, chain))
+        if found:
+            tree, sources = plan.branches[k][len(found) - 1]
+        else:
+            tree, sources = plan.trees[k], plan.node_maps[k]
+        truth = tokens[prompt_len + j + 1 : prompt_len + j + 1 + tree.depth]
+        flags = _flags(tree.paths, sources, union_paths, traj.tuples[j], found, truth, union_size)
+        a = len(walk_tree(tree.buffers().children, flags, [1] * len(flags)).path)
+        a = min(a, len(tokens) - prompt_len - j - 1)  # the run ends there (a retrieved token may reach past it)
+        lengths.append(a)
+        sizes.append(tree.num_nodes)
+        if index is not None:
+            index.extend(tokens[prompt_len + j + 1 : prompt_len + j + 1 + a])
+        tracker.observe_accept(a)
+        j += a
+    return Replay(lengths, sizes)
