@@ -151,6 +151,18 @@ def test_upper_hull_and_choice():
     assert (one.static, one.conservative, one.aggressive) == (0, 0, 0)
 
 
+def test_the_conservative_tree_must_also_cost_less():
+    """Where a 4-token forward is cheaper than 2 or 3 tokens (the AMD EPYC of session 10), the
+    only cheaper tree than a 4-node EntMTP* is the root alone; with monotone costs nothing changes."""
+    nodes, speed = [1, 2, 3, 4, 8], [0.95, 1.08, 1.09, 1.38, 1.30]
+    amd = S.choose_trees(nodes, speed, costs=[1.0, 1.33, 1.56, 1.28, 1.66])
+    assert (amd.static, amd.conservative, amd.aggressive) == (3, 0, 4)
+    monotone = S.choose_trees(nodes, speed, costs=[1.0, 1.01, 1.09, 1.5, 2.0])
+    assert (monotone.static, monotone.conservative) == (3, 2) == (S.choose_trees(nodes, speed).static, 2)
+    alone = S.choose_trees([2, 4], [1.0, 1.2], costs=[1.3, 1.2])  # nothing cheaper: EntMTP* itself
+    assert alone.conservative == alone.static == 1
+
+
 FAKE_TPS = {"vanilla": 10.0, "frontier-1": 10.0, "frontier-2": 14.0, "frontier-4": 21.0, "frontier-8": 12.0}
 
 

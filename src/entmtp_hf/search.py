@@ -542,15 +542,21 @@ def value_costs(trees: Sequence[Tree], costs: dict[int, float] | None) -> list[f
     return [interpolate_cost(costs, t.num_nodes) if costs else 1.0 for t in trees]
 
 
-def choose_trees(nodes: Sequence[int], tokens_per_s: Sequence[float]) -> Choice:
+def choose_trees(
+    nodes: Sequence[int], tokens_per_s: Sequence[float], costs: Sequence[float] | None = None
+) -> Choice:
     """EntMTP* = the throughput-maximal tree (ties: fewer nodes); T- and T+ = the fastest timed
-    tree with fewer / more nodes than it (EntMTP* itself when there is none).
+    tree with fewer / more nodes than it (EntMTP* itself when there is none). With ``costs``
+    (each tree's forward cost c(N)), T- must also cost less than EntMTP* to verify.
 
     T± are the trees a scheduler would switch to when a smaller or larger tree pays off, so
     each must be worth running on its own. On a GPU the upper hull's neighbours of EntMTP*
     usually are these trees; on a CPU, where throughput is far from concave in the node
-    count, the hull's right neighbour can be the largest (and slowest) tree. The hull and
-    the Pareto set are reported alongside.
+    count, the hull's right neighbour can be the largest (and slowest) tree. A conservative
+    tree that costs more than EntMTP* saves nothing: on the AMD EPYC of session 10 a 4-token
+    forward costs 1.28 one-token forwards and a 2- or 3-token one 1.33 and 1.56, so there the
+    only cheaper tree is the root alone (plain decoding for the step). The hull and the
+    Pareto set are reported alongside.
     """
     pts = [(float(n), float(v)) for n, v in zip(nodes, tokens_per_s)]
     static = max(range(len(pts)), key=lambda i: (pts[i][1], -pts[i][0]))
@@ -558,7 +564,8 @@ def choose_trees(nodes: Sequence[int], tokens_per_s: Sequence[float]) -> Choice:
     def fastest(side: list[int]) -> int:
         return max(side, key=lambda i: (pts[i][1], -pts[i][0])) if side else static
 
-    low = fastest([i for i in range(len(pts)) if pts[i][0] < pts[static][0]])
+    cheaper = [i for i in range(len(pts)) if costs is None or costs[i] < costs[static]]
+    low = fastest([i for i in cheaper if pts[i][0] < pts[static][0]])
     high = fastest([i for i in range(len(pts)) if pts[i][0] > pts[static][0]])
     return Choice(static, low, high, upper_hull(pts), pareto_front(pts))
 

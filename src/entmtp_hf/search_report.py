@@ -316,7 +316,9 @@ def summarise(
                       "modelled": _median_modelled(r, costs)}  # fmt: skip
     labels = list(timed)
     rank_key = "modelled" if costs is not None else "tokens_per_s"
-    choice = choose_trees([timed[lab]["num_nodes"] for lab in labels], [timed[lab][rank_key] for lab in labels])
+    tree_costs = [interpolate_cost(costs, timed[lab]["num_nodes"]) for lab in labels] if costs is not None else None
+    choice = choose_trees([timed[lab]["num_nodes"] for lab in labels], [timed[lab][rank_key] for lab in labels],
+                          tree_costs)  # fmt: skip
     reference = None
     if REFERENCE in runs:
         r = runs[REFERENCE]
