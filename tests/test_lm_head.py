@@ -106,6 +106,14 @@ def test_a_model_whose_logits_are_not_the_plain_product_decodes_with_its_own(tin
         del head.forward
 
 
+def test_enabling_again_keeps_the_timed_layouts(tiny, tiny_cache):
+    """Swapping heads (as the benchmark does between methods) must not time the layouts again."""
+    kept = getattr(tiny, LOGITS_ATTR)
+    kept.layouts[3] = "transposed"
+    enable_entmtp(tiny, tiny_cache("llama", "medusa", "mlp")[1])
+    assert getattr(tiny, LOGITS_ATTR) is kept and kept.layouts[3] == "transposed"
+
+
 def test_disable_removes_the_tree_logits(tiny):
     disable_entmtp(tiny)
     assert not hasattr(tiny, LOGITS_ATTR)

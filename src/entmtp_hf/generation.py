@@ -213,7 +213,9 @@ def enable_entmtp(model, heads) -> Any:
         model.__class__ = _entmtp_class(type(model))
     setattr(model, HEADS_ATTR, heads)
     plain = model._supports_logits_to_keep() and getattr(lm_head, "bias", None) is None
-    setattr(model, LOGITS_ATTR, TreeLogits(lm_head) if plain else None)
+    kept = getattr(model, LOGITS_ATTR, None)
+    if not (plain and kept is not None and kept.lm_head is lm_head):  # a heads swap keeps the layouts timed
+        setattr(model, LOGITS_ATTR, TreeLogits(lm_head) if plain else None)
     return model
 
 
