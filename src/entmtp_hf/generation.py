@@ -44,7 +44,7 @@ from .attention import tree_attention
 from .candidates import EntMTPCandidateGenerator
 from .config import EntMTPConfig
 from .eas import ACTIVE_EAS_CALL, EASCall, EASConfig, build_candidate_generator
-from .lm_head import LOGITS_ATTR, TreeLogits, tree_forward
+from .layouts import LAYOUTS_ATTR, RowLayouts, tree_forward
 from .scheduler import FeatureTracker
 from .verify import (
     check_pick,
@@ -213,9 +213,9 @@ def enable_entmtp(model, heads) -> Any:
         model.__class__ = _entmtp_class(type(model))
     setattr(model, HEADS_ATTR, heads)
     plain = model._supports_logits_to_keep() and getattr(lm_head, "bias", None) is None
-    kept = getattr(model, LOGITS_ATTR, None)
+    kept = getattr(model, LAYOUTS_ATTR, None)
     if not (plain and kept is not None and kept.lm_head is lm_head):  # a heads swap keeps the layouts timed
-        setattr(model, LOGITS_ATTR, TreeLogits(lm_head) if plain else None)
+        setattr(model, LAYOUTS_ATTR, RowLayouts(model) if plain else None)
     return model
 
 
@@ -223,7 +223,7 @@ def disable_entmtp(model) -> Any:
     """Undo :func:`enable_entmtp`: drop the heads and restore the model's class."""
     if isinstance(model, EntMTPGenerationMixin):
         delattr(model, HEADS_ATTR)
-        delattr(model, LOGITS_ATTR)
+        delattr(model, LAYOUTS_ATTR)
         model.__class__ = next(c for c in type(model).__mro__[1:] if not issubclass(c, EntMTPGenerationMixin))
     return model
 
@@ -352,12 +352,12 @@ def entmtp_decode(
     root = check_pick(int(pick(scores)[0]))
     generator.observe(out.hidden_states[-1][0])
     p0, entropy = generator.confidence(last_logits[0])
-    # verification logits in this machine's faster layout, where the model's logits are the plain product
-    tree_logits = getattr(model, LOGITS_ATTR, None)
-    if tree_logits is not None and not tree_logits.matches(out.hidden_states[-1][0, -1], out.logits[0, -1]):
-        tree_logits = None
-    for n in sorted(plan.node_counts) if tree_logits is not None else ():
-        tree_logits.layout(n, out.hidden_states[-1])  # timed once per model and size, not inside a step
+    # verification products by this machine's faster kernels, where the model's logits are the plain product
+    layouts = getattr(model, LAYOUTS_ATTR, None)
+    if layouts is not None and not layouts.matches(out.hidden_states[-1][0, -1], out.logits[0, -1]):
+        layouts = None
+    for n in sorted(plan.node_counts) if layouts is not None else ():
+        layouts.layout(n, out.hidden_states[-1])  # timed once per model and size, not inside a step
     stats.prefill_time = time.perf_counter() - t_start
 
     finished = _emit(input_ids, [root], scores, stopping_criteria, streamer)
@@ -381,7 +381,7 @@ def entmtp_decode(
             t_forward = time.perf_counter()
             logits, hidden = tree_forward(
                 model,
-                tree_logits,
+                layouts,
                 input_ids=tokens[None],
                 attention_mask=tree_attention_mask(buffers, prefix_row[:prefix_len], kv_len),
                 position_ids=(buffers.position_ids + next_pos)[None],

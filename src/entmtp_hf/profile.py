@@ -31,7 +31,7 @@ from transformers import DynamicCache
 
 from .attention import tree_attention
 from .config import EntMTPConfig
-from .lm_head import LOGITS_ATTR, tree_forward
+from .layouts import LAYOUTS_ATTR, tree_forward
 from .tree import Tree
 from .verify import tree_attention_mask
 
@@ -45,9 +45,9 @@ def forward_costs(
 
     Sizes are timed round-robin ``repeats`` times, so drift hits every size alike
     (``progress``: a bar over the rounds). The forward is the decode loop's: with an EntMTP
-    model, logits from its :class:`~entmtp_hf.lm_head.TreeLogits` (timed per size in the warm-up round).
+    model, by its :class:`~entmtp_hf.layouts.RowLayouts` (timed per size in the warm-up round).
     """
-    tree_logits = getattr(model, LOGITS_ATTR, None)
+    layouts = getattr(model, LAYOUTS_ATTR, None)
     device = model.get_output_embeddings().weight.device
     dtype = model.get_output_embeddings().weight.dtype
     g = torch.Generator().manual_seed(0)
@@ -69,7 +69,7 @@ def forward_costs(
             for r in tqdm(range(repeats + 1), desc="forward costs", unit="round", disable=not progress):
                 for n in sizes:
                     t0 = time.perf_counter()
-                    tree_forward(model, tree_logits, **inputs[n], cache=cache, use_cache=True)
+                    tree_forward(model, layouts, **inputs[n], cache=cache, use_cache=True)
                     elapsed = time.perf_counter() - t0
                     cache.crop(-n)
                     if r:  # the first round warms up

@@ -1,0 +1,182 @@
+"""Verification products over a few rows, in the kernel or layout this machine runs fastest.
+
+A verification forward multiplies N rows (the tree's tokens) by every weight of the model:
+the decoder's linear layers and the ``[vocab, hidden]`` LM head (113 MB for the demo model).
+Reading those weights is most of a step on a CPU, and how the BLAS treats a few rows depends
+on the machine. On the AMD EPYC of session 10 MKL's ``F.linear`` reads a weight again for each
+of the first rows (2-3 rows cost 1.8-3.0× one row), which made a 3-token forward cost 1.85 and
+a 4-token one 1.43 one-token forwards (docs/performance.md, session 10). Two no-copy
+alternatives were measured faster there for a few rows: oneDNN's linear on the plain weight
+(``onednn``; the decoder's layers) and the LM head product laid out as ``(W @ h.T).T``
+(``transposed``).
+
+:class:`RowLayouts` times, once per row count, the decoder's layers in ``linear`` and ``onednn``
+(one pass over all their real weights, as a forward reads them, not a cache-hot loop over one)
+and the LM head in ``linear`` and ``transposed``, and keeps the faster of each.
+:func:`tree_forward` runs one verification forward with them: the decoder's plain
+``nn.Linear`` modules compute their N-row products with the chosen kernel (their ``forward``
+is swapped for the call and restored after: no model code changes; one-row calls, the
+prefill and everything outside the call are untouched), and the logits come from the last
+hidden states (the model is asked for none). That is only right where the model's logits
+*are* ``hidden @ W.T`` (no bias, scale or soft-capping): :meth:`RowLayouts.matches` checks it
+on the prefill's last position, every call, and the loop keeps the model's own forward
+otherwise. Every choice computes the same products; like verifying several tokens at once,
+it may round differently from the one-token forward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import types
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+DECODER_LAYOUTS = ("linear", "onednn")
+HEAD_LAYOUTS = ("linear", "transposed")
+#: a position index selecting no position: the model computes no logits
+NO_POSITIONS = torch.zeros(0, dtype=torch.long)
+#: the attribute :func:`~entmtp_hf.generation.enable_entmtp` keeps a model's :class:`RowLayouts` under
+LAYOUTS_ATTR = "entmtp_row_layouts"
+
+
+def _onednn_available() -> bool:
+    """Whether this torch build has oneDNN's CPU linear (``torch.ops.mkldnn._linear_pointwise``)."""
+    try:
+        x = torch.ones(2, 3)
+        out = torch.ops.mkldnn._linear_pointwise(x, torch.ones(4, 3), None, "none", [], "")
+        return torch.equal(out, torch.full((2, 4), 3.0))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
+    """``x [N, in] @ weight[out, in].T (+ bias)``: by ``F.linear`` (``linear``), as ``(W @ x.T).T``
+    (``transposed``) or by oneDNN's linear on the plain weight (``onednn``, CPU float only)."""
+    if layout == "linear":
+        return F.linear(x, weight, bias)
+    if layout == "transposed":
+        out = torch.mm(weight, x.t()).t()
+        return out + bias if bias is not None else out
+    if layout == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    raise ValueError(f"unknown layout {layout!r}; choose one of {(*DECODER_LAYOUTS, *HEAD_LAYOUTS[1:])}")
+
+
+def _fastest(run: Callable[[str], object], layouts: tuple[str, ...], device: torch.device, repeats: int) -> str:
+    """The layout with the smallest median time of ``run(layout)`` over ``repeats`` interleaved rounds
+    after one warm-up round (ties: the first, the model's own)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {layout: [] for layout in layouts}
+    for r in range(repeats + 1):
+        for layout in layouts:
+            sync()
+            t0 = time.perf_counter()
+            run(layout)
+            sync()
+            if r:
+                times[layout].append(time.perf_counter() - t0)
+    return min(layouts, key=lambda layout: statistics.median(times[layout]))
+
+
+class RowLayouts:
+    """Per row count, the faster kernel for the model's decoder linear layers and the faster
+    layout for its LM head.
+
+    Built by :func:`~entmtp_hf.generation.enable_entmtp`; a row count is timed (``repeats``
+    interleaved rounds) the first time it is asked for; ``layouts`` may preset choices
+    (``{rows: (decoder, LM head)}``: tests, or a machine already measured). Only plain
+    ``nn.Linear`` modules on the CPU without an instance-level ``forward`` (accelerate's
+    offloading hooks, for instance) are switched, and only where oneDNN is available.
+    """
+
+    def __init__(self, model, repeats: int = 3, layouts: dict[int, tuple[str, str]] | None = None) -> None:
+        head = model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or getattr(head, "bias", None) is not None:
+            raise ValueError("RowLayouts needs an LM head with a 2-D weight and no bias")
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        bad = {n: v for n, v in (layouts or {}).items()
+               if len(v) != 2 or v[0] not in DECODER_LAYOUTS or v[1] not in HEAD_LAYOUTS}  # fmt: skip
+        if bad:
+            raise ValueError(f"layouts must map rows to (one of {DECODER_LAYOUTS}, one of {HEAD_LAYOUTS}), got {bad}")
+        self.lm_head = head
+        self.linears = [m for m in model.get_decoder().modules()
+                        if type(m) is torch.nn.Linear and "forward" not in m.__dict__
+                        and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]  # fmt: skip
+        self.decoder_layouts = DECODER_LAYOUTS if self.linears and _onednn_available() else ("linear",)
+        self.repeats = repeats
+        self.layouts: dict[int, tuple[str, str]] = {1: ("linear", "linear"), **(layouts or {})}
+
+    def layout(self, rows: int, like: torch.Tensor) -> tuple[str, str]:
+        """The (decoder, LM head) choices for ``rows`` rows, timed now if this is the first time."""
+        chosen = self.layouts.get(rows)
+        if chosen is None:
+            chosen = self.layouts[rows] = self._tune(rows, like)
+        return chosen
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, V]`` of last hidden states ``[N, H]``."""
+        return project(hidden, self.lm_head.weight, None, self.layout(hidden.shape[0], hidden)[1])
+
+    @torch.no_grad()
+    def matches(self, hidden_row: torch.Tensor, logits_row: torch.Tensor) -> bool:
+        """Whether the model's logits at a position are ``hidden @ W.T`` (no bias, scale, soft-cap)."""
+        ours = F.linear(hidden_row.reshape(1, -1), self.lm_head.weight)[0].to(logits_row.dtype)
+        scale = float(logits_row.abs().max()) + 1.0
+        return ours.shape == logits_row.shape and bool((ours - logits_row).abs().max() <= 1e-3 * scale)
+
+    @contextmanager
+    def decoder(self, rows: int, like: torch.Tensor) -> Iterator[None]:
+        """Inside the block the decoder's linear layers compute ``rows``-row products with the chosen kernel."""
+        layout = self.layout(rows, like)[0]
+        if layout == "linear":
+            yield
+            return
+        for m in self.linears:
+            m.forward = types.MethodType(_onednn_forward, m)
+        try:
+            yield
+        finally:
+            for m in self.linears:
+                del m.forward
+
+    @torch.no_grad()
+    def _tune(self, rows: int, like: torch.Tensor) -> tuple[str, str]:
+        g = torch.Generator().manual_seed(rows)
+        inputs = {n: torch.randn(rows, n, generator=g).to(like) for n in {m.in_features for m in self.linears}}
+
+        def decoder_pass(layout: str) -> None:  # every weight read once, as a forward reads them
+            for m in self.linears:
+                project(inputs[m.in_features].to(m.weight.dtype), m.weight, m.bias, layout)
+
+        head_in = torch.randn(rows, self.lm_head.weight.shape[1], generator=g).to(like)
+        decoder = _fastest(decoder_pass, self.decoder_layouts, like.device, self.repeats)
+        head = _fastest(lambda layout: project(head_in, self.lm_head.weight, None, layout), HEAD_LAYOUTS, like.device,
+                        self.repeats)  # fmt: skip
+        return decoder, head
+
+
+def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` by oneDNN's linear (one-row inputs keep ``F.linear``)."""
+    rows = x.numel() // x.shape[-1]
+    if rows == 1:
+        return F.linear(x, self.weight, self.bias)
+    return project(x.reshape(rows, x.shape[-1]), self.weight, self.bias, "onednn").reshape(*x.shape[:-1], -1)
+
+
+def tree_forward(model, layouts: RowLayouts | None, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One verification forward: logits ``[N, V]`` and last hidden states ``[N, H]`` of batch row 0,
+    with ``layouts`` (the decoder's products and the logits by the faster kernels), else the model's own."""
+    if layouts is None:
+        out = model(**inputs, output_hidden_states=-1)
+        return out.logits[0], out.hidden_states[-1][0]
+    ids = inputs["input_ids"]
+    with layouts.decoder(ids.shape[-1], model.get_output_embeddings().weight):
+        out = model(**inputs, output_hidden_states=-1, logits_to_keep=NO_POSITIONS.to(ids.device))
+    hidden = out.hidden_states[-1][0]
+    return layouts.logits(hidden), hidden

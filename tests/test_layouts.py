@@ -1,0 +1,190 @@
+"""Verification products by either kernel or layout: the same numbers, checked against the
+model's own logits, modules restored, and greedy decoding unchanged whichever runs."""
+
+import pytest
+import torch
+
+from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.generation import disable_entmtp, enable_entmtp
+from entmtp_hf.layouts import (
+    DECODER_LAYOUTS,
+    HEAD_LAYOUTS,
+    LAYOUTS_ATTR,
+    RowLayouts,
+    _onednn_available,
+    project,
+    tree_forward,
+)
+from entmtp_hf.tree import MC_SIM_7B_63
+from tiny import VOCAB
+
+BOTH = [(d, h) for d in DECODER_LAYOUTS for h in HEAD_LAYOUTS]
+ONEDNN = pytest.mark.skipif(not _onednn_available(), reason="this torch build has no oneDNN linear")
+
+
+@pytest.fixture
+def tiny(tiny_cache):
+    """The shared tiny model with heads, re-enabled afterwards (tests here replace its RowLayouts)."""
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    yield enable_entmtp(model, heads)
+    enable_entmtp(model, heads)
+
+
+@pytest.fixture(scope="module")
+def tiny32():
+    """A float32 tiny model with random heads: oneDNN takes float32 (the float64 models keep MKL)."""
+    from entmtp_hf.heads import HydraHeads
+    from tiny import tiny_model
+
+    model = tiny_model(seed=5).float()
+    torch.manual_seed(5)
+    return enable_entmtp(model, HydraHeads.for_model(model, num_heads=4, arch="mlp"))
+
+
+def _ids(n: int, seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_this_torch_build_has_onednn():
+    """The CI machine's CPU build has it; without it RowLayouts keeps MKL for the decoder."""
+    assert _onednn_available()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_layouts_compute_the_same_product(n, bias, dtype):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 40, bias=bias).to(dtype)
+    x = torch.randn(n, 8, dtype=dtype)
+    want = lin(x).detach()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for layout in ("linear", "transposed", "onednn") if dtype == torch.float32 else ("linear", "transposed"):
+        got = project(x, lin.weight.detach(), None if lin.bias is None else lin.bias.detach(), layout)
+        assert got.shape == (n, 40) and torch.allclose(got, want, rtol=tol, atol=tol), layout
+    with pytest.raises(ValueError, match="unknown layout"):
+        project(x, lin.weight, None, "blocked")
+
+
+def test_each_row_count_is_timed_once_and_one_row_keeps_the_models_own(tiny, tiny32):
+    assert RowLayouts(tiny).linears == [] and RowLayouts(tiny).decoder_layouts == ("linear",)  # float64
+    layouts = RowLayouts(tiny32, repeats=2)
+    assert layouts.layouts == {1: ("linear", "linear")}
+    assert len(layouts.linears) == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
+    w = tiny32.get_output_embeddings().weight
+    chosen = layouts.layout(3, w)
+    assert set(layouts.layouts) == {1, 3} and chosen[0] in DECODER_LAYOUTS and chosen[1] in HEAD_LAYOUTS
+    layouts.layouts[3] = ("onednn", "transposed")  # stored: later calls do not time again
+    assert layouts.layout(3, w) == ("onednn", "transposed")
+
+
+def test_bad_settings_are_refused(tiny):
+    with pytest.raises(ValueError, match="repeats"):
+        RowLayouts(tiny, repeats=0)
+    with pytest.raises(ValueError, match="layouts must map"):
+        RowLayouts(tiny, layouts={2: ("transposed", "linear")})
+    biased = torch.nn.Linear(4, 6, bias=True)
+    model = type("M", (), {"get_output_embeddings": lambda self: biased})()
+    with pytest.raises(ValueError, match="no bias"):
+        RowLayouts(model)
+
+
+def test_matches_only_the_plain_product(tiny):
+    layouts = RowLayouts(tiny)
+    h = torch.randn(tiny.config.hidden_size, dtype=torch.float64)
+    plain = h @ tiny.get_output_embeddings().weight.T
+    assert layouts.matches(h, plain)
+    assert not layouts.matches(h, plain * 0.5)  # a logit scale
+    assert not layouts.matches(h, 3.0 * torch.tanh(plain / 3.0))  # soft-capping
+    assert not layouts.matches(h, plain[:-1])  # another vocabulary
+
+
+@ONEDNN
+@pytest.mark.parametrize("chosen", BOTH)
+def test_tree_forward_equals_the_models_forward_and_restores_the_modules(tiny32, chosen):
+    tiny, ids = tiny32, _ids(6)
+    ref = tiny(input_ids=ids, output_hidden_states=-1)
+    layouts = RowLayouts(tiny, layouts={6: chosen})
+    logits, hidden = tree_forward(tiny, layouts, input_ids=ids)
+    assert torch.allclose(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
+    assert torch.allclose(hidden, ref.hidden_states[-1][0], rtol=1e-4, atol=1e-4)
+    assert all("forward" not in m.__dict__ for m in layouts.linears)  # the swap is undone
+    calls = []
+    handle = layouts.linears[0].register_forward_hook(lambda *a: calls.append(1))  # hooks still run inside
+    with layouts.decoder(6, ids):
+        tiny(input_ids=ids)
+    handle.remove()
+    assert calls == [1] and "forward" not in layouts.linears[0].__dict__
+
+
+@ONEDNN
+def test_the_swap_is_undone_when_the_forward_fails(tiny32):
+    layouts = RowLayouts(tiny32, layouts={4: ("onednn", "linear")})
+    with pytest.raises(RuntimeError, match="boom"):
+        with layouts.decoder(4, _ids(4)):
+            assert all("forward" in m.__dict__ for m in layouts.linears)
+            raise RuntimeError("boom")
+    assert all("forward" not in m.__dict__ for m in layouts.linears)
+
+
+@pytest.mark.parametrize("layout", HEAD_LAYOUTS)
+def test_greedy_decoding_identical_in_either_head_layout(tiny, layout):
+    setattr(tiny, LAYOUTS_ATTR, RowLayouts(tiny, layouts={n: ("linear", layout) for n in range(2, 65)}))
+    for seed in range(3):
+        ids = _ids(4 + seed, seed)
+        ref = tiny.generate(ids, max_new_tokens=30, do_sample=False)
+        out = tiny.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+        assert torch.equal(out, ref)
+
+
+@ONEDNN
+@pytest.mark.parametrize("chosen", BOTH)
+def test_float32_greedy_decoding_matches_vanilla_with_every_choice(tiny32, chosen):
+    """oneDNN takes float32 (the tiny float64 models keep MKL: their decoder has no eligible
+    layer), so this runs the float32 tiny model: outputs equal, and the swap really ran."""
+    model = tiny32
+    layouts = RowLayouts(model, layouts={n: chosen for n in range(2, 65)})
+    setattr(model, LAYOUTS_ATTR, layouts)
+    ran = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: ran.append(m.__dict__.get("forward") is not None) if m in layouts.linears else None)
+    try:
+        for seed in range(4):
+            ids = _ids(4 + seed, seed)
+            ref = model.generate(ids, max_new_tokens=30, do_sample=False)
+            out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+            assert torch.equal(out, ref)
+    finally:
+        handle.remove()
+    assert any(ran) == (chosen[0] == "onednn") and all("forward" not in m.__dict__ for m in layouts.linears)
+
+
+def test_a_model_whose_logits_are_not_the_plain_product_decodes_with_its_own(tiny):
+    """The prefill check fails (here: a wrapped LM head adds a per-token offset that moves the
+    argmax), so the loop keeps the model's logits and the output stays vanilla's."""
+    head = tiny.get_output_embeddings()
+    original = head.forward
+    offsets = 3.0 * torch.randn(VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    head.forward = lambda x: original(x) + offsets
+    try:
+        ids = _ids(5, 7)
+        ref = tiny.generate(ids, max_new_tokens=30, do_sample=False)
+        out = tiny.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+        assert torch.equal(out, ref)
+        h = tiny(input_ids=ids, output_hidden_states=-1)  # the prefill check is what catches it
+        assert not getattr(tiny, LAYOUTS_ATTR).matches(h.hidden_states[-1][0, -1], h.logits[0, -1])
+    finally:
+        del head.forward
+
+
+def test_enabling_again_keeps_the_timed_layouts(tiny, tiny_cache):
+    """Swapping heads (as the benchmark does between methods) must not time the layouts again."""
+    kept = getattr(tiny, LAYOUTS_ATTR)
+    kept.layouts[3] = ("onednn", "transposed")
+    enable_entmtp(tiny, tiny_cache("llama", "medusa", "mlp")[1])
+    assert getattr(tiny, LAYOUTS_ATTR) is kept and kept.layouts[3] == ("onednn", "transposed")
+
+
+def test_disable_removes_the_layouts(tiny):
+    disable_entmtp(tiny)
+    assert not hasattr(tiny, LAYOUTS_ATTR)
