@@ -105,8 +105,9 @@ class RowLayouts:
         if bad:
             raise ValueError(f"layouts must map rows to (one of {DECODER_LAYOUTS}, one of {HEAD_LAYOUTS}), got {bad}")
         self.lm_head = head
-        self.linears = [m for m in model.get_decoder().modules()
-                        if type(m) is torch.nn.Linear and "forward" not in m.__dict__
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self.linears = [m for m in (decoder.modules() if decoder is not None else ())
+                        if type(m) is torch.nn.Linear and m is not head and "forward" not in m.__dict__
                         and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]  # fmt: skip
         self.decoder_layouts = DECODER_LAYOUTS if self.linears and _onednn_available() else ("linear",)
         self.repeats = repeats
@@ -162,9 +163,9 @@ class RowLayouts:
 
 
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` by oneDNN's linear (one-row inputs keep ``F.linear``)."""
+    """``nn.Linear.forward`` by oneDNN's linear (one-row and empty inputs keep ``F.linear``)."""
     rows = x.numel() // x.shape[-1]
-    if rows == 1:
+    if rows <= 1:
         return F.linear(x, self.weight, self.bias)
     return project(x.reshape(rows, x.shape[-1]), self.weight, self.bias, "onednn").reshape(*x.shape[:-1], -1)
 
