@@ -110,6 +110,8 @@ class RowLayouts:
                         if type(m) is torch.nn.Linear and m is not head and "forward" not in m.__dict__
                         and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]  # fmt: skip
         self.decoder_layouts = DECODER_LAYOUTS if self.linears and _onednn_available() else ("linear",)
+        # bound once here: a step's swap is then two dict writes per layer, not a method object each
+        self._onednn = [types.MethodType(_onednn_forward, m) for m in self.linears]
         self.repeats = repeats
         self.layouts: dict[int, tuple[str, str]] = {1: ("linear", "linear"), **(layouts or {})}
 
@@ -138,13 +140,13 @@ class RowLayouts:
         if layout == "linear":
             yield
             return
-        for m in self.linears:
-            m.forward = types.MethodType(_onednn_forward, m)
+        for m, forward in zip(self.linears, self._onednn):
+            vars(m)["forward"] = forward  # an instance attribute shadows nn.Linear.forward; not a parameter
         try:
             yield
         finally:
             for m in self.linears:
-                del m.forward
+                del vars(m)["forward"]
 
     @torch.no_grad()
     def _tune(self, rows: int, like: torch.Tensor) -> tuple[str, str]:

@@ -718,6 +718,8 @@ class TreeSearch:
             row = saved["done"][pid]
             row["tuples"], row["signals"] = step_table(self.model, self.heads, row["tokens"], row["prompt_len"],
                                                        self.max_depth, self.max_rank)  # fmt: skip
+        if stale:
+            _atomic_json(self.path("trajectories"), saved)
         measure = generate_measure(self.model, self.cfg)
         for i in tqdm(todo, desc="trajectories", unit="prompt", disable=not self.progress):
             t1 = time.perf_counter()
@@ -730,7 +732,6 @@ class TreeSearch:
                                                  "tuples": tuples, "signals": signals}  # fmt: skip
             saved["seconds"] += time.perf_counter() - t1
             _atomic_json(self.path("trajectories"), saved)
-        _atomic_json(self.path("trajectories"), saved)
         self._timed("trajectories", t0)
         return [Trajectory(**saved["done"][pid]) for pid in self.prompt_ids]
 
