@@ -41,6 +41,7 @@ from .bank import TREES_DIR, TopologyBank
 from .bench_report import FORMAT, FORMAT_VERSION, environment, json_safe, read_results, summarize, write_results
 from .config import EntMTPConfig
 from .eas import EASConfig, eas_bench_config, fixed_chain_config, fixed_length, quantized_draft
+from .layouts import onednn_linears
 from .tasks import BUILTIN_TASKS, evaluation_basket
 from .tree import MC_SIM_7B_63
 
@@ -232,7 +233,24 @@ def _bank_policy(policy: str, **extra: Any) -> ConfigFactory:
     return make
 
 
+@dataclass(frozen=True)
+class KernelReference(Method):
+    """Plain ``generate`` with every linear layer of the model on oneDNN
+    (:func:`~entmtp_hf.layouts.onednn_linears`): how much of a tree method's speed-up over
+    vanilla the kernel alone would give plain decoding on this machine."""
+
+    def prepare(self, ctx: BenchContext, task: str, mode: str) -> Callable[[torch.Tensor, dict], Generation]:
+        run = _runner(ctx, dict(self.generate_kwargs))
+
+        def timed(input_ids: torch.Tensor, gen_kwargs: dict) -> Generation:
+            with onednn_linears(ctx.model):
+                return run(input_ids, gen_kwargs)
+
+        return timed
+
+
 register_method(Method("vanilla", "plain autoregressive generate"))
+register_method(KernelReference("vanilla-onednn", "plain generate, every linear layer on oneDNN (kernel reference)"))
 register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10}))
 register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="medusa", entmtp=_default_tree))
 register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hydra", entmtp=_default_tree))

@@ -354,6 +354,10 @@ def speculation_markdown(results: dict) -> str:
 
 
 PAIR_REFERENCE = "entmtp-static"  # EntMTP*: what a scheduler must beat to pay for itself
+#: plain decoding with oneDNN's kernels: the speed-up speculation adds over the kernel alone
+KERNEL_REFERENCE = "vanilla-onednn"
+KERNEL_NOTE = ("Every method against plain decoding with every linear layer on oneDNN (the kernel the tree "
+               "methods verify with where it was timed faster): what speculation adds beyond the kernel.")
 
 
 def paired_ratios(results: dict, task: str, reference: str, method: str) -> list[tuple[float, float]]:
@@ -369,9 +373,9 @@ def paired_ratios(results: dict, task: str, reference: str, method: str) -> list
     out = []
     for i in sorted(set(ref) & set(other)):
         a, b = ref[i], other[i]
-        if not (a.get("tokens_per_s") and b.get("tokens_per_s") and a.get("steps") and b.get("steps")):
+        if not (a.get("tokens_per_s") and b.get("tokens_per_s")):
             continue
-        tau_a, tau_b = (a["new_tokens"] - 1) / a["steps"], (b["new_tokens"] - 1) / b["steps"]
+        tau_a, tau_b = ((r["new_tokens"] - 1) / r["steps"] if r.get("steps") else 1.0 for r in (a, b))  # plain: 1 per step
         out.append((b["tokens_per_s"] / a["tokens_per_s"], tau_b / tau_a if tau_a > 0 else float("nan")))
     return out
 
@@ -381,7 +385,7 @@ def pairwise_markdown(results: dict, reference: str = PAIR_REFERENCE) -> str:
     rows = []
     for task in results["prompts"]:
         for method in _methods(results):
-            if method in (reference, "vanilla"):
+            if method in (reference, "vanilla", KERNEL_REFERENCE):
                 continue
             pairs = paired_ratios(results, task, reference, method)
             if not pairs:
@@ -452,6 +456,9 @@ def table_markdown(results: dict) -> str:
     pairs = pairwise_markdown(results)
     if pairs:
         parts += [f"### Against {PAIR_REFERENCE}, prompt by prompt", "", PAIRWISE_NOTE, "", pairs]
+    kernel = pairwise_markdown(results, KERNEL_REFERENCE)
+    if kernel:
+        parts += [f"### Against {KERNEL_REFERENCE}, prompt by prompt", "", KERNEL_NOTE, "", kernel]
     eas = eas_markdown(results)
     if eas:
         parts += ["### Entropy-adaptive chains", "", eas]
@@ -500,6 +507,9 @@ def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
     pairs = pairwise_markdown(results)
     if pairs:
         parts += [f"## Against {PAIR_REFERENCE}, prompt by prompt", "", PAIRWISE_NOTE, "", pairs]
+    kernel = pairwise_markdown(results, KERNEL_REFERENCE)
+    if kernel:
+        parts += [f"## Against {KERNEL_REFERENCE}, prompt by prompt", "", KERNEL_NOTE, "", kernel]
     eas = eas_markdown(results)
     if eas:
         parts += ["## Entropy-adaptive chains", "", eas]

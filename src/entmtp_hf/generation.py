@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -353,7 +354,7 @@ def entmtp_decode(
     generator.observe(out.hidden_states[-1][0])
     p0, entropy = generator.confidence(last_logits[0])
     # verification products by this machine's faster kernels, where the model's logits are the plain product
-    layouts = getattr(model, LAYOUTS_ATTR, None)
+    row_layouts = layouts = getattr(model, LAYOUTS_ATTR, None)
     if layouts is not None and not layouts.matches(out.hidden_states[-1][0, -1], out.logits[0, -1]):
         layouts = None
     for n in sorted(plan.node_counts) if layouts is not None else ():
@@ -365,7 +366,9 @@ def entmtp_decode(
     generator.extend_text(input_ids[0].tolist())
     prefix_row = _prefix_row(attention_mask, prompt_len, device, dtype)
 
-    with tree_attention(model):  # the verification forwards' attention; restored when decoding ends
+    # the verification forwards' attention and the drafting kernels; both restored when decoding ends
+    drafting = row_layouts.drafting(heads, generator.state) if row_layouts is not None else nullcontext()
+    with tree_attention(model), drafting:
         while not finished.stop:
             # 1. draft
             t0 = time.perf_counter()

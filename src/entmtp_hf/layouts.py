@@ -12,7 +12,10 @@ alternatives were measured faster there for a few rows: oneDNN's linear on the p
 
 :class:`RowLayouts` times, once per row count, the decoder's layers in ``linear`` and ``onednn``
 (one pass over all their real weights, as a forward reads them, not a cache-hot loop over one)
-and the LM head in ``linear`` and ``transposed``, and keeps the faster of each.
+and the LM head in ``linear``, ``transposed`` and ``onednn``, and keeps the faster of each.
+Drafting is one-row products too (the heads' layers and their LM rows, a few per depth):
+:meth:`RowLayouts.drafting` runs them with the kernel timed faster for the heads (session 11:
+oneDNN reads a one-row product in 0.4-0.7 of MKL's time on that AMD machine).
 :func:`tree_forward` runs one verification forward with them: the decoder's plain
 ``nn.Linear`` modules compute their N-row products with the chosen kernel (their ``forward``
 is swapped for the call and restored after: no model code changes; one-row calls, the
@@ -29,18 +32,43 @@ from __future__ import annotations
 import statistics
 import time
 import types
+import weakref
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 DECODER_LAYOUTS = ("linear", "onednn")
-HEAD_LAYOUTS = ("linear", "transposed")
+HEAD_LAYOUTS = ("linear", "transposed", "onednn")
 #: a position index selecting no position: the model computes no logits
 NO_POSITIONS = torch.zeros(0, dtype=torch.long)
 #: the attribute :func:`~entmtp_hf.generation.enable_entmtp` keeps a model's :class:`RowLayouts` under
 LAYOUTS_ATTR = "entmtp_row_layouts"
+
+
+def _onednn_takes(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's linear takes this weight (CPU, float32 or bfloat16)."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+
+
+def _swappable(modules: Iterable[torch.nn.Module], exclude: torch.nn.Module | None = None) -> list[torch.nn.Linear]:
+    """The plain CPU float ``nn.Linear`` modules whose ``forward`` may be swapped (none with an
+    instance-level ``forward``, e.g. accelerate's offloading hooks)."""
+    return [m for m in modules if type(m) is torch.nn.Linear and m is not exclude and "forward" not in m.__dict__
+            and _onednn_takes(m.weight)]  # fmt: skip
+
+
+@contextmanager
+def _swapped(modules: list[torch.nn.Linear], forwards: list[Callable]) -> Iterator[None]:
+    """Inside the block each module runs its ``forwards`` entry (restored after, even on errors)."""
+    for m, forward in zip(modules, forwards):
+        vars(m)["forward"] = forward  # an instance attribute shadows nn.Linear.forward; not a parameter
+    try:
+        yield
+    finally:
+        for m in modules:
+            del vars(m)["forward"]
 
 
 def _onednn_available() -> bool:
@@ -88,12 +116,15 @@ class RowLayouts:
 
     Built by :func:`~entmtp_hf.generation.enable_entmtp`; a row count is timed (``repeats``
     interleaved rounds) the first time it is asked for; ``layouts`` may preset choices
-    (``{rows: (decoder, LM head)}``: tests, or a machine already measured). Only plain
+    (``{rows: (decoder, LM head)}``: tests, or a machine already measured), ``draft_kernel``
+    the drafting kernel (else timed once per heads object, :meth:`drafting`). Only plain
     ``nn.Linear`` modules on the CPU without an instance-level ``forward`` (accelerate's
     offloading hooks, for instance) are switched, and only where oneDNN is available.
     """
 
-    def __init__(self, model, repeats: int = 3, layouts: dict[int, tuple[str, str]] | None = None) -> None:
+    def __init__(
+        self, model, repeats: int = 3, layouts: dict[int, tuple[str, str]] | None = None, draft_kernel: str | None = None
+    ) -> None:
         head = model.get_output_embeddings()
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or getattr(head, "bias", None) is not None:
@@ -106,14 +137,22 @@ class RowLayouts:
             raise ValueError(f"layouts must map rows to (one of {DECODER_LAYOUTS}, one of {HEAD_LAYOUTS}), got {bad}")
         self.lm_head = head
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-        self.linears = [m for m in (decoder.modules() if decoder is not None else ())
-                        if type(m) is torch.nn.Linear and m is not head and "forward" not in m.__dict__
-                        and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]  # fmt: skip
-        self.decoder_layouts = DECODER_LAYOUTS if self.linears and _onednn_available() else ("linear",)
+        self.linears = _swappable(decoder.modules() if decoder is not None else (), exclude=head)
+        self.onednn = _onednn_available()
+        self.decoder_layouts = DECODER_LAYOUTS if self.linears and self.onednn else ("linear",)
+        self.head_layouts = HEAD_LAYOUTS if self.onednn and _onednn_takes(weight) else HEAD_LAYOUTS[:2]
+        unavailable = {n: v for n, v in (layouts or {}).items() if v[1] not in self.head_layouts}
+        if unavailable:
+            raise ValueError(f"LM head layouts {unavailable} are not available here (only {self.head_layouts})")
+        if draft_kernel not in (None, *DECODER_LAYOUTS) or (draft_kernel == "onednn" and not self.onednn):
+            raise ValueError(f"draft_kernel must be None (timed) or one available of {DECODER_LAYOUTS}, got {draft_kernel!r}")
+        self.draft_kernel = draft_kernel
         # bound once here: a step's swap is then two dict writes per layer, not a method object each
         self._onednn = [types.MethodType(_onednn_forward, m) for m in self.linears]
         self.repeats = repeats
         self.layouts: dict[int, tuple[str, str]] = {1: ("linear", "linear"), **(layouts or {})}
+        #: per heads object: (kernel, its swappable linears, their oneDNN forwards), timed on first use
+        self._drafting: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def layout(self, rows: int, like: torch.Tensor) -> tuple[str, str]:
         """The (decoder, LM head) choices for ``rows`` rows, timed now if this is the first time."""
@@ -136,17 +175,48 @@ class RowLayouts:
     @contextmanager
     def decoder(self, rows: int, like: torch.Tensor) -> Iterator[None]:
         """Inside the block the decoder's linear layers compute ``rows``-row products with the chosen kernel."""
-        layout = self.layout(rows, like)[0]
-        if layout == "linear":
+        if self.layout(rows, like)[0] == "linear":
             yield
             return
-        for m, forward in zip(self.linears, self._onednn):
-            vars(m)["forward"] = forward  # an instance attribute shadows nn.Linear.forward; not a parameter
-        try:
+        with _swapped(self.linears, self._onednn):
             yield
+
+    @contextmanager
+    def drafting(self, heads: torch.nn.Module, state) -> Iterator[None]:
+        """Inside the block the heads' linear layers and their LM rows (``state.lm_weight``, read
+        through ``state.kernel``) compute with the kernel timed faster for them, once per heads
+        object. Only drafted tokens can change (a near-tie rounding otherwise), never the output."""
+        entry = self._drafting.get(heads)
+        if entry is None:
+            linears = _swappable(heads.modules())
+            kernel = self.draft_kernel or (self._tune_drafting(linears, state) if self.onednn else "linear")
+            entry = self._drafting[heads] = (kernel, linears, [types.MethodType(_onednn_forward, m) for m in linears])
+        kernel, linears, forwards = entry
+        if kernel == "linear":
+            yield
+            return
+        state.kernel = kernel
+        try:
+            with _swapped(linears, forwards):
+                yield
         finally:
-            for m in self.linears:
-                del vars(m)["forward"]
+            state.kernel = "linear"
+
+    @torch.no_grad()
+    def _tune_drafting(self, linears: list[torch.nn.Linear], state) -> str:
+        weight = getattr(state, "lm_weight", None)
+        rows = [weight] if weight is not None and _onednn_takes(weight) else []
+        if not linears and not rows:
+            return "linear"
+        g = torch.Generator().manual_seed(1)
+        weights = [(m.weight, m.bias) for m in linears] + [(w, None) for w in rows]
+        inputs = [torch.randn(1, w.shape[1], generator=g).to(w) for w, _ in weights]
+
+        def draft_pass(layout: str) -> None:  # one row through every layer, as drafting one node does
+            for (w, b), x in zip(weights, inputs):
+                project(x, w, b, layout)
+
+        return _fastest(draft_pass, ("linear", "onednn"), weights[0][0].device, self.repeats)
 
     @torch.no_grad()
     def _tune(self, rows: int, like: torch.Tensor) -> tuple[str, str]:
@@ -159,15 +229,15 @@ class RowLayouts:
 
         head_in = torch.randn(rows, self.lm_head.weight.shape[1], generator=g).to(like)
         decoder = _fastest(decoder_pass, self.decoder_layouts, like.device, self.repeats)
-        head = _fastest(lambda layout: project(head_in, self.lm_head.weight, None, layout), HEAD_LAYOUTS, like.device,
-                        self.repeats)  # fmt: skip
+        head = _fastest(lambda layout: project(head_in, self.lm_head.weight, None, layout), self.head_layouts,
+                        like.device, self.repeats)  # fmt: skip
         return decoder, head
 
 
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` by oneDNN's linear (one-row and empty inputs keep ``F.linear``)."""
+    """``nn.Linear.forward`` by oneDNN's linear (empty inputs keep ``F.linear``)."""
     rows = x.numel() // x.shape[-1]
-    if rows <= 1:
+    if rows == 0:
         return F.linear(x, self.weight, self.bias)
     return project(x.reshape(rows, x.shape[-1]), self.weight, self.bias, "onednn").reshape(*x.shape[:-1], -1)
 
@@ -183,3 +253,13 @@ def tree_forward(model, layouts: RowLayouts | None, **inputs) -> tuple[torch.Ten
         out = model(**inputs, output_hidden_states=-1, logits_to_keep=NO_POSITIONS.to(ids.device))
     hidden = out.hidden_states[-1][0]
     return layouts.logits(hidden), hidden
+
+
+@contextmanager
+def onednn_linears(model) -> Iterator[None]:
+    """Inside the block every plain CPU float ``nn.Linear`` of ``model``, its LM head included,
+    runs on oneDNN at any row count: the benchmark's kernel reference for plain decoding
+    (``vanilla-onednn``), which tells how much of a speedup the kernel alone would give."""
+    linears = _swappable(model.modules()) if _onednn_available() else []
+    with _swapped(linears, [types.MethodType(_onednn_forward, m) for m in linears]):
+        yield

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..layouts import project
 from ..tree import DepthStep, TreeBuffers
 from .config import FORMAT_VERSION, HeadsConfig
 
@@ -80,6 +81,8 @@ class DraftState:
     prefix_cache: Any = None  # the prefix layer's KV cache (prefix-mlp only)
     num_observed: int = 0  # accepted positions seen so far (prefix-layer positions)
     cond: Tensor | None = None  # [H] conditioning vector at the last accepted position
+    #: how ``lm_weight`` multiplies (a :func:`~entmtp_hf.layouts.project` layout; set by RowLayouts.drafting)
+    kernel: str = "linear"
 
 
 class ResBlock(nn.Module):
@@ -282,15 +285,18 @@ class DraftHeads(nn.Module):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ shared maths
-    def _head(self, i: int, x: Tensor, lm_weight: Tensor | None, lm_bias: Tensor | None) -> Tensor:
-        """Logits of head ``i`` (over the drafting vocabulary) for head inputs ``x``."""
+    def _head(self, i: int, x: Tensor, lm_weight: Tensor | None, lm_bias: Tensor | None, kernel: str = "linear") -> Tensor:
+        """Logits of head ``i`` (over the drafting vocabulary) for head inputs ``x``; ``kernel``:
+        how the base LM rows multiply (:func:`~entmtp_hf.layouts.project`)."""
         for block in self.mlps[i]:
             x = block(x)
         if self.lm_heads is not None:
             return self.lm_heads[i](x)
         if lm_weight is None:
             raise ValueError("these heads use the base LM head: pass it (new_state(model) / lm_head=...)")
-        return F.linear(x, lm_weight, lm_bias)
+        if kernel == "linear":
+            return F.linear(x, lm_weight, lm_bias)
+        return project(x.reshape(-1, x.shape[-1]), lm_weight, lm_bias, kernel).reshape(*x.shape[:-1], -1)
 
     def _train_lm(self, lm_head: nn.Module | None) -> tuple[Tensor | None, Tensor | None]:
         if self.lm_heads is not None:

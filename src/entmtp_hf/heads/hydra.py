@@ -161,7 +161,7 @@ class HydraHeads(DraftHeads):
         slot = torch.zeros(buffers.num_nodes, dtype=torch.long, device=tokens.device)
         for i, step in enumerate(buffers.depth_plan):
             parent_x = feats[slot[step.parents]]
-            logits = self._head(i, parent_x, state.lm_weight, state.lm_bias)
+            logits = self._head(i, parent_x, state.lm_weight, state.lm_bias, state.kernel)
             tok, p, h = self._children(logits, step.child_parent_row, step, temperature)
             tokens[step.children], probs[step.children], entropy[step.children] = tok, p, h
             slot[step.children] = torch.arange(step.children.shape[0], device=slot.device)

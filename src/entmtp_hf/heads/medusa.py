@@ -36,7 +36,7 @@ class MedusaHeads(DraftHeads):
         tokens, probs, entropy = self._start(state, root_token, buffers)
         cond = state.cond[None]
         for i, step in enumerate(buffers.depth_plan):
-            logits = self._head(i, cond, state.lm_weight, state.lm_bias)  # [1, V']
+            logits = self._head(i, cond, state.lm_weight, state.lm_bias, state.kernel)  # [1, V']
             rows = torch.zeros_like(step.child_rank)
             tok, p, h = self._children(logits, rows, step, temperature)
             tokens[step.children], probs[step.children], entropy[step.children] = tok, p, h
