@@ -435,3 +435,20 @@ def test_pairwise_table_pairs_prompts_and_bounds_the_noise():
     md = pairwise_markdown(results)
     assert "| t | entmtp-tau | 6 |" in md and "1.250×" in md and "vanilla |" not in md
     assert pairwise_markdown(results, reference="absent") == ""
+
+
+def test_the_kernel_reference_gets_its_own_prompt_by_prompt_table():
+    """Tree methods over plain decoding with oneDNN's kernels (no steps: one token per step)."""
+    from entmtp_hf.bench_report import KERNEL_REFERENCE, paired_ratios, pairwise_markdown
+
+    def rec(m, i, tps, steps=None):
+        return {"task": "t", "method": m, "prompt_index": i, "new_tokens": 21, "tokens_per_s": tps, "steps": steps}
+
+    records = [rec("vanilla", i, 10.0) for i in range(4)] + [rec(KERNEL_REFERENCE, i, 12.5) for i in range(4)]
+    records += [rec("entmtp-static", i, 15.0, 10) for i in range(4)]
+    results = {"prompts": {"t": []}, "settings": {"methods": ["vanilla", KERNEL_REFERENCE, "entmtp-static"]},
+               "records": records}  # fmt: skip
+    assert [p[0] for p in paired_ratios(results, "t", KERNEL_REFERENCE, "entmtp-static")] == [1.2] * 4
+    md = pairwise_markdown(results, KERNEL_REFERENCE)
+    assert "| t | entmtp-static | 4 | 1.200× |" in md and "2.000×" in md and "| vanilla |" not in md
+    assert KERNEL_REFERENCE not in pairwise_markdown(results).split("|---|")[-1]  # not a row against EntMTP*

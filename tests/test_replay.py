@@ -13,7 +13,7 @@ from entmtp_hf import search as S
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.generation import enable_entmtp
 from entmtp_hf.heads import HydraHeads
-from entmtp_hf.replay import SIGNALS, replay, why_not_replayable
+from entmtp_hf.replay import SIGNALS, accept_table, foresight_rate, replay, walk_rate, why_not_replayable
 from entmtp_hf.retrieval import RetrievalConfig
 from entmtp_hf.tree import Tree
 from tiny import VOCAB, tiny_model
@@ -120,3 +120,36 @@ def test_what_cannot_be_replayed_is_refused(setup):
     with pytest.raises(ValueError, match="lacks the signals"):
         replay(bare, head)
     assert replay(bare, EntMTPConfig(trees=[SMALL.choices, LARGE.choices], feature="accept_ema").resolve(DEPTH))
+
+
+def test_accept_table_is_the_static_replay(setup):
+    """A static walk along the table takes the steps a real static run takes."""
+    for traj in setup[3]:
+        table = accept_table(traj, [SMALL, LARGE])
+        for k, tree in enumerate((SMALL, LARGE)):
+            j, lengths = 0, []
+            while j < len(table):
+                lengths.append(table[j][k])
+                j += table[j][k]
+            assert lengths == S.simulate_canonical(traj, tree)
+
+
+def test_foresight_rate_bounds_every_walk_and_finds_the_obvious_optimum():
+    # tree 0 (cost 1) adds 1 token; tree 1 (cost 2) adds 3 where a long run starts (j % 4 == 0), else 1:
+    # with foresight, the big tree only at those starts: 4 tokens per 3 units of work, every 4 tokens
+    table = [[1, 3 if j % 4 == 0 else 1] for j in range(40)]
+    assert foresight_rate([table], [1.0, 2.0]) == pytest.approx(4 / 3)
+    a, w = walk_rate([table], [1.0, 2.0], lambda i, j: 1)
+    assert a / w == pytest.approx(1.0)  # the big tree always: 3 + 1 tokens per 2 + 2 units of work
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        tables = [[[1 + int(x) for x in torch.randint(0, 4, (3,), generator=g).cummax(0).values] for _ in range(25)]
+                  for _ in range(3)]  # fmt: skip
+        costs = [1.0, 1.3, 1.9]
+        best = foresight_rate(tables, costs)
+        picks = torch.randint(0, 3, (3, 25), generator=g)
+        for choose in (lambda i, j: 0, lambda i, j: 1, lambda i, j: 2, lambda i, j: int(picks[i, j])):
+            a, w = walk_rate(tables, costs, choose)
+            assert a / w <= best + 1e-12
+    with pytest.raises(ValueError, match="positive costs"):
+        foresight_rate([table], [1.0, 0.0])

@@ -478,5 +478,9 @@ def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_pat
     bank = TopologyBank.from_pretrained(tmp_path / "bank", task="tiny")
     assert bank.metadata["calibration"]["ranked_by"].startswith("modelled")
     assert "c(N)" in (tmp_path / "report.md").read_text()
+    h = result.headroom  # foresight bounds every static tree and every replayed scheduler (no retrieval in them)
+    assert h["trees"] == [result.timed[lab]["num_nodes"] for lab in result.labels] and h["prompts"] == 2
+    assert h["foresight_vs_static"] >= 1.0 and "Headroom:" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "result.json").read_text())["headroom"] == h
     S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", measure=fake(measure, wall, []),
                  forward_costs=lambda *a, **k: pytest.fail("costs were measured again"), progress=False).run()  # fmt: skip

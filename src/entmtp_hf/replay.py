@@ -13,6 +13,11 @@ timing each on a few prompts (docs/search.md).
 Not replayable: the ``value`` and ``entropy`` policies and the ``chain_value`` feature,
 which read the heads' probabilities below the first drafted depth along drafted (not
 true) paths.
+
+The same tables bound every scheduler: :func:`foresight_rate` is the best tokens per unit of
+verification work that any per-step choice among a set of trees reaches when each step's
+accept lengths are known in advance. A real scheduler sees only what the decoder knows when
+a step starts; the gap between the two says how much a better confidence signal could win.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from .verify import walk_tree
 if TYPE_CHECKING:
     from .config import DecodePlan
     from .search import Trajectory
+    from .tree import Tree
 
 #: per step start: head 0's top-1 probability, the verifier's top-1 probability and entropy
 #: (nats) at the position the root was chosen from
@@ -113,3 +119,58 @@ def replay(traj: "Trajectory", plan: "DecodePlan", window: int = 8) -> Replay:
         tracker.observe_accept(a)
         j += a
     return Replay(lengths, sizes)
+
+
+def accept_table(traj: "Trajectory", trees: Sequence["Tree"]) -> list[list[int]]:
+    """``table[j][k]``: the tokens tree ``k`` adds in a greedy step starting at step start ``j``
+    (no retrieval): one plus the depth of its deepest path matching the rank tuple."""
+    paths = [set(t.paths) for t in trees]
+    table = []
+    for row in traj.tuples:
+        line = []
+        for p in paths:
+            d = 0
+            while d < len(row) and tuple(row[: d + 1]) in p:
+                d += 1
+            line.append(1 + d)
+        table.append(line)
+    return table
+
+
+def walk_rate(tables: Sequence[Sequence[Sequence[int]]], costs: Sequence[float], choose) -> tuple[float, float]:
+    """(tokens, work) of walking every table with ``choose(prompt, j) -> tree index``."""
+    tokens = work = 0.0
+    for i, table in enumerate(tables):
+        j = 0
+        while j < len(table):
+            k = choose(i, j)
+            tokens, work, j = tokens + table[j][k], work + costs[k], j + table[j][k]
+    return tokens, work
+
+
+def foresight_rate(tables: Sequence[Sequence[Sequence[int]]], costs: Sequence[float], rounds: int = 100) -> float:
+    """The most tokens per unit of work (Σ accept / Σ c) of any per-step choice of tree, each
+    step's accept lengths (``tables``, from :func:`accept_table`) known in advance.
+
+    Dinkelbach's method: for a rate ``r``, a dynamic programme over step starts finds the walk
+    maximising Σ (accept - r·c); its own rate is higher unless ``r`` is already the optimum.
+    Starts from the best single tree, so the result is never below any static rate."""
+    if not tables or not costs or any(c <= 0 for c in costs):
+        raise ValueError("foresight_rate needs tables and positive costs")
+    k_range = range(len(costs))
+    rate = max(a / w for a, w in (walk_rate(tables, costs, lambda i, j, k=k: k) for k in k_range) if w > 0)
+    for _ in range(rounds):
+        picks = []
+        for table in tables:
+            n = len(table)
+            value, pick = [0.0] * (n + 1), [0] * n
+            for j in range(n - 1, -1, -1):
+                best = max(k_range, key=lambda k: table[j][k] - rate * costs[k] + value[min(j + table[j][k], n)])
+                pick[j] = best
+                value[j] = table[j][best] - rate * costs[best] + value[min(j + table[j][best], n)]
+            picks.append(pick)
+        tokens, work = walk_rate(tables, costs, lambda i, j: picks[i][j])
+        if work <= 0 or tokens / work <= rate * (1 + 1e-12):
+            return rate
+        rate = tokens / work
+    return rate

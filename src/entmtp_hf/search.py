@@ -953,6 +953,8 @@ class TreeSearch:
         rollouts = self.rollouts(points)
         costs = self.costs(points) if self.cfg.ranking == "modelled" else None
         result = summarise(self, trajectories, points, rollouts, costs)
+        if self.cfg.scoring == "rank_tuple" and costs is not None:
+            result.with_headroom(trajectories)
         trees = {lab: row["tree"] for lab, row in result.timed.items()}
         runs = self.sweep_runs(trees, result.choice, result.labels, costs)
         replayed = self.replayable(runs)

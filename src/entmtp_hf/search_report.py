@@ -43,6 +43,7 @@ from .search import (
     value_sets,
 )
 from .profile import interpolate_cost
+from .replay import accept_table, foresight_rate, walk_rate
 from .retrieval import RetrievalConfig
 from .scheduler import FEATURES
 from .tree import MC_SIM_7B_63, Tree
@@ -134,6 +135,24 @@ class SearchResult:
     winners: dict[str, Any] = field(default_factory=dict)
     costs: dict[int, float] | None = None  # c(N) of the modelled ranking; None = ranked by measured tokens/s
     confirmation: dict[str, Any] = field(default_factory=dict)  # label, vs_static, prompts (held-out check)
+    headroom: dict[str, Any] = field(default_factory=dict)  # what a scheduler with foresight would reach
+
+    def with_headroom(self, trajectories: Sequence[Trajectory]) -> "SearchResult":
+        """The rate (tokens per unit of work, no retrieval) of the best static timed tree and of
+        per-step switching among the timed trees with every accept length known in advance
+        (:func:`~entmtp_hf.replay.foresight_rate`): the most any scheduler could win here."""
+        trees = [self.timed[lab]["tree"] for lab in self.labels]
+        costs = [interpolate_cost(self.costs, t.num_nodes) for t in trees]
+        tables = [accept_table(t, trees) for t in trajectories if t.tuples]
+        if not tables:
+            return self
+        rates = [a / w for a, w in (walk_rate(tables, costs, lambda i, j, k=k: k) for k in range(len(trees)))]
+        best = max(range(len(trees)), key=rates.__getitem__)
+        foresight = foresight_rate(tables, costs)
+        self.headroom = {"trees": [t.num_nodes for t in trees], "best_static_nodes": trees[best].num_nodes,
+                         "best_static_rate": rates[best], "foresight_rate": foresight,
+                         "foresight_vs_static": foresight / rates[best], "prompts": len(tables)}  # fmt: skip
+        return self
 
     def with_sweep(self, runs: dict) -> "SearchResult":
         """Add the sweep's figures and pick the hysteresis and ladder winners: the median ratio
@@ -272,7 +291,7 @@ class SearchResult:
         timed = {lab: {k: (v.choices if isinstance(v, Tree) else v) for k, v in row.items()}
                  for lab, row in self.timed.items()}  # fmt: skip
         plain = ("task", "settings", "frontier", "labels", "vanilla_tokens_per_s", "reference", "elapsed", "sweep",
-                 "winners", "confirmation")  # fmt: skip
+                 "winners", "confirmation", "headroom")  # fmt: skip
         costs = {str(n): c for n, c in self.costs.items()} if self.costs is not None else None
         return {**{k: getattr(self, k) for k in plain}, "timed": timed, "choice": asdict(self.choice), "costs": costs,
                 "ranking_changed": self.ranking_changed, "ranking_changed_simulated": self.ranking_changed_simulated,
@@ -577,9 +596,23 @@ def _choice_section(result: SearchResult) -> list[str]:
         *([how, ""] if how else []),
         "| run | tokens/s | measured vs static | ranking ratio vs static | tokens/step (replayed) |",
         "|---|---|---|---|---|", *sweep, "",
+        *_headroom_lines(result),
         _confirmation_line(result),
         f"Stored defaults: {json.dumps(result.scheduler_defaults())}; features: {features}.", "",
     ]  # fmt: skip
+
+
+def _headroom_lines(result: SearchResult) -> list[str]:
+    h = result.headroom
+    if not h:
+        return []
+    replayed = [v["vs_static"] for lab, v in result.sweep.items() if v.get("replayed") and lab != "static (replayed)"]
+    best = f"; the best replayed scheduler above reaches {max(replayed):.3f}× its static tree" if replayed else ""
+    return [f"Headroom: with every step's accept lengths known in advance, switching among the timed trees "
+            f"({h['trees']} nodes) would verify {h['foresight_vs_static']:.3f}× the tokens per unit of work of the best "
+            f"static one ({_nodes(h['best_static_nodes'])}; no retrieval, {h['prompts']} prompts){best}. Schedulers "
+            f"see only what the decoder knows when a step starts; the gap is what a better confidence signal could "
+            f"win.", ""]  # fmt: skip
 
 
 def _confirmation_line(result: SearchResult) -> str:
