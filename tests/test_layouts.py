@@ -207,11 +207,19 @@ def _swapped_calls(modules):
 
 
 @ONEDNN
-def test_drafting_kernels_draft_the_same_tree_and_restore_the_heads(tiny32):
-    """The heads' layers and LM rows by oneDNN: the same probabilities (to float32 rounding), so
-    the same tokens here; every swap undone after the block and after an error inside it."""
+@pytest.mark.parametrize("base_rows", [False, True])
+def test_drafting_kernels_draft_the_same_tree_and_restore_the_heads(tiny32, base_rows):
+    """The heads' layers and LM rows (their own LM heads, or the base LM head's rows of a draft
+    vocabulary read through ``state.kernel``) by oneDNN: the same probabilities (to float32
+    rounding), so the same tokens here; every swap undone after the block and after an error."""
+    from entmtp_hf.heads import HydraHeads
+
     model = tiny32
     heads = getattr(model, HEADS_ATTR)
+    if base_rows:
+        torch.manual_seed(6)
+        heads = HydraHeads.for_model(model, num_heads=4, arch="mlp", use_base_lm_head=True,
+                                     draft_vocab=torch.arange(0, VOCAB, 2))  # fmt: skip
     buffers = MC_SIM_7B_63_TREE.buffers(dtype=torch.float32)
     hidden = model(input_ids=_ids(7), output_hidden_states=-1).hidden_states[-1][0]
     proposals = {}
@@ -220,7 +228,7 @@ def test_drafting_kernels_draft_the_same_tree_and_restore_the_heads(tiny32):
         state = heads.new_state(model)
         heads.observe(state, hidden)
         with layouts.drafting(heads, state):
-            assert state.kernel == kernel
+            assert state.kernel == (kernel if base_rows else "linear")  # own LM heads are swapped modules
             proposals[kernel] = heads.propose(state, torch.tensor(3), buffers)
         assert state.kernel == "linear" and all("forward" not in m.__dict__ for m in heads.modules())
     a, b = proposals["linear"], proposals["onednn"]
@@ -270,3 +278,13 @@ def test_onednn_linears_runs_every_linear_and_keeps_the_output(tiny32):
         handle.remove()
     assert torch.equal(out, ref) and ran and all(ran)
     assert all("forward" not in m.__dict__ for m in linears)
+
+
+def test_float64_heads_keep_their_own_kernel_even_when_onednn_is_asked_for(tiny):
+    """oneDNN takes float32 and bfloat16: float64 heads have nothing it could run."""
+    layouts = RowLayouts(tiny, draft_kernel="onednn")
+    setattr(tiny, LAYOUTS_ATTR, layouts)
+    ids = _ids(5, 4)
+    ref = tiny.generate(ids, max_new_tokens=20, do_sample=False)
+    out = tiny.generate(ids, max_new_tokens=20, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+    assert torch.equal(out, ref) and layouts._drafting[getattr(tiny, HEADS_ATTR)][0] == "linear"

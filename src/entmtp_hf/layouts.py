@@ -189,13 +189,18 @@ class RowLayouts:
         entry = self._drafting.get(heads)
         if entry is None:
             linears = _swappable(heads.modules())
-            kernel = self.draft_kernel or (self._tune_drafting(linears, state) if self.onednn else "linear")
-            entry = self._drafting[heads] = (kernel, linears, [types.MethodType(_onednn_forward, m) for m in linears])
-        kernel, linears, forwards = entry
+            weight = getattr(state, "lm_weight", None)
+            rows = weight is not None and _onednn_takes(weight)
+            kernel = "linear"
+            if self.onednn and (linears or rows):
+                kernel = self.draft_kernel or self._tune_drafting(linears, weight if rows else None)
+            entry = (kernel, rows, linears, [types.MethodType(_onednn_forward, m) for m in linears])
+            self._drafting[heads] = entry
+        kernel, rows, linears, forwards = entry
         if kernel == "linear":
             yield
             return
-        state.kernel = kernel
+        state.kernel = kernel if rows else "linear"
         try:
             with _swapped(linears, forwards):
                 yield
@@ -203,13 +208,9 @@ class RowLayouts:
             state.kernel = "linear"
 
     @torch.no_grad()
-    def _tune_drafting(self, linears: list[torch.nn.Linear], state) -> str:
-        weight = getattr(state, "lm_weight", None)
-        rows = [weight] if weight is not None and _onednn_takes(weight) else []
-        if not linears and not rows:
-            return "linear"
+    def _tune_drafting(self, linears: list[torch.nn.Linear], lm_rows: torch.Tensor | None) -> str:
         g = torch.Generator().manual_seed(1)
-        weights = [(m.weight, m.bias) for m in linears] + [(w, None) for w in rows]
+        weights = [(m.weight, m.bias) for m in linears] + ([(lm_rows, None)] if lm_rows is not None else [])
         inputs = [torch.randn(1, w.shape[1], generator=g).to(w) for w, _ in weights]
 
         def draft_pass(layout: str) -> None:  # one row through every layer, as drafting one node does
