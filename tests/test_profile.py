@@ -5,7 +5,15 @@ import torch
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.generation import enable_entmtp
-from entmtp_hf.profile import analytic_bound, forward_costs, interpolate_cost, linear_costs, relative_cost, step_breakdown
+from entmtp_hf.profile import (
+    analytic_bound,
+    forward_costs,
+    interpolate_cost,
+    kernel_reference,
+    linear_costs,
+    relative_cost,
+    step_breakdown,
+)
 from tiny import VOCAB
 
 
@@ -38,6 +46,18 @@ def test_analytic_bound_is_tau_over_cost():
     assert rows == [{"num_nodes": 4, "mean_accept_length": 3.0, "relative_cost": pytest.approx(2.0), "bound": pytest.approx(1.5)}]
 
 
+def test_the_bound_over_a_faster_plain_step_scales_by_its_time():
+    rows = analytic_bound([{"num_nodes": 4, "mean_accept_length": 3.0}], {1: 0.1, 4: 0.2}, reference=0.6)
+    assert rows[0]["bound"] == pytest.approx(1.5) and rows[0]["bound_over_reference"] == pytest.approx(0.9)
+
+
+def test_kernel_reference_times_both_plain_steps_and_leaves_the_cache_alone(tiny_cache):
+    model, _ = tiny_cache("llama", "hydra", "mlp")
+    ref = kernel_reference(model, prefix_len=12, repeats=2)
+    assert set(ref) == {"model", "onednn"} and min(ref.values()) > 0
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
 def test_step_breakdown_parts_add_up(tiny_cache):
     model, heads = tiny_cache("llama", "hydra", "mlp")
     enable_entmtp(model, heads)
@@ -51,3 +71,13 @@ def test_step_breakdown_parts_add_up(tiny_cache):
     sampled = step_breakdown(model, ids, EntMTPConfig(tree=[[0], [0, 0]]), max_new_tokens=20, temperature=0.7)
     assert sampled["steps"] > 0
     assert sampled["draft_ms"] + sampled["forward_ms"] + sampled["other_ms"] == pytest.approx(sampled["ms_per_step"])
+
+
+def test_the_report_shows_the_kernel_reference_and_both_bounds():
+    from entmtp_hf.profile import _markdown
+
+    report = {"forward_costs_ms": {"1": 40.0, "4": 44.0}, "breakdown": {}, "kernel_reference_ms": {"model": 40.0, "onednn": 28.0},
+              "bound": {"t": analytic_bound([{"num_nodes": 4, "mean_accept_length": 2.2}], {1: 40.0, 4: 44.0}, 0.7)}}  # fmt: skip
+    md = _markdown(report)
+    assert "40.0 ms with the model's own kernels and 28.0 ms" in md and "0.70 of it" in md
+    assert "| 4 | 2.20 | 1.10 | 2.00x | 1.40x |" in md

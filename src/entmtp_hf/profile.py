@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,7 +32,7 @@ from transformers import DynamicCache
 
 from .attention import tree_attention
 from .config import EntMTPConfig
-from .layouts import LAYOUTS_ATTR, tree_forward
+from .layouts import LAYOUTS_ATTR, onednn_linears, tree_forward
 from .tree import Tree
 from .verify import tree_attention_mask
 
@@ -75,6 +76,31 @@ def forward_costs(
                     if r:  # the first round warms up
                         times[n].append(elapsed)
     return {n: statistics.median(v) for n, v in times.items()}
+
+
+def kernel_reference(model, *, prefix_len: int = 256, repeats: int = 7) -> dict[str, float]:
+    """Median seconds of a one-token forward with the model's own kernels (``model``) and with
+    every linear layer on oneDNN (``onednn``, :func:`~entmtp_hf.layouts.onednn_linears`: the
+    benchmark's ``vanilla-onednn``), interleaved. Their ratio turns c(N), which is over the
+    model's own one-token forward, into the cost over the faster plain step."""
+    device = model.get_output_embeddings().weight.device
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(1)
+    times: dict[str, list[float]] = {"model": [], "onednn": []}
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.randint(0, vocab, (1, prefix_len), generator=g).to(device), cache=cache, use_cache=True)
+        ids = torch.randint(0, vocab, (1, 1), generator=g).to(device)
+        for r in range(repeats + 1):
+            for kind in times:
+                t0 = time.perf_counter()
+                with onednn_linears(model) if kind == "onednn" else nullcontext():
+                    model(input_ids=ids, cache=cache, use_cache=True)
+                elapsed = time.perf_counter() - t0
+                cache.crop(-1)
+                if r:
+                    times[kind].append(elapsed)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def step_breakdown(
@@ -160,15 +186,20 @@ def linear_costs(
     return {k: {m: statistics.median(v) for m, v in per.items()} for k, per in times.items()}
 
 
-def analytic_bound(trees: Sequence[dict], costs: dict[int, float]) -> list[dict]:
-    """Per tree (``num_nodes``, ``mean_accept_length``): ``tau / c(N)``, the speedup limit."""
+def analytic_bound(trees: Sequence[dict], costs: dict[int, float], reference: float | None = None) -> list[dict]:
+    """Per tree (``num_nodes``, ``mean_accept_length``): ``tau / c(N)``, the speedup limit;
+    with ``reference`` (a faster plain step's time over the model's own, :func:`kernel_reference`)
+    also the limit over that plain step, ``tau * reference / c(N)``."""
     rows = []
     for t in trees:
         n, tau = int(t["num_nodes"]), t.get("mean_accept_length")
         if tau is None:
             continue
         c = relative_cost(costs, n)
-        rows.append({"num_nodes": n, "mean_accept_length": tau, "relative_cost": c, "bound": tau / c})
+        row = {"num_nodes": n, "mean_accept_length": tau, "relative_cost": c, "bound": tau / c}
+        if reference is not None:
+            row["bound_over_reference"] = tau * reference / c
+        rows.append(row)
     return rows
 
 
@@ -193,10 +224,19 @@ def _markdown(report: dict) -> str:
         for name, per in report["linear_costs_ms"].items():
             lines.append(f"| {name} | {per[sizes[0]]:.3f} | " + " | ".join(f"{per[m] / per[sizes[0]]:.2f}" for m in sizes)
                          + " |")  # fmt: skip
+    ref = report.get("kernel_reference_ms")
+    if ref:
+        lines += ["", "## The kernel reference", "",
+                  f"A one-token forward takes {ref['model']:.1f} ms with the model's own kernels and {ref['onednn']:.1f} ms "
+                  f"with every linear layer on oneDNN (`vanilla-onednn`): {ref['onednn'] / ref['model']:.2f} of it. The "
+                  f"bound over vanilla-onednn is tau / c(N) times that."]  # fmt: skip
     for task, rows in report.get("bound", {}).items():
-        lines += ["", f"## Analytic bound, task {task} (tau / c(N))", "", "| nodes | tau | c(N) | bound |", "|---|---|---|---|"]
+        over = bool(rows) and "bound_over_reference" in rows[0]
+        lines += ["", f"## Analytic bound, task {task} (tau / c(N))", "",
+                  "| nodes | tau | c(N) | bound |" + (" over vanilla-onednn |" if over else ""),
+                  "|---|---|---|---|" + ("---|" if over else "")]  # fmt: skip
         lines += [f"| {r['num_nodes']} | {r['mean_accept_length']:.2f} | {r['relative_cost']:.2f} | {r['bound']:.2f}x |"
-                  for r in rows]  # fmt: skip
+                  + (f" {r['bound_over_reference']:.2f}x |" if over else "") for r in rows]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -211,13 +251,15 @@ def _profile(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"threads": torch.get_num_threads(), "bank": str(bank_dir)}
     costs = forward_costs(model, prefix_len=args.prefix_len, repeats=args.repeats)
     report["forward_costs_ms"] = {str(n): 1e3 * s for n, s in costs.items()}
+    plain = kernel_reference(model, prefix_len=args.prefix_len, repeats=args.repeats)
+    report["kernel_reference_ms"] = {k: 1e3 * v for k, v in plain.items()}
     report["linear_costs_ms"] = {k: {str(m): 1e3 * t for m, t in per.items()}
                                  for k, per in linear_costs(model, repeats=args.repeats).items()}  # fmt: skip
     report["breakdown"], report["bound"] = {}, {}
     for task in args.tasks:
         ids = torch.tensor([evaluation_basket(task, 1)[0].render(tokenizer)])
         bank = config_for(bank_dir, task).load_bank()  # the task's bank, or the folder's default
-        report["bound"][task] = analytic_bound(bank.metadata.get("trees", []), costs)
+        report["bound"][task] = analytic_bound(bank.metadata.get("trees", []), costs, plain["onednn"] / plain["model"])
         for policy in ("static", None):
             cfg = EntMTPConfig(bank=bank, task=bank.task, policy=policy)
             label = f"{task} {policy or 'bank default (' + bank.scheduler.policy + ')'}"
