@@ -94,3 +94,11 @@ def test_real_demo_model_loads_and_generates_deterministically():
     assert torch.equal(runs[0], runs[1])
     assert runs[0].shape[1] > enc["input_ids"].shape[1]
     assert "5" in tok.decode(runs[0][0, enc["input_ids"].shape[1]:])
+
+
+def test_the_demo_names_a_mismatch_and_says_when_it_is_a_floating_point_tie():
+    from entmtp_hf.demo import _mismatch_text
+
+    assert "a floating-point tie" in _mismatch_text({"task": "gsm8k", "position": 93, "logit_gap": 0.0})
+    text = _mismatch_text({"task": "chat", "position": 4, "logit_gap": 2.5})
+    assert "chat from token 4" in text and "2.5000" in text and "tie" not in text
