@@ -152,17 +152,7 @@ def test_float32_greedy_decoding_matches_vanilla_with_every_choice(tiny32, chose
     model = tiny32
     layouts = RowLayouts(model, layouts={n: chosen for n in range(2, 65)})
     setattr(model, LAYOUTS_ATTR, layouts)
-    ran = []
-    handle = torch.nn.modules.module.register_module_forward_hook(
-        lambda m, args, out: ran.append(m.__dict__.get("forward") is not None) if m in layouts.linears else None)
-    try:
-        for seed in range(4):
-            ids = _ids(4 + seed, seed)
-            ref = model.generate(ids, max_new_tokens=30, do_sample=False)
-            out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
-            assert torch.equal(out, ref)
-    finally:
-        handle.remove()
+    ran = _greedy_like_vanilla(model, layouts.linears, seeds=range(4))
     assert any(ran) == (chosen[0] == "onednn") and all("forward" not in m.__dict__ for m in layouts.linears)
 
 
@@ -195,6 +185,21 @@ def test_enabling_again_keeps_the_timed_layouts(tiny, tiny_cache):
 def test_disable_removes_the_layouts(tiny):
     disable_entmtp(tiny)
     assert not hasattr(tiny, LAYOUTS_ATTR)
+
+
+def _greedy_like_vanilla(model, watched, seeds=range(3)) -> list[bool]:
+    """Greedy EntMTP (mc_sim_7b_63) equals vanilla on a few prompts; per call of a ``watched``
+    module, whether its forward was swapped."""
+    ran, handle = _swapped_calls(watched)
+    try:
+        for seed in seeds:
+            ids = _ids(4 + seed, seed)
+            ref = model.generate(ids, max_new_tokens=30, do_sample=False)
+            out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+            assert torch.equal(out, ref)
+    finally:
+        handle.remove()
+    return ran
 
 
 def _swapped_calls(modules):
@@ -248,16 +253,7 @@ def test_float32_greedy_decoding_matches_vanilla_with_either_draft_kernel(tiny32
     heads = getattr(model, HEADS_ATTR)
     layouts = RowLayouts(model, repeats=1, draft_kernel=kernel)
     setattr(model, LAYOUTS_ATTR, layouts)
-    linears = [m for m in heads.modules() if type(m) is torch.nn.Linear]
-    ran, handle = _swapped_calls(linears)
-    try:
-        for seed in range(3):
-            ids = _ids(4 + seed, seed)
-            ref = model.generate(ids, max_new_tokens=30, do_sample=False)
-            out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
-            assert torch.equal(out, ref)
-    finally:
-        handle.remove()
+    ran = _greedy_like_vanilla(model, [m for m in heads.modules() if type(m) is torch.nn.Linear])
     chosen = layouts._drafting[heads][0]
     assert chosen == (kernel or chosen) and list(layouts._drafting) == [heads]
     assert ran and all(ran) == (chosen == "onednn") and any(ran) == (chosen == "onednn")
