@@ -121,20 +121,19 @@ def replay(traj: "Trajectory", plan: "DecodePlan", window: int = 8) -> Replay:
     return Replay(lengths, sizes)
 
 
+def accepted_depth(row: Sequence[int], paths: set[tuple[int, ...]]) -> int:
+    """How deep a tree (its ``paths``) matches a rank tuple: the drafted tokens a greedy step accepts."""
+    d = 0
+    while d < len(row) and tuple(row[: d + 1]) in paths:
+        d += 1
+    return d
+
+
 def accept_table(traj: "Trajectory", trees: Sequence["Tree"]) -> list[list[int]]:
     """``table[j][k]``: the tokens tree ``k`` adds in a greedy step starting at step start ``j``
     (no retrieval): one plus the depth of its deepest path matching the rank tuple."""
     paths = [set(t.paths) for t in trees]
-    table = []
-    for row in traj.tuples:
-        line = []
-        for p in paths:
-            d = 0
-            while d < len(row) and tuple(row[: d + 1]) in p:
-                d += 1
-            line.append(1 + d)
-        table.append(line)
-    return table
+    return [[1 + accepted_depth(row, p) for p in paths] for row in traj.tuples]
 
 
 def walk_rate(tables: Sequence[Sequence[Sequence[int]]], costs: Sequence[float], choose) -> tuple[float, float]:

@@ -56,7 +56,7 @@ from transformers import DynamicCache
 from .config import EntMTPConfig
 from .profile import forward_costs as profile_forward_costs
 from .profile import interpolate_cost
-from .replay import replay, why_not_replayable
+from .replay import accepted_depth, replay, why_not_replayable
 from .retrieval import RetrievalConfig
 from .scheduler import FEATURE_POLICIES, FEATURES, threshold, top1_and_entropy
 from .tree import MC_SIM_7B_63, Path, Tree
@@ -219,13 +219,6 @@ def prefix_counts(trajectories: Iterable[Trajectory]) -> tuple[dict[Path, int], 
                 key = tuple(row[:k])
                 counts[key] = counts.get(key, 0) + 1
     return counts, total
-
-
-def accepted_depth(row: Sequence[int], paths: set[Path]) -> int:
-    d = 0
-    while d < len(row) and tuple(row[: d + 1]) in paths:
-        d += 1
-    return d
 
 
 def simulate_canonical(traj: Trajectory, tree: Tree) -> list[int]:
