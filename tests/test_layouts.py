@@ -284,3 +284,30 @@ def test_float64_heads_keep_their_own_kernel_even_when_onednn_is_asked_for(tiny)
     ref = tiny.generate(ids, max_new_tokens=20, do_sample=False)
     out = tiny.generate(ids, max_new_tokens=20, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
     assert torch.equal(out, ref) and layouts._drafting[getattr(tiny, HEADS_ATTR)][0] == "linear"
+
+
+@ONEDNN
+def test_entmtp_inside_onednn_linears_nests_and_restores(tiny32):
+    """Swaps nest: the tree forward's and drafting's swaps inside the plain-decoding one give
+    every module back what it had, and the output is still vanilla's."""
+    model = tiny32
+    setattr(model, LAYOUTS_ATTR, RowLayouts(model, layouts={n: ("onednn", "onednn") for n in range(2, 65)},
+                                            draft_kernel="onednn"))  # fmt: skip
+    ids = _ids(6, 5)
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False)
+    with onednn_linears(model):
+        out = model.generate(ids, max_new_tokens=20, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+        assert all("forward" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
+    assert torch.equal(out, ref) and all("forward" not in m.__dict__ for m in model.modules())
+    heads = getattr(model, HEADS_ATTR)  # timed inside the block, the heads' layers still count as swappable
+    assert len(getattr(model, LAYOUTS_ATTR)._drafting[heads][2]) == sum(type(m) is torch.nn.Linear for m in heads.modules())
+
+
+def test_only_plain_or_own_forwards_are_swapped():
+    from entmtp_hf.layouts import _onednn_forward, _swappable
+
+    plain, hooked, ours = (torch.nn.Linear(4, 4) for _ in range(3))
+    hooked.forward = lambda x: x  # someone else's instance forward (an offloading hook, say)
+    ours.forward = _onednn_forward.__get__(ours)
+    assert _swappable([plain, hooked, ours]) == [plain, ours]
+    assert _swappable([plain.double()]) == []  # oneDNN takes float32 and bfloat16

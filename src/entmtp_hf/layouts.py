@@ -53,22 +53,31 @@ def _onednn_takes(weight: torch.Tensor) -> bool:
 
 
 def _swappable(modules: Iterable[torch.nn.Module], exclude: torch.nn.Module | None = None) -> list[torch.nn.Linear]:
-    """The plain CPU float ``nn.Linear`` modules whose ``forward`` may be swapped (none with an
-    instance-level ``forward``, e.g. accelerate's offloading hooks)."""
-    return [m for m in modules if type(m) is torch.nn.Linear and m is not exclude and "forward" not in m.__dict__
-            and _onednn_takes(m.weight)]  # fmt: skip
+    """The plain CPU float ``nn.Linear`` modules whose ``forward`` may be swapped: none with an
+    instance-level ``forward`` of someone else's (accelerate's offloading hooks, for instance)."""
+    def free(m: torch.nn.Module) -> bool:
+        forward = m.__dict__.get("forward")
+        return forward is None or getattr(forward, "__func__", None) is _onednn_forward
+
+    return [m for m in modules if type(m) is torch.nn.Linear and m is not exclude and _onednn_takes(m.weight)
+            and free(m)]  # fmt: skip
 
 
 @contextmanager
 def _swapped(modules: list[torch.nn.Linear], forwards: list[Callable]) -> Iterator[None]:
-    """Inside the block each module runs its ``forwards`` entry (restored after, even on errors)."""
+    """Inside the block each module runs its ``forwards`` entry; after it (even on errors) each
+    gets back what it had, so swaps nest (a tree forward inside :func:`onednn_linears`)."""
+    before = [vars(m).get("forward") for m in modules]
     for m, forward in zip(modules, forwards):
         vars(m)["forward"] = forward  # an instance attribute shadows nn.Linear.forward; not a parameter
     try:
         yield
     finally:
-        for m in modules:
-            del vars(m)["forward"]
+        for m, old in zip(modules, before):
+            if old is None:
+                vars(m).pop("forward", None)
+            else:
+                vars(m)["forward"] = old
 
 
 def _onednn_available() -> bool:
