@@ -187,15 +187,15 @@ def test_disable_removes_the_layouts(tiny):
     assert not hasattr(tiny, LAYOUTS_ATTR)
 
 
-def _greedy_like_vanilla(model, watched, seeds=range(3)) -> list[bool]:
-    """Greedy EntMTP (mc_sim_7b_63) equals vanilla on a few prompts; per call of a ``watched``
+def _greedy_like_vanilla(model, watched, seeds=range(3), tree=MC_SIM_7B_63) -> list[bool]:
+    """Greedy EntMTP (``tree``) equals vanilla on a few prompts; per call of a ``watched``
     module, whether its forward was swapped."""
     ran, handle = _swapped_calls(watched)
     try:
         for seed in seeds:
             ids = _ids(4 + seed, seed)
             ref = model.generate(ids, max_new_tokens=30, do_sample=False)
-            out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+            out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=tree))
             assert torch.equal(out, ref)
     finally:
         handle.remove()
@@ -311,3 +311,19 @@ def test_only_plain_or_own_forwards_are_swapped():
     ours.forward = _onednn_forward.__get__(ours)
     assert _swappable([plain, hooked, ours]) == [plain, ours]
     assert _swappable([plain.double()]) == []  # oneDNN takes float32 and bfloat16
+
+
+@ONEDNN
+def test_the_prefill_runs_on_the_kernel_timed_at_prefill_rows(tiny32):
+    """Every prompt length takes the choice for PREFILL_ROWS rows (one timing), here oneDNN while
+    every tree size keeps MKL: the swapped calls are the prefill's, and the output is vanilla's."""
+    from entmtp_hf.layouts import PREFILL_ROWS
+
+    model = tiny32
+    presets = {n: ("linear", "linear") for n in range(2, 65)} | {PREFILL_ROWS: ("onednn", "linear")}
+    layouts = RowLayouts(model, layouts=presets, draft_kernel="linear")
+    setattr(model, LAYOUTS_ATTR, layouts)
+    ran = _greedy_like_vanilla(model, layouts.linears, tree=[[0], [1], [0, 0]])  # 4 nodes, not 64
+    assert any(ran) and not all(ran) and set(layouts.layouts) == set(presets) | {1}
+    calls_per_forward = len(layouts.linears)
+    assert sum(ran) == 3 * calls_per_forward  # one prefill per generate call, three prompts

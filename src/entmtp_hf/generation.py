@@ -338,15 +338,18 @@ def entmtp_decode(
     else:
         positions = torch.arange(prompt_len, device=device)[None]
     keep = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=-1,
-        **keep,
-    )
+    row_layouts = getattr(model, LAYOUTS_ATTR, None)  # this machine's faster kernels (entmtp_hf.layouts)
+    weight = model.get_output_embeddings().weight
+    with row_layouts.prefill(prompt_len, weight) if row_layouts is not None else nullcontext():
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=-1,
+            **keep,
+        )
     next_pos = int(positions[0, -1]) + 1
     last_logits = out.logits[0, -1:].float()
     scores = logits_processor(input_ids, last_logits)
@@ -354,7 +357,7 @@ def entmtp_decode(
     generator.observe(out.hidden_states[-1][0])
     p0, entropy = generator.confidence(last_logits[0])
     # verification products by this machine's faster kernels, where the model's logits are the plain product
-    row_layouts = layouts = getattr(model, LAYOUTS_ATTR, None)
+    layouts = row_layouts
     if layouts is not None and not layouts.matches(out.hidden_states[-1][0, -1], out.logits[0, -1]):
         layouts = None
     for n in sorted(plan.node_counts) if layouts is not None else ():
