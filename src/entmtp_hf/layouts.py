@@ -15,7 +15,9 @@ alternatives were measured faster there for a few rows: oneDNN's linear on the p
 and the LM head in ``linear``, ``transposed`` and ``onednn``, and keeps the faster of each.
 Drafting is one-row products too (the heads' layers and their LM rows, a few per depth):
 :meth:`RowLayouts.drafting` runs them with the kernel timed faster for the heads (session 11:
-oneDNN reads a one-row product in 0.4-0.7 of MKL's time on that AMD machine).
+oneDNN reads a one-row product in 0.4-0.7 of MKL's time on that AMD machine), and
+:meth:`RowLayouts.prefill` gives the prompt's forward the decoder kernel timed at
+:data:`PREFILL_ROWS` rows.
 :func:`tree_forward` runs one verification forward with them: the decoder's plain
 ``nn.Linear`` modules compute their N-row products with the chosen kernel (their ``forward``
 is swapped for the call and restored after: no model code changes; one-row calls, the
