@@ -74,11 +74,10 @@ def test_each_row_count_is_timed_once_and_one_row_keeps_the_models_own(tiny, tin
     layouts = RowLayouts(tiny32, repeats=2)
     assert layouts.layouts == {1: ("linear", "linear")}
     assert len(layouts.linears) == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
-    w = tiny32.get_output_embeddings().weight
-    chosen = layouts.layout(3, w)
+    chosen = layouts.layout(3)
     assert set(layouts.layouts) == {1, 3} and chosen[0] in DECODER_LAYOUTS and chosen[1] in HEAD_LAYOUTS
     layouts.layouts[3] = ("onednn", "transposed")  # stored: later calls do not time again
-    assert layouts.layout(3, w) == ("onednn", "transposed")
+    assert layouts.layout(3) == ("onednn", "transposed")
 
 
 def test_bad_settings_are_refused(tiny):
@@ -118,7 +117,7 @@ def test_tree_forward_equals_the_models_forward_and_restores_the_modules(tiny32,
     assert all("forward" not in m.__dict__ for m in layouts.linears)  # the swap is undone
     calls = []
     handle = layouts.linears[0].register_forward_hook(lambda *a: calls.append(1))  # hooks still run inside
-    with layouts.decoder(6, ids):
+    with layouts.decoder(6):
         tiny(input_ids=ids)
     handle.remove()
     assert calls == [1] and "forward" not in layouts.linears[0].__dict__
@@ -128,7 +127,7 @@ def test_tree_forward_equals_the_models_forward_and_restores_the_modules(tiny32,
 def test_the_swap_is_undone_when_the_forward_fails(tiny32):
     layouts = RowLayouts(tiny32, layouts={4: ("onednn", "linear")})
     with pytest.raises(RuntimeError, match="boom"):
-        with layouts.decoder(4, _ids(4)):
+        with layouts.decoder(4):
             assert all("forward" in m.__dict__ for m in layouts.linears)
             raise RuntimeError("boom")
     assert all("forward" not in m.__dict__ for m in layouts.linears)

@@ -339,8 +339,7 @@ def entmtp_decode(
         positions = torch.arange(prompt_len, device=device)[None]
     keep = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
     row_layouts = getattr(model, LAYOUTS_ATTR, None)  # this machine's faster kernels (entmtp_hf.layouts)
-    weight = model.get_output_embeddings().weight
-    with row_layouts.prefill(prompt_len, weight) if row_layouts is not None else nullcontext():
+    with row_layouts.prefill(prompt_len) if row_layouts is not None else nullcontext():
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -361,7 +360,7 @@ def entmtp_decode(
     if layouts is not None and not layouts.matches(out.hidden_states[-1][0, -1], out.logits[0, -1]):
         layouts = None
     for n in sorted(plan.node_counts) if layouts is not None else ():
-        layouts.layout(n, out.hidden_states[-1])  # timed once per model and size, not inside a step
+        layouts.layout(n)  # timed once per model and size, not inside a step
     stats.prefill_time = time.perf_counter() - t_start
 
     finished = _emit(input_ids, [root], scores, stopping_criteria, streamer)

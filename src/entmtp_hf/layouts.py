@@ -167,16 +167,16 @@ class RowLayouts:
         #: per heads object: (kernel, its swappable linears, their oneDNN forwards), timed on first use
         self._drafting: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def layout(self, rows: int, like: torch.Tensor) -> tuple[str, str]:
+    def layout(self, rows: int) -> tuple[str, str]:
         """The (decoder, LM head) choices for ``rows`` rows, timed now if this is the first time."""
         chosen = self.layouts.get(rows)
         if chosen is None:
-            chosen = self.layouts[rows] = self._tune(rows, like)
+            chosen = self.layouts[rows] = self._tune(rows)
         return chosen
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, V]`` of last hidden states ``[N, H]``."""
-        return project(hidden, self.lm_head.weight, None, self.layout(hidden.shape[0], hidden)[1])
+        return project(hidden, self.lm_head.weight, None, self.layout(hidden.shape[0])[1])
 
     @torch.no_grad()
     def matches(self, hidden_row: torch.Tensor, logits_row: torch.Tensor) -> bool:
@@ -186,19 +186,19 @@ class RowLayouts:
         return ours.shape == logits_row.shape and bool((ours - logits_row).abs().max() <= 1e-3 * scale)
 
     @contextmanager
-    def decoder(self, rows: int, like: torch.Tensor) -> Iterator[None]:
+    def decoder(self, rows: int) -> Iterator[None]:
         """Inside the block the decoder's linear layers compute ``rows``-row products with the chosen kernel."""
-        if self.layout(rows, like)[0] == "linear":
+        if self.layout(rows)[0] == "linear":
             yield
             return
         with _swapped(self.linears, self._onednn):
             yield
 
-    def prefill(self, rows: int, like: torch.Tensor):
+    def prefill(self, rows: int):
         """:meth:`decoder` for a prompt of ``rows`` tokens: the kernel timed at :data:`PREFILL_ROWS`
         rows (session 11: oneDNN ran a 64-600-token prefill in 0.55-0.63 of MKL's time on the
         AMD EPYC; one timing serves every prompt length). A one-token prompt keeps the model's own."""
-        return self.decoder(PREFILL_ROWS if rows > 1 else 1, like)
+        return self.decoder(PREFILL_ROWS if rows > 1 else 1)
 
     @contextmanager
     def drafting(self, heads: torch.nn.Module, state) -> Iterator[None]:
@@ -239,7 +239,8 @@ class RowLayouts:
         return _fastest(draft_pass, ("linear", "onednn"), weights[0][0].device, self.repeats)
 
     @torch.no_grad()
-    def _tune(self, rows: int, like: torch.Tensor) -> tuple[str, str]:
+    def _tune(self, rows: int) -> tuple[str, str]:
+        like = self.lm_head.weight  # the model's device and dtype
         g = torch.Generator().manual_seed(rows)
         inputs = {n: torch.randn(rows, n, generator=g).to(like) for n in {m.in_features for m in self.linears}}
 
@@ -269,7 +270,7 @@ def tree_forward(model, layouts: RowLayouts | None, **inputs) -> tuple[torch.Ten
         out = model(**inputs, output_hidden_states=-1)
         return out.logits[0], out.hidden_states[-1][0]
     ids = inputs["input_ids"]
-    with layouts.decoder(ids.shape[-1], model.get_output_embeddings().weight):
+    with layouts.decoder(ids.shape[-1]):
         out = model(**inputs, output_hidden_states=-1, logits_to_keep=NO_POSITIONS.to(ids.device))
     hidden = out.hidden_states[-1][0]
     return layouts.logits(hidden), hidden

@@ -39,6 +39,15 @@ from .verify import tree_attention_mask
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
+def _prefilled_cache(model, prefix_len: int, g: torch.Generator) -> DynamicCache:
+    """A cache holding ``prefix_len`` random tokens (drawn from ``g``): the context a timed forward sees."""
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, prefix_len), generator=g).to(model.get_output_embeddings().weight.device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, cache=cache, use_cache=True)
+    return cache
+
+
 def forward_costs(
     model, sizes: Sequence[int] = SIZES, *, prefix_len: int = 256, repeats: int = 7, progress: bool = False
 ) -> dict[int, float]:
@@ -54,8 +63,7 @@ def forward_costs(
     g = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.randint(0, vocab, (1, prefix_len), generator=g).to(device), cache=cache, use_cache=True)
+        cache = _prefilled_cache(model, prefix_len, g)
         row = torch.zeros(prefix_len, dtype=dtype, device=device)
         inputs = {}
         for n in sizes:
@@ -83,14 +91,12 @@ def kernel_reference(model, *, prefix_len: int = 256, repeats: int = 7) -> dict[
     every linear layer on oneDNN (``onednn``, :func:`~entmtp_hf.layouts.onednn_linears`: the
     benchmark's ``vanilla-onednn``), interleaved. Their ratio turns c(N), which is over the
     model's own one-token forward, into the cost over the faster plain step."""
-    device = model.get_output_embeddings().weight.device
-    vocab = model.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(1)
     times: dict[str, list[float]] = {"model": [], "onednn": []}
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.randint(0, vocab, (1, prefix_len), generator=g).to(device), cache=cache, use_cache=True)
-        ids = torch.randint(0, vocab, (1, 1), generator=g).to(device)
+        cache = _prefilled_cache(model, prefix_len, g)
+        ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, 1), generator=g)
+        ids = ids.to(model.get_output_embeddings().weight.device)
         for r in range(repeats + 1):
             for kind in times:
                 t0 = time.perf_counter()
