@@ -453,15 +453,7 @@ def table_markdown(results: dict) -> str:
     spec = speculation_markdown(results)
     if spec:
         parts += ["### Speculation: speed-up and wasted verification", "", spec]
-    pairs = pairwise_markdown(results)
-    if pairs:
-        parts += [f"### Against {PAIR_REFERENCE}, prompt by prompt", "", PAIRWISE_NOTE, "", pairs]
-    kernel = pairwise_markdown(results, KERNEL_REFERENCE)
-    if kernel:
-        parts += [f"### Against {KERNEL_REFERENCE}, prompt by prompt", "", KERNEL_NOTE, "", kernel]
-    eas = eas_markdown(results)
-    if eas:
-        parts += ["### Entropy-adaptive chains", "", eas]
+    parts += _comparison_sections(results, "###")
     mism = mismatch_lines(results)
     if results["settings"]["mode"] == "greedy":
         parts += ["### Greedy mismatches against vanilla", ""] + (mism or ["none: every output is token-identical"]) + [""]
@@ -469,6 +461,20 @@ def table_markdown(results: dict) -> str:
     if skipped:
         parts += ["### Skipped methods", ""] + skipped + [""]
     return "\n".join(parts)
+
+
+def _comparison_sections(results: dict, heading: str) -> list[str]:
+    """The prompt-by-prompt sections (against EntMTP* and the kernel reference) and the EAS
+    table, each only when the run has what it compares; ``heading`` is their markdown level."""
+    parts: list[str] = []
+    for reference, note in ((PAIR_REFERENCE, PAIRWISE_NOTE), (KERNEL_REFERENCE, KERNEL_NOTE)):
+        table = pairwise_markdown(results, reference)
+        if table:
+            parts += [f"{heading} Against {reference}, prompt by prompt", "", note, "", table]
+    eas = eas_markdown(results)
+    if eas:
+        parts += [f"{heading} Entropy-adaptive chains", "", eas]
+    return parts
 
 
 def _command_lines(env: dict) -> list[str]:
@@ -504,15 +510,7 @@ def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
         "the machine is shared and absolute speeds drift.", "",
         table1_markdown(results), "", "## Details", "", details_markdown(results),
     ]  # fmt: skip
-    pairs = pairwise_markdown(results)
-    if pairs:
-        parts += [f"## Against {PAIR_REFERENCE}, prompt by prompt", "", PAIRWISE_NOTE, "", pairs]
-    kernel = pairwise_markdown(results, KERNEL_REFERENCE)
-    if kernel:
-        parts += [f"## Against {KERNEL_REFERENCE}, prompt by prompt", "", KERNEL_NOTE, "", kernel]
-    eas = eas_markdown(results)
-    if eas:
-        parts += ["## Entropy-adaptive chains", "", eas]
+    parts += _comparison_sections(results, "##")
     if results["settings"]["mode"] == "greedy":
         parts += ["## Greedy outputs against vanilla", ""] + (mismatch_lines(results) or ["All outputs are token-identical."]) + [""]
     if skipped_lines(results):
