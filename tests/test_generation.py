@@ -276,6 +276,23 @@ def test_a_feature_known_before_drafting_drafts_the_chosen_tree_only(tiny_cache,
     assert used == {2, 64}, "both trees should be used for the test to mean anything"
 
 
+@pytest.mark.parametrize("feature,reads", [("base_top1", True), ("accept_ema", False), ("head_confidence", False)])
+def test_the_verifiers_softmax_runs_only_for_a_feature_that_reads_it(tiny_cache, monkeypatch, feature, reads):
+    import entmtp_hf.candidates as candidates
+
+    model, calls = enabled(tiny_cache), []
+    real = candidates.top1_and_entropy
+    monkeypatch.setattr(candidates, "top1_and_entropy", lambda logits: calls.append(1) or real(logits))
+    config = EntMTPConfig(trees=[[[0]], CHAIN[:3]], tau_on=0.3, tau_off=0.3, feature=feature)
+    for ids in prompts(2):
+        calls.clear()
+        ref = model.generate(ids, max_new_tokens=20, do_sample=False)
+        out = model.generate(ids, max_new_tokens=20, do_sample=False, entmtp_config=config, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        # one after the prefill and one after every step
+        assert len(calls) == (len(out.entmtp_stats["accept_lengths"]) + 1 if reads else 0)
+
+
 def test_value_policy_reads_head_probabilities_at_the_sampling_temperature(tiny_cache, monkeypatch):
     model = enabled(tiny_cache)
     heads, seen = model.entmtp_heads, []

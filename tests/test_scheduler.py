@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from entmtp_hf.scheduler import (
+    FEATURES,
     FeatureTracker,
     Scheduler,
     best_path_value,
@@ -53,6 +54,20 @@ def test_feature_tracker_values():
     assert f.value(0.5, 2.0, []) == 3.0
     with pytest.raises(ValueError, match="unknown scheduler feature"):
         FeatureTracker("nope")
+
+
+@pytest.mark.parametrize("name", FEATURES)
+@pytest.mark.parametrize("chain", [[0.3, 0.8], []])
+def test_reads_base_says_whether_the_value_depends_on_the_verifier(name, chain):
+    """The decode loop skips the verifier's softmax when ``reads_base`` is False: the feature's
+    value must then be the same whatever the verifier's top-1 probability and entropy are."""
+    def values(p0: float, entropy: float) -> list[float]:
+        f = FeatureTracker(name, window=2)
+        f.observe_accept(2)
+        return [f.value(p0, entropy, chain) for _ in range(3)]
+
+    depends = values(0.9, 0.2) != values(0.4, 2.5)
+    assert depends == FeatureTracker(name).reads_base(drafted=bool(chain))
 
 
 def test_threshold_maps_the_probability_grid_to_each_feature():

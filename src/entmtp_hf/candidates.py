@@ -62,6 +62,10 @@ class EntMTPCandidateGenerator:
         self.draft_buffers = self.buffers if same else tuple(t.buffers(heads_device, dtype) for t in plan.trees)
         self.node_maps = tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for m in plan.node_maps)
         self.chain_nodes = torch.tensor(plan.chain_nodes, dtype=torch.long, device=heads_device)
+        # the verifier's top-1 probability and entropy, only where the scheduler's feature reads them
+        self.reads_base = (
+            self.eas is None and self.scheduler.needs_feature and feature.reads_base(drafted=len(plan.chain_nodes) > 0)
+        )
         self.members = None  # value policy: [K, N] which non-root union nodes each tree has
         if self.scheduler.policy == "value":
             self.members = torch.zeros(len(plan.trees), plan.union.num_nodes, dtype=torch.float64)
@@ -82,8 +86,9 @@ class EntMTPCandidateGenerator:
 
     def confidence(self, logits: torch.Tensor) -> tuple[float, float]:
         """Top-1 probability and entropy of the verifier's logits at the next root, when the
-        scheduler reads them (a softmax over the full vocabulary costs ~0.5 ms on a CPU)."""
-        if self.eas is not None or not self.scheduler.needs_feature:
+        scheduler's feature reads them (0, 0 otherwise: a softmax over the whole vocabulary
+        every step, 0.1 ms on this project's CPU, for nothing)."""
+        if not self.reads_base:
             return 0.0, 0.0
         p0, entropy = top1_and_entropy(logits)
         return float(p0), float(entropy)

@@ -40,6 +40,10 @@ FEATURE_POLICIES = ("hysteresis", "ladder")
 #: the features that read the heads' draft; the others are known before the heads run, so only
 #: the chosen tree is drafted (``best_path_value`` is max(p0, p0·p1, ...) = p0: no draft needed)
 DRAFT_FEATURES = ("chain_value", "head_confidence")
+#: the features that read the verifier's distribution at the root (its top-1 probability or
+#: entropy, a softmax over the whole vocabulary per step); ``head_confidence`` reads it only
+#: when nothing is drafted, ``accept_ema`` never
+BASE_FEATURES = ("best_path_value", "chain_value", "base_top1", "confidence", "confidence_ema")
 
 
 # ----------------------------------------------------------------------------- features
@@ -115,6 +119,12 @@ class FeatureTracker:
     def reads_draft(self) -> bool:
         """Whether the feature needs the heads' chain probabilities (see :data:`DRAFT_FEATURES`)."""
         return self.name in DRAFT_FEATURES
+
+    def reads_base(self, drafted: bool = True) -> bool:
+        """Whether :meth:`value` reads ``p0`` or ``entropy`` (see :data:`BASE_FEATURES`); when it
+        does not, the decode loop skips the softmax they come from. ``drafted``: whether the
+        step has a drafted chain (``head_confidence`` falls back to ``p0`` without one)."""
+        return self.name in BASE_FEATURES or (self.name == "head_confidence" and not drafted)
 
     def value(self, p0: float, entropy: float, chain_probs: list[float]) -> float:
         """The scalar ``s`` for this step (``chain_probs`` is read only if :attr:`reads_draft`)."""
