@@ -257,6 +257,36 @@ def test_unavailable_methods_are_skipped_with_reason(tmp_path):
     assert "| delta | " in table1_markdown(results | {"summary": summarize(results)})
 
 
+def test_packed_methods_pack_outside_the_clock_and_unpack_before_the_next_method(tmp_path):
+    """``vanilla-packed`` and ``entmtp-static-packed`` run with the decoder's layers packed (float32:
+    oneDNN takes it), every other method on the dense weights, which come back bit for bit; on a
+    float64 model there is nothing to pack and the methods are skipped with the reason."""
+    model, tok = tiny_llama().float(), tiny_tokenizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": random_heads(model, "hydra").float()})
+    seen = []
+
+    class Spy(Method):  # vanilla, noting whether every weight is dense when it runs
+        def prepare(self, ctx_, task, mode):
+            run = super().prepare(ctx_, task, mode)
+            return lambda ids, kw: seen.append(all(p.numel() for p in model.parameters())) or run(ids, kw)
+
+    names = ("vanilla", "vanilla-packed", "entmtp-static", "entmtp-static-packed")
+    settings = BenchSettings(tasks=(write_task(tmp_path, "zeta", 6),), num_prompts=2, max_new_tokens=8,
+                             methods=names, perplexity=False)  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(METHODS, "vanilla", Spy("vanilla", "plain generate, watched"))
+        results = run_benchmark(ctx, settings)
+    assert not results["skipped"] and {r["method"] for r in results["records"]} == set(names)
+    assert all(r["mismatch"] is None for r in results["records"]) and seen and all(seen)
+    after = model.state_dict()  # the heads have joined the model since: compare the model's own
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+    ctx64 = BenchContext(tiny_llama(), tok, bank_folder=DEFAULTS)
+    results = run_benchmark(ctx64, BenchSettings(tasks=settings.tasks, num_prompts=1, max_new_tokens=4,
+                                                 methods=("vanilla", "vanilla-packed"), perplexity=False))  # fmt: skip
+    assert "no layer of the model could be packed" in results["skipped"]["vanilla-packed"]["zeta"]
+
+
 @pytest.mark.parametrize("mode", ["sampling", "typical"])
 def test_sampling_modes_run(tmp_path, mode):
     model, tok = tiny_llama(), tiny_tokenizer()

@@ -13,6 +13,7 @@ from entmtp_hf.layouts import (
     RowLayouts,
     _onednn_available,
     onednn_linears,
+    packed_linears,
     project,
     tree_forward,
 )
@@ -326,3 +327,77 @@ def test_the_prefill_runs_on_the_kernel_timed_at_prefill_rows(tiny32):
     assert any(ran) and not all(ran) and set(layouts.layouts) == set(presets) | {1}
     calls_per_forward = len(layouts.linears)
     assert sum(ran) == 3 * calls_per_forward  # one prefill per generate call, three prompts
+
+
+def _dense(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@ONEDNN
+def test_packed_linears_decode_like_vanilla_and_give_the_exact_weights_back(tiny32):
+    """Packed in place, the decoder's layers compute the same products (the float32 model's greedy
+    output, plain and EntMTP, is vanilla's); saving is refused while packed; the weights come back
+    bit for bit; the LM head (tied or not) is never packed."""
+    model = tiny32
+    before, ids = _dense(model), _ids(6, 7)
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False)
+    decoder_linears = [m for m in model.get_decoder().modules() if type(m) is torch.nn.Linear]
+    with packed_linears(model) as n:
+        assert n == len(decoder_linears) > 0
+        assert all(m.weight.numel() == 0 for m in decoder_linears)
+        assert model.get_output_embeddings().weight.numel() > 0
+        with pytest.raises(RuntimeError, match="packed"):
+            model.state_dict()
+        plain = model.generate(ids, max_new_tokens=20, do_sample=False)
+        tree = model.generate(ids, max_new_tokens=20, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+    assert torch.equal(plain, ref) and torch.equal(tree, ref)
+    after = _dense(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+@ONEDNN
+def test_packed_linears_unpack_on_errors_and_nest_in_onednn_linears(tiny32):
+    model = tiny32
+    before = _dense(model)
+    with pytest.raises(KeyError):
+        with packed_linears(model):
+            raise KeyError("boom")
+    assert all(torch.equal(before[k], v) for k, v in _dense(model).items())
+    with onednn_linears(model):
+        outer = {m: vars(m)["forward"] for m in model.modules() if type(m) is torch.nn.Linear}
+        with packed_linears(model) as n:
+            assert n > 0
+        assert all(vars(m)["forward"] is f for m, f in outer.items())  # the outer swap is back
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+@ONEDNN
+def test_row_layouts_leave_packed_layers_alone(tiny32):
+    """A RowLayouts built before packing neither swaps nor times the packed layers (they have no
+    dense weight), so its decoder kernel and its timing still work inside the block."""
+    model = tiny32
+    layouts = RowLayouts(model)
+    ids = _ids(6, 8)
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False)
+    with packed_linears(model):
+        assert layouts._tune(3)[0] == "linear"  # nothing left to time: the model's own
+        setattr(model, LAYOUTS_ATTR, RowLayouts(model, layouts={n: ("onednn", "onednn") for n in range(2, 65)}))
+        with getattr(model, LAYOUTS_ATTR).decoder(4):
+            assert not any(vars(m).get("forward").__func__.__name__ == "_onednn_forward"
+                           for m in model.get_decoder().modules() if type(m) is torch.nn.Linear)  # fmt: skip
+        out = model.generate(ids, max_new_tokens=20, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+    assert torch.equal(out, ref)
+
+
+@ONEDNN
+def test_a_weight_shared_with_another_module_is_not_packed():
+    from tiny import tiny_model
+
+    model = tiny_model(seed=3).float()
+    layer = next(m for m in model.get_decoder().modules() if type(m) is torch.nn.Linear)
+    other = torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
+    other.weight = layer.weight  # tied to a module outside the decoder
+    model.add_module("tied_probe", other)
+    with packed_linears(model) as n:
+        assert layer.weight.numel() > 0 and n == sum(type(m) is torch.nn.Linear for m in model.get_decoder().modules()) - 1

@@ -22,6 +22,7 @@ are made from that file only (:mod:`entmtp_hf.bench_report`, ``entmtp-hf bench-r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import functools
 import importlib
@@ -41,7 +42,7 @@ from .bank import TREES_DIR, TopologyBank
 from .bench_report import FORMAT, FORMAT_VERSION, environment, json_safe, read_results, summarize, write_results
 from .config import EntMTPConfig
 from .eas import EASConfig, eas_bench_config, fixed_chain_config, fixed_length, quantized_draft
-from .layouts import onednn_linears
+from .layouts import onednn_linears, packed_linears
 from .tasks import BUILTIN_TASKS, evaluation_basket
 from .tree import MC_SIM_7B_63
 
@@ -120,6 +121,16 @@ class BenchContext:
     _banks: dict[str, Any] = field(default_factory=dict, repr=False)
     _configs: dict[tuple, EntMTPConfig] = field(default_factory=dict, repr=False)
     _int8_draft: Any = field(default=None, repr=False)
+    #: what a method's :meth:`Method.prepare` set up for its timed call (packed weights), undone
+    #: by :meth:`release` before the next method prepares: outside the clock both ways
+    _held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
+
+    def hold(self, context: Any) -> Any:
+        """Enter ``context`` until :meth:`release`."""
+        return self._held.enter_context(context)
+
+    def release(self) -> None:
+        self._held.close()
 
     @property
     def device(self) -> torch.device:
@@ -249,13 +260,30 @@ class KernelReference(Method):
         return timed
 
 
+@dataclass(frozen=True)
+class PackedWeights(Method):
+    """The method run with the decoder's layers packed for oneDNN (:func:`~entmtp_hf.layouts.packed_linears`),
+    packed before the clock starts and unpacked before the next method prepares, as a session
+    that keeps the model packed across many calls would run it."""
+
+    def prepare(self, ctx: BenchContext, task: str, mode: str) -> Callable[[torch.Tensor, dict], Generation]:
+        run = super().prepare(ctx, task, mode)
+        if not ctx.hold(packed_linears(ctx.model)):
+            raise RuntimeError(f"{self.name}: no layer of the model could be packed for oneDNN")
+        return run
+
+
 register_method(Method("vanilla", "plain autoregressive generate"))
 register_method(KernelReference("vanilla-onednn", "plain generate, every linear layer on oneDNN (kernel reference)"))
+register_method(PackedWeights("vanilla-packed", "plain generate, the decoder's layers packed for oneDNN (kernel reference)",
+                              default=False))  # fmt: skip
 register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10}))
 register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="medusa", entmtp=_default_tree))
 register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hydra", entmtp=_default_tree))
 register_method(Method("entmtp-static", "EntMTP*: the bank's static optimum", heads="hydra", entmtp=_bank_policy("static")))
 register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis")))
+register_method(PackedWeights("entmtp-static-packed", "EntMTP*, the decoder's layers packed for oneDNN", heads="hydra",
+                              entmtp=_bank_policy("static"), default=False))  # fmt: skip
 register_method(Method("entmtp-value", "EntMTP-v: per step, the bank's value tree with the most path value",
                        heads="hydra", entmtp=_bank_policy("value")))  # fmt: skip
 register_method(Method("entmtp-ladder", "EntMTP-l: threshold ladder", heads="hydra", entmtp=_bank_policy("ladder")))
@@ -514,6 +542,8 @@ def _warm_up(ctx, methods, baskets, settings, available: dict[str, set]) -> dict
         except Exception as e:  # noqa: BLE001 - any failure means: skip this method, say why
             failed[m.name] = f"warm-up failed: {type(e).__name__}: {e}"
             log.warning("skipping %s: %s", m.name, failed[m.name])
+        finally:
+            ctx.release()
     return failed
 
 
@@ -619,11 +649,13 @@ def run_benchmark(
                     continue
                 input_ids = torch.tensor([ids], device=ctx.device)
                 for position, name in enumerate(rotation(names, i)):
+                    ctx.release()  # whatever the previous method held (outside the clock)
                     run = METHODS[name].prepare(ctx, label, settings.mode)  # outside the clock
                     torch.manual_seed(settings.seed * 100_003 + i)  # same seed for every method of a prompt
                     rec = _record(label, i, prompt, name, *meter.measure(run, input_ids, gen_kwargs))
                     rec.update(order=len(results["records"]), rotation_position=position, prompt_tokens=len(ids))
                     results["records"].append(rec)
+                ctx.release()
                 prompt_records = [r for r in results["records"] if r["task"] == label and r["prompt_index"] == i]
                 postprocess(ctx, prompt_records, results["prompts"][label], settings)
                 log.info("%s prompt %d/%d done", label, i + 1, len(basket))
@@ -631,6 +663,7 @@ def run_benchmark(
                     write_results(results, out_path)
             log.info("%s: %d prompts in %.0f s", label, len(basket), time.perf_counter() - t_task)
     finally:
+        ctx.release()
         meter.counter.close()
     results["environment"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     results["summary"] = summarize(results)
