@@ -275,8 +275,14 @@ class PackedWeights(Method):
 
 register_method(Method("vanilla", "plain autoregressive generate"))
 register_method(KernelReference("vanilla-onednn", "plain generate, every linear layer on oneDNN (kernel reference)"))
-register_method(PackedWeights("vanilla-packed", "plain generate, the decoder's layers packed for oneDNN (kernel reference)",
-                              default=False))  # fmt: skip
+@dataclass(frozen=True)
+class PackedKernelReference(PackedWeights, KernelReference):
+    """Plain ``generate`` on the fastest kernels this project has: the decoder's layers packed,
+    the LM head (never packed) on oneDNN."""
+
+
+register_method(PackedKernelReference("vanilla-packed", "plain generate, the decoder's layers packed and the LM head "
+                                      "on oneDNN (kernel reference)", default=False))  # fmt: skip
 register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10}))
 register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="medusa", entmtp=_default_tree))
 register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hydra", entmtp=_default_tree))
