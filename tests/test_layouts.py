@@ -364,6 +364,21 @@ def test_packed_linears_unpack_on_errors_and_nest_in_onednn_linears(tiny32):
         with packed_linears(model):
             raise KeyError("boom")
     assert all(torch.equal(before[k], v) for k, v in _dense(model).items())
+    calls, real = [], torch.nn.Module.register_state_dict_pre_hook
+
+    def fail_on_the_third(self, hook):  # a failure halfway through packing
+        calls.append(self)
+        if len(calls) == 3:
+            raise RuntimeError("hook refused")
+        return real(self, hook)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.Module, "register_state_dict_pre_hook", fail_on_the_third)
+        with pytest.raises(RuntimeError, match="hook refused"):
+            with packed_linears(model):
+                pass
+    assert all(torch.equal(before[k], v) for k, v in _dense(model).items())
+    assert all("forward" not in vars(m) and "_entmtp_packed_weight" not in vars(m) for m in model.modules())
     with onednn_linears(model):
         outer = {m: vars(m)["forward"] for m in model.modules() if type(m) is torch.nn.Linear}
         with packed_linears(model) as n:

@@ -292,7 +292,7 @@ def packed_linears(model, rows: int = 4) -> Iterator[int]:
     verified tree's few, reads the weight once in the layout oneDNN streams fastest (on the AMD
     EPYC of sessions 10-12 a 4-token forward took 0.72-0.74 of the plain-weight oneDNN one).
 
-    For inference sessions: packing and unpacking each cost a pass over the weights (0.13-0.22 s
+    For inference sessions: packing and unpacking each cost a pass over the weights (0.13-0.38 s
     for the demo model), so wrap many ``generate`` calls, not one. While packed, the layers have
     no dense weight: reading the state dict (saving) raises, and so does anything that reads
     ``weight`` directly; training is not supported. The exact weights come back when the block
@@ -304,25 +304,25 @@ def packed_linears(model, rows: int = 4) -> Iterator[int]:
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     layers = [m for m in (_swappable(decoder.modules(), exclude=head) if _onednn_available() else [])
               if uses[id(m.weight)] == 1]  # a weight shared with another module keeps its dense form  # fmt: skip
-    done: list[tuple[torch.nn.Linear, object, object]] = []
+    done: list[list] = []  # [layer, its state-dict hook, the forward it had]
     try:
         for m in layers:
-            weight = m.weight
-            vars(m)[PACKED_ATTR] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-            weight.data = weight.data.new_empty(0)
-            done.append((m, m.register_state_dict_pre_hook(_refuse_while_packed), vars(m).get("forward")))
+            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows)  # nothing changed yet
+            vars(m)[PACKED_ATTR] = packed
+            done.append([m, None, vars(m).get("forward")])  # from here on the block's end restores it
+            m.weight.data = m.weight.data.new_empty(0)
+            done[-1][1] = m.register_state_dict_pre_hook(_refuse_while_packed)
             vars(m)["forward"] = types.MethodType(_packed_forward, m)
         yield len(done)
     finally:
         for m, hook, before in done:
-            hook.remove()
+            if hook is not None:
+                hook.remove()
             if before is None:
                 vars(m).pop("forward", None)
             else:  # the kernel swap this block was entered inside (onednn_linears)
                 vars(m)["forward"] = before
             m.weight.data = vars(m).pop(PACKED_ATTR).to_dense()
-        for m in layers[len(done):]:  # a failure while packing: the layer being packed
-            vars(m).pop(PACKED_ATTR, None)
 
 
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
