@@ -122,7 +122,7 @@ class BenchContext:
     _configs: dict[tuple, EntMTPConfig] = field(default_factory=dict, repr=False)
     _int8_draft: Any = field(default=None, repr=False)
     #: what a method's :meth:`Method.prepare` set up for its timed call (packed weights), undone
-    #: by :meth:`release` before the next method prepares: outside the clock both ways
+    #: by :meth:`release` right after that call: outside the clock both ways
     _held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def hold(self, context: Any) -> Any:
@@ -263,7 +263,7 @@ class KernelReference(Method):
 @dataclass(frozen=True)
 class PackedWeights(Method):
     """The method run with the decoder's layers packed for oneDNN (:func:`~entmtp_hf.layouts.packed_linears`),
-    packed before the clock starts and unpacked before the next method prepares, as a session
+    packed before the clock starts and unpacked right after its timed call, as a session
     that keeps the model packed across many calls would run it."""
 
     def prepare(self, ctx: BenchContext, task: str, mode: str) -> Callable[[torch.Tensor, dict], Generation]:
@@ -273,14 +273,14 @@ class PackedWeights(Method):
         return run
 
 
-register_method(Method("vanilla", "plain autoregressive generate"))
-register_method(KernelReference("vanilla-onednn", "plain generate, every linear layer on oneDNN (kernel reference)"))
 @dataclass(frozen=True)
 class PackedKernelReference(PackedWeights, KernelReference):
     """Plain ``generate`` on the fastest kernels this project has: the decoder's layers packed,
     the LM head (never packed) on oneDNN."""
 
 
+register_method(Method("vanilla", "plain autoregressive generate"))
+register_method(KernelReference("vanilla-onednn", "plain generate, every linear layer on oneDNN (kernel reference)"))
 register_method(PackedKernelReference("vanilla-packed", "plain generate, the decoder's layers packed and the LM head "
                                       "on oneDNN (kernel reference)", default=False))  # fmt: skip
 register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10}))
@@ -655,13 +655,13 @@ def run_benchmark(
                     continue
                 input_ids = torch.tensor([ids], device=ctx.device)
                 for position, name in enumerate(rotation(names, i)):
-                    ctx.release()  # whatever the previous method held (outside the clock)
                     run = METHODS[name].prepare(ctx, label, settings.mode)  # outside the clock
                     torch.manual_seed(settings.seed * 100_003 + i)  # same seed for every method of a prompt
-                    rec = _record(label, i, prompt, name, *meter.measure(run, input_ids, gen_kwargs))
+                    measured = meter.measure(run, input_ids, gen_kwargs)
+                    ctx.release()  # whatever the method held for its timed call (outside the clock)
+                    rec = _record(label, i, prompt, name, *measured)
                     rec.update(order=len(results["records"]), rotation_position=position, prompt_tokens=len(ids))
                     results["records"].append(rec)
-                ctx.release()
                 prompt_records = [r for r in results["records"] if r["task"] == label and r["prompt_index"] == i]
                 postprocess(ctx, prompt_records, results["prompts"][label], settings)
                 log.info("%s prompt %d/%d done", label, i + 1, len(basket))

@@ -21,10 +21,10 @@ import torch
 from transformers import TextStreamer
 
 from .bank import TopologyBank, shipped_bank_path
+from .bench import find_mismatch
 from .config import EntMTPConfig
 from .demo_model import load_base_model
 from .generation import enable_entmtp
-from .bench import find_mismatch
 from .layouts import onednn_linears
 from .scheduler import POLICIES
 

@@ -50,6 +50,8 @@ NO_POSITIONS = torch.zeros(0, dtype=torch.long)
 LAYOUTS_ATTR = "entmtp_row_layouts"
 #: the row count whose decoder kernel every prefill uses (timed once, not per prompt length)
 PREFILL_ROWS = 64
+#: where :func:`packed_linears` keeps a layer's packed weight while the layer holds none
+PACKED_ATTR = "_entmtp_packed_weight"
 
 
 def _onednn_takes(weight: torch.Tensor) -> bool:
@@ -71,14 +73,15 @@ def _swappable(modules: Iterable[torch.nn.Module], exclude: torch.nn.Module | No
 @contextmanager
 def _swapped(modules: list[torch.nn.Linear], forwards: list[Callable]) -> Iterator[None]:
     """Inside the block each module runs its ``forwards`` entry; after it (even on errors) each
-    gets back what it had, so swaps nest (a tree forward inside :func:`onednn_linears`)."""
-    before = [vars(m).get("forward") for m in modules]
-    for m, forward in zip(modules, forwards):
+    gets back what it had, so swaps nest (a tree forward inside :func:`onednn_linears`). A layer
+    :func:`packed_linears` packed keeps its packed kernel (it holds no dense weight)."""
+    swaps = [(m, f, vars(m).get("forward")) for m, f in zip(modules, forwards) if PACKED_ATTR not in vars(m)]
+    for m, forward, _ in swaps:
         vars(m)["forward"] = forward  # an instance attribute shadows nn.Linear.forward; not a parameter
     try:
         yield
     finally:
-        for m, old in zip(modules, before):
+        for m, _, old in swaps:
             if old is None:
                 vars(m).pop("forward", None)
             else:
@@ -192,13 +195,8 @@ class RowLayouts:
         if self.layout(rows)[0] == "linear":
             yield
             return
-        live = [i for i, m in enumerate(self.linears) if not _is_packed(m)]  # packed layers keep their kernel
-        if len(live) == len(self.linears):
-            with _swapped(self.linears, self._onednn):
-                yield
-        else:
-            with _swapped([self.linears[i] for i in live], [self._onednn[i] for i in live]):
-                yield
+        with _swapped(self.linears, self._onednn):  # packed layers keep their own kernel
+            yield
 
     def prefill(self, rows: int):
         """:meth:`decoder` for a prompt of ``rows`` tokens: the kernel timed at :data:`PREFILL_ROWS`
@@ -248,7 +246,7 @@ class RowLayouts:
     def _tune(self, rows: int) -> tuple[str, str]:
         like = self.lm_head.weight  # the model's device and dtype
         g = torch.Generator().manual_seed(rows)
-        live = [m for m in self.linears if not _is_packed(m)]  # a packed layer has no dense weight to time
+        live = [m for m in self.linears if PACKED_ATTR not in vars(m)]  # a packed layer has no dense weight to time
         inputs = {n: torch.randn(rows, n, generator=g).to(like) for n in {m.in_features for m in live}}
 
         def decoder_pass(layout: str) -> None:  # every weight read once, as a forward reads them
@@ -260,14 +258,6 @@ class RowLayouts:
         head = _fastest(lambda layout: project(head_in, self.lm_head.weight, None, layout), self.head_layouts,
                         like.device, self.repeats)  # fmt: skip
         return decoder, head
-
-
-#: where :func:`packed_linears` keeps a layer's packed weight while the layer holds none
-PACKED_ATTR = "_entmtp_packed_weight"
-
-
-def _is_packed(m: torch.nn.Module) -> bool:
-    return PACKED_ATTR in vars(m)
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -304,20 +294,19 @@ def packed_linears(model, rows: int = 4) -> Iterator[int]:
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     layers = [m for m in (_swappable(decoder.modules(), exclude=head) if _onednn_available() else [])
               if uses[id(m.weight)] == 1]  # a weight shared with another module keeps its dense form  # fmt: skip
-    done: list[list] = []  # [layer, its state-dict hook, the forward it had]
+    done = []  # (layer, its state-dict hook, the forward it had): what the block's end restores
     try:
         for m in layers:
-            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows)  # nothing changed yet
+            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows)
+            hook = m.register_state_dict_pre_hook(_refuse_while_packed)  # nothing of m changed before here
+            done.append((m, hook, vars(m).get("forward")))
             vars(m)[PACKED_ATTR] = packed
-            done.append([m, None, vars(m).get("forward")])  # from here on the block's end restores it
             m.weight.data = m.weight.data.new_empty(0)
-            done[-1][1] = m.register_state_dict_pre_hook(_refuse_while_packed)
             vars(m)["forward"] = types.MethodType(_packed_forward, m)
         yield len(done)
     finally:
         for m, hook, before in done:
-            if hook is not None:
-                hook.remove()
+            hook.remove()
             if before is None:
                 vars(m).pop("forward", None)
             else:  # the kernel swap this block was entered inside (onednn_linears)
