@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from entmtp_hf import attention as A
-from entmtp_hf.tree import Tree
-from entmtp_hf.verify import tree_attention_mask
+from entmtp_hf.decoding import attention as A
+from entmtp_hf.trees.tree import Tree
+from entmtp_hf.decoding.acceptance import tree_attention_mask
 
 from tiny import tiny_model
 

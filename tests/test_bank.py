@@ -17,8 +17,8 @@ import torch
 from huggingface_hub import constants as hf_constants
 from safetensors.torch import save_file
 
-import entmtp_hf.bank as bank_module
-from entmtp_hf.bank import (
+import entmtp_hf.trees.bank as bank_module
+from entmtp_hf.trees.bank import (
     BankFormatError,
     SchedulerDefaults,
     TopologyBank,
@@ -28,7 +28,7 @@ from entmtp_hf.bank import (
     published_defaults_bank,
     shipped_bank_path,
 )
-from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 META = {
     "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -77,7 +77,7 @@ def test_shipped_bank_matches_its_builder() -> None:
     folder = shipped_bank_path("published-defaults")
     assert TopologyBank.list_tasks(folder) == ["default"]
     bank = TopologyBank.from_pretrained(folder, "default")
-    assert bank == published_defaults_bank(), "regenerate with: python -m entmtp_hf.bank"
+    assert bank == published_defaults_bank(), "regenerate with: python -m entmtp_hf.trees.bank"
     assert bank.tree(2) == Tree.from_choices(MC_SIM_7B_63) and bank.tree(1) == Tree.chain(4)
     assert (folder / "README.md").read_text() == model_card(folder)
     with pytest.raises(ValueError, match="no shipped bank 'nope'"):
@@ -251,7 +251,7 @@ def test_hub_cache_offline_through_env_vars(tmp_path: Path) -> None:
     """Same, configured the way users do it: environment variables in a fresh process."""
     small_bank("gsm8k").save_pretrained(tmp_path / "src")
     _fake_cache(tmp_path / "hub", tmp_path / "src")
-    code = ("from entmtp_hf.bank import TopologyBank as B; "
+    code = ("from entmtp_hf.trees.bank import TopologyBank as B; "
             "print(B.list_tasks('org/name'), B.from_pretrained('org/name', 'gsm8k').metadata['heads'])")  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

@@ -11,8 +11,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from entmtp_hf import regime
-from entmtp_hf.bench import (
+from entmtp_hf.trees.bank import shipped_bank_path
+from entmtp_hf.tools import regime
+from entmtp_hf.tools.bench.bench import (
     METHODS,
     PERPLEXITY_METRIC,
     BenchContext,
@@ -26,13 +27,13 @@ from entmtp_hf.bench import (
     run_benchmark,
     write_results,
 )
-from entmtp_hf.bench_report import geomean, summarize, table1_markdown, write_report
+from entmtp_hf.tools.bench.report import geomean, summarize, table1_markdown, write_report
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.generation import enable_entmtp
+from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.heads import HydraHeads
-from entmtp_hf.tasks import evaluation_basket
+from entmtp_hf.tools.data.tasks import evaluation_basket
 
-DEFAULTS = Path(__file__).resolve().parents[1] / "trees" / "published-defaults"
+DEFAULTS = shipped_bank_path("published-defaults")
 WORDS = ["<s>", "</s>", "[UNK]"] + [f"w{i}" for i in range(45)]
 V = len(WORDS)
 N_PROMPTS, NEW_TOKENS = 2, 8
@@ -175,7 +176,7 @@ def test_json_has_every_method_and_task(bench_run):
 
 def test_split_tasks_merge_into_one_report(bench_run, tmp_path):
     """The basket's tasks run in two processes (one per core) merge back into one results file."""
-    from entmtp_hf.bench_report import merge_results, write_results
+    from entmtp_hf.tools.bench.report import merge_results, write_results
 
     results = bench_run[0]
     parts = []
@@ -422,7 +423,7 @@ def test_geomean_and_write_roundtrip(tmp_path):
 
 
 def test_speculation_table_reports_speedup_and_waste():
-    from entmtp_hf.bench_report import speculation_markdown
+    from entmtp_hf.tools.bench.report import speculation_markdown
 
     rec = lambda m, sp, steps, d, a: {"task": "t", "method": m, "new_tokens": 21, "time_s": 1.0, "steps": steps,  # noqa: E731
                                       "speedup": sp, "drafted_tokens": d, "accepted_draft_tokens": a}  # fmt: skip
@@ -434,7 +435,7 @@ def test_speculation_table_reports_speedup_and_waste():
 
 
 def test_eas_table_pools_chains_and_halts():
-    from entmtp_hf.bench_report import eas_markdown
+    from entmtp_hf.tools.bench.report import eas_markdown
 
     rec = lambda task, chains, halts, v, a: {"task": task, "method": "eas", "eas": {  # noqa: E731
         "chain_lengths": chains, "halts": halts, "verified_draft_tokens": v, "accepted_draft_tokens": a}}
@@ -446,7 +447,7 @@ def test_eas_table_pools_chains_and_halts():
 
 
 def test_pairwise_table_pairs_prompts_and_bounds_the_noise():
-    from entmtp_hf.bench_report import bootstrap_interval, paired_ratios, pairwise_markdown
+    from entmtp_hf.tools.bench.report import bootstrap_interval, paired_ratios, pairwise_markdown
 
     def rec(m, i, tps, steps):
         return {"task": "t", "method": m, "prompt_index": i, "new_tokens": 21, "tokens_per_s": tps, "steps": steps}
@@ -469,7 +470,7 @@ def test_pairwise_table_pairs_prompts_and_bounds_the_noise():
 
 def test_the_kernel_reference_gets_its_own_prompt_by_prompt_table():
     """Tree methods over plain decoding with oneDNN's kernels (no steps: one token per step)."""
-    from entmtp_hf.bench_report import KERNEL_REFERENCE, paired_ratios, pairwise_markdown
+    from entmtp_hf.tools.bench.report import KERNEL_REFERENCE, paired_ratios, pairwise_markdown
 
     def rec(m, i, tps, steps=None):
         return {"task": "t", "method": m, "prompt_index": i, "new_tokens": 21, "tokens_per_s": tps, "steps": steps}

@@ -9,7 +9,7 @@ import torch
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.demo import DEMO_HEADS, config_for, load_demo
-from entmtp_hf.tree import MC_SIM_7B_63
+from entmtp_hf.trees.tree import MC_SIM_7B_63
 
 PROMPTS = (
     ("gsm8k", "Tom has 3 boxes with 12 pencils each. He gives away 10 pencils. How many are left?"),
@@ -84,8 +84,8 @@ def test_eas_calibrate_cli_on_the_demo_model(tmp_path):
     """`entmtp-hf eas-calibrate` end to end: replay, costs, ranking and a settings file bench can read."""
     import json
 
-    from entmtp_hf.cli import main
-    from entmtp_hf.eas import EASConfig
+    from entmtp_hf.tools.cli import main
+    from entmtp_hf.scheduling.eas import EASConfig
 
     out = tmp_path / "cal-{task}"
     args = ["eas-calibrate", "--task", "gsm8k", "--n", "1", "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)]

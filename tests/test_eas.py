@@ -7,15 +7,15 @@ import torch
 from transformers import LlamaForCausalLM
 
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.eas import (
+from entmtp_hf.scheduling.eas import (
     ACTIVE_EAS_CALL,
     EASConfig,
     EASController,
     EntropyAdaptiveCandidateGenerator,
     entropy_nats,
 )
-from entmtp_hf.generation import enable_entmtp
-from entmtp_hf.tree import MC_SIM_7B_63
+from entmtp_hf.integration import enable_entmtp
+from entmtp_hf.trees.tree import MC_SIM_7B_63
 from test_generation import chi_square_p, prompts, target_joint
 from tiny import tiny_model
 
@@ -345,7 +345,7 @@ def test_invalid_entropy_policy(kwargs, message):
 
 # ----------------------------------------------------------------------------- benchmark hook
 def test_bench_methods_eas_and_fixed_chains(tmp_path):
-    from entmtp_hf.bench import BenchContext, BenchSettings, random_heads, run_benchmark
+    from entmtp_hf.tools.bench.bench import BenchContext, BenchSettings, random_heads, run_benchmark
     from test_bench import DEFAULTS, tiny_llama, tiny_tokenizer, write_task
 
     model = tiny_llama()
@@ -374,8 +374,8 @@ def test_bench_methods_eas_and_fixed_chains(tmp_path):
 def test_bench_draft_model_methods_int8_draft(tmp_path):
     """The draft-model form in the harness: the target's int8 copy drafts, EAS or a fixed chain
     sets the length, output identical to vanilla."""
-    from entmtp_hf.bench import BenchContext, BenchSettings, random_heads, run_benchmark
-    from entmtp_hf.eas import fixed_length, quantized_draft
+    from entmtp_hf.tools.bench.bench import BenchContext, BenchSettings, random_heads, run_benchmark
+    from entmtp_hf.scheduling.eas import fixed_length, quantized_draft
     from test_bench import DEFAULTS, tiny_llama, tiny_tokenizer, write_task
 
     model = tiny_llama()

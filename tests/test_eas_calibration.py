@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.eas import EASConfig, fixed_length
-from entmtp_hf.eas_calibration import (
+from entmtp_hf.scheduling.eas import EASConfig, fixed_length
+from entmtp_hf.tools.eas_calibration import (
     ChainReplay,
     Costs,
     calibrate,
@@ -19,8 +19,8 @@ from entmtp_hf.eas_calibration import (
     save_replays,
     simulate,
 )
-from entmtp_hf.generation import enable_entmtp
-from entmtp_hf.tree import Tree
+from entmtp_hf.integration import enable_entmtp
+from entmtp_hf.trees.tree import Tree
 from test_generation import prompts
 
 SETTINGS = [

@@ -9,14 +9,15 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TextIteratorStreamer, pipeline
 
-from entmtp_hf.bank import TopologyBank
+from entmtp_hf.trees.bank import shipped_bank_path
+from entmtp_hf.trees.bank import TopologyBank
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.generation import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
-from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from entmtp_hf.integration import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 from tiny import ARCHS, VOCAB
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
-DEFAULTS = str(Path(__file__).resolve().parents[1] / "trees" / "published-defaults")
+DEFAULTS = str(shipped_bank_path("published-defaults"))
 
 
 def random_choices(seed: int, size: int = 20, depth: int = 4, rank: int = 4) -> list[list[int]]:
@@ -156,7 +157,7 @@ def test_row_wise_processors_run_once_for_the_whole_tree():
         TopPLogitsWarper,
     )  # fmt: skip
 
-    from entmtp_hf.generation import _process_tree_scores, _row_wise
+    from entmtp_hf.integration import _process_tree_scores, _row_wise
 
     class Identity(LogitsProcessor):  # not a known row-wise type: forces the per-depth calls
         calls = 0
@@ -278,7 +279,7 @@ def test_a_feature_known_before_drafting_drafts_the_chosen_tree_only(tiny_cache,
 
 @pytest.mark.parametrize("feature,reads", [("base_top1", True), ("accept_ema", False), ("head_confidence", False)])
 def test_the_verifiers_softmax_runs_only_for_a_feature_that_reads_it(tiny_cache, monkeypatch, feature, reads):
-    import entmtp_hf.candidates as candidates
+    import entmtp_hf.drafting.candidates as candidates
 
     model, calls = enabled(tiny_cache), []
     real = candidates.top1_and_entropy

@@ -30,7 +30,7 @@ from entmtp_hf.heads import (
     convert_heads,
     load_heads,
 )
-from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 H, V = 16, 64
 DTYPE = torch.float64
@@ -263,7 +263,7 @@ def test_medusa2_full_model_layout(tmp_path, base):
 
 def test_convert_heads_and_cli(tmp_path, base):
     write_hydra(tmp_path / "src", "mlp", n=2, layers=1)
-    from entmtp_hf.cli import main
+    from entmtp_hf.tools.cli import main
 
     assert main(["convert-heads", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
     cfg = json.loads((tmp_path / "dst" / "config.json").read_text())

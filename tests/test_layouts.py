@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.generation import disable_entmtp, enable_entmtp
-from entmtp_hf.layouts import (
+from entmtp_hf.integration import disable_entmtp, enable_entmtp
+from entmtp_hf.cpu_kernels import (
     DECODER_LAYOUTS,
     HEAD_LAYOUTS,
     LAYOUTS_ATTR,
@@ -17,8 +17,8 @@ from entmtp_hf.layouts import (
     project,
     tree_forward,
 )
-from entmtp_hf.generation import HEADS_ATTR
-from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from entmtp_hf.integration import HEADS_ATTR
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 from tiny import VOCAB
 
 MC_SIM_7B_63_TREE = Tree.from_choices(MC_SIM_7B_63)
@@ -304,7 +304,7 @@ def test_entmtp_inside_onednn_linears_nests_and_restores(tiny32):
 
 
 def test_only_plain_or_own_forwards_are_swapped():
-    from entmtp_hf.layouts import _onednn_forward, _swappable
+    from entmtp_hf.cpu_kernels import _onednn_forward, _swappable
 
     plain, hooked, ours = (torch.nn.Linear(4, 4) for _ in range(3))
     hooked.forward = lambda x: x  # someone else's instance forward (an offloading hook, say)
@@ -317,7 +317,7 @@ def test_only_plain_or_own_forwards_are_swapped():
 def test_the_prefill_runs_on_the_kernel_timed_at_prefill_rows(tiny32):
     """Every prompt length takes the choice for PREFILL_ROWS rows (one timing), here oneDNN while
     every tree size keeps MKL: the swapped calls are the prefill's, and the output is vanilla's."""
-    from entmtp_hf.layouts import PREFILL_ROWS
+    from entmtp_hf.cpu_kernels import PREFILL_ROWS
 
     model = tiny32
     presets = {n: ("linear", "linear") for n in range(2, 65)} | {PREFILL_ROWS: ("onednn", "linear")}

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.generation import enable_entmtp
-from entmtp_hf.profile import (
+from entmtp_hf.integration import enable_entmtp
+from entmtp_hf.tools.profile import (
     analytic_bound,
     forward_costs,
     interpolate_cost,
@@ -74,7 +74,7 @@ def test_step_breakdown_parts_add_up(tiny_cache):
 
 
 def test_the_report_shows_the_kernel_reference_and_both_bounds():
-    from entmtp_hf.profile import _markdown
+    from entmtp_hf.tools.profile import _markdown
 
     report = {"forward_costs_ms": {"1": 40.0, "4": 44.0}, "breakdown": {}, "kernel_reference_ms": {"model": 40.0, "onednn": 28.0},
               "bound": {"t": analytic_bound([{"num_nodes": 4, "mean_accept_length": 2.2}], {1: 40.0, 4: 44.0}, 0.7)}}  # fmt: skip

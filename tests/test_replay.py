@@ -9,13 +9,13 @@ read from the signals) and with retrieval branches, appended or replacing the tr
 import pytest
 import torch
 
-from entmtp_hf import search as S
+from entmtp_hf.tools.search import search as S
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.generation import enable_entmtp
+from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.heads import HydraHeads
-from entmtp_hf.replay import SIGNALS, accept_table, foresight_rate, replay, walk_rate, why_not_replayable
-from entmtp_hf.retrieval import RetrievalConfig
-from entmtp_hf.tree import Tree
+from entmtp_hf.tools.search.replay import SIGNALS, accept_table, foresight_rate, replay, walk_rate, why_not_replayable
+from entmtp_hf.drafting.retrieval import RetrievalConfig
+from entmtp_hf.trees.tree import Tree
 from tiny import VOCAB, tiny_model
 
 NEW = 40

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.retrieval import NgramIndex, RetrievalConfig, with_branch
-from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from entmtp_hf.drafting.retrieval import NgramIndex, RetrievalConfig, with_branch
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 from test_generation import chi_square_p, enabled, prompts, target_joint
 
 
@@ -78,7 +78,7 @@ def test_plan_maps_every_branch_node():
 
 
 def test_bank_default_decides_unless_the_config_says(tmp_path):
-    from entmtp_hf.bank import TopologyBank
+    from entmtp_hf.trees.bank import TopologyBank
 
     trees = [Tree.chain(1), Tree.chain(2)]
     stored = RetrievalConfig(mode="replace", num_tokens=2)
@@ -134,7 +134,7 @@ def test_greedy_identical_with_retrieval(tiny_cache, tree, mode):
 @pytest.mark.parametrize("mode", ["append", "replace"])
 def test_greedy_identical_with_retrieval_and_eas(tiny_cache, mode):
     """EAS drafts lazily: an appended branch must only point at nodes the heads did draft."""
-    from entmtp_hf.eas import EASConfig
+    from entmtp_hf.scheduling.eas import EASConfig
 
     model = enabled(tiny_cache)
     eas = EASConfig(k_max=4, thresholds=(1.0,), band_edges=(), warmup_tokens=0)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from entmtp_hf.scheduler import (
+from entmtp_hf.scheduling.policies import (
     FEATURES,
     FeatureTracker,
     Scheduler,
@@ -16,7 +16,7 @@ from entmtp_hf.scheduler import (
     top1_and_entropy,
     tree_values,
 )
-from entmtp_hf.tree import Tree
+from entmtp_hf.trees.tree import Tree
 
 
 def test_path_values_and_best_path_value():

@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 
-from entmtp_hf import search as S
-from entmtp_hf.bank import TopologyBank
-from entmtp_hf.cli import build_parser
+from entmtp_hf.tools.search import search as S
+from entmtp_hf.trees.bank import TopologyBank
+from entmtp_hf.tools.cli import build_parser
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.generation import enable_entmtp
+from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.heads import HydraHeads, MedusaHeads
-from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 from tiny import VOCAB, tiny_model
 
 NEW = 16
@@ -302,7 +302,7 @@ def test_config_validation_and_cli():
         S.SearchConfig(features=("nope",))
     argv = ["search", "--task", "gsm8k", "--out", "x", "--timed-sizes", "1,3", "--tau-grid", "0.1"]
     args = build_parser().parse_args(argv)
-    from entmtp_hf.search_report import config_from_args
+    from entmtp_hf.tools.search.report import config_from_args
 
     cfg = config_from_args(args)
     assert cfg.timed_sizes == (1, 3) and cfg.tau_grid == (0.1,) and args.func.__name__ == "run_cli"
@@ -329,7 +329,7 @@ def test_value_sets_are_also_offered_with_the_cheaper_t_minus():
     (1.06, 1.2, 1.0, 1.06, 1.03, "ladder"), (1.06, 1.05, 1.1, 1.0, None, "value"),
     (1.08, 1.06, 1.07, 1.3, 1.01, "static")])  # fmt: skip
 def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, value, retrieval, held_out, policy):
-    from entmtp_hf.search_report import SearchResult
+    from entmtp_hf.tools.search.report import SearchResult
 
     choice = S.choose_trees([1, 2, 3], [10.0, 12.0, 11.0])
     timed = {lab: {"tree": Tree.chain(n - 1), "num_nodes": n} for lab, n in (("a", 1), ("b", 2), ("c", 3))}
@@ -372,7 +372,7 @@ def test_confirm_measures_the_candidate_on_prompts_the_sweep_did_not_use(setup, 
     out = search.confirm(runs, "cand")
     assert set(out) == {"static", "cand"} and set(out["cand"]) == {"1", "2"}  # prompt 0 was the sweep's
     assert all(p in (prompts[1], prompts[2]) for p in seen[-4:]) and "other" not in calls
-    from entmtp_hf.search_report import SearchResult
+    from entmtp_hf.tools.search.report import SearchResult
 
     result = SearchResult(task="t", settings={}, frontier=[], timed={}, labels=[], choice=S.choose_trees([1], [1.0]),
                           vanilla_tokens_per_s=1.0, reference=None, elapsed={})  # fmt: skip
@@ -425,7 +425,7 @@ def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
 
 # ----------------------------------------------------------------------------- modelled ranking
 def test_modelled_speed_is_tokens_over_work_and_own_overhead():
-    from entmtp_hf.search_report import modelled_speed
+    from entmtp_hf.tools.search.report import modelled_speed
 
     run = {"seconds": 9.0, "new_tokens": 7, "accept_lengths": [2, 1, 3], "tree_sizes": [2, 2, 3],
            "forward_seconds": 1.0, "decode_seconds": 1.1}  # fmt: skip
@@ -440,7 +440,7 @@ def test_modelled_speed_is_tokens_over_work_and_own_overhead():
 def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_path):
     """Wall times say the 8-node tree is fastest; with forward costs that grow fast in N the
     modelled ranking picks the tree with the most tokens per unit of modelled work."""
-    from entmtp_hf.search_report import modelled_speed
+    from entmtp_hf.tools.search.report import modelled_speed
 
     model, heads, prompts, _, measure = setup
     asked = []

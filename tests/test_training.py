@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from entmtp_hf.cli import build_parser
+from entmtp_hf.tools.cli import build_parser
 from entmtp_hf.heads import DraftHeads
-from entmtp_hf.training import (
+from entmtp_hf.tools.training import (
     SPLIT_TRAIN,
     SPLIT_VAL,
     TeacherCache,
@@ -184,7 +184,7 @@ def test_init_from_continues_given_heads_and_keeps_their_vocabulary(tmp_path, mo
 
 
 def test_init_from_fewer_heads_extends_them_with_copies_of_the_last(tmp_path, model):
-    from entmtp_hf.training.loop import init_heads_from
+    from entmtp_hf.tools.training.loop import init_heads_from
 
     cache = make_cache(tmp_path / "data", model)
     train_heads(config(tmp_path, run_name="a", epochs=1, arch="prefix-mlp"), model, cache=cache, measure=False)

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 
 def random_tree(rng: random.Random, size: int, max_depth: int = 4, max_rank: int = 5) -> list[list[int]]:

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
 
-from entmtp_hf.tree import MC_SIM_7B_63, Tree
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 from test_generation import chi_square_p
 
-from entmtp_hf.verify import (
+from entmtp_hf.decoding.acceptance import (
     check_pick,
     keep_accepted,
     sample_tokens,

@@ -8,12 +8,12 @@ Typical use::
     out = model.generate(**inputs, entmtp_config=EntMTPConfig(bank="trees/...", task="gsm8k"))
 """
 
-from .bank import TopologyBank
+from .trees.bank import TopologyBank
 from .config import EntMTPConfig
-from .eas import EASConfig
-from .generation import EntMTPGenerateOutput, EntMTPGenerationMixin, disable_entmtp, enable_entmtp
+from .scheduling.eas import EASConfig
+from .integration import EntMTPGenerateOutput, EntMTPGenerationMixin, disable_entmtp, enable_entmtp
 from .heads import DraftHeads, HydraHeads, MedusaHeads, load_heads
-from .tree import MC_SIM_7B_63, Tree
+from .trees.tree import MC_SIM_7B_63, Tree
 
 __version__ = "0.1.0"
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .eas import EASConfig
-from .retrieval import RetrievalConfig, with_branch
-from .scheduler import FEATURE_POLICIES, FEATURES, POLICIES, Scheduler
-from .tree import Tree
+from .scheduling.eas import EASConfig
+from .drafting.retrieval import RetrievalConfig, with_branch
+from .scheduling.policies import FEATURE_POLICIES, FEATURES, POLICIES, Scheduler
+from .trees.tree import Tree
 
 if TYPE_CHECKING:
-    from .bank import TopologyBank
+    from .trees.bank import TopologyBank
 
 ACCEPTANCE_RULES = ("auto", "greedy", "exact", "typical")
 #: the scheduler's policies plus ``entropy`` (EAS: truncate the tree where the heads are unsure)
@@ -155,7 +155,7 @@ class EntMTPConfig:
 
     # ------------------------------------------------------------------ resolution
     def load_bank(self) -> "TopologyBank":
-        from .bank import TopologyBank
+        from .trees.bank import TopologyBank
 
         if isinstance(self.bank, TopologyBank):
             if self.bank.task != self.task:

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layouts import project
-from ..tree import DepthStep, TreeBuffers
+from ..cpu_kernels import project
+from ..trees.tree import DepthStep, TreeBuffers
 from .config import FORMAT_VERSION, HeadsConfig
 
 FORMAT_KEY = "entmtp_heads_format"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..tree import TreeBuffers
+from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn, register_heads, text_config
 
 #: config entries that describe the checkpoint, not the layer; dropped from prefix_layer_config

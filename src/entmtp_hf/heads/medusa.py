@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..tree import TreeBuffers
+from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn, register_heads
 
 

@@ -1,0 +1,1 @@
+"""The decode loop ``generate`` hands over to: draft, verify, accept, commit."""

@@ -1,0 +1,63 @@
+"""The embedded default: the demo model with its shipped heads and banks, in one line.
+
+``load_demo()`` returns SmolLM2-135M-Instruct (see :mod:`entmtp_hf.demo.model`) with the
+shipped Hydra heads enabled, its tokenizer and the folder of its shipped tree banks; the
+heads and banks are package data, so this works from an installed wheel. ``python -m
+entmtp_hf.demo`` (what ``make demo`` runs, :mod:`entmtp_hf.demo.run`) streams three answers
+and measures the speed-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+from ..config import EntMTPConfig
+from ..integration import enable_entmtp
+from ..trees.bank import TopologyBank, shipped_bank_path
+from .model import load_base_model
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEMO_HEADS = ASSETS / "smollm2-135m-hydra"
+DEMO_MEDUSA_HEADS = ASSETS / "smollm2-135m-medusa"
+DEMO_BANK = "smollm2-135m-cpu"
+FALLBACK_BANK = "published-defaults"
+
+DEMO_PROMPTS = (
+    ("humaneval", "Write a Python function `is_palindrome(s)` that returns True when the string s reads "
+                  "the same forwards and backwards, ignoring case and spaces."),
+    ("gsm8k", "A baker makes 24 muffins in the morning and 18 in the afternoon. She sells 30 of them. "
+              "How many muffins are left? Explain step by step."),
+    ("chat", "Give me three tips for staying focused while studying."),
+)
+
+
+def demo_bank_dir() -> Path:
+    """The demo model's calibrated banks if shipped, else the published defaults."""
+    for name in (DEMO_BANK, FALLBACK_BANK):
+        try:
+            return Path(shipped_bank_path(name))
+        except (FileNotFoundError, ValueError):
+            continue
+    raise FileNotFoundError("no shipped tree bank found in the package")
+
+
+def load_demo(heads: str | Path | None = None, *, cache_dir: str | Path | None = None):
+    """``(model, tokenizer, bank_dir)``: the demo model with shipped heads enabled."""
+    heads = Path(heads) if heads is not None else DEMO_HEADS
+    if not (heads / "config.json").exists():
+        raise FileNotFoundError(
+            f"no draft heads at {heads}: train them with `entmtp-hf train-heads` (see docs/training.md)"
+        )
+    model, tokenizer = load_base_model(cache_dir=cache_dir)
+    enable_entmtp(model, str(heads))
+    return model, tokenizer, demo_bank_dir()
+
+
+def config_for(bank_dir: Path, task: str, policy: str | None = None) -> EntMTPConfig:
+    """EntMTP config for a task, falling back to the bank's ``default`` task."""
+    tasks = TopologyBank.list_tasks(bank_dir)
+    chosen = task if task in tasks else "default" if "default" in tasks else tasks[0]
+    return EntMTPConfig(bank=str(bank_dir), task=chosen, policy=policy)
+
+

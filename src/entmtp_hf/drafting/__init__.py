@@ -1,0 +1,1 @@
+"""Drafting a tree each step: the candidate generator and retrieval branches."""

@@ -1,0 +1,106 @@
+"""Retrieval branches: continuations copied from earlier text, verified as one more tree branch.
+
+Answers often repeat their prompt or themselves (code that reuses names, arithmetic that
+restates numbers). When the last ``n`` tokens of the text (the tree's root included) occurred
+before, the tokens that followed that earlier occurrence are a cheap guess of what comes
+next. :class:`NgramIndex` finds the most recent earlier occurrence of the longest suffix of
+``max_ngram`` down to ``min_ngram`` tokens, in O(1) per step, and returns up to
+``num_tokens`` continuation tokens.
+
+In ``append`` mode the continuation is attached to the scheduled tree as a chain hanging
+from the root at the first free root rank (:func:`with_branch`); in ``replace`` mode it is
+verified instead of the heads' tree (root + the chain; the heads skip drafting that step),
+which keeps the verified tree inside the few rows a CPU matmul handles at the cost of one
+(docs/performance.md). Either way it goes through the same verification as the heads' nodes:
+greedy output stays identical and exact sampling stays exact (acceptance only asks whether
+the verifier's own pick is among a node's children, however they were drafted). The heads
+never draft below a retrieval node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..trees.tree import Tree
+
+
+RETRIEVAL_MODES = ("append", "replace")
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """Suffix lengths to match (longest first), the most tokens one branch may carry, and
+    whether the branch joins the heads' tree (``append``) or is verified instead of it (``replace``)."""
+
+    min_ngram: int = 2
+    max_ngram: int = 4
+    num_tokens: int = 4
+    mode: str = "append"
+
+    def __post_init__(self) -> None:
+        if self.mode not in RETRIEVAL_MODES:
+            raise ValueError(f"RetrievalConfig.mode must be one of {RETRIEVAL_MODES}, got {self.mode!r}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(
+                f"RetrievalConfig needs 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}"
+            )
+        if self.num_tokens < 1:
+            raise ValueError(f"RetrievalConfig.num_tokens must be >= 1, got {self.num_tokens}")
+
+    @classmethod
+    def from_dict(cls, raw: object) -> "RetrievalConfig":
+        """From a bank's JSON (``{"mode": "replace", "num_tokens": 2}``; missing keys default)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"retrieval settings must be a JSON object or null, got {raw!r}")
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown retrieval keys {unknown}; allowed: {list(cls.__dataclass_fields__)}")
+        for key, value in raw.items():
+            if key != "mode" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"retrieval {key} must be an integer, got {value!r}")
+        return cls(**raw)
+
+
+class NgramIndex:
+    """The text so far and, per n-gram, where the token after its latest complete occurrence is."""
+
+    def __init__(self, config: RetrievalConfig, tokens: list[int] | None = None) -> None:
+        self.config = config
+        self.tokens: list[int] = []
+        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it
+        self.extend(tokens or [])
+
+    def extend(self, new_tokens: list[int]) -> None:
+        """Append tokens; every n-gram that now has a following token is indexed."""
+        toks = self.tokens
+        lo, hi = self.config.min_ngram, self.config.max_ngram
+        for tok in new_tokens:
+            end = len(toks)  # the n-grams ending just before ``tok`` are followed by it
+            for n in range(lo, min(hi, end) + 1):
+                self._next[tuple(toks[end - n : end])] = end
+            toks.append(tok)
+
+    def continuation(self) -> list[int]:
+        """Up to ``num_tokens`` tokens that followed the longest recurring suffix ([] if none)."""
+        toks, cfg = self.tokens, self.config
+        for n in range(min(cfg.max_ngram, len(toks)), cfg.min_ngram - 1, -1):
+            start = self._next.get(tuple(toks[len(toks) - n :]))
+            if start is not None:
+                return toks[start : start + cfg.num_tokens]
+        return []
+
+
+def with_branch(tree: Tree, length: int) -> tuple[Tree, list[int]]:
+    """``tree`` plus a chain of ``length`` nodes under the root, at the first free root rank.
+
+    Returns the new tree and, for each of its nodes, where its token comes from: ``i >= 0``
+    is node ``i`` of ``tree``, ``-d`` the ``d``-th token (1-based) of the retrieved chain.
+    """
+    if length < 1:
+        raise ValueError(f"a retrieval branch needs at least one token, got {length}")
+    rank = 1 + max((p[0] for p in tree.paths), default=-1)
+    branch = [(rank,) + (0,) * d for d in range(length)]
+    out = Tree.from_choices([*tree.choices, *map(list, branch)])
+    index = tree.node_index()
+    sources = [0] + [index[p] if p in index else -len(p) for p in out.paths]
+    return out, sources

@@ -1,0 +1,1 @@
+"""Per-step choices: confidence features, tree policies and the entropy-adaptive halting rule."""

@@ -1,0 +1,1 @@
+"""Offline tools (extra ``[tools]``): search, bench, profile, regime, calibration, training, data."""

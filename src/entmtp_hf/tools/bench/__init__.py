@@ -1,0 +1,1 @@
+"""The benchmark harness: methods, interleaved runs, result JSON, reports and plots."""

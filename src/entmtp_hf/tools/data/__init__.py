@@ -1,0 +1,1 @@
+"""Prompts and training text: datasets, task baskets and self-distillation."""

@@ -1,0 +1,304 @@
+"""Where a decode step's time goes on this machine, and how fast tree decoding could be here.
+
+* :func:`forward_costs`: the base model's forward time for ``N`` tokens appended to a cached
+  prefix, with the 4D tree mask verification uses, relative to one token. On a CPU this
+  relative cost ``c(N)`` rises quickly (every extra token costs compute), unlike a GPU where
+  it stays near 1 for small ``N``.
+* :func:`step_breakdown`: one generate call split into prefill, drafting (the heads),
+  the verifier's forward passes and everything else (Python, masks, cache, acceptance).
+* :func:`linear_costs`: one linear layer's time by the number of rows, for every weight
+  shape of the model: why ``c(N)`` is flat for a few tokens and then jumps on a CPU.
+* :func:`analytic_bound`: for each tree, ``tau / c(N)``: the speedup over one-token decoding
+  if drafting and bookkeeping were free; the best tree's value is this machine's limit for
+  these heads.
+
+``entmtp-hf profile`` runs all three on the demo model (or any model with heads) and writes
+``profile.json`` plus a Markdown summary. Timings are medians of interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from ..decoding.attention import tree_attention
+from ..config import EntMTPConfig
+from ..cpu_kernels import LAYOUTS_ATTR, onednn_linears, tree_forward
+from ..trees.tree import Tree
+from ..decoding.acceptance import tree_attention_mask
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _prefilled_cache(model, prefix_len: int, g: torch.Generator) -> DynamicCache:
+    """A cache holding ``prefix_len`` random tokens (drawn from ``g``): the context a timed forward sees."""
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, prefix_len), generator=g).to(model.get_output_embeddings().weight.device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, cache=cache, use_cache=True)
+    return cache
+
+
+def forward_costs(
+    model, sizes: Sequence[int] = SIZES, *, prefix_len: int = 256, repeats: int = 7, progress: bool = False
+) -> dict[int, float]:
+    """Median seconds of one forward over ``N`` chained tokens after a ``prefix_len`` cache.
+
+    Sizes are timed round-robin ``repeats`` times, so drift hits every size alike
+    (``progress``: a bar over the rounds). The forward is the decode loop's: with an EntMTP
+    model, by its :class:`~entmtp_hf.layouts.RowLayouts` (timed per size in the warm-up round).
+    """
+    layouts = getattr(model, LAYOUTS_ATTR, None)
+    device = model.get_output_embeddings().weight.device
+    dtype = model.get_output_embeddings().weight.dtype
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    with torch.inference_mode():
+        cache = _prefilled_cache(model, prefix_len, g)
+        row = torch.zeros(prefix_len, dtype=dtype, device=device)
+        inputs = {}
+        for n in sizes:
+            b = Tree.chain(n - 1).buffers(device, dtype)
+            inputs[n] = dict(
+                input_ids=torch.randint(0, vocab, (1, n), generator=g).to(device),
+                attention_mask=tree_attention_mask(b, row, prefix_len + n),
+                position_ids=(b.position_ids + prefix_len)[None],
+            )
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        with tree_attention(model):  # the attention the decode loop verifies with
+            for r in tqdm(range(repeats + 1), desc="forward costs", unit="round", disable=not progress):
+                for n in sizes:
+                    t0 = time.perf_counter()
+                    tree_forward(model, layouts, **inputs[n], cache=cache, use_cache=True)
+                    elapsed = time.perf_counter() - t0
+                    cache.crop(-n)
+                    if r:  # the first round warms up
+                        times[n].append(elapsed)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def kernel_reference(model, *, prefix_len: int = 256, repeats: int = 7) -> dict[str, float]:
+    """Median seconds of a one-token forward with the model's own kernels (``model``) and with
+    every linear layer on oneDNN (``onednn``, :func:`~entmtp_hf.layouts.onednn_linears`: the
+    benchmark's ``vanilla-onednn``), interleaved. Their ratio turns c(N), which is over the
+    model's own one-token forward, into the cost over the faster plain step."""
+    g = torch.Generator().manual_seed(1)
+    times: dict[str, list[float]] = {"model": [], "onednn": []}
+    with torch.inference_mode():
+        cache = _prefilled_cache(model, prefix_len, g)
+        ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, 1), generator=g)
+        ids = ids.to(model.get_output_embeddings().weight.device)
+        for r in range(repeats + 1):
+            for kind in times:
+                t0 = time.perf_counter()
+                with onednn_linears(model) if kind == "onednn" else nullcontext():
+                    model(input_ids=ids, cache=cache, use_cache=True)
+                elapsed = time.perf_counter() - t0
+                cache.crop(-1)
+                if r:
+                    times[kind].append(elapsed)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def step_breakdown(
+    model, input_ids: torch.Tensor, config: EntMTPConfig, max_new_tokens: int = 128, temperature: float | None = None
+) -> dict[str, Any]:
+    """Milliseconds per decode step (prefill excluded): drafting, verifier forward, the rest.
+
+    Drafting is the heads' proposal plus their conditioning on the accepted positions
+    (``observe``: Hydra's prefix layer, a transformer layer of the drafter, run after each
+    verification); "other" is what is left: Python, masks, acceptance, cache bookkeeping, and
+    with a ``temperature`` (exact sampling at it alone, no top-k / top-p, as ``entmtp-hf bench
+    --sampling``) the logits processor and the draws."""
+    from .bench.bench import SAMPLING  # the benchmark's sampling settings, at this temperature
+
+    sample = {**SAMPLING, "temperature": temperature} if temperature else {"do_sample": False}
+    with torch.inference_mode():
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, entmtp_config=config,
+                             return_dict_in_generate=True, **sample)  # fmt: skip
+    st = out.entmtp_stats
+    steps = max(st["steps"], 1)
+    decode = st["total_time"] - st["prefill_time"]
+    forward, propose, observe = st["forward_time"], st["draft_time"], st.get("observe_time", 0.0)
+    draft = propose + observe
+    other = max(decode - draft - forward, 0.0)
+    return {
+        "steps": st["steps"],
+        "mean_accept_length": st["mean_accept_length"],
+        "mean_tree_nodes": sum(st["tree_sizes"]) / steps,
+        "ms_per_step": 1e3 * decode / steps,
+        "draft_ms": 1e3 * draft / steps,
+        "propose_ms": 1e3 * propose / steps,
+        "observe_ms": 1e3 * observe / steps,
+        "forward_ms": 1e3 * forward / steps,
+        "other_ms": 1e3 * other / steps,
+        "draft_share": draft / decode if decode else 0.0,
+        "other_share": other / decode if decode else 0.0,
+    }
+
+
+def interpolate_cost(costs: dict[int, float], n: int) -> float:
+    """The cost of ``n`` tokens from the timed sizes: exact where timed, else linear between the
+    nearest sizes around ``n`` (along the last two beyond the largest). Retrieval branches and
+    bank trees make sizes the timing skipped; between nearby sizes the cost is close to linear."""
+    if n in costs:
+        return costs[n]
+    sizes = sorted(costs)
+    if len(sizes) < 2 or n < sizes[0]:
+        raise ValueError(f"no forward cost for a tree of {n} nodes (measured: {sizes})")
+    above = [m for m in sizes if m > n]
+    lo, hi = (sizes[-2], sizes[-1]) if not above else (max(m for m in sizes if m < n), above[0])
+    return costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
+
+
+def relative_cost(costs: dict[int, float], n: int) -> float:
+    """``c(n)``: forward time for ``n`` tokens over one token's."""
+    return interpolate_cost(costs, n) / costs[1]
+
+
+def linear_costs(
+    model, rows: Sequence[int] = (1, 2, 3, 4, 6, 8, 16), *, repeats: int = 15
+) -> dict[str, dict[int, float]]:
+    """Median seconds of ``F.linear`` on ``M`` rows for every distinct weight shape of ``model``.
+
+    Explains the shape of c(N) on a CPU: BLAS libraries handle a few rows with a streaming
+    kernel that reads the weight once, and switch to a packing GEMM from a few rows on, whose
+    cost per call can double at that step (measured in docs/performance.md)."""
+    by_shape: dict[tuple[int, ...], tuple[str, torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):  # one weight per shape, named after its first layer
+            by_shape.setdefault(tuple(module.weight.shape), (name.split(".")[-1], module.weight.detach()))
+    weights = {f"{list(shape)} {name}": w for shape, (name, w) in by_shape.items()}
+    g = torch.Generator().manual_seed(0)
+    times: dict[str, dict[int, list[float]]] = {k: {m: [] for m in rows} for k in weights}
+    with torch.inference_mode():
+        xs = {(k, m): torch.randn(m, w.shape[1], generator=g).to(w) for k, w in weights.items() for m in rows}
+        for r in range(repeats + 1):
+            for m in rows:  # weights innermost: no call finds its weight left in cache by the call before
+                for k, w in weights.items():
+                    t0 = time.perf_counter()
+                    torch.nn.functional.linear(xs[k, m], w)
+                    if r:  # the first round warms up
+                        times[k][m].append(time.perf_counter() - t0)
+    return {k: {m: statistics.median(v) for m, v in per.items()} for k, per in times.items()}
+
+
+def analytic_bound(trees: Sequence[dict], costs: dict[int, float], reference: float | None = None) -> list[dict]:
+    """Per tree (``num_nodes``, ``mean_accept_length``): ``tau / c(N)``, the speedup limit;
+    with ``reference`` (a faster plain step's time over the model's own, :func:`kernel_reference`)
+    also the limit over that plain step, ``tau * reference / c(N)``."""
+    rows = []
+    for t in trees:
+        n, tau = int(t["num_nodes"]), t.get("mean_accept_length")
+        if tau is None:
+            continue
+        c = relative_cost(costs, n)
+        row = {"num_nodes": n, "mean_accept_length": tau, "relative_cost": c, "bound": tau / c}
+        if reference is not None:
+            row["bound_over_reference"] = tau * reference / c
+        rows.append(row)
+    return rows
+
+
+# ============================================================================ CLI
+def _markdown(report: dict) -> str:
+    lines = ["## Forward cost by tokens verified", "", "| tokens N | ms | c(N) |", "|---|---|---|"]
+    base = report["forward_costs_ms"]["1"]
+    lines += [f"| {n} | {ms:.1f} | {ms / base:.2f} |" for n, ms in report["forward_costs_ms"].items()]
+    lines += ["", "## Step breakdown (per decode step)", "",
+              "| run | nodes | tau | ms/step | drafting (proposal + prefix layer) | verifier forward | other "
+              "| drafting share | other share |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, b in report["breakdown"].items():
+        lines.append(f"| {name} | {b['mean_tree_nodes']:.1f} | {b['mean_accept_length']:.2f} | {b['ms_per_step']:.1f} | "
+                     f"{b['draft_ms']:.1f} ({b['propose_ms']:.1f} + {b['observe_ms']:.1f}) | {b['forward_ms']:.1f} | "
+                     f"{b['other_ms']:.1f} | {b['draft_share']:.1%} | {b['other_share']:.1%} |")  # fmt: skip
+    if report.get("linear_costs_ms"):
+        sizes = list(next(iter(report["linear_costs_ms"].values())))
+        lines += ["", "## One linear layer by rows (time relative to one row)", "",
+                  "| weight | ms at 1 row | " + " | ".join(f"{m} rows" for m in sizes) + " |",
+                  "|---|---|" + "---|" * len(sizes)]  # fmt: skip
+        for name, per in report["linear_costs_ms"].items():
+            lines.append(f"| {name} | {per[sizes[0]]:.3f} | " + " | ".join(f"{per[m] / per[sizes[0]]:.2f}" for m in sizes)
+                         + " |")  # fmt: skip
+    ref = report.get("kernel_reference_ms")
+    if ref:
+        lines += ["", "## The kernel reference", "",
+                  f"A one-token forward takes {ref['model']:.1f} ms with the model's own kernels and {ref['onednn']:.1f} ms "
+                  f"with every linear layer on oneDNN (`vanilla-onednn`): {ref['onednn'] / ref['model']:.2f} of it. The "
+                  f"bound over vanilla-onednn is tau / c(N) times that."]  # fmt: skip
+    for task, rows in report.get("bound", {}).items():
+        over = bool(rows) and "bound_over_reference" in rows[0]
+        lines += ["", f"## Analytic bound, task {task} (tau / c(N))", "",
+                  "| nodes | tau | c(N) | bound |" + (" over vanilla-onednn |" if over else ""),
+                  "|---|---|---|---|" + ("---|" if over else "")]  # fmt: skip
+        lines += [f"| {r['num_nodes']} | {r['mean_accept_length']:.2f} | {r['relative_cost']:.2f} | {r['bound']:.2f}x |"
+                  + (f" {r['bound_over_reference']:.2f}x |" if over else "") for r in rows]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .bench.bench import set_threads
+    from ..demo.run import config_for, load_demo
+    from .data.tasks import evaluation_basket
+
+    set_threads(args.threads)
+    model, tokenizer, bank_dir = load_demo()
+    bank_dir = Path(args.bank) if args.bank else bank_dir
+    report: dict[str, Any] = {"threads": torch.get_num_threads(), "bank": str(bank_dir)}
+    costs = forward_costs(model, prefix_len=args.prefix_len, repeats=args.repeats)
+    report["forward_costs_ms"] = {str(n): 1e3 * s for n, s in costs.items()}
+    plain = kernel_reference(model, prefix_len=args.prefix_len, repeats=args.repeats)
+    report["kernel_reference_ms"] = {k: 1e3 * v for k, v in plain.items()}
+    report["linear_costs_ms"] = {k: {str(m): 1e3 * t for m, t in per.items()}
+                                 for k, per in linear_costs(model, repeats=args.repeats).items()}  # fmt: skip
+    report["breakdown"], report["bound"] = {}, {}
+    for task in args.tasks:
+        ids = torch.tensor([evaluation_basket(task, 1)[0].render(tokenizer)])
+        bank = config_for(bank_dir, task).load_bank()  # the task's bank, or the folder's default
+        report["bound"][task] = analytic_bound(bank.metadata.get("trees", []), costs, plain["onednn"] / plain["model"])
+        for policy in ("static", None):
+            cfg = EntMTPConfig(bank=bank, task=bank.task, policy=policy)
+            label = f"{task} {policy or 'bank default (' + bank.scheduler.policy + ')'}"
+            for t in (None, args.temperature) if args.temperature else (None,):
+                step_breakdown(model, ids, cfg, max_new_tokens=8, temperature=t)  # warm-up
+                report["breakdown"][label + (f", sampled at T = {t:g}" if t else "")] = step_breakdown(
+                    model, ids, cfg, args.max_new_tokens, temperature=t
+                )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    md = _markdown(report)
+    (out / "profile.md").write_text(md, encoding="utf-8")
+    print(md)
+    print(f"wrote {out / 'profile.json'} and {out / 'profile.md'}")
+    return 0
+
+
+def add_subcommand(sub: argparse._SubParsersAction) -> None:
+    """Register ``entmtp-hf profile``."""
+    p = sub.add_parser(
+        "profile",
+        help="forward cost by tree size, step-time breakdown and the analytic speedup bound on this machine",
+        description="Time the demo model's forward for 1..64 verified tokens, split decode steps into drafting / "
+        "forward / other, and compute tau / c(N) for every tree of the bank.",
+    )
+    p.add_argument("--tasks", nargs="+", default=["humaneval", "gsm8k", "chat"])
+    p.add_argument("--bank", default=None, help="bank folder (default: the demo model's shipped banks)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prefix-len", type=int, default=256, help="cached tokens before the timed forward")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="also break down sampled steps (exact acceptance) at this temperature")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="runs/profile")
+    p.set_defaults(func=_profile)

@@ -1,0 +1,1 @@
+"""The offline tree search: rank tuples, the acceptance frontier, timing, the bank it writes."""

@@ -1,0 +1,79 @@
+"""What a heads-training run is configured by: :class:`TrainConfig` and the constants
+(data sources, split ids, demo model) that every other part of the training package shares.
+
+Kept apart so that data, loss, loop and CLI can all import it without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...heads import HEADS_REGISTRY
+
+DEMO_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SOURCES = ("distill", "gsm8k", "stdlib")
+SPLIT_TRAIN, SPLIT_VAL = 0, 1
+
+
+@dataclass
+class TrainConfig:
+    """Everything a heads-training run depends on (saved with every checkpoint)."""
+
+    model: str | None = field(default=None, metadata={"help": "base model id/folder; None = demo model"})
+    family: str = "hydra"
+    arch: str = "mlp"
+    num_heads: int = 4
+    num_layers: int = 1
+    draft_vocab_size: int = 8192
+    work_dir: str = "runs/heads"
+    run_name: str | None = None
+    output: str | None = None
+    init_from: str | None = None
+    init_vocab: str = "heads"
+    distill_dir: str | None = "data/distill"
+    sources: tuple[str, ...] = SOURCES
+    max_tokens: int = 600_000
+    distill_share: float = 0.6
+    val_fraction: float = 0.04
+    max_seq_len: int = 512
+    batch_tokens: int = 2048
+    extract_batch_tokens: int = 4096
+    teacher_dtype: str = "float32"
+    epochs: int = 2
+    max_steps: int | None = None
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    ce_weight: float = 0.0
+    head_decay: float = 0.8
+    mixed_precision: str = "no"
+    save_every: int = 50
+    eval_every: int = 200
+    keep_checkpoints: int = 2
+    save_dtype: str = "float16"
+    seed: int = 0
+    tau_prompts: int = 6
+    tau_new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.family not in HEADS_REGISTRY:
+            raise ValueError(f"family must be one of {sorted(HEADS_REGISTRY)}, got {self.family!r}")
+        if self.schedule not in ("cosine", "linear"):
+            raise ValueError(f"schedule must be 'cosine' or 'linear', got {self.schedule!r}")
+        if self.save_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"save_dtype must be float16, bfloat16 or float32, got {self.save_dtype!r}")
+        if self.init_vocab not in ("heads", "data"):
+            raise ValueError(f"init_vocab must be 'heads' or 'data', got {self.init_vocab!r}")
+        if self.teacher_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"teacher_dtype must be float32 or bfloat16, got {self.teacher_dtype!r}")
+        bad = set(self.sources) - set(SOURCES)
+        if bad:
+            raise ValueError(f"unknown data sources {sorted(bad)}; choose from {SOURCES}")
+        if self.num_heads < 1 or self.batch_tokens < self.max_seq_len or self.draft_vocab_size < 1:
+            raise ValueError("need num_heads >= 1, batch_tokens >= max_seq_len and draft_vocab_size >= 1")
+        self.sources = tuple(self.sources)
+        self.run_name = self.run_name or f"{self.family}-{self.arch}"
+

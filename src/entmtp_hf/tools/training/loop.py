@@ -1,0 +1,390 @@
+"""The training run itself: warm start, learning-rate schedule, the :mod:`accelerate`
+loop with exact resume (checkpoints of heads, optimiser, scheduler, data cursor and RNG),
+and finalising (shipped half-precision heads, validation, tau, summary, model card).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ...heads import HEADS_REGISTRY, DraftHeads
+from .card import model_card
+from .config import DEMO_HUB_ID, SOURCES, SPLIT_TRAIN, SPLIT_VAL, TrainConfig
+from .objective import HeadsObjective, evaluate_heads, measure_tau, tau_prompts
+from .teacher import (
+    TeacherCache,
+    _write_json,
+    coverage,
+    draft_vocabulary,
+    epoch_batches,
+    prepare_teacher_cache,
+    supervised_tokens,
+)
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine or linear decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1 - frac
+    return min_ratio + (1 - min_ratio) * decay
+
+
+@torch.no_grad()
+def warm_start(heads: DraftHeads, hidden_rms: float = 1.0) -> DraftHeads:
+    """Start every head as "base LM head on c_t": zero block linears, identity on the c_t slice
+    of Hydra's first-block projection; a prefix layer starts as (scaled) identity."""
+    h = heads.config.hidden_size
+    for blocks in heads.mlps:
+        for block in blocks:
+            nn.init.zeros_(block.linear.weight)
+            nn.init.zeros_(block.linear.bias)
+            res = block.res_connection
+            if isinstance(res, nn.Linear):
+                res.weight.zero_()
+                res.weight[:, :h] = torch.eye(h, dtype=res.weight.dtype, device=res.weight.device)
+                res.bias.zero_()
+    prefix = getattr(heads, "prefix_embeding_layer", None)
+    if prefix is not None:
+        layer = prefix.layers[0]
+        for name, p in layer.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        prefix.norm.weight.fill_(hidden_rms)
+    return heads
+
+
+class RunLog:
+    """Timestamped lines to stdout and ``path`` (main process only)."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path, self.enabled = path, enabled
+
+    def __call__(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}"
+        print(line, flush=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+@dataclass
+class Cursor:
+    """Where a run stands: optimiser steps done, epoch, next batch index in that epoch."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+    train_tokens: int = 0
+    train_seconds: float = 0.0
+
+
+def checkpoints(run: Path) -> list[Path]:
+    return sorted(p for p in (run / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+def save_checkpoint(run: Path, cursor: Cursor, heads: DraftHeads, optimizer, scheduler, cfg: TrainConfig,
+                    metrics: dict | None = None) -> Path:
+    """Atomically write heads (float32) + optimiser + scheduler + RNG + cursor; keep the newest few."""
+    from safetensors.torch import save_file
+
+    final = run / "checkpoints" / f"step-{cursor.step:07d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, str(tmp / "heads.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+    _write_json(tmp / "state.json", {"cursor": asdict(cursor), "config": asdict(cfg), "metrics": metrics or {}})
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in checkpoints(run)[: -cfg.keep_checkpoints]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, heads: DraftHeads, optimizer, scheduler, cfg: TrainConfig) -> Cursor:
+    """Restore what :func:`save_checkpoint` wrote; refuses a checkpoint of different heads."""
+    from safetensors.torch import load_file
+
+    state = json.loads((path / "state.json").read_text())
+    old = state["config"]
+    for key in ("family", "arch", "num_heads", "num_layers", "draft_vocab_size", "seed", "batch_tokens"):
+        if old[key] != getattr(cfg, key):
+            raise ValueError(f"{path}: checkpoint has {key}={old[key]!r}, this run {getattr(cfg, key)!r}")
+    heads.load_state_dict(load_file(str(path / "heads.safetensors")))
+    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(trainer["optimizer"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    torch.set_rng_state(trainer["torch_rng"])
+    return Cursor(**state["cursor"])
+
+
+class _Batches(torch.utils.data.Dataset):
+    """Item j is the collated batch ``batches[j]`` of the cache (a DataLoader of batch size 1)."""
+
+    def __init__(self, cache: TeacherCache, batches: list[list[int]]):
+        self.cache, self.batches = cache, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, j: int) -> dict[str, Tensor]:
+        return self.cache.batch(self.batches[j])
+
+
+def _first(items: list) -> Any:
+    return items[0]
+
+
+def total_steps(cfg: TrainConfig, cache: TeacherCache, num_processes: int) -> int:
+    ks, lengths = cache.split(SPLIT_TRAIN), cache.seqs[:, 1]
+    n = sum(len(epoch_batches(ks, lengths, cfg.batch_tokens, cfg.seed, e)) // num_processes for e in range(cfg.epochs))
+    return min(n, cfg.max_steps) if cfg.max_steps else n
+
+
+def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = False, cache: TeacherCache | None = None,
+                max_minutes: float | None = None, stop_after: int | None = None, measure: bool = True,
+                command: str | None = None, accelerator=None, extract: bool = True) -> dict[str, Any]:
+    """Train (or resume) one set of heads; writes checkpoints under ``WORK/RUN`` and the final
+    heads to ``cfg.output`` (default ``WORK/RUN/final``). Returns the run summary.
+
+    ``max_minutes`` / ``stop_after`` (steps in this call) end the call early with a checkpoint
+    (and final heads from the current weights); ``resume=True`` later continues the schedule.
+    """
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision)
+    run = Path(cfg.work_dir) / cfg.run_name
+    run.mkdir(parents=True, exist_ok=True)
+    log = RunLog(run / "train.log", acc.is_main_process)
+    started = time.perf_counter()
+    if model is None:
+        from ...demo.model import load_base_model
+
+        model, tokenizer = load_base_model(cfg.model)
+    model.to(acc.device).eval().requires_grad_(False)
+    if cache is None:
+        if acc.is_main_process:
+            prepare_teacher_cache(model, tokenizer, cfg, log, extract=extract)
+        acc.wait_for_everyone()
+        cache = TeacherCache(Path(cfg.work_dir) / "data")
+
+    snapshot = run / "sequences.npy"  # the sequences this run trains on, fixed at its start
+    if resume and snapshot.exists():
+        cache.restrict(np.load(snapshot))
+    elif acc.is_main_process:
+        np.save(snapshot, np.nonzero(cache.ready)[0])
+    vocab_size = model.config.get_text_config().vocab_size
+    dv = None  # the drafting vocabulary: chosen from this data unless kept from --init-from heads
+    if not (cfg.init_from and cfg.init_vocab == "heads"):
+        dv = draft_vocabulary(supervised_tokens(cache, SPLIT_TRAIN), cfg.draft_vocab_size, vocab_size)
+    if cfg.init_from:  # continue training given heads on this data
+        heads = init_heads_from(cfg, model)
+        if dv is not None:  # --init-vocab data: the weights do not depend on the vocabulary
+            heads.draft_vocab.copy_(dv)
+        dv = heads.draft_vocab.cpu()
+    else:
+        torch.manual_seed(cfg.seed)  # the random part of the initialisation (prefix layer)
+        heads = HEADS_REGISTRY[cfg.family].for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, dv,
+                                                       use_base_lm_head=True).float()
+        k = cache.split(SPLIT_TRAIN)[:50]
+        sample = np.concatenate([cache.hidden[o : o + n] for o, n in cache.seqs[k, :2]]).astype(np.float32)
+        warm_start(heads, float(np.sqrt((sample**2).mean(-1)).mean()))
+    heads.config.base_model_name_or_path = cfg.model or DEMO_HUB_ID
+    cov = coverage(dv, supervised_tokens(cache, SPLIT_VAL))
+    objective = HeadsObjective(heads, model.get_input_embeddings(), model.get_output_embeddings(),
+                               cfg.ce_weight, cfg.head_decay)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    total = total_steps(cfg, cache, acc.num_processes)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio))
+    cursor = Cursor()
+    found = checkpoints(run) if resume else []
+    if found:
+        cursor = load_checkpoint(found[-1], heads, optimizer, scheduler, cfg)
+        if not torch.equal(heads.draft_vocab.cpu(), dv):
+            raise ValueError(f"{found[-1]}: drafting vocabulary differs from this data's; wrong --work-dir?")
+        log(f"resumed from {found[-1].name}: step {cursor.step}, epoch {cursor.epoch}, batch {cursor.batch}")
+    elif resume:
+        log("no checkpoint found: starting from scratch")
+    objective, optimizer = acc.prepare(objective, optimizer)
+    unwrapped = acc.unwrap_model(objective).heads
+    log(f"{cfg.family}/{cfg.arch}: {sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M parameters, "
+        f"draft vocab {len(dv)} (held-out greedy coverage {cov:.4f}), {total} steps, "
+        f"{len(cache.split(SPLIT_TRAIN))} train / {len(cache.split(SPLIT_VAL))} val sequences")
+
+    ks, lengths = cache.split(SPLIT_TRAIN), cache.seqs[:, 1]
+    bar = tqdm(total=total, initial=cursor.step, disable=not acc.is_main_process, desc=cfg.run_name)
+    deadline = started + 60 * max_minutes if max_minutes else None
+    stopped_early, params = False, [p for p in objective.parameters() if p.requires_grad]
+    first_step, losses = cursor.step, []
+    while cursor.step < total and not stopped_early:
+        batches = epoch_batches(ks, lengths, cfg.batch_tokens, cfg.seed, cursor.epoch)
+        usable = len(batches) // acc.num_processes * acc.num_processes
+        loader = acc.prepare_data_loader(torch.utils.data.DataLoader(
+            _Batches(cache, batches[cursor.batch : usable]), batch_size=1, collate_fn=_first))
+        t0 = time.perf_counter()
+        for b in loader:
+            loss, per_head = objective(**b)
+            acc.backward(loss)
+            if cfg.grad_clip:
+                acc.clip_grad_norm_(params, cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            now = time.perf_counter()
+            cursor.step, cursor.batch = cursor.step + 1, cursor.batch + acc.num_processes
+            cursor.train_tokens += int(b["valid"].sum()) * acc.num_processes
+            cursor.train_seconds, t0 = cursor.train_seconds + now - t0, now
+            bar.update(1)
+            losses.append(round(loss.item(), 5))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if cursor.step % 10 == 0:
+                log(f"step {cursor.step}/{total} epoch {cursor.epoch} loss {loss.item():.4f} heads "
+                    f"{[round(x, 3) for x in per_head]} lr {scheduler.get_last_lr()[0]:.2e} "
+                    f"{cursor.train_tokens / max(cursor.train_seconds, 1e-9):.0f} tok/s")
+            if cfg.eval_every and cursor.step % cfg.eval_every == 0 and acc.is_main_process:
+                log(f"eval step {cursor.step}: {json.dumps(evaluate_heads(unwrapped, *_base_io(model), cache))}")
+            out_of_time = (deadline is not None and now > deadline) or cursor.step - first_step == stop_after
+            if cursor.step % cfg.save_every == 0 or cursor.step >= total or out_of_time:
+                if acc.is_main_process:
+                    save_checkpoint(run, cursor, unwrapped, optimizer, scheduler, cfg)
+                acc.wait_for_everyone()
+            if cursor.step >= total:
+                break
+            if out_of_time:
+                log(f"stopping at step {cursor.step} of {total} (time/step budget): checkpoint saved")
+                stopped_early = True
+                break
+        else:
+            cursor.epoch, cursor.batch = cursor.epoch + 1, 0
+    bar.close()
+    saved = checkpoints(run)
+    if cursor.step > 0 and (not saved or saved[-1].name != f"step-{cursor.step:07d}") and acc.is_main_process:
+        save_checkpoint(run, cursor, unwrapped, optimizer, scheduler, cfg)
+    summary: dict[str, Any] = {}
+    if acc.is_main_process:
+        summary = finalize(cfg, model, tokenizer, unwrapped, cache, cursor, total, cov, run, log,
+                           measure=measure, command=command)
+        summary["loss_curve"] = losses
+    acc.wait_for_everyone()
+    return summary
+
+
+def init_heads_from(cfg: TrainConfig, model) -> DraftHeads:
+    """Heads loaded from ``cfg.init_from`` (float32, on the model's device), checked against ``cfg``;
+    fewer heads than ``cfg.num_heads`` are extended by :func:`extend_heads`."""
+    heads = DraftHeads.from_pretrained(cfg.init_from).float()
+    c = heads.config
+    got = (c.family, c.head_arch, c.num_layers, c.draft_vocab_size, c.use_base_lm_head)
+    want = (cfg.family, cfg.arch, cfg.num_layers, cfg.draft_vocab_size, True)
+    if got != want or c.num_heads > cfg.num_heads:
+        raise ValueError(f"--init-from {cfg.init_from}: heads are {got} with {c.num_heads} heads, this run wants "
+                         f"{want} with {cfg.num_heads} (family, arch, layers, draft vocab size, base LM head; "
+                         "as many heads or fewer)")
+    heads = heads.to(next(model.parameters()).device)
+    if c.num_heads < cfg.num_heads:
+        more = type(heads).for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, heads.draft_vocab.cpu(),
+                                     use_base_lm_head=True).float()
+        heads = extend_heads(heads, more)
+    return heads
+
+
+@torch.no_grad()
+def extend_heads(given: DraftHeads, more: DraftHeads) -> DraftHeads:
+    """``more`` (same kind, more heads) with ``given``'s weights, and each extra head started as a
+    copy of the last given head: deeper heads predict further ahead from the same signals.
+
+    A Hydra head's first block reads the hidden state and the embeddings of the tokens drafted
+    so far, one more per head; the copy keeps the hidden-state slice and puts the last head's
+    embedding slices on the most recent tokens (the older ones start at zero)."""
+    n, h = given.num_heads, given.config.hidden_size
+    state = more.state_dict()
+    src = given.state_dict()
+    for key, value in src.items():  # shared parts and the given heads, unchanged
+        state[key] = value.clone()
+    last = f"mlps.{n - 1}."
+    for j in range(n, more.num_heads):
+        for key, value in src.items():
+            if not key.startswith(last):
+                continue
+            target = f"mlps.{j}." + key[len(last):]
+            if value.shape == state[target].shape:
+                state[target] = value.clone()
+            else:  # block 0: columns [hidden, emb_1..emb_n] -> [hidden, 0.., the most recent n embeddings]
+                out = torch.zeros_like(state[target])
+                out[:, :h], out[:, out.shape[1] - (value.shape[1] - h) :] = value[:, :h], value[:, h:]
+                state[target] = out
+    more.load_state_dict(state)
+    return more
+
+
+def _base_io(model) -> tuple[nn.Module, nn.Module]:
+    return model.get_input_embeddings(), model.get_output_embeddings()
+
+
+def half_copy(heads: DraftHeads, dtype: str) -> DraftHeads:
+    """A copy of ``heads`` whose floating tensors are in ``dtype`` (ids stay integer)."""
+    return copy.deepcopy(heads).to(getattr(torch, dtype))
+
+
+def finalize(cfg: TrainConfig, model, tokenizer, heads: DraftHeads, cache: TeacherCache, cursor: Cursor, total: int,
+             cov: float, run: Path, log, *, measure: bool = True, command: str | None = None) -> dict[str, Any]:
+    """Validate, measure tau, save the shipped (half-precision) heads with a model card."""
+    out = Path(cfg.output) if cfg.output else run / "final"
+    half_copy(heads, cfg.save_dtype).save_pretrained(out)
+    # validate what ships, loaded back from disk as a user would (then run in float32)
+    shipped = DraftHeads.from_pretrained(out).float()
+    metrics = evaluate_heads(shipped, *_base_io(model), cache)
+    extract = json.loads((cache.root / "extract.json").read_text())
+    summary = {
+        "config": asdict(cfg), "command": command, "steps": cursor.step, "total_steps": total,
+        "epochs_done": round(cursor.train_tokens / max(1, int(cache.seqs[cache.split(SPLIT_TRAIN), 1].sum())), 2),
+        "train_tokens_seen": cursor.train_tokens, "train_seconds": round(cursor.train_seconds),
+        "train_tokens_per_s": round(cursor.train_tokens / max(cursor.train_seconds, 1e-9), 1),
+        "extract": extract, "data": used_data(cache), "draft_vocab_size": int(len(heads.draft_vocab)),
+        "draft_vocab_val_coverage": round(cov, 4), "validation": metrics,
+        "validation_fp32_weights": evaluate_heads(heads, *_base_io(model), cache),
+        "weights_bytes": os.path.getsize(out / "model.safetensors"),
+    }
+    if cfg.init_from:
+        summary["init_num_heads"] = DraftHeads.from_pretrained(cfg.init_from).num_heads
+    if measure and cfg.tau_prompts > 0 and tokenizer is not None:
+        prompts = tau_prompts(cache, tokenizer, cfg.tau_prompts, cfg.seed, cfg.val_fraction)
+        summary["tau_mc_sim_7b_63"] = measure_tau(model, shipped, prompts, cfg.tau_new_tokens)
+    (out / "README.md").write_text(model_card(summary, heads), encoding="utf-8")
+    _write_json(run / "summary.json", summary)
+    log(f"final: {json.dumps({k: summary[k] for k in ('steps', 'validation', 'weights_bytes')})}")
+    if "tau_mc_sim_7b_63" in summary:
+        log(f"tau: {summary['tau_mc_sim_7b_63']}")
+    log(f"heads written to {out}")
+    return summary
+
+
+def used_data(cache: TeacherCache) -> dict[str, dict[str, dict[str, int]]]:
+    """Sequences and tokens actually trained / validated on, per source."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for split, name in ((SPLIT_TRAIN, "train"), (SPLIT_VAL, "val")):
+        ks = cache.split(split)
+        for i, src in enumerate(SOURCES):
+            sel = ks[cache.seqs[ks, 4] == i]
+            if len(sel):
+                out.setdefault(src, {})[name] = {"sequences": len(sel), "tokens": int(cache.seqs[sel, 1].sum())}
+    return out
+

@@ -1,0 +1,1 @@
+"""Tree topologies, the banks that hold them and the plan one generate call decodes with."""
