@@ -1,0 +1,32 @@
+"""The errors entmtp-hf raises for bad input.
+
+Every refusal of a file, a config field or a ``generate`` argument is an :class:`EntMTPError`
+(a ``ValueError``, so code that catches ``ValueError`` keeps working). The subclasses say
+what was refused; each message names the file or the field and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class EntMTPError(ValueError):
+    """Base class of entmtp-hf's input errors."""
+
+
+class ConfigError(EntMTPError):
+    """A config field (``EntMTPConfig``, ``EASConfig``, ``RetrievalConfig``, ...) out of its type or range."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class FileFormatError(EntMTPError):
+    """A file that cannot be read: missing, too large, malformed or inconsistent. Names the file."""
+
+    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
+        super().__init__(f"{os.fspath(path)}: {problem}")
+        self.path = os.fspath(path)
+        self.problem = problem
