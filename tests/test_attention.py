@@ -7,8 +7,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from entmtp_hf.decoding import attention as A
+from entmtp_hf.decoding.attention import tree_attention_mask
 from entmtp_hf.trees.tree import Tree
-from entmtp_hf.decoding.acceptance import tree_attention_mask
 
 from tiny import tiny_model
 
@@ -35,7 +35,8 @@ def _inputs(n: int, kv: int = 2, groups: int = 3, length: int = 40, dtype=torch.
 def test_grouped_attention_matches_sdpa_with_a_tree_mask(n):
     q, k, v, mask = _inputs(n)
     module = _Module(groups=3)
-    got, _ = A.grouped_tree_attention(module, q, k, v, mask, scaling=0.3)
+    with A.verifying():
+        got, _ = A.grouped_tree_attention(module, q, k, v, mask, scaling=0.3)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
     assert got.shape == want.shape == (1, n, 6, 8)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
@@ -45,29 +46,41 @@ def test_cases_it_does_not_handle_go_to_sdpa_unchanged(monkeypatch):
     calls = []
     monkeypatch.setattr(A, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or ("sdpa", None))
     q, k, v, mask = _inputs(3)
-    assert A.grouped_tree_attention(_Module(3), q[:, :, :1], k, v, mask[:, :, :1])[0] == "sdpa"  # one query
-    assert A.grouped_tree_attention(_Module(3), q, k, v, None)[0] == "sdpa"  # no mask: sdpa's own GQA path
-    assert A.grouped_tree_attention(_Module(1), q[:, :2], k, v, mask)[0] == "sdpa"  # no grouping
-    assert A.grouped_tree_attention(_Module(3), q, k, v, mask, softcap=30.0)[0] == "sdpa"
-    assert len(calls) == 4
+    assert A.grouped_tree_attention(_Module(3), q, k, v, mask)[0] == "sdpa"  # not verifying a tree: plain generate
+    with A.verifying():
+        assert A.grouped_tree_attention(_Module(3), q[:, :, :1], k, v, mask[:, :, :1])[0] == "sdpa"  # one query
+        assert A.grouped_tree_attention(_Module(3), q, k, v, None)[0] == "sdpa"  # no mask: sdpa's own GQA path
+        assert A.grouped_tree_attention(_Module(1), q[:, :2], k, v, mask)[0] == "sdpa"  # no grouping
+        assert A.grouped_tree_attention(_Module(3), q, k, v, mask, softcap=30.0)[0] == "sdpa"
+    assert len(calls) == 5
 
 
-def test_tree_attention_switches_and_restores():
+def test_verifying_is_per_thread_and_restored():
+    import threading
+
+    seen = []
+    with A.verifying():
+        thread = threading.Thread(target=lambda: seen.append(A._VERIFYING.get()))
+        thread.start()
+        thread.join()
+        assert A._VERIFYING.get()
+    assert seen == [False] and not A._VERIFYING.get()
+
+
+def test_tree_attention_is_selected_once_and_restored():
     model = tiny_model()
     config = model.config.get_text_config()
     assert config._attn_implementation == "sdpa"
-    with pytest.raises(RuntimeError):
-        with A.tree_attention(model):
-            assert config._attn_implementation == A.ATTENTION_NAME
-            raise RuntimeError("boom")
+    assert A.use_tree_attention(model) and config._attn_implementation == A.ATTENTION_NAME
+    A.restore_attention(model)
     assert config._attn_implementation == "sdpa"
 
 
 def test_tree_attention_leaves_other_implementations_alone():
     model = tiny_model()
     model.set_attn_implementation("eager")
-    with A.tree_attention(model):
-        assert model.config._attn_implementation == "eager"
+    assert not A.use_tree_attention(model)
+    A.restore_attention(model)
     assert model.config._attn_implementation == "eager"
 
 
@@ -84,7 +97,8 @@ def test_a_model_forward_uses_it_and_gives_the_same_logits(monkeypatch):
         used = []
         real = A.F.scaled_dot_product_attention
         monkeypatch.setattr(A.F, "scaled_dot_product_attention", lambda *a, **k: used.append(k) or real(*a, **k))
-        with A.tree_attention(model):
+        A.use_tree_attention(model)
+        with A.verifying():
             got = model(**kwargs, cache=cache).logits
     assert len(used) == model.config.num_hidden_layers and all(k["enable_gqa"] for k in used)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

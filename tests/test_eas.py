@@ -7,13 +7,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.scheduling.eas import (
-    ACTIVE_EAS_CALL,
-    EASConfig,
-    EASController,
-    EntropyAdaptiveCandidateGenerator,
-    entropy_nats,
-)
+from entmtp_hf.assisted import ACTIVE_EAS_CALL, EntropyAdaptiveCandidateGenerator
+from entmtp_hf.scheduling.eas import EASConfig, EASController, entropy_nats
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63
 from test_generation import chi_square_p, prompts, target_joint
@@ -375,7 +370,8 @@ def test_bench_draft_model_methods_int8_draft(tmp_path):
     """The draft-model form in the harness: the target's int8 copy drafts, EAS or a fixed chain
     sets the length, output identical to vanilla."""
     from entmtp_hf.tools.bench.bench import BenchContext, BenchSettings, random_heads, run_benchmark
-    from entmtp_hf.scheduling.eas import fixed_length, quantized_draft
+    from entmtp_hf.scheduling.eas import fixed_length
+    from entmtp_hf.tools.bench.bench import quantized_draft
     from test_bench import DEFAULTS, tiny_llama, tiny_tokenizer, write_task
 
     model = tiny_llama()

@@ -12,6 +12,8 @@ from transformers import PreTrainedTokenizerFast, TextIteratorStreamer, pipeline
 from entmtp_hf.trees.bank import shipped_bank_path
 from entmtp_hf.trees.bank import TopologyBank
 from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.decoding.stats import PhaseTimer
+from entmtp_hf.errors import ConfigError
 from entmtp_hf.integration import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 from tiny import ARCHS, VOCAB
@@ -151,15 +153,15 @@ def test_logits_processors_see_each_nodes_path(tiny_cache, kwargs):
 
 
 def test_row_wise_processors_run_once_for_the_whole_tree():
-    """Temperature, top-k, top-p, min-p: one batched call gives what the per-depth calls give."""
+    """Temperature, top-k, top-p, min-p: one batched call gives what the per-node calls give."""
     from transformers.generation.logits_process import (
         LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
         TopPLogitsWarper,
     )  # fmt: skip
 
-    from entmtp_hf.integration import _process_tree_scores, _row_wise
+    from entmtp_hf.decoding.processors import process_tree_scores, row_wise
 
-    class Identity(LogitsProcessor):  # not a known row-wise type: forces the per-depth calls
+    class Identity(LogitsProcessor):  # not a known row-wise type: forces one call per node
         calls = 0
 
         def __call__(self, input_ids, scores):
@@ -173,9 +175,9 @@ def test_row_wise_processors_run_once_for_the_whole_tree():
     ids = torch.randint(0, 500, (1, 7), generator=g)
     warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(40), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)]
     batched_list, per_depth_list = LogitsProcessorList(warpers), LogitsProcessorList([*warpers, Identity()])
-    batched = _process_tree_scores(batched_list, ids, tokens, buffers, logits, row_wise=_row_wise(batched_list))
-    per_depth = _process_tree_scores(per_depth_list, ids, tokens, buffers, logits, row_wise=_row_wise(per_depth_list))
-    assert Identity.calls == int(buffers.position_ids.max()) + 1
+    batched = process_tree_scores(batched_list, ids, tokens, buffers, logits, row_wise=row_wise(batched_list))
+    per_depth = process_tree_scores(per_depth_list, ids, tokens, buffers, logits, row_wise=row_wise(per_depth_list))
+    assert Identity.calls == buffers.num_nodes
     assert torch.equal(batched, per_depth)
     assert torch.isinf(batched).any() and not torch.equal(batched, logits)
 
@@ -371,13 +373,16 @@ def test_return_dict_statistics(tiny_cache):
     model = enabled(tiny_cache)
     ids = prompts(1)[0]
     cfg = EntMTPConfig(trees=[CHAIN[:2], MC_SIM_7B_63], tau_on=0.6, tau_off=0.4, feature="base_top1")
-    out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True)
+    timer = PhaseTimer()
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True,
+                         entmtp_observers=[timer])
     st = out.entmtp_stats
     steps = st["steps"]
     assert steps == len(st["accept_lengths"]) == len(st["tree_indices"]) == len(st["features"]) > 0
     assert 1 + sum(st["accept_lengths"]) == out.sequences.shape[1] - ids.shape[1] == st["new_tokens"]
     assert st["mean_accept_length"] == pytest.approx(sum(st["accept_lengths"]) / steps)
-    assert set(st["tree_indices"]) <= {0, 1} and st["draft_time"] > 0 and st["verify_time"] > 0
+    assert set(st["tree_indices"]) <= {0, 1} and timer.steps == steps and all(t > 0 for t in timer.seconds.values())
+    assert 0 < st["prefill_time"] < st["total_time"]
     assert all(0 < f <= 1 for f in st["features"])
 
 
@@ -442,21 +447,21 @@ def test_bad_input_raises_before_any_forward(forward_counter, make_kwargs, messa
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(tree=CHAIN, policy="bogus"), "unknown policy"),
+        (dict(tree=CHAIN, policy="bogus"), "EntMTPConfig.policy: must be one of"),
         (dict(trees=[CHAIN[:1], CHAIN], tau_on=0.1, tau_off=0.2), "tau_off"),
         (dict(trees=[[[0]], CHAIN[:2], CHAIN], policy="ladder", thresholds=[0.5, 0.1]), "strictly increasing"),
         (dict(tree=[[0], [1, 1]]), "missing"),
         (dict(bank=DEFAULTS), "task="),
-        (dict(tree=CHAIN, acceptance="fast"), "unknown acceptance"),
+        (dict(tree=CHAIN, acceptance="fast"), "EntMTPConfig.acceptance: must be one of"),
         (dict(), "exactly one of"),
         (dict(tree=CHAIN, policy="ladder"), "several trees"),
         (dict(tree=CHAIN, policy="value"), "several trees"),
         (dict(trees=[CHAIN, CHAIN[:1]], policy="value", costs=[1.0]), "one positive forward cost"),
-        (dict(trees=[CHAIN, CHAIN[:1]], policy="value", costs=[1.0, 0.0]), "one positive forward cost"),
+        (dict(trees=[CHAIN, CHAIN[:1]], policy="value", costs=[1.0, 0.0]), r"EntMTPConfig.costs\[1\]: 0.0 is outside"),
     ],
 )
 def test_invalid_config(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         EntMTPConfig(**kwargs)
 
 

@@ -51,7 +51,7 @@ def brute_force(toks, cfg):
 def test_bad_config(kw):
     with pytest.raises(ValueError, match="RetrievalConfig"):
         RetrievalConfig(**kw)
-    with pytest.raises(ValueError, match="retrieval must be"):
+    with pytest.raises(ValueError, match="EntMTPConfig.retrieval: must be"):
         EntMTPConfig(tree=[[0]], retrieval="yes")
 
 

@@ -5,10 +5,9 @@ import math
 import pytest
 import torch
 
-from entmtp_hf.scheduling.policies import (
+from entmtp_hf.scheduling.features import (
     FEATURES,
     FeatureTracker,
-    Scheduler,
     best_path_value,
     ema,
     path_values,
@@ -16,6 +15,7 @@ from entmtp_hf.scheduling.policies import (
     top1_and_entropy,
     tree_values,
 )
+from entmtp_hf.scheduling.policies import Scheduler
 from entmtp_hf.trees.tree import Tree
 
 

@@ -11,13 +11,13 @@ from test_generation import chi_square_p
 
 from entmtp_hf.decoding.acceptance import (
     check_pick,
-    keep_accepted,
     sample_tokens,
-    tree_attention_mask,
     typical_accept_flags,
     typical_best_path,
     walk_tree,
 )
+from entmtp_hf.decoding.attention import tree_attention_mask
+from entmtp_hf.decoding.cache import keep_accepted
 
 
 def test_walk_tree_greedy():

@@ -5,27 +5,46 @@ Typical use::
     from entmtp_hf import EntMTPConfig, enable_entmtp
 
     enable_entmtp(model, "path/or/hub-id/of/heads")
-    out = model.generate(**inputs, entmtp_config=EntMTPConfig(bank="trees/...", task="gsm8k"))
+    out = model.generate(**inputs, entmtp_config=EntMTPConfig(bank="path/or/hub-id/of/bank", task="gsm8k"))
+
+The runtime (what ``generate`` runs) needs only torch, transformers, safetensors and
+huggingface-hub; the offline tools live in :mod:`entmtp_hf.tools` (extra ``[tools]``) and the
+embedded demo in :mod:`entmtp_hf.demo`.
 """
 
-from .trees.bank import TopologyBank
+from .assisted import EntropyAdaptiveCandidateGenerator
 from .config import EntMTPConfig
-from .scheduling.eas import EASConfig
-from .integration import EntMTPGenerateOutput, EntMTPGenerationMixin, disable_entmtp, enable_entmtp
+from .cpu_kernels import CPUKernels
+from .decoding.loop import EntMTPGenerateOutput
+from .decoding.stats import PhaseTimer
+from .drafting.candidates import EntMTPCandidateGenerator
+from .drafting.retrieval import RetrievalConfig
+from .errors import ConfigError, EntMTPError, FileFormatError
 from .heads import DraftHeads, HydraHeads, MedusaHeads, load_heads
+from .integration import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
+from .scheduling.eas import EASConfig
+from .trees.bank import TopologyBank
 from .trees.tree import MC_SIM_7B_63, Tree
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "MC_SIM_7B_63",
+    "CPUKernels",
+    "ConfigError",
     "DraftHeads",
     "EASConfig",
+    "EntMTPCandidateGenerator",
     "EntMTPConfig",
+    "EntMTPError",
     "EntMTPGenerateOutput",
     "EntMTPGenerationMixin",
+    "EntropyAdaptiveCandidateGenerator",
+    "FileFormatError",
     "HydraHeads",
     "MedusaHeads",
+    "PhaseTimer",
+    "RetrievalConfig",
     "TopologyBank",
     "Tree",
     "disable_entmtp",

@@ -1,94 +1,57 @@
-"""Verification products over a few rows, in the kernel or layout this machine runs fastest.
+"""Faster CPU products for tree decoding: one explicit, measured, CPU-only opt-in.
 
-A verification forward multiplies N rows (the tree's tokens) by every weight of the model:
-the decoder's linear layers and the ``[vocab, hidden]`` LM head (113 MB for the demo model).
-Reading those weights is most of a step on a CPU, and how the BLAS treats a few rows depends
-on the machine. On the AMD EPYC of session 10 MKL's ``F.linear`` reads a weight again for each
-of the first rows (2-3 rows cost 1.8-3.0× one row), which made a 3-token forward cost 1.85 and
-a 4-token one 1.43 one-token forwards (docs/performance.md, session 10). Two no-copy
-alternatives were measured faster there for a few rows: oneDNN's linear on the plain weight
-(``onednn``; the decoder's layers) and the LM head product laid out as ``(W @ h.T).T``
-(``transposed``).
+A verification forward multiplies N rows (the tree's nodes) by every weight of the model, and
+how a CPU's BLAS treats a few rows differs from machine to machine: on some CPUs MKL's
+``F.linear`` costs nearly as much per row for 2-4 rows as for one (so a small tree costs
+several plain steps), on others it is the fastest kernel at every row count. Nothing here runs
+unless asked for: the default path uses only public PyTorch and transformers calls.
 
-:class:`RowLayouts` times, once per row count, the decoder's layers in ``linear`` and ``onednn``
-(one pass over all their real weights, as a forward reads them, not a cache-hot loop over one)
-and the LM head in ``linear``, ``transposed`` and ``onednn``, and keeps the faster of each.
-Drafting is one-row products too (the heads' layers and their LM rows, a few per depth):
-:meth:`RowLayouts.drafting` runs them with the kernel timed faster for the heads (session 11:
-oneDNN reads a one-row product in 0.4-0.7 of MKL's time on that AMD machine), and
-:meth:`RowLayouts.prefill` gives the prompt's forward the decoder kernel timed at
-:data:`PREFILL_ROWS` rows.
-:func:`tree_forward` runs one verification forward with them: the decoder's plain
-``nn.Linear`` modules compute their N-row products with the chosen kernel (their ``forward``
-is swapped for the call and restored after: no model code changes; one-row calls, the
-prefill and everything outside the call are untouched), and the logits come from the last
-hidden states (the model is asked for none). That is only right where the model's logits
-*are* ``hidden @ W.T`` (no bias, scale or soft-capping): :meth:`RowLayouts.matches` checks it
-on the prefill's last position, every call, and the loop keeps the model's own forward
-otherwise. Every choice computes the same products; like verifying several tokens at once,
-it may round differently from the one-token forward.
+:class:`CPUKernels` (``enable_entmtp(model, heads, cpu_kernels=True)``, or on its own as a
+context manager) measures this machine once, when it is built, and then routes every product
+by its row count:
+
+* the decoder's plain ``nn.Linear`` layers: MKL (``F.linear``) or oneDNN's linear on the plain
+  weight, per row count; or, when packing is chosen (``pack="auto"`` packs if a packed pass is
+  faster over the measured row counts), every layer's weight reordered in place into oneDNN's
+  packed layout (no copy; reading the state dict raises while packed);
+* the LM head: ``F.linear``, ``(W @ h.T).T`` or oneDNN, per row count;
+* the draft heads' layers (one-row products): MKL or oneDNN.
+
+Each layer's ``forward`` is replaced once, by a dispatcher that reads the measured table, and
+given back by :meth:`CPUKernels.remove` (weights bit-exact); nothing changes per call, so
+concurrent ``generate`` calls are safe. Every choice computes the same products and, like
+verifying several tokens at once, may round differently from the one-token forward.
+
+:func:`onednn_linears` and :func:`packed_linears` are the benchmark's kernel references for
+plain decoding (``vanilla-onednn``, ``vanilla-packed``).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import statistics
 import time
 import types
-import weakref
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
-DECODER_LAYOUTS = ("linear", "onednn")
+log = logging.getLogger(__name__)
+
+DECODER_KERNELS = ("linear", "onednn")
 HEAD_LAYOUTS = ("linear", "transposed", "onednn")
-#: a position index selecting no position: the model computes no logits
-NO_POSITIONS = torch.zeros(0, dtype=torch.long)
-#: the attribute :func:`~entmtp_hf.generation.enable_entmtp` keeps a model's :class:`RowLayouts` under
-LAYOUTS_ATTR = "entmtp_row_layouts"
-#: the row count whose decoder kernel every prefill uses (timed once, not per prompt length)
-PREFILL_ROWS = 64
-#: where :func:`packed_linears` keeps a layer's packed weight while the layer holds none
+#: row counts measured by default: plain steps, small trees, larger trees, a prompt's prefill
+DEFAULT_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
+PACK_CHOICES = (True, False, "auto")
+#: where a packed layer keeps its packed weight while the layer holds none
 PACKED_ATTR = "_entmtp_packed_weight"
 
 
-def _onednn_takes(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's linear takes this weight (CPU, float32 or bfloat16)."""
-    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-
-
-def _swappable(modules: Iterable[torch.nn.Module], exclude: torch.nn.Module | None = None) -> list[torch.nn.Linear]:
-    """The plain CPU float ``nn.Linear`` modules whose ``forward`` may be swapped: none with an
-    instance-level ``forward`` of someone else's (accelerate's offloading hooks, for instance)."""
-    def free(m: torch.nn.Module) -> bool:
-        forward = m.__dict__.get("forward")
-        return forward is None or getattr(forward, "__func__", None) is _onednn_forward
-
-    return [m for m in modules if type(m) is torch.nn.Linear and m is not exclude and _onednn_takes(m.weight)
-            and free(m)]  # fmt: skip
-
-
-@contextmanager
-def _swapped(modules: list[torch.nn.Linear], forwards: list[Callable]) -> Iterator[None]:
-    """Inside the block each module runs its ``forwards`` entry; after it (even on errors) each
-    gets back what it had, so swaps nest (a tree forward inside :func:`onednn_linears`). A layer
-    :func:`packed_linears` packed keeps its packed kernel (it holds no dense weight)."""
-    swaps = [(m, f, vars(m).get("forward")) for m, f in zip(modules, forwards) if PACKED_ATTR not in vars(m)]
-    for m, forward, _ in swaps:
-        vars(m)["forward"] = forward  # an instance attribute shadows nn.Linear.forward; not a parameter
-    try:
-        yield
-    finally:
-        for m, _, old in swaps:
-            if old is None:
-                vars(m).pop("forward", None)
-            else:
-                vars(m)["forward"] = old
-
-
-def _onednn_available() -> bool:
+# ============================================================================ primitives
+def onednn_available() -> bool:
     """Whether this torch build has oneDNN's CPU linear (``torch.ops.mkldnn._linear_pointwise``)."""
     try:
         x = torch.ones(2, 3)
@@ -96,6 +59,11 @@ def _onednn_available() -> bool:
         return torch.equal(out, torch.full((2, 4), 3.0))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
+
+
+def _onednn_takes(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's linear may take this weight (CPU, float32 or bfloat16)."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
@@ -108,160 +76,67 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, la
         return out + bias if bias is not None else out
     if layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    raise ValueError(f"unknown layout {layout!r}; choose one of {(*DECODER_LAYOUTS, *HEAD_LAYOUTS[1:])}")
+    raise ValueError(f"unknown layout {layout!r}; choose one of {HEAD_LAYOUTS}")
 
 
-def _fastest(run: Callable[[str], object], layouts: tuple[str, ...], device: torch.device, repeats: int) -> str:
-    """The layout with the smallest median time of ``run(layout)`` over ``repeats`` interleaved rounds
-    after one warm-up round (ties: the first, the model's own)."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {layout: [] for layout in layouts}
+def _works(layout: str, weight: torch.Tensor) -> bool:
+    """Whether ``layout`` runs on this weight here (some CPUs lack oneDNN's bf16 primitives)."""
+    try:
+        project(torch.zeros(2, weight.shape[1], dtype=weight.dtype), weight, None, layout)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _plain_linears(modules: Iterable[torch.nn.Module], exclude: torch.nn.Module | None = None) -> list[torch.nn.Linear]:
+    """The plain CPU float ``nn.Linear`` modules with no instance-level ``forward`` of anyone's
+    (accelerate's offloading hooks, for instance, install one)."""
+    return [m for m in modules if type(m) is torch.nn.Linear and m is not exclude and _onednn_takes(m.weight)
+            and "forward" not in vars(m)]  # fmt: skip
+
+
+def _timed_median(run: Callable[[str], object], choices: Sequence[str], repeats: int) -> dict[str, float]:
+    """Median seconds of ``run(choice)`` per choice over ``repeats`` interleaved rounds after a warm-up."""
+    times: dict[str, list[float]] = {c: [] for c in choices}
     for r in range(repeats + 1):
-        for layout in layouts:
-            sync()
+        for c in choices:
             t0 = time.perf_counter()
-            run(layout)
-            sync()
+            run(c)
             if r:
-                times[layout].append(time.perf_counter() - t0)
-    return min(layouts, key=lambda layout: statistics.median(times[layout]))
+                times[c].append(time.perf_counter() - t0)
+    return {c: statistics.median(v) for c, v in times.items()}
 
 
-class RowLayouts:
-    """Per row count, the faster kernel for the model's decoder linear layers and the faster
-    layout for its LM head.
+def _by_rows(table: dict[int, str]) -> list[str]:
+    """Every row count up to the largest measured -> the choice of the nearest measured count at
+    or above it (index 0: an empty input, which ``F.linear`` handles)."""
+    measured = sorted(table)
+    out, k = ["linear"], 0
+    for rows in range(1, measured[-1] + 1):
+        while measured[k] < rows:
+            k += 1
+        out.append(table[measured[k]])
+    return out
 
-    Built by :func:`~entmtp_hf.generation.enable_entmtp`; a row count is timed (``repeats``
-    interleaved rounds) the first time it is asked for; ``layouts`` may preset choices
-    (``{rows: (decoder, LM head)}``: tests, or a machine already measured), ``draft_kernel``
-    the drafting kernel (else timed once per heads object, :meth:`drafting`). Only plain
-    ``nn.Linear`` modules on the CPU without an instance-level ``forward`` (accelerate's
-    offloading hooks, for instance) are switched, and only where oneDNN is available.
-    """
 
-    def __init__(
-        self, model, repeats: int = 3, layouts: dict[int, tuple[str, str]] | None = None, draft_kernel: str | None = None
-    ) -> None:
-        head = model.get_output_embeddings()
-        weight = getattr(head, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or getattr(head, "bias", None) is not None:
-            raise ValueError("RowLayouts needs an LM head with a 2-D weight and no bias")
-        if repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {repeats}")
-        bad = {n: v for n, v in (layouts or {}).items()
-               if len(v) != 2 or v[0] not in DECODER_LAYOUTS or v[1] not in HEAD_LAYOUTS}  # fmt: skip
-        if bad:
-            raise ValueError(f"layouts must map rows to (one of {DECODER_LAYOUTS}, one of {HEAD_LAYOUTS}), got {bad}")
-        self.lm_head = head
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-        self.linears = _swappable(decoder.modules() if decoder is not None else (), exclude=head)
-        self.onednn = _onednn_available()
-        self.decoder_layouts = DECODER_LAYOUTS if self.linears and self.onednn else ("linear",)
-        self.head_layouts = HEAD_LAYOUTS if self.onednn and _onednn_takes(weight) else HEAD_LAYOUTS[:2]
-        unavailable = {n: v for n, v in (layouts or {}).items() if v[1] not in self.head_layouts}
-        if unavailable:
-            raise ValueError(f"LM head layouts {unavailable} are not available here (only {self.head_layouts})")
-        if draft_kernel not in (None, *DECODER_LAYOUTS) or (draft_kernel == "onednn" and not self.onednn):
-            raise ValueError(f"draft_kernel must be None (timed) or one available of {DECODER_LAYOUTS}, got {draft_kernel!r}")
-        self.draft_kernel = draft_kernel
-        # bound once here: a step's swap is then two dict writes per layer, not a method object each
-        self._onednn = [types.MethodType(_onednn_forward, m) for m in self.linears]
-        self.repeats = repeats
-        self.layouts: dict[int, tuple[str, str]] = {1: ("linear", "linear"), **(layouts or {})}
-        #: per heads object: (kernel, its swappable linears, their oneDNN forwards), timed on first use
-        self._drafting: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class _Dispatch:
+    """A linear layer's forward that picks its kernel by the input's row count (a shared table;
+    counts above the largest measured take its choice)."""
 
-    def layout(self, rows: int) -> tuple[str, str]:
-        """The (decoder, LM head) choices for ``rows`` rows, timed now if this is the first time."""
-        chosen = self.layouts.get(rows)
-        if chosen is None:
-            chosen = self.layouts[rows] = self._tune(rows)
-        return chosen
+    def __init__(self, module: torch.nn.Linear, kernels: list[str]) -> None:
+        self.module, self.kernels = module, kernels
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, V]`` of last hidden states ``[N, H]``."""
-        return project(hidden, self.lm_head.weight, None, self.layout(hidden.shape[0])[1])
-
-    @torch.no_grad()
-    def matches(self, hidden_row: torch.Tensor, logits_row: torch.Tensor) -> bool:
-        """Whether the model's logits at a position are ``hidden @ W.T`` (no bias, scale, soft-cap)."""
-        ours = F.linear(hidden_row.reshape(1, -1), self.lm_head.weight)[0].to(logits_row.dtype)
-        scale = float(logits_row.abs().max()) + 1.0
-        return ours.shape == logits_row.shape and bool((ours - logits_row).abs().max() <= 1e-3 * scale)
-
-    @contextmanager
-    def decoder(self, rows: int) -> Iterator[None]:
-        """Inside the block the decoder's linear layers compute ``rows``-row products with the chosen kernel."""
-        if self.layout(rows)[0] == "linear":
-            yield
-            return
-        with _swapped(self.linears, self._onednn):  # packed layers keep their own kernel
-            yield
-
-    def prefill(self, rows: int):
-        """:meth:`decoder` for a prompt of ``rows`` tokens: the kernel timed at :data:`PREFILL_ROWS`
-        rows (session 11: oneDNN ran a 64-600-token prefill in 0.55-0.63 of MKL's time on the
-        AMD EPYC; one timing serves every prompt length). A one-token prompt keeps the model's own."""
-        return self.decoder(PREFILL_ROWS if rows > 1 else 1)
-
-    @contextmanager
-    def drafting(self, heads: torch.nn.Module, state) -> Iterator[None]:
-        """Inside the block the heads' linear layers and their LM rows (``state.lm_weight``, read
-        through ``state.kernel``) compute with the kernel timed faster for them, once per heads
-        object. Only drafted tokens can change (a near-tie rounding otherwise), never the output."""
-        entry = self._drafting.get(heads)
-        if entry is None:
-            linears = _swappable(heads.modules())
-            weight = getattr(state, "lm_weight", None)
-            rows = weight is not None and _onednn_takes(weight)
-            kernel = "linear"
-            if self.onednn and (linears or rows):
-                kernel = self.draft_kernel or self._tune_drafting(linears, weight if rows else None)
-            entry = (kernel, rows, linears, [types.MethodType(_onednn_forward, m) for m in linears])
-            self._drafting[heads] = entry
-        kernel, rows, linears, forwards = entry
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        kernel = self.kernels[min(rows, len(self.kernels) - 1)]
+        m = self.module
         if kernel == "linear":
-            yield
-            return
-        state.kernel = kernel if rows else "linear"
-        try:
-            with _swapped(linears, forwards):
-                yield
-        finally:
-            state.kernel = "linear"
-
-    @torch.no_grad()
-    def _tune_drafting(self, linears: list[torch.nn.Linear], lm_rows: torch.Tensor | None) -> str:
-        g = torch.Generator().manual_seed(1)
-        weights = [(m.weight, m.bias) for m in linears] + ([(lm_rows, None)] if lm_rows is not None else [])
-        inputs = [torch.randn(1, w.shape[1], generator=g).to(w) for w, _ in weights]
-
-        def draft_pass(layout: str) -> None:  # one row through every layer, as drafting one node does
-            for (w, b), x in zip(weights, inputs):
-                project(x, w, b, layout)
-
-        return _fastest(draft_pass, ("linear", "onednn"), weights[0][0].device, self.repeats)
-
-    @torch.no_grad()
-    def _tune(self, rows: int) -> tuple[str, str]:
-        like = self.lm_head.weight  # the model's device and dtype
-        g = torch.Generator().manual_seed(rows)
-        live = [m for m in self.linears if PACKED_ATTR not in vars(m)]  # a packed layer has no dense weight to time
-        inputs = {n: torch.randn(rows, n, generator=g).to(like) for n in {m.in_features for m in live}}
-
-        def decoder_pass(layout: str) -> None:  # every weight read once, as a forward reads them
-            for m in live:
-                project(inputs[m.in_features].to(m.weight.dtype), m.weight, m.bias, layout)
-
-        head_in = torch.randn(rows, self.lm_head.weight.shape[1], generator=g).to(like)
-        decoder = _fastest(decoder_pass, self.decoder_layouts, like.device, self.repeats) if live else "linear"
-        head = _fastest(lambda layout: project(head_in, self.lm_head.weight, None, layout), self.head_layouts,
-                        like.device, self.repeats)  # fmt: skip
-        return decoder, head
+            return F.linear(x, m.weight, m.bias)
+        return project(x.reshape(rows, x.shape[-1]), m.weight, m.bias, kernel).reshape(*x.shape[:-1], -1)
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` on the weight :func:`packed_linears` packed for oneDNN."""
+    """``nn.Linear.forward`` on the weight :func:`_pack` reordered for oneDNN."""
     rows = x.numel() // x.shape[-1]
     if rows == 0:
         return x.new_zeros(*x.shape[:-1], self.out_features)
@@ -271,30 +146,15 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _refuse_while_packed(module, *args, **kwargs) -> None:
-    raise RuntimeError("this layer's weight is packed for oneDNN inside entmtp_hf.layouts.packed_linears; "
-                       "leave the block before saving or reading the state dict")  # fmt: skip
+    raise RuntimeError("this layer's weight is packed for oneDNN (entmtp_hf.cpu_kernels); unpack it "
+                       "(remove the kernels or leave the block) before saving or reading the state dict")  # fmt: skip
 
 
-@contextmanager
-def packed_linears(model, rows: int = 4) -> Iterator[int]:
-    """Inside the block the decoder's plain CPU float ``nn.Linear`` layers hold their weights in
-    oneDNN's packed (reordered) layout, in place: no copy, and every product, one row or a
-    verified tree's few, reads the weight once in the layout oneDNN streams fastest (on the AMD
-    EPYC of sessions 10-12 a 4-token forward took 0.72-0.74 of the plain-weight oneDNN one).
-
-    For inference sessions: packing and unpacking each cost a pass over the weights (0.13-0.38 s
-    for the demo model), so wrap many ``generate`` calls, not one. While packed, the layers have
-    no dense weight: reading the state dict (saving) raises, and so does anything that reads
-    ``weight`` directly; training is not supported. The exact weights come back when the block
-    ends, also on errors. The LM head (often tied to the embeddings) keeps its weight (the
-    decode loop gives it its own timed layout). Yields the number of layers packed (0 without
-    oneDNN or on other devices and dtypes)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    layers = [m for m in (_swappable(decoder.modules(), exclude=head) if _onednn_available() else [])
-              if uses[id(m.weight)] == 1]  # a weight shared with another module keeps its dense form  # fmt: skip
-    done = []  # (layer, its state-dict hook, the forward it had): what the block's end restores
+def _pack(layers: list[torch.nn.Linear], rows: int = 4) -> list[tuple]:
+    """Reorder each layer's weight in place into oneDNN's packed layout; returns what :func:`_unpack`
+    needs. A layer is in the returned list before its weight is emptied, so a failure halfway
+    leaves every weight recoverable."""
+    done: list[tuple] = []
     try:
         for m in layers:
             packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows)
@@ -303,17 +163,192 @@ def packed_linears(model, rows: int = 4) -> Iterator[int]:
             vars(m)[PACKED_ATTR] = packed
             m.weight.data = m.weight.data.new_empty(0)
             vars(m)["forward"] = types.MethodType(_packed_forward, m)
-        yield len(done)
-    finally:
-        for m, hook, before in done:
-            hook.remove()
+    except Exception:
+        _unpack(done)
+        raise
+    return done
+
+
+def _unpack(done: list[tuple]) -> None:
+    for m, hook, before in done:
+        hook.remove()
+        if before is None:
+            vars(m).pop("forward", None)
+        else:
+            vars(m)["forward"] = before
+        m.weight.data = vars(m).pop(PACKED_ATTR).to_dense()
+
+
+def _unshared(model, layers: list[torch.nn.Linear]) -> list[torch.nn.Linear]:
+    """Layers whose weight no other module uses (a shared weight must keep its dense form)."""
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return [m for m in layers if uses[id(m.weight)] == 1]
+
+
+# ============================================================================ the opt-in
+class CPUKernels:
+    """The measured kernel choices of one model (and its heads) on this machine, installed.
+
+    Built by ``enable_entmtp(..., cpu_kernels=True)`` or directly; ``rows``: the row counts to
+    measure (a product of more rows uses the largest's choice); ``pack``: ``True``, ``False`` or
+    ``"auto"`` (pack when measured faster); ``repeats``: interleaved timing rounds. Measuring
+    takes a few seconds and is logged. A model on another device or in another dtype, or a
+    torch without oneDNN, is left as it is (:attr:`active` is False, :attr:`reason` says why).
+    """
+
+    def __init__(self, model, heads=None, *, rows: Sequence[int] = DEFAULT_ROWS, pack: bool | str = "auto",
+                 repeats: int = 3) -> None:
+        if pack not in PACK_CHOICES:
+            raise ValueError(f"pack must be one of {PACK_CHOICES}, got {pack!r}")
+        rows = sorted(set(rows))
+        if not rows or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in rows) or repeats < 1:
+            raise ValueError(f"rows must be positive integers and repeats >= 1, got {rows} and {repeats}")
+        self.model, self.heads, self.rows = model, heads, rows
+        self.decoder: dict[int, str] = {}
+        self.lm_head: dict[int, str] = {}
+        self.drafting = "linear"
+        self.packed = False
+        self.seconds = 0.0
+        self.reason = self._unavailable()
+        self._installed: list[tuple[torch.nn.Module, object]] = []
+        self._packed: list[tuple] = []
+        if self.reason is None:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                self._measure_and_install(pack, repeats)
+            self.seconds = time.perf_counter() - t0
+            log.info("entmtp-hf CPU kernels: %s", self.describe())
+
+    @property
+    def active(self) -> bool:
+        return self.reason is None
+
+    def _unavailable(self) -> str | None:
+        head = self.model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
+            return "the model is not on the CPU"
+        if not onednn_available():
+            return "this torch build has no oneDNN linear"
+        if not _onednn_takes(weight) or not _works("onednn", weight):
+            return f"oneDNN's linear does not take {weight.dtype} weights on this CPU"
+        return None
+
+    def _measure_and_install(self, pack: bool | str, repeats: int) -> None:
+        model = self.model
+        head = model.get_output_embeddings()
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        layers = _plain_linears(decoder.modules(), exclude=head)
+        dense = {r: _timed_median(self._decoder_pass(layers, r), DECODER_KERNELS, repeats) for r in self.rows}
+        self.decoder = {r: min(t, key=t.get) for r, t in dense.items()}
+        if pack is not False and layers:
+            try:
+                self._packed = _pack(_unshared(model, layers))
+            except RuntimeError as e:  # no packed primitive for this dtype on this CPU
+                log.info("entmtp-hf CPU kernels: packing unavailable (%s)", e)
+            packed_time = sum(_timed_median(self._decoder_pass(layers, r, packed=True), ("packed",), repeats)["packed"]
+                              for r in self.rows)  # fmt: skip
+            best_dense = sum(min(t.values()) for t in dense.values())
+            if pack == "auto" and packed_time >= best_dense:
+                _unpack(self._packed)
+                self._packed = []
+            self.packed = bool(self._packed)
+        layouts = [lay for lay in HEAD_LAYOUTS if _works(lay, head.weight)]
+        self.lm_head = {r: self._fastest_head(head, r, layouts, repeats) for r in self.rows}
+        self._install(head, self.lm_head)
+        if not self.packed:
+            for m in layers:
+                self._install(m, self.decoder)
+        if self.heads is not None:
+            self._install_drafting(repeats)
+
+    def _decoder_pass(self, layers: list[torch.nn.Linear], rows: int, packed: bool = False) -> Callable[[str], None]:
+        """One pass of ``rows`` rows over every decoder weight, as a forward reads them."""
+        g = torch.Generator().manual_seed(rows)
+        inputs = {n: torch.randn(rows, n, generator=g).to(layers[0].weight.dtype)
+                  for n in {m.in_features for m in layers}} if layers else {}  # fmt: skip
+
+        def run(kernel: str) -> None:
+            for m in layers:
+                x = inputs[m.in_features]
+                m(x) if packed else project(x, m.weight, m.bias, kernel)
+
+        return run
+
+    def _fastest_head(self, head: torch.nn.Module, rows: int, layouts: list[str], repeats: int) -> str:
+        x = torch.randn(rows, head.weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(head.weight)
+        times = _timed_median(lambda lay: project(x, head.weight, getattr(head, "bias", None), lay), layouts, repeats)
+        return min(layouts, key=times.get)
+
+    def _install_drafting(self, repeats: int) -> None:
+        """The heads' one-row products (their layers, and the base LM rows they draft from) on
+        the kernel measured faster for them."""
+        layers = _plain_linears(self.heads.modules())
+        rows = self.heads.config.draft_vocab_rows
+        lm_rows = self.model.get_output_embeddings().weight[:rows]
+        weights = [(m.weight, m.bias) for m in layers] + [(lm_rows, None)]
+        g = torch.Generator().manual_seed(1)
+        inputs = [torch.randn(1, w.shape[1], generator=g).to(w) for w, _ in weights]
+
+        def draft_pass(kernel: str) -> None:
+            for (w, b), x in zip(weights, inputs):
+                project(x, w, b, kernel)
+
+        times = _timed_median(draft_pass, DECODER_KERNELS, repeats)
+        self.drafting = min(DECODER_KERNELS, key=times.get)
+        if self.drafting != "linear":
+            table = {1: self.drafting}
+            for m in layers:
+                self._install(m, table)
+            self.heads.lm_kernel = self.drafting
+
+    def _install(self, module: torch.nn.Module, table: dict[int, str]) -> None:
+        if all(k == "linear" for k in table.values()):
+            return
+        self._installed.append((module, vars(module).get("forward")))
+        vars(module)["forward"] = _Dispatch(module, _by_rows(table))
+
+    def remove(self) -> None:
+        """Give every layer its own forward and dense weight back (bit-exact)."""
+        for module, before in reversed(self._installed):
             if before is None:
-                vars(m).pop("forward", None)
-            else:  # the kernel swap this block was entered inside (onednn_linears)
-                vars(m)["forward"] = before
-            m.weight.data = vars(m).pop(PACKED_ATTR).to_dense()
+                vars(module).pop("forward", None)
+            else:
+                vars(module)["forward"] = before
+        self._installed = []
+        _unpack(self._packed)
+        self._packed = []
+        if self.heads is not None and "lm_kernel" in vars(self.heads):
+            del self.heads.lm_kernel
+
+    def describe(self) -> str:
+        """One line: what was chosen, and how long measuring took."""
+        if not self.active:
+            return f"off ({self.reason})"
+        decoder = "packed for oneDNN" if self.packed else _runs(self.decoder)
+        return (f"decoder {decoder}; LM head {_runs(self.lm_head)}; drafting {self.drafting} "
+                f"(measured {self.rows[0]}-{self.rows[-1]} rows in {self.seconds:.1f} s)")  # fmt: skip
+
+    def __enter__(self) -> "CPUKernels":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
 
 
+def _runs(table: dict[int, str]) -> str:
+    """``{1: 'linear', 2: 'onednn', 3: 'onednn'}`` -> ``'linear at 1, onednn at 2-3 rows'``."""
+    parts, items = [], sorted(table.items())
+    start = 0
+    for i in range(1, len(items) + 1):
+        if i == len(items) or items[i][1] != items[start][1]:
+            lo, hi = items[start][0], items[i - 1][0]
+            parts.append(f"{items[start][1]} at {lo}" + (f"-{hi}" if hi != lo else ""))
+            start = i
+    return ", ".join(parts) + " rows"
+
+
+# ============================================================================ benchmark references
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` by oneDNN's linear (empty inputs keep ``F.linear``)."""
     rows = x.numel() // x.shape[-1]
@@ -322,24 +357,32 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return project(x.reshape(rows, x.shape[-1]), self.weight, self.bias, "onednn").reshape(*x.shape[:-1], -1)
 
 
-def tree_forward(model, layouts: RowLayouts | None, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """One verification forward: logits ``[N, V]`` and last hidden states ``[N, H]`` of batch row 0,
-    with ``layouts`` (the decoder's products and the logits by the faster kernels), else the model's own."""
-    if layouts is None:
-        out = model(**inputs, output_hidden_states=-1)
-        return out.logits[0], out.hidden_states[-1][0]
-    ids = inputs["input_ids"]
-    with layouts.decoder(ids.shape[-1]):
-        out = model(**inputs, output_hidden_states=-1, logits_to_keep=NO_POSITIONS.to(ids.device))
-    hidden = out.hidden_states[-1][0]
-    return layouts.logits(hidden), hidden
-
-
 @contextmanager
 def onednn_linears(model) -> Iterator[None]:
     """Inside the block every plain CPU float ``nn.Linear`` of ``model``, its LM head included,
     runs on oneDNN at any row count: the benchmark's kernel reference for plain decoding
-    (``vanilla-onednn``), which tells how much of a speedup the kernel alone would give."""
-    linears = _swappable(model.modules()) if _onednn_available() else []
-    with _swapped(linears, [types.MethodType(_onednn_forward, m) for m in linears]):
+    (``vanilla-onednn``). A layer whose forward someone else replaced is left alone."""
+    layers = _plain_linears(model.modules()) if onednn_available() else []
+    for m in layers:
+        vars(m)["forward"] = types.MethodType(_onednn_forward, m)
+    try:
         yield
+    finally:
+        for m in layers:
+            vars(m).pop("forward", None)
+
+
+@contextmanager
+def packed_linears(model, rows: int = 4) -> Iterator[int]:
+    """Inside the block the decoder's plain CPU float ``nn.Linear`` layers hold their weights in
+    oneDNN's packed layout, in place (the benchmark's ``vanilla-packed`` reference, and
+    :class:`CPUKernels`' packing on its own). Reading the state dict raises while packed; the
+    exact weights come back when the block ends, also on errors. Yields the number of layers packed."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layers = _unshared(model, _plain_linears(decoder.modules(), exclude=head)) if onednn_available() else []
+    done = _pack(layers, rows)
+    try:
+        yield len(done)
+    finally:
+        _unpack(done)

@@ -1,11 +1,6 @@
-"""Verifying a drafted tree: the attention inputs, the acceptance rules and the cache update.
+"""Acceptance rules: which drafted nodes of a verified tree are kept, and the next token.
 
-The base model checks every node of the tree in one forward pass. Node ``i`` is fed at
-absolute position ``prefix_len + depth(i)`` and sees the whole cached prefix plus its own
-ancestors, through a float additive 4D mask (a boolean mask is silently wrong under the
-eager attention of transformers 5).
-
-Acceptance rules, in the paper's symbols (``p_j`` = the verifier's processed distribution
+Rules, in the paper's symbols (``p_j`` = the verifier's processed distribution
 at node ``j``; the root is the base model's own token and is always kept):
 
 * greedy  - walk down while a child's token equals ``argmax p_j`` of its parent ``j``;
@@ -24,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..trees.tree import TreeBuffers
 
 
 @dataclass(frozen=True)
@@ -35,25 +29,8 @@ class Acceptance:
     next_token: int
 
 
-def tree_attention_mask(
-    buffers: TreeBuffers, prefix_mask: torch.Tensor, kv_len: int
-) -> torch.Tensor:
-    """4D additive mask [1, 1, N, kv_len] for a tree appended after the cached prefix.
-
-    ``prefix_mask`` is the additive row the prefix contributes ([L], 0 or min: padding of the
-    user's attention mask stays masked). Columns after ``L + N`` (a static cache's unused
-    slots) are masked.
-    """
-    n = buffers.num_nodes
-    prefix_len = prefix_mask.shape[0]
-    dtype = buffers.attn_mask.dtype
-    mask = torch.full((1, 1, n, kv_len), torch.finfo(dtype).min, dtype=dtype, device=buffers.attn_mask.device)
-    mask[0, 0, :, :prefix_len] = prefix_mask
-    mask[0, 0, :, prefix_len : prefix_len + n] = buffers.attn_mask
-    return mask
 
 
-# ----------------------------------------------------------------------------- rules
 def walk_tree(children: tuple[tuple[int, ...], ...], tokens: list[int], picks: list[int]) -> Acceptance:
     """Follow ``picks`` (the verifier's choice at every node) down the tree.
 
@@ -144,23 +121,3 @@ def typical_best_path(
     score = torch.where(candidates, logp_sum, torch.full_like(logp_sum, -float("inf")))
     row = int(score.argmax())
     return retrieve_indices[row, : int(best_len)].tolist()
-
-
-# ----------------------------------------------------------------------------- cache
-def keep_accepted(cache, prefix_len: int, num_nodes: int, path: list[int]) -> None:
-    """Keep only the accepted nodes' keys and values after a tree forward.
-
-    The tree occupied cache slots ``prefix_len .. prefix_len + num_nodes - 1``; the accepted
-    nodes are moved to the front of that range (in path order) and the rest is cropped.
-    Works for dynamic and static layers, which both expose ``keys``/``values`` of shape
-    [batch, kv_heads, seq, head_dim] and crop by a negative count.
-    """
-    kept = len(path)
-    if path != list(range(kept)):  # the accepted nodes are not already a prefix of the tree
-        src = torch.tensor(path, device=cache.layers[0].keys.device) + prefix_len
-        for layer in cache.layers:  # .to: a no-op unless a device map spreads the layers
-            idx = src.to(layer.keys.device)
-            layer.keys[..., prefix_len : prefix_len + kept, :] = layer.keys.index_select(-2, idx)
-            layer.values[..., prefix_len : prefix_len + kept, :] = layer.values.index_select(-2, idx)
-    if num_nodes > kept:
-        cache.crop(-(num_nodes - kept))

@@ -1,4 +1,9 @@
-"""Tree-verification attention without copying the KV cache per layer.
+"""Tree-verification attention: the 4D tree mask, and grouped heads kept grouped.
+
+The base model checks every node of the tree in one forward pass. Node ``i`` is fed at
+absolute position ``prefix_len + depth(i)`` and sees the whole cached prefix plus its own
+ancestors, through a float additive 4D mask (a boolean mask is silently wrong under the
+eager attention of transformers 5): :func:`tree_attention_mask`.
 
 A verification forward passes a custom 4D mask. With a mask, transformers' ``sdpa``
 attention expands grouped key/value heads to one copy per query head (``repeat_kv``) in
@@ -10,14 +15,17 @@ context, and grows with the context (docs/performance.md).
 
 :func:`grouped_tree_attention` is that attention, registered with transformers'
 ``AttentionInterface`` under :data:`ATTENTION_NAME` (the documented extension point, no
-change to any modelling file); everything it does not handle goes to the stock ``sdpa``
-function unchanged. :func:`tree_attention` switches a model that uses ``sdpa`` to it for
-the span of a ``with`` block, so the model is left as it was.
+change to any modelling file). :func:`use_tree_attention` selects it once, when EntMTP is
+enabled on a model that uses ``sdpa`` (:func:`restore_attention` undoes it). It takes the
+grouped path only inside :func:`verifying` (a context variable: per thread and task, nothing
+stored on the model) and only for a masked multi-token CPU forward; everything else, plain
+``generate`` included, goes to the stock ``sdpa`` function unchanged.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Iterator
 
 import torch
@@ -26,7 +34,30 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..trees.tree import TreeBuffers
+
 ATTENTION_NAME = "entmtp_sdpa"
+
+def tree_attention_mask(
+    buffers: TreeBuffers, prefix_mask: torch.Tensor, kv_len: int
+) -> torch.Tensor:
+    """4D additive mask [1, 1, N, kv_len] for a tree appended after the cached prefix.
+
+    ``prefix_mask`` is the additive row the prefix contributes ([L], 0 or min: padding of the
+    user's attention mask stays masked). Columns after ``L + N`` (a static cache's unused
+    slots) are masked.
+    """
+    n = buffers.num_nodes
+    prefix_len = prefix_mask.shape[0]
+    dtype = buffers.attn_mask.dtype
+    mask = torch.full((1, 1, n, kv_len), torch.finfo(dtype).min, dtype=dtype, device=buffers.attn_mask.device)
+    mask[0, 0, :, :prefix_len] = prefix_mask
+    mask[0, 0, :, prefix_len : prefix_len + n] = buffers.attn_mask
+    return mask
+
+
+#: set while a tree is verified (:func:`verifying`)
+_VERIFYING: ContextVar[bool] = ContextVar("entmtp_verifying", default=False)
 
 
 def grouped_tree_attention(
@@ -40,10 +71,11 @@ def grouped_tree_attention(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``sdpa`` attention that keeps grouped key/value heads grouped when a mask is given on CPU."""
+    """``sdpa`` attention that keeps grouped key/value heads grouped for a verified tree on CPU."""
     groups = getattr(module, "num_key_value_groups", 1)
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and dropout == 0.0
-    if groups > 1 and attention_mask is not None and query.device.type == "cpu" and plain and query.shape[2] > 1:
+    tree = _VERIFYING.get() and attention_mask is not None and query.device.type == "cpu" and query.shape[2] > 1
+    if groups > 1 and plain and tree:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
         )
@@ -58,15 +90,26 @@ AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 @contextmanager
-def tree_attention(model) -> Iterator[None]:
-    """Use :func:`grouped_tree_attention` inside the block if the model uses ``sdpa``; restore after."""
-    config = model.config.get_text_config()
-    before = config._attn_implementation
-    if before != "sdpa":
-        yield
-        return
-    config._attn_implementation = ATTENTION_NAME
+def verifying() -> Iterator[None]:
+    """Inside the block (this thread or task only) a masked multi-token forward is a tree verification."""
+    token = _VERIFYING.set(True)
     try:
         yield
     finally:
-        config._attn_implementation = before
+        _VERIFYING.reset(token)
+
+
+def use_tree_attention(model) -> bool:
+    """Select :func:`grouped_tree_attention` for a model that uses ``sdpa``; True if it was switched."""
+    config = model.config.get_text_config()
+    if config._attn_implementation != "sdpa":
+        return False
+    config._attn_implementation = ATTENTION_NAME
+    return True
+
+
+def restore_attention(model) -> None:
+    """Undo :func:`use_tree_attention`."""
+    config = model.config.get_text_config()
+    if config._attn_implementation == ATTENTION_NAME:
+        config._attn_implementation = "sdpa"

@@ -1,60 +1,83 @@
-"""Drafting the scheduled tree from the heads.
+"""Drafting the scheduled tree from the heads: a transformers ``CandidateGenerator`` for trees.
 
-:class:`EntMTPCandidateGenerator` is built once per ``generate`` call. Each step it drafts
-the union of every tree the scheduler may pick (one batched head call per depth for Hydra,
-one call per head for Medusa), reads the confidence feature off the draft, lets the
-scheduler choose a tree (under the ``value`` policy: the tree whose drafted nodes carry the
-most path value per unit of cost, with the heads' probabilities taken at the sampling
-temperature when sampling), and returns that tree's tokens with its precompiled
-buffers: a switch between trees is an index lookup, never a recompilation. Under the
-``entropy`` policy an :class:`~entmtp_hf.eas.EASController` picks the tree instead: the
-plan's trees are the truncations of one tree at depth 0..D, and the index is the chain length
-the EAS rule gives for the greedy chain's head entropies; the heads draft depth by depth and stop where the rule
-stops, so a short chain does not pay for the deeper heads. Likewise a feature known before
-drafting (the verifier's confidence, recent accept lengths) picks the tree first, and only
-that tree is drafted. With retrieval on, the chosen tree
-gets one more branch whenever the text's suffix recurs (:mod:`entmtp_hf.retrieval`; in
-``replace`` mode the branch is verified instead of the tree); the tree with a branch of each
-length is compiled up front too.
+:class:`EntMTPCandidateGenerator` is built once per ``generate`` call and follows transformers'
+``CandidateGenerator`` contract where a tree can:
+
+* ``get_candidates(input_ids)`` drafts the step's tree from the heads and returns
+  ``(input_ids + drafted tokens, None)``: the drafted nodes in the tree's canonical order
+  (node 0, the root, is the last token of ``input_ids``). A tree is not a chain, so its shape
+  comes with it: :attr:`EntMTPCandidateGenerator.draft` (a :class:`Draft`: the tokens with the
+  root first, the tree's precompiled buffers, which tree, the feature read);
+* ``update_candidate_strategy(input_ids, scores, num_matches)`` feeds the step's outcome
+  (``num_matches`` drafted tokens accepted) to the scheduler's running features and to EAS.
+
+One call the contract does not have: :meth:`EntMTPCandidateGenerator.observe` gives the heads
+the hidden states of newly accepted positions (Hydra conditions on them) and the verifier's
+logits at the next root (the confidence features read them).
+
+How a step picks its tree depends on the plan's policy (a table, not a chain of ifs):
+``static`` drafts its one tree; ``hysteresis`` / ``ladder`` read a scalar feature, before
+drafting when it needs no draft (then only the chosen tree is drafted), else off the drafted
+union of every schedulable tree; ``value`` drafts the union and takes the tree with the most
+path value per unit of cost (probabilities at the sampling temperature); ``entropy`` (EAS)
+drafts depth by depth and stops where the rule ends the chain. A switch between trees is an
+index lookup: every tree is compiled to buffers when the generator is built. With retrieval
+on, the chosen tree gets one more branch whenever the text's suffix recurs
+(:mod:`entmtp_hf.drafting.retrieval`; in ``replace`` mode the branch is verified instead).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..config import DecodePlan
 from ..scheduling.eas import EASController
-from .retrieval import NgramIndex
-from ..scheduling.policies import FeatureTracker, Scheduler, top1_and_entropy, tree_values
+from ..scheduling.features import FeatureTracker, top1_and_entropy, tree_values
+from ..scheduling.policies import Scheduler
+from ..trees.plan import DecodePlan
 from ..trees.tree import TreeBuffers
+from .retrieval import NgramIndex
 
 
 @dataclass(frozen=True)
-class Candidates:
+class Draft:
     """One step's drafted tree, ready for verification."""
 
     tree_index: int
-    tokens: torch.Tensor  # [N] long, node 0 = root
+    tokens: torch.Tensor  # [N] long, node 0 = root, on the verifier's device
     buffers: TreeBuffers
     feature: float | None
     branch_node: int | None = None  # the retrieval branch's first node (None: no branch this step)
 
 
-class EntMTPCandidateGenerator:
+@dataclass(frozen=True)
+class _Choice:
+    """A policy's pick: tree ``k`` and the drafted tokens, of the union or already of tree ``k``."""
+
+    k: int
+    tokens: torch.Tensor
+    feature: float | None = None
+    of_union: bool = True
+
+
+class EntMTPCandidateGenerator(CandidateGenerator):
     """Owns the heads' per-call state, the scheduler and the compiled trees of one call."""
 
     def __init__(
-        self, model, heads, plan: DecodePlan, feature: FeatureTracker, device, dtype, temperature: float = 1.0
+        self, model, heads, plan: DecodePlan, *, feature_window: int = 8, temperature: float = 1.0
     ) -> None:
-        self.heads = heads
-        self.plan = plan
+        self.heads, self.plan = heads, plan
         self.scheduler: Scheduler = plan.new_scheduler()
         self.eas = EASController(plan.eas, k_max=len(plan.trees) - 1) if plan.eas is not None else None
-        self.feature = feature
+        self.feature = FeatureTracker(plan.feature, feature_window)
         self.state = heads.new_state(model)
+        lm = model.get_output_embeddings().weight
+        device, dtype = lm.device, lm.dtype
         heads_device = next(heads.parameters()).device
+        self.device = device
         # compiled once here, never inside the loop
         self.union_buffers = plan.union.buffers(heads_device, dtype)
         self.buffers = tuple(t.buffers(device, dtype) for t in plan.trees)
@@ -62,19 +85,14 @@ class EntMTPCandidateGenerator:
         self.draft_buffers = self.buffers if same else tuple(t.buffers(heads_device, dtype) for t in plan.trees)
         self.node_maps = tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for m in plan.node_maps)
         self.chain_nodes = torch.tensor(plan.chain_nodes, dtype=torch.long, device=heads_device)
+        self.members = self._value_members(heads_device) if plan.policy == "value" else None
+        # the value policy estimates acceptance: under sampling at T a draft is kept with its probability at T
+        self.temperature = temperature if self.members is not None else 1.0
         # the verifier's top-1 probability and entropy, only where the scheduler's feature reads them
         self.reads_base = (
-            self.eas is None and self.scheduler.needs_feature and feature.reads_base(drafted=len(plan.chain_nodes) > 0)
+            self.eas is None and self.scheduler.needs_feature and self.feature.reads_base(len(plan.chain_nodes) > 0)
         )
-        self.members = None  # value policy: [K, N] which non-root union nodes each tree has
-        if self.scheduler.policy == "value":
-            self.members = torch.zeros(len(plan.trees), plan.union.num_nodes, dtype=torch.float64)
-            for k, m in enumerate(plan.node_maps):
-                self.members[k, list(m[1:])] = 1.0
-            self.members = self.members.to(heads_device)
-        # the value policy estimates acceptance: under sampling at T, a draft is kept with its probability at T
-        self.temperature = temperature if self.members is not None else 1.0
-        self.device = device
+        self.p0 = self.entropy = 0.0
         self.index = NgramIndex(plan.retrieval) if plan.retrieval is not None else None
         self.replace = plan.retrieval is not None and plan.retrieval.mode == "replace"
         self.branch_buffers = tuple(tuple(t.buffers(device, dtype) for t, _ in per) for per in plan.branches)
@@ -83,69 +101,90 @@ class EntMTPCandidateGenerator:
         )
         first = plan.union.num_nodes  # pool index of the first retrieved token
         self.branch_nodes = tuple(tuple(m.index(first) for _, m in per) for per in plan.branches)
+        choosers: dict[str, Callable[[torch.Tensor, bool], _Choice]] = {
+            "static": self._current, "hysteresis": self._by_feature, "ladder": self._by_feature,
+            "value": self._by_value, "entropy": self._by_entropy,
+        }  # fmt: skip
+        self._choose = choosers[plan.policy]
+        self.draft: Draft | None = None
 
-    def confidence(self, logits: torch.Tensor) -> tuple[float, float]:
-        """Top-1 probability and entropy of the verifier's logits at the next root, when the
-        scheduler's feature reads them (0, 0 otherwise: a softmax over the whole vocabulary
-        every step, 0.1 ms on this project's CPU, for nothing)."""
-        if not self.reads_base:
-            return 0.0, 0.0
-        p0, entropy = top1_and_entropy(logits)
-        return float(p0), float(entropy)
+    def _value_members(self, device) -> torch.Tensor:
+        """[K, N]: which non-root union nodes each tree of the value policy has."""
+        members = torch.zeros(len(self.plan.trees), self.plan.union.num_nodes, dtype=torch.float64)
+        for k, m in enumerate(self.plan.node_maps):
+            members[k, list(m[1:])] = 1.0
+        return members.to(device)
 
-    def extend_text(self, tokens: list[int]) -> None:
-        """Tokens added to the text (the prompt first): what retrieval may copy from."""
+    # ------------------------------------------------------------------ the contract
+    def get_candidates(self, input_ids: torch.LongTensor) -> tuple[torch.LongTensor, None]:
+        """Draft this step's tree after ``input_ids`` [1, L] (its last token is the root); returns
+        ``input_ids`` followed by the drafted nodes in canonical order, and no logits (the heads'
+        are not the verifier's). The tree itself is :attr:`draft`."""
         if self.index is not None:
-            self.index.extend(tokens)
+            self.index.extend(input_ids[0, len(self.index.tokens) :].tolist())
+        self.draft = self._draft(input_ids[0, -1])
+        return torch.cat([input_ids, self.draft.tokens[1:].to(input_ids.device)[None]], dim=-1), None
 
-    def observe(self, hidden: torch.Tensor) -> None:
-        """Feed the last hidden states of newly accepted positions ([T, H])."""
-        self.heads.observe(self.state, hidden)
-
-    def observe_accept(self, accept_length: int, verified: int = 0, accepted: int = 0) -> None:
-        """After a step: tokens it added, drafted tokens verified and drafted tokens accepted."""
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        """After verification: ``num_matches`` drafted tokens of :attr:`draft` were accepted."""
+        accept_length = int(num_matches) + 1
         self.feature.observe_accept(accept_length)
         if self.eas is not None:
-            self.eas.observe_verified(verified, accepted, accept_length)
+            self.eas.observe_verified(self.draft.buffers.num_nodes - 1, int(num_matches), accept_length)
 
-    def get_candidates(self, root_token: torch.Tensor, p0: float, entropy: float) -> Candidates:
-        """Draft the union tree, score the step's confidence and pick the tree to verify (in
-        retrieval's ``replace`` mode a found continuation is verified alone, undrafted by the heads)."""
+    def observe(self, hidden: torch.Tensor, root_logits: torch.Tensor) -> None:
+        """Hidden states [T, H] of newly accepted positions (the heads condition on them) and the
+        verifier's logits [V] at the next root (what the confidence features read, when they do)."""
+        self.heads.observe(self.state, hidden)
+        if self.reads_base:
+            p0, entropy = top1_and_entropy(root_logits)
+            self.p0, self.entropy = float(p0), float(entropy)
+
+    # ------------------------------------------------------------------ drafting
+    def _draft(self, root: torch.Tensor) -> Draft:
         found = self.index.continuation() if self.index is not None else []
-        if found and self.replace:
+        if found and self.replace:  # a found continuation is verified alone, undrafted by the heads
             k, n = self.scheduler.current, len(found) - 1
-            tokens = torch.cat([root_token.reshape(1).to(self.device), root_token.new_tensor(found, device=self.device)])
-            return Candidates(k, tokens.long(), self.branch_buffers[k][n], None, self.branch_nodes[k][n])
-        s = None
-        if self.eas is not None:
-            # the heads draft depth by depth and stop as soon as the EAS rule ends the chain
-            walk, chain = self.eas.walk(), self.plan.chain_nodes
-            proposal = self.heads.propose(
-                self.state, root_token, self.union_buffers,
-                until=lambda d, ent: walk.done or walk.feed(float(ent[chain[d - 1]])),
-            )  # fmt: skip
-            k = walk.close()
-        elif self.scheduler.needs_feature and not self.feature.reads_draft and not found:
-            # the feature is known before drafting: draft the chosen tree only, not the union
-            s = self.feature.value(p0, entropy, [])
-            k = self.scheduler.choose(s)
-            proposal = self.heads.propose(self.state, root_token, self.draft_buffers[k])
-            return Candidates(k, proposal.tokens.to(self.device), self.buffers[k], s)
-        else:
-            proposal = self.heads.propose(self.state, root_token, self.union_buffers, temperature=self.temperature)
-            if self.members is not None:
-                values = tree_values(proposal.probs, self.union_buffers.ancestors, self.members)
-                k = self.scheduler.choose_value(values.tolist())
-            elif self.scheduler.needs_feature:
-                values = proposal.probs[self.chain_nodes].tolist() if len(self.chain_nodes) else []
-                s = self.feature.value(p0, entropy, values)
-                k = self.scheduler.choose(s)
-            else:
-                k = self.scheduler.current
+            tokens = torch.cat([root.reshape(1).to(self.device), root.new_tensor(found, device=self.device)])
+            return Draft(k, tokens.long(), self.branch_buffers[k][n], None, self.branch_nodes[k][n])
+        choice = self._choose(root, bool(found))
+        if not choice.of_union:
+            return Draft(choice.k, choice.tokens.to(self.device), self.buffers[choice.k], choice.feature)
+        k = choice.k
         if found:
-            pool = torch.cat([proposal.tokens, proposal.tokens.new_tensor(found)])
             n = len(found) - 1
+            pool = torch.cat([choice.tokens, choice.tokens.new_tensor(found)])
             tokens = pool[self.branch_maps[k][n]].to(self.device)
-            return Candidates(k, tokens, self.branch_buffers[k][n], s, self.branch_nodes[k][n])
-        tokens = proposal.tokens[self.node_maps[k]].to(self.device)
-        return Candidates(k, tokens, self.buffers[k], s)
+            return Draft(k, tokens, self.branch_buffers[k][n], choice.feature, self.branch_nodes[k][n])
+        return Draft(k, choice.tokens[self.node_maps[k]].to(self.device), self.buffers[k], choice.feature)
+
+    def _propose_union(self, root: torch.Tensor, **kwargs):
+        return self.heads.propose(self.state, root, self.union_buffers, **kwargs)
+
+    def _current(self, root: torch.Tensor, found: bool) -> _Choice:
+        """``static``: the one tree (the union is that tree)."""
+        return _Choice(self.scheduler.current, self._propose_union(root).tokens)
+
+    def _by_feature(self, root: torch.Tensor, found: bool) -> _Choice:
+        """``hysteresis`` / ``ladder``: a scalar feature picks the tree."""
+        if not self.feature.reads_draft and not found:  # known before drafting: draft the chosen tree only
+            s = self.feature.value(self.p0, self.entropy, [])
+            k = self.scheduler.choose(s)
+            return _Choice(k, self.heads.propose(self.state, root, self.draft_buffers[k]).tokens, s, of_union=False)
+        proposal = self._propose_union(root)
+        chain = proposal.probs[self.chain_nodes].tolist() if len(self.chain_nodes) else []
+        s = self.feature.value(self.p0, self.entropy, chain)
+        return _Choice(self.scheduler.choose(s), proposal.tokens, s)
+
+    def _by_value(self, root: torch.Tensor, found: bool) -> _Choice:
+        """``value``: the tree with the most expected accepted tokens per unit of cost."""
+        proposal = self._propose_union(root, temperature=self.temperature)
+        values = tree_values(proposal.probs, self.union_buffers.ancestors, self.members)
+        return _Choice(self.scheduler.choose_value(values.tolist()), proposal.tokens)
+
+    def _by_entropy(self, root: torch.Tensor, found: bool) -> _Choice:
+        """``entropy`` (EAS): the heads draft depth by depth until the rule ends the chain; the
+        chain's length is the index of the truncated tree to verify."""
+        walk, chain = self.eas.walk(), self.plan.chain_nodes
+        proposal = self._propose_union(root, until=lambda d, ent: walk.done or walk.feed(float(ent[chain[d - 1]])))
+        return _Choice(walk.close(), proposal.tokens)

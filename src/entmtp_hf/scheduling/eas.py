@@ -23,9 +23,9 @@ chain also ends at ``k_max`` tokens (``k_max``) or at the generation's length bu
 Two forms share :class:`EASController`, a pure deterministic object built per ``generate``
 call:
 
-* draft model: :class:`EntropyAdaptiveCandidateGenerator`, a transformers
+* draft model: :class:`~entmtp_hf.assisted.EntropyAdaptiveCandidateGenerator`, a transformers
   ``CandidateGenerator``; ``model.generate(..., assistant_model=draft, eas_config=EASConfig())``
-  on a model enabled with :func:`~entmtp_hf.generation.enable_entmtp`. transformers' assisted
+  on a model enabled with :func:`~entmtp_hf.enable_entmtp`. transformers' assisted
   decoding verifies the chain (greedy: identical output; sampling: speculative sampling,
   which is distribution-preserving because the drafted tokens are drawn from the returned
   logits and the halting rule only reads the drafter's side);
@@ -39,27 +39,17 @@ draft tokens that were rejected.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
-import warnings
 from collections import deque
-from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Sequence
 
 import torch
-from transformers import DynamicCache
-from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.logits_process import LogitsProcessorList, MinLengthLogitsProcessor
 
 from ..heads.base import entropy_from_logp
-from ..decoding.acceptance import check_pick, sample_picks
-
-if TYPE_CHECKING:
-    from ..config import EntMTPConfig
 
 HALT_CAUSES = ("threshold", "fork", "k_max", "warmup", "length")
 
@@ -295,250 +285,7 @@ class EASController:
         self.stats.accepted_draft_tokens += min(accepted, verified)
         self.generated += new_tokens
 
-
-# ============================================================================ draft model
-class EntropyAdaptiveCandidateGenerator(CandidateGenerator):
-    """Drafts a chain with a draft model, token by token on its own KV cache, halting by EAS.
-
-    The draft model must share the target's vocabulary (same logits width). Drafted tokens
-    are the argmax (greedy) or a sample (``do_sample``) of the draft's scores after the call's
-    logits processors; those scores are returned as the candidate logits, which is what
-    transformers' speculative sampling needs to stay lossless.
-    """
-
-    def __init__(
-        self,
-        input_ids: torch.LongTensor,
-        assistant_model,
-        generation_config,
-        model_kwargs: dict,
-        logits_processor=None,
-        controller: EASController | None = None,
-    ) -> None:
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"EAS drafting supports batch size 1 only, got {input_ids.shape[0]}")
-        self.draft = assistant_model
-        self.device = assistant_model.device
-        self.controller = controller if controller is not None else EASController(EASConfig())
-        self.cache = DynamicCache(config=assistant_model.config)
-        self.cached = torch.empty(0, dtype=torch.long, device=self.device)  # tokens whose keys are cached
-        self.max_length = generation_config.max_length
-        self.do_sample = bool(generation_config.do_sample)
-        # min-length forcing is the target's business; like transformers' assistant, skip it
-        self.logits_processor = LogitsProcessorList(
-            p for p in (logits_processor or []) if not isinstance(p, MinLengthLogitsProcessor)
-        )
-        mask = model_kwargs.get("attention_mask")
-        self.prompt_mask = mask.to(self.device) if mask is not None else None
-        self.last_proposed = 0
-
-    def _mask_and_positions(self, total: int, new: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        if self.prompt_mask is None:
-            return None, torch.arange(total - new, total, device=self.device)[None]
-        extra = total - self.prompt_mask.shape[1]
-        mask = torch.cat([self.prompt_mask, self.prompt_mask.new_ones(1, extra)], dim=-1)
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        return mask, positions[:, total - new :]
-
-    @torch.no_grad()
-    def _next_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """Draft logits after ``ids`` [L]: reuse the cached common prefix, feed the rest."""
-        n = min(self.cached.numel(), ids.numel() - 1)
-        same = self.cached[:n] == ids[:n]
-        keep = n if bool(same.all()) else int(same.long().argmin())
-        if self.cached.numel() > keep:
-            self.cache.crop(-(self.cached.numel() - keep))
-        mask, positions = self._mask_and_positions(ids.numel(), ids.numel() - keep)
-        out = self.draft(
-            input_ids=ids[None, keep:], attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
-        )
-        self.cached = ids.clone()
-        return out.logits[0, -1].float()
-
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        """Draft until the EAS rule halts; returns ``(input_ids + chain, chain scores or None)``."""
-        ids = input_ids[0].to(self.device)
-        rule = self.controller.start_chain(limit=self.max_length - ids.numel() - 1)
-        drafted, scores, entropies, cause = [], [], [], None
-        while True:
-            cause = rule.cause_at(len(drafted))  # length limits first: no draft forward past them
-            if cause is not None:
-                break
-            logits = self._next_logits(torch.cat([ids, ids.new_tensor(drafted)]))
-            entropy = float(entropy_nats(logits))
-            entropies.append(entropy)
-            cause = rule.cause_at(len(drafted), entropy)
-            if cause is not None:
-                break
-            context = torch.cat([ids, ids.new_tensor(drafted)])[None]
-            step_scores = self.logits_processor(context, logits[None])
-            if self.do_sample:
-                token = check_pick(int(sample_picks(step_scores)[0]))
-            else:
-                token = int(step_scores[0].argmax())
-            drafted.append(token)
-            scores.append(step_scores[0])
-        self.controller.finish_chain(rule, len(drafted), cause, entropies)
-        self.last_proposed = len(drafted)
-        if not drafted:
-            return input_ids, None
-        chain = input_ids.new_tensor(drafted)[None]
-        return torch.cat([input_ids, chain], dim=-1), torch.stack(scores)[None]
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
-        """Count the verification outcome (the rule itself adapts from draft entropies only)."""
-        matched = int(num_matches)
-        self.controller.observe_verified(self.last_proposed, matched, matched + 1)
-
-
-# ============================================================================ generate hook
-@dataclass
-class EASCall:
-    """One ``generate(..., eas_config=...)`` call in flight: its model, config and generator."""
-
-    model: Any
-    config: EASConfig
-    generator: EntropyAdaptiveCandidateGenerator | None = None
-
-
-#: The EAS call running in this context (thread / task). Set by ``EntMTPGenerationMixin.generate``
-#: around transformers' ``generate`` and read by its ``_get_candidate_generator``; nothing is
-#: stored on the model.
-ACTIVE_EAS_CALL: ContextVar[EASCall | None] = ContextVar("entmtp_active_eas_call", default=None)
-
-
-def build_candidate_generator(call: EASCall, kwargs: dict) -> EntropyAdaptiveCandidateGenerator:
-    """The candidate generator for ``_get_candidate_generator``'s keyword arguments."""
-    if kwargs.get("assistant_tokenizer") is not None or kwargs.get("target_tokenizer") is not None:
-        raise ValueError("eas_config needs a draft model with the target's tokenizer (no assistant_tokenizer)")
-    assistant = kwargs.get("assistant_model")
-    if assistant is None:
-        raise ValueError("eas_config needs assistant_model=<draft model>")
-    generator = EntropyAdaptiveCandidateGenerator(
-        input_ids=kwargs["input_ids"],
-        assistant_model=assistant,
-        generation_config=kwargs["generation_config"],
-        model_kwargs=kwargs.get("model_kwargs") or {},
-        logits_processor=kwargs.get("logits_processor"),
-        controller=EASController(call.config),
-    )
-    call.generator = generator
-    return generator
-
-
-# ============================================================================ benchmark methods
-def eas_bench_config(ctx, task: str, acceptance: dict, eas: EASConfig | None = None) -> "EntMTPConfig":
-    """Benchmark factory: the Hydra head chain as deep as the heads go, halted by EAS."""
-    from ..config import EntMTPConfig
-    from ..trees.tree import Tree
-
-    depth = ctx.heads["hydra"].num_heads
-    return EntMTPConfig(tree=Tree.chain(depth).choices, eas=eas or EASConfig(), **acceptance)
-
-
-def fixed_chain_config(k: int):
-    """Benchmark factory: the fixed head chain of length ``k`` (unavailable with fewer heads)."""
-    from ..config import EntMTPConfig
-    from ..trees.tree import Tree
-
-    def make(ctx, task: str, acceptance: dict) -> "EntMTPConfig":
-        return EntMTPConfig(tree=Tree.chain(k).choices, **acceptance)
-
-    return make
-
-
-def quantized_draft(model):
-    """An int8 copy of ``model`` (dynamic quantisation of every ``nn.Linear``; CPU only) to
-    draft with: the target's own vocabulary and weights at a quarter of the bytes per step,
-    a draft/target pair that needs no second checkpoint and no training."""
-    with warnings.catch_warnings():  # torch.ao's eager quantisation warns that it moved to torchao
-        warnings.simplefilter("ignore")
-        draft = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear},
-                                                       dtype=torch.qint8)
-    return draft.eval()
-
-
 def fixed_length(k: int) -> EASConfig:
     """An :class:`EASConfig` that drafts exactly ``k`` tokens every step (the fixed-chain
     baseline of the draft-model form): the warm-up never ends."""
     return EASConfig(k_max=k, warmup_tokens=2**62, warmup_length=k)
-
-
-# ============================================================================ overhead
-def measure_overhead(model=None, heads=None, repeats: int = 200, tree=None) -> dict:
-    """Median per-step cost (ms) of EAS on the demo model (or ``model`` + ``heads``).
-
-    * ``decision_ms``: heads form, what the ``entropy`` policy adds per step (reading the
-      chain's entropies to the host, the rule, the bookkeeping);
-    * ``head_entropy_ms``: computing the entropies of one step's head distributions (the
-      heads already compute them for every proposal; timed alone here);
-    * ``draft_token_ms``: draft-model form, the entropy of one draft distribution over the
-      full vocabulary plus the rule;
-    * ``propose_ms`` / ``base_step_ms``: the chain proposal and one base decode step, for scale.
-    """
-    import time
-
-    from ..heads import HydraHeads
-    from ..trees.tree import Tree
-
-    if model is None:
-        from ..demo.model import load_base_model
-
-        model, _ = load_base_model()
-    if heads is None:
-        torch.manual_seed(0)
-        heads = HydraHeads.for_model(model).eval()
-    depth = heads.num_heads
-    tree = Tree.from_choices(tree) if tree is not None else Tree.chain(depth)
-    union = tree.union(Tree.chain(tree.depth))
-    index = union.node_index()
-    chain_nodes = torch.tensor([index[(0,) * d] for d in range(1, tree.depth + 1)])
-    buffers = union.buffers("cpu", torch.float32)
-    state = heads.new_state(model)
-    ids = torch.randint(0, model.config.vocab_size, (1, 300))
-    with torch.no_grad():
-        out = model(ids, output_hidden_states=-1, use_cache=True)
-        heads.observe(state, out.hidden_states[-1][0])
-        cache = out.cache if hasattr(out, "cache") else out.past_key_values
-        root = out.logits[0, -1].argmax()
-
-    def median_ms(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2] * 1e3
-
-    proposal = heads.propose(state, root.view(1), buffers)
-    ctrl = EASController(EASConfig(warmup_tokens=0), k_max=tree.depth)
-    ctrl.recent.extend([1.0] * ctrl.config.window)
-
-    def decision() -> None:
-        ctrl.chain_length(proposal.entropy[chain_nodes].tolist())
-        ctrl.observe_verified(tree.num_nodes - 1, 1, 2)
-
-    rows = [len(step.parents) for step in buffers.depth_plan]
-    logps = [torch.log_softmax(torch.randn(r, heads.config.draft_vocab_rows), -1) for r in rows]
-    logits = torch.randn(model.config.vocab_size)
-    rule = ChainRule(max_length=99, end_cause="k_max", threshold=2.0, fork_level=None)
-    with torch.no_grad():
-        result = {
-            "decision_ms": median_ms(decision),
-            "head_entropy_ms": median_ms(lambda: [entropy_from_logp(lp) for lp in logps]),
-            "draft_token_ms": median_ms(lambda: rule.cause_at(0, float(entropy_nats(logits)))),
-            "propose_ms": median_ms(lambda: heads.propose(state, root.view(1), buffers)),
-        }
-        step = torch.tensor([[int(root)]])
-
-        def base_step() -> None:
-            model(step, cache=cache, use_cache=True)
-            cache.crop(-1)
-
-        result["base_step_ms"] = median_ms(base_step) if repeats else None
-    result.update(
-        tree_nodes=tree.num_nodes, chain_depth=tree.depth, head_rows_per_depth=rows,
-        draft_vocab=heads.config.draft_vocab_rows, vocab=model.config.vocab_size,
-        torch_threads=torch.get_num_threads(), repeats=repeats,
-    )  # fmt: skip
-    return result

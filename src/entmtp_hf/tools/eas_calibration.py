@@ -38,7 +38,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..scheduling.eas import EASConfig, EASController, fixed_length
+from ..heads.base import entropy_from_logp
+from ..scheduling.eas import ChainRule, EASConfig, EASController, entropy_nats, fixed_length
 from .search.search import _atomic_json, _read_json, heads_fingerprint
 from ..trees.tree import Tree
 
@@ -335,3 +336,82 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="runs/eas-calibration-{task}", help="output folder ({task} is replaced)")
     p.set_defaults(func=run_cli)
+
+
+def measure_overhead(model=None, heads=None, repeats: int = 200, tree=None) -> dict:
+    """Median per-step cost (ms) of EAS on the demo model (or ``model`` + ``heads``).
+
+    * ``decision_ms``: heads form, what the ``entropy`` policy adds per step (reading the
+      chain's entropies to the host, the rule, the bookkeeping);
+    * ``head_entropy_ms``: computing the entropies of one step's head distributions (the
+      heads already compute them for every proposal; timed alone here);
+    * ``draft_token_ms``: draft-model form, the entropy of one draft distribution over the
+      full vocabulary plus the rule;
+    * ``propose_ms`` / ``base_step_ms``: the chain proposal and one base decode step, for scale.
+    """
+    import time
+
+    from ..heads import HydraHeads
+    from ..trees.tree import Tree
+
+    if model is None:
+        from ..demo.model import load_base_model
+
+        model, _ = load_base_model()
+    if heads is None:
+        torch.manual_seed(0)
+        heads = HydraHeads.for_model(model).eval()
+    depth = heads.num_heads
+    tree = Tree.from_choices(tree) if tree is not None else Tree.chain(depth)
+    union = tree.union(Tree.chain(tree.depth))
+    index = union.node_index()
+    chain_nodes = torch.tensor([index[(0,) * d] for d in range(1, tree.depth + 1)])
+    buffers = union.buffers("cpu", torch.float32)
+    state = heads.new_state(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 300))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=-1, use_cache=True)
+        heads.observe(state, out.hidden_states[-1][0])
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        root = out.logits[0, -1].argmax()
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2] * 1e3
+
+    proposal = heads.propose(state, root.view(1), buffers)
+    ctrl = EASController(EASConfig(warmup_tokens=0), k_max=tree.depth)
+    ctrl.recent.extend([1.0] * ctrl.config.window)
+
+    def decision() -> None:
+        ctrl.chain_length(proposal.entropy[chain_nodes].tolist())
+        ctrl.observe_verified(tree.num_nodes - 1, 1, 2)
+
+    rows = [len(step.parents) for step in buffers.depth_plan]
+    logps = [torch.log_softmax(torch.randn(r, heads.config.draft_vocab_rows), -1) for r in rows]
+    logits = torch.randn(model.config.vocab_size)
+    rule = ChainRule(max_length=99, end_cause="k_max", threshold=2.0, fork_level=None)
+    with torch.no_grad():
+        result = {
+            "decision_ms": median_ms(decision),
+            "head_entropy_ms": median_ms(lambda: [entropy_from_logp(lp) for lp in logps]),
+            "draft_token_ms": median_ms(lambda: rule.cause_at(0, float(entropy_nats(logits)))),
+            "propose_ms": median_ms(lambda: heads.propose(state, root.view(1), buffers)),
+        }
+        step = torch.tensor([[int(root)]])
+
+        def base_step() -> None:
+            model(step, cache=cache, use_cache=True)
+            cache.crop(-1)
+
+        result["base_step_ms"] = median_ms(base_step) if repeats else None
+    result.update(
+        tree_nodes=tree.num_nodes, chain_depth=tree.depth, head_rows_per_depth=rows,
+        draft_vocab=heads.config.draft_vocab_rows, vocab=model.config.vocab_size,
+        torch_threads=torch.get_num_threads(), repeats=repeats,
+    )  # fmt: skip
+    return result

@@ -30,11 +30,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ..decoding.attention import tree_attention
 from ..config import EntMTPConfig
-from ..cpu_kernels import LAYOUTS_ATTR, onednn_linears, tree_forward
+from ..cpu_kernels import onednn_linears
+from ..decoding.attention import tree_attention_mask, verifying
+from ..decoding.stats import PhaseTimer
 from ..trees.tree import Tree
-from ..decoding.acceptance import tree_attention_mask
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -54,10 +54,9 @@ def forward_costs(
     """Median seconds of one forward over ``N`` chained tokens after a ``prefix_len`` cache.
 
     Sizes are timed round-robin ``repeats`` times, so drift hits every size alike
-    (``progress``: a bar over the rounds). The forward is the decode loop's: with an EntMTP
-    model, by its :class:`~entmtp_hf.layouts.RowLayouts` (timed per size in the warm-up round).
+    (``progress``: a bar over the rounds). The forward is the decode loop's verification
+    forward (with the CPU kernels an EntMTP model was enabled with, if any).
     """
-    layouts = getattr(model, LAYOUTS_ATTR, None)
     device = model.get_output_embeddings().weight.device
     dtype = model.get_output_embeddings().weight.dtype
     g = torch.Generator().manual_seed(0)
@@ -74,11 +73,11 @@ def forward_costs(
                 position_ids=(b.position_ids + prefix_len)[None],
             )
         times: dict[int, list[float]] = {n: [] for n in sizes}
-        with tree_attention(model):  # the attention the decode loop verifies with
+        with verifying():  # the attention the decode loop verifies with
             for r in tqdm(range(repeats + 1), desc="forward costs", unit="round", disable=not progress):
                 for n in sizes:
                     t0 = time.perf_counter()
-                    tree_forward(model, layouts, **inputs[n], cache=cache, use_cache=True)
+                    model(**inputs[n], cache=cache, use_cache=True, output_hidden_states=-1)
                     elapsed = time.perf_counter() - t0
                     cache.crop(-n)
                     if r:  # the first round warms up
@@ -112,38 +111,39 @@ def kernel_reference(model, *, prefix_len: int = 256, repeats: int = 7) -> dict[
 def step_breakdown(
     model, input_ids: torch.Tensor, config: EntMTPConfig, max_new_tokens: int = 128, temperature: float | None = None
 ) -> dict[str, Any]:
-    """Milliseconds per decode step (prefill excluded): drafting, verifier forward, the rest.
+    """Milliseconds per decode step (prefill excluded) in each phase of the step.
 
-    Drafting is the heads' proposal plus their conditioning on the accepted positions
-    (``observe``: Hydra's prefix layer, a transformer layer of the drafter, run after each
-    verification); "other" is what is left: Python, masks, acceptance, cache bookkeeping, and
-    with a ``temperature`` (exact sampling at it alone, no top-k / top-p, as ``entmtp-hf bench
-    --sampling``) the logits processor and the draws."""
+    ``draft_ms``: the heads' proposal; ``forward_ms``: the verifier's forward; ``accept_ms``:
+    logits processors and the acceptance rule (with a ``temperature``: exact sampling at it
+    alone, no top-k / top-p, as ``entmtp-hf bench --sampling``, so the draws too);
+    ``commit_ms``: the cache update, the heads' conditioning on the accepted positions (Hydra's
+    prefix layer, a transformer layer of the drafter) and emitting; ``other_ms``: the rest."""
     from .bench.bench import SAMPLING  # the benchmark's sampling settings, at this temperature
 
     sample = {**SAMPLING, "temperature": temperature} if temperature else {"do_sample": False}
+    timer = PhaseTimer()
     with torch.inference_mode():
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, entmtp_config=config,
-                             return_dict_in_generate=True, **sample)  # fmt: skip
+                             return_dict_in_generate=True, entmtp_observers=[timer], **sample)  # fmt: skip
     st = out.entmtp_stats
     steps = max(st["steps"], 1)
     decode = st["total_time"] - st["prefill_time"]
-    forward, propose, observe = st["forward_time"], st["draft_time"], st.get("observe_time", 0.0)
-    draft = propose + observe
-    other = max(decode - draft - forward, 0.0)
-    return {
+    phases = timer.seconds
+    other = max(decode - sum(phases.values()), 0.0)
+    result = {
         "steps": st["steps"],
         "mean_accept_length": st["mean_accept_length"],
         "mean_tree_nodes": sum(st["tree_sizes"]) / steps,
         "ms_per_step": 1e3 * decode / steps,
-        "draft_ms": 1e3 * draft / steps,
-        "propose_ms": 1e3 * propose / steps,
-        "observe_ms": 1e3 * observe / steps,
-        "forward_ms": 1e3 * forward / steps,
+        "draft_ms": 1e3 * phases["draft"] / steps,
+        "forward_ms": 1e3 * phases["verify"] / steps,
+        "accept_ms": 1e3 * phases["accept"] / steps,
+        "commit_ms": 1e3 * phases["commit"] / steps,
         "other_ms": 1e3 * other / steps,
-        "draft_share": draft / decode if decode else 0.0,
-        "other_share": other / decode if decode else 0.0,
     }
+    result["draft_share"] = phases["draft"] / decode if decode else 0.0
+    result["other_share"] = other / decode if decode else 0.0
+    return result
 
 
 def interpolate_cost(costs: dict[int, float], n: int) -> float:
@@ -215,12 +215,12 @@ def _markdown(report: dict) -> str:
     base = report["forward_costs_ms"]["1"]
     lines += [f"| {n} | {ms:.1f} | {ms / base:.2f} |" for n, ms in report["forward_costs_ms"].items()]
     lines += ["", "## Step breakdown (per decode step)", "",
-              "| run | nodes | tau | ms/step | drafting (proposal + prefix layer) | verifier forward | other "
-              "| drafting share | other share |",
-              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| run | nodes | tau | ms/step | drafting | verifier forward | acceptance | commit (cache, heads' "
+              "conditioning, emit) | other | drafting share | other share |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, b in report["breakdown"].items():
         lines.append(f"| {name} | {b['mean_tree_nodes']:.1f} | {b['mean_accept_length']:.2f} | {b['ms_per_step']:.1f} | "
-                     f"{b['draft_ms']:.1f} ({b['propose_ms']:.1f} + {b['observe_ms']:.1f}) | {b['forward_ms']:.1f} | "
+                     f"{b['draft_ms']:.1f} | {b['forward_ms']:.1f} | {b['accept_ms']:.1f} | {b['commit_ms']:.1f} | "
                      f"{b['other_ms']:.1f} | {b['draft_share']:.1%} | {b['other_share']:.1%} |")  # fmt: skip
     if report.get("linear_costs_ms"):
         sizes = list(next(iter(report["linear_costs_ms"].values())))

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..scheduling.policies import ema, top1_and_entropy
+from ..scheduling.features import ema, top1_and_entropy
 from ..trees.tree import Tree
 
 ENTROPY_WINDOWS = (4, 8, 12, 16, 24, 32, 64)

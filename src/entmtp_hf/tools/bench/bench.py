@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime as _dt
 import functools
 import importlib
@@ -32,6 +33,7 @@ import os
 import re
 import resource
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -42,7 +44,9 @@ from ...demo import DEMO_HEADS, DEMO_MEDUSA_HEADS
 from ...trees.bank import SHIPPED_DIR, TopologyBank
 from .report import FORMAT, FORMAT_VERSION, environment, json_safe, read_results, summarize, write_results
 from ...config import EntMTPConfig
-from ...scheduling.eas import EASConfig, eas_bench_config, fixed_chain_config, fixed_length, quantized_draft
+from ...decoding.stats import PhaseTimer
+from ...scheduling.eas import EASConfig, fixed_length
+from ...trees.tree import Tree
 from ...cpu_kernels import onednn_linears, packed_linears
 from ..data.tasks import BUILTIN_TASKS, evaluation_basket
 from ...trees.tree import MC_SIM_7B_63
@@ -157,6 +161,37 @@ class BenchContext:
         return self._banks[task]
 
 
+# ============================================================================ EAS methods
+def eas_bench_config(ctx, task: str, acceptance: dict, eas: EASConfig | None = None) -> EntMTPConfig:
+    """Benchmark factory: the Hydra head chain as deep as the heads go, halted by EAS."""
+    depth = ctx.heads["hydra"].num_heads
+    return EntMTPConfig(tree=Tree.chain(depth).choices, eas=eas or EASConfig(), **acceptance)
+
+
+def fixed_chain_config(k: int):
+    """Benchmark factory: the fixed head chain of length ``k`` (unavailable with fewer heads)."""
+    def make(ctx, task: str, acceptance: dict) -> EntMTPConfig:
+        return EntMTPConfig(tree=Tree.chain(k).choices, **acceptance)
+
+    return make
+
+
+
+
+
+
+
+def quantized_draft(model):
+    """An int8 copy of ``model`` (dynamic quantisation of every ``nn.Linear``; CPU only) to
+    draft with: the target's own vocabulary and weights at a quarter of the bytes per step,
+    a draft/target pair that needs no second checkpoint and no training."""
+    with warnings.catch_warnings():  # torch.ao's eager quantisation warns that it moved to torchao
+        warnings.simplefilter("ignore")
+        draft = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear},
+                                                       dtype=torch.qint8)
+    return draft.eval()
+
+
 # ============================================================================ methods
 ConfigFactory = Callable[[BenchContext, str, dict], EntMTPConfig]
 
@@ -211,9 +246,15 @@ def _runner(ctx: BenchContext, kwargs: dict) -> Callable[[torch.Tensor, dict], G
     assisted = any(kwargs.get(k) is not None for k in ("assistant_model", "prompt_lookup_num_tokens"))
 
     def run(input_ids: torch.Tensor, gen_kwargs: dict) -> Generation:
-        out = ctx.model.generate(input_ids, return_dict_in_generate=True, **gen_kwargs, **kwargs)
+        timer = PhaseTimer()
+        observe = {"entmtp_observers": [timer]} if kwargs.get("entmtp_config") is not None else {}
+        out = ctx.model.generate(input_ids, return_dict_in_generate=True, **gen_kwargs, **kwargs, **observe)
         new_ids = out.sequences[0, input_ids.shape[1] :].tolist()
-        return Generation(new_ids, getattr(out, "entmtp_stats", None), assisted)
+        stats = getattr(out, "entmtp_stats", None)
+        if observe:  # drafting against everything else a step does (verification, acceptance, commit)
+            t = timer.seconds
+            stats = {**stats, "draft_time": t["draft"], "verify_time": t["verify"] + t["accept"] + t["commit"]}
+        return Generation(new_ids, stats, assisted)
 
     return run
 

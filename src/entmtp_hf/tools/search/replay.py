@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from ...drafting.retrieval import NgramIndex
-from ...scheduling.policies import FEATURE_POLICIES, FeatureTracker
+from ...scheduling.features import FeatureTracker
+from ...scheduling.policies import FEATURE_POLICIES
 from ...decoding.acceptance import walk_tree
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ from .search import (
 from ..profile import interpolate_cost
 from .replay import accept_table, foresight_rate, walk_rate
 from ...drafting.retrieval import RetrievalConfig
-from ...scheduling.policies import FEATURES
+from ...scheduling.features import FEATURES
 from ...trees.tree import MC_SIM_7B_63, Tree
 
 if TYPE_CHECKING:

@@ -54,13 +54,17 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from ...config import EntMTPConfig
+from ...decoding.stats import PhaseTimer
 from ..profile import forward_costs as profile_forward_costs
 from ..profile import interpolate_cost
 from .replay import accepted_depth, replay, why_not_replayable
 from ...drafting.retrieval import RetrievalConfig
-from ...scheduling.policies import FEATURE_POLICIES, FEATURES, threshold, top1_and_entropy
+from ...scheduling.features import FEATURES, threshold, top1_and_entropy
+from ...scheduling.policies import FEATURE_POLICIES
 from ...trees.tree import MC_SIM_7B_63, Path, Tree
-from ...decoding.acceptance import keep_accepted, sample_picks, tree_attention_mask, typical_accept_flags
+from ...decoding.acceptance import sample_picks, typical_accept_flags
+from ...decoding.attention import tree_attention_mask
+from ...decoding.cache import keep_accepted
 
 if TYPE_CHECKING:
     from .report import SearchResult
@@ -585,7 +589,8 @@ def generate_measure(model, cfg: SearchConfig, max_new_tokens: int | None = None
 
     def measure(label: str, config: EntMTPConfig | None, prompt: Sequence[int]) -> dict:
         ids = torch.tensor([list(prompt)], device=device)
-        extra = {"entmtp_config": config} if config is not None else {}
+        timer = PhaseTimer()
+        extra = {"entmtp_config": config, "entmtp_observers": [timer]} if config is not None else {}
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
@@ -599,7 +604,7 @@ def generate_measure(model, cfg: SearchConfig, max_new_tokens: int | None = None
             "accept_lengths": list(stats.get("accept_lengths", [])),
         }
         if stats:  # what the modelled ranking needs: the work done and this run's own overhead share
-            run.update(tree_sizes=list(stats["tree_sizes"]), forward_seconds=stats["forward_time"],
+            run.update(tree_sizes=list(stats["tree_sizes"]), forward_seconds=timer.seconds["verify"],
                        decode_seconds=stats["total_time"] - stats["prefill_time"])  # fmt: skip
         return run
 

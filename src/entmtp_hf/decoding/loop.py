@@ -1,0 +1,94 @@
+"""The decode loop ``generate`` hands over to: prefill, then steps until a stopping criterion fires.
+
+transformers' ``generate`` does all of its preparation (generation config, logits processors,
+stopping criteria, the cache) and calls :func:`entmtp_decode` through ``custom_generate``.
+The loop builds the call's :class:`~entmtp_hf.decoding.step.DecodeSession`, runs the prefill
+and then :meth:`~entmtp_hf.decoding.step.DecodeSession.step` while the text is not finished,
+and tells its observers what happened; the step itself never times anything.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..drafting.candidates import EntMTPCandidateGenerator
+from ..errors import EntMTPError
+from ..trees.plan import DecodePlan
+from .acceptance import greedy_picks, sample_picks
+from .cache import prepare_cache
+from .stats import DecodeObserver, DecodeStats
+from .step import DecodeSession, Rule
+
+
+@dataclass
+class EntMTPGenerateOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` plus the call's EntMTP statistics."""
+
+    entmtp_stats: dict | None = None
+
+
+def acceptance_rule(config, generation_config) -> Rule:
+    """The call's rule: ``auto`` is greedy without sampling and exact (lossless) with it."""
+    name = config.acceptance
+    if name == "auto":
+        name = "exact" if generation_config.do_sample else "greedy"
+    if name in ("exact", "typical") and not generation_config.do_sample:
+        raise EntMTPError(f"acceptance={name!r} samples: pass do_sample=True (or use acceptance='greedy')")
+    if name == "greedy" and generation_config.do_sample:
+        raise EntMTPError("acceptance='greedy' with do_sample=True would not sample: use 'exact' or 'typical'")
+    pick = sample_picks if generation_config.do_sample else greedy_picks
+    return Rule(name, pick, config.posterior_threshold, config.posterior_alpha)
+
+
+def entmtp_decode(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    *,
+    entmtp_config,
+    plan: DecodePlan,
+    heads,
+    streamer=None,
+    observers: Sequence[DecodeObserver] = (),
+    **model_kwargs,
+):
+    """Tree speculative decoding of one prompt (see the module docstring)."""
+    if input_ids.shape[0] != 1:
+        raise EntMTPError(f"EntMTP decoding supports batch size 1 only, got a batch of {input_ids.shape[0]}")
+    if (generation_config.num_beams or 1) > 1:
+        raise EntMTPError("EntMTP decoding does not support beam search")
+    t_start = time.perf_counter()
+    rule = acceptance_rule(entmtp_config, generation_config)
+    temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
+    drafter = EntMTPCandidateGenerator(model, heads, plan, feature_window=entmtp_config.feature_window,
+                                       temperature=temperature)  # fmt: skip
+    cache = prepare_cache(model, model_kwargs, generation_config.max_length, plan.max_nodes)
+    session = DecodeSession(model, drafter, rule, cache, input_ids, model_kwargs.get("attention_mask"),
+                            logits_processor, stopping_criteria, streamer)  # fmt: skip
+    stats = DecodeStats()
+    watchers = (stats, *observers)
+    for obs in watchers:
+        obs.on_start(session)
+    session.prefill()
+    prefill = time.perf_counter() - t_start
+    for obs in watchers:
+        obs.on_prefill(prefill)
+    while not session.finished:
+        record = session.step()
+        for obs in watchers:
+            obs.on_step(record)
+    if streamer is not None:
+        streamer.end()
+    total = time.perf_counter() - t_start
+    for obs in watchers:
+        obs.on_end(total)
+    if generation_config.return_dict_in_generate:
+        return EntMTPGenerateOutput(sequences=session.input_ids, cache=cache, entmtp_stats=stats.as_dict())
+    return session.input_ids

@@ -1,0 +1,125 @@
+"""Observers of the decode loop: the statistics every call returns, and an optional phase timer.
+
+The loop tells its observers when it starts, when the prefill is done, what every step did
+(a :class:`StepRecord`) and when it ends; it never measures anything itself beyond the
+prefill and total wall time. :class:`DecodeStats` turns the records into the
+``entmtp_stats`` of ``return_dict_in_generate`` (as data; rates are the caller's business).
+:class:`PhaseTimer`, passed as ``generate(..., entmtp_observers=[timer])``, times the four
+phases of every step (draft, verify, accept, commit) by wrapping the session's phase methods
+for that call only: profiling code, kept out of the step itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ..drafting.candidates import Draft
+
+PHASES = ("draft", "verify", "accept", "commit")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one decode step did."""
+
+    draft: "Draft"
+    path: list[int]  # accepted nodes, root first
+    emitted: int  # tokens this step added to the text (fewer than len(path) if a stop fired)
+
+
+class DecodeObserver(Protocol):
+    """What the loop calls; every method is optional in spirit (implement them as no-ops)."""
+
+    def on_start(self, session: Any) -> None: ...
+    def on_prefill(self, seconds: float) -> None: ...
+    def on_step(self, record: StepRecord) -> None: ...
+    def on_end(self, seconds: float) -> None: ...
+
+
+@dataclass
+class DecodeStats:
+    """Per-call statistics, returned as data."""
+
+    accept_lengths: list[int] = field(default_factory=list)  # tokens each step added
+    tree_indices: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    features: list[float | None] = field(default_factory=list)
+    prefill_time: float = 0.0
+    total_time: float = 0.0
+    eas: dict | None = None  # EAS statistics (policy ``entropy`` only)
+    retrieval_steps: int = 0  # steps whose tree carried a retrieval branch
+    retrieval_accepted: int = 0  # drafted tokens accepted from retrieval branches
+
+    def on_start(self, session: Any) -> None:
+        self._session = session
+
+    def on_prefill(self, seconds: float) -> None:
+        self.prefill_time = seconds
+
+    def on_step(self, record: StepRecord) -> None:
+        draft, path = record.draft, record.path
+        self.accept_lengths.append(record.emitted)
+        self.tree_indices.append(draft.tree_index)
+        self.tree_sizes.append(draft.buffers.num_nodes)
+        self.features.append(draft.feature)
+        if draft.branch_node is not None:
+            self.retrieval_steps += 1
+            if len(path) > 1 and path[1] == draft.branch_node:
+                self.retrieval_accepted += len(path) - 1
+
+    def on_end(self, seconds: float) -> None:
+        self.total_time = seconds
+        eas = self._session.drafter.eas
+        self.eas = eas.stats.as_dict() if eas is not None else None
+
+    def as_dict(self) -> dict:
+        steps = len(self.accept_lengths)
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and not (k == "eas" and v is None)}
+        d["steps"] = steps
+        d["new_tokens"] = sum(self.accept_lengths) + 1  # the prefill emits the first token
+        d["mean_accept_length"] = sum(self.accept_lengths) / steps if steps else 0.0
+        d["drafted_tokens"] = sum(n - 1 for n in self.tree_sizes)
+        d["accepted_draft_tokens"] = sum(a - 1 for a in self.accept_lengths)
+        return d
+
+
+class PhaseTimer:
+    """Seconds spent in each step phase (:data:`PHASES`) over one or more generate calls.
+
+    On CUDA every phase ends with a synchronisation, so kernels are charged to the phase that
+    queued them (which slows decoding a little: use it to profile, not to benchmark).
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+
+    def on_start(self, session: Any) -> None:
+        device = session.device
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        for phase in PHASES:
+            setattr(session, phase, self._timed(phase, getattr(session, phase), sync))
+
+    def _timed(self, phase: str, run, sync):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = run(*args, **kwargs)
+            sync()
+            self.seconds[phase] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+    def on_prefill(self, seconds: float) -> None:
+        pass
+
+    def on_step(self, record: StepRecord) -> None:
+        self.steps += 1
+
+    def on_end(self, seconds: float) -> None:
+        pass

@@ -1,0 +1,169 @@
+"""One generate call's decoding state and its speculative step: draft -> verify -> accept -> commit.
+
+:class:`DecodeSession` owns everything one call needs (the cache, the text so far, the
+candidate generator with the heads' state and the scheduler, the acceptance rule) and nothing
+is stored on the model. :meth:`DecodeSession.step` is the method:
+
+1. **draft**  - the candidate generator drafts the step's tree after the text (its root is
+   the text's last token, the verifier's own pick);
+2. **verify** - one base-model forward over the tree's nodes appended to the cache (4D float
+   mask: each node sees the prefix and its ancestors; positions = prefix length + depth);
+3. **accept** - the logits processors on every node with its own path as context, then the
+   greedy / exact / typical rule: the accepted path and the verifier's next token;
+4. **commit** - the cache keeps the accepted path's keys and values, the heads see its hidden
+   states, and the accepted tokens plus the next one are emitted one by one (stopping
+   criteria and streamer as in plain ``generate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import StaticCache
+
+from ..drafting.candidates import Draft, EntMTPCandidateGenerator
+from .acceptance import check_pick, typical_accept_flags, typical_best_path, walk_tree
+from .attention import tree_attention_mask, verifying
+from .cache import keep_accepted
+from .processors import process_tree_scores, row_wise
+from .stats import StepRecord
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The acceptance rule of a call and how it picks the verifier's tokens."""
+
+    name: str  # greedy | exact | typical
+    pick: Callable[[torch.Tensor], torch.Tensor]  # scores [N, V] -> one token per row
+    epsilon: float = 0.09
+    alpha: float = 0.3
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One verification forward: raw logits [N, V] and last hidden states [N, H] of the tree's nodes,
+    which the cache holds after its first ``prefix_len`` positions."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    prefix_len: int
+
+
+class DecodeSession:
+    """The state of one EntMTP ``generate`` call (built by :func:`~entmtp_hf.decoding.loop.entmtp_decode`)."""
+
+    def __init__(self, model, drafter: EntMTPCandidateGenerator, rule: Rule, cache, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None, logits_processor, stopping_criteria, streamer=None) -> None:
+        self.model, self.drafter, self.rule, self.cache = model, drafter, rule, cache
+        self.input_ids = input_ids
+        self.device = input_ids.device
+        self.dtype = model.get_output_embeddings().weight.dtype
+        self.attention_mask = attention_mask
+        self.logits_processor, self.stopping_criteria, self.streamer = logits_processor, stopping_criteria, streamer
+        self.row_wise = row_wise(logits_processor)  # decided once: the processors do not change during the call
+        self.finished = False
+        self.next_pos = 0  # position id of the next root
+        self._prefix_row = torch.zeros(0, dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self) -> None:
+        """The prompt's forward: its cache, the first token, the heads' context."""
+        ids, mask = self.input_ids, self.attention_mask
+        if mask is not None:
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        else:
+            positions = torch.arange(ids.shape[1], device=self.device)[None]
+        keep = {"logits_to_keep": 1} if self.model._supports_logits_to_keep() else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, output_hidden_states=-1, **keep)  # fmt: skip
+        self.next_pos = int(positions[0, -1]) + 1
+        last = out.logits[0, -1:].float()
+        scores = self.logits_processor(ids, last)
+        root = check_pick(int(self.rule.pick(scores)[0]))
+        self.drafter.observe(out.hidden_states[-1][0], last[0])
+        self._prefix_row = _prefix_row(mask, ids.shape[1], self.device, self.dtype)
+        self._emit([root], scores)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> StepRecord:
+        """One speculative step: draft -> verify -> accept -> commit."""
+        draft = self.draft()
+        verified = self.verify(draft)
+        scores, path, next_token = self.accept(draft, verified)
+        return self.commit(draft, verified, scores, path, next_token)
+
+    def draft(self) -> Draft:
+        self.drafter.get_candidates(self.input_ids)
+        return self.drafter.draft
+
+    def verify(self, draft: Draft) -> Verified:
+        prefix_len = int(self.cache.get_seq_length())
+        n = draft.buffers.num_nodes
+        kv_len = self.cache.get_max_length() if isinstance(self.cache, StaticCache) else prefix_len + n
+        if self._prefix_row.shape[0] < prefix_len:  # generated tokens are never padding
+            grow = self._prefix_row.new_zeros(prefix_len - self._prefix_row.shape[0])
+            self._prefix_row = torch.cat([self._prefix_row, grow])
+        with verifying():
+            out = self.model(
+                input_ids=draft.tokens[None],
+                attention_mask=tree_attention_mask(draft.buffers, self._prefix_row[:prefix_len], kv_len),
+                position_ids=(draft.buffers.position_ids + self.next_pos)[None],
+                cache=self.cache,
+                use_cache=True,
+                output_hidden_states=-1,
+            )
+        return Verified(out.logits[0], out.hidden_states[-1][0], prefix_len)
+
+    def accept(self, draft: Draft, verified: Verified) -> tuple[torch.Tensor, list[int], int]:
+        """Processed scores of every node, the accepted path (root first) and the next token."""
+        buffers, tokens = draft.buffers, draft.tokens
+        scores = process_tree_scores(self.logits_processor, self.input_ids, tokens, buffers, verified.logits,
+                                     row_wise=self.row_wise)  # fmt: skip
+        if self.rule.name == "typical":
+            passed, node_logp = typical_accept_flags(scores, tokens, buffers.parents, self.rule.epsilon,
+                                                     self.rule.alpha)  # fmt: skip
+            path = typical_best_path(passed, node_logp, buffers.retrieve_indices)
+            return scores, path, check_pick(int(self.rule.pick(scores[path[-1] : path[-1] + 1])[0]))
+        host = torch.stack([tokens, self.rule.pick(scores)]).tolist()
+        acc = walk_tree(buffers.children, host[0], host[1])
+        return scores, acc.path, check_pick(acc.next_token)
+
+    def commit(self, draft: Draft, verified: Verified, scores: torch.Tensor, path: list[int],
+               next_token: int) -> StepRecord:
+        keep_accepted(self.cache, verified.prefix_len, draft.buffers.num_nodes, path)
+        self.drafter.observe(verified.hidden[path], verified.logits[path[-1]])
+        self.next_pos += len(path)
+        emitted = self._emit(draft.tokens[path[1:]].tolist() + [next_token], scores[path])
+        self.drafter.update_candidate_strategy(self.input_ids, scores[path][None], len(path) - 1)
+        return StepRecord(draft, path, emitted)
+
+    # ------------------------------------------------------------------ emitting
+    def _emit(self, new_tokens: list[int], scores: torch.Tensor) -> int:
+        """Append tokens one at a time, stopping exactly where a stopping criterion fires.
+
+        ``scores[i]`` are the processed scores the ``i``-th token was chosen from, handed to the
+        stopping criteria as ``generate`` does. Returns how many tokens were appended.
+        """
+        ids, emitted = self.input_ids, []
+        for i, tok in enumerate(new_tokens):
+            ids = torch.cat([ids, ids.new_tensor([[tok]])], dim=-1)
+            emitted.append(tok)
+            if bool(self.stopping_criteria(ids, scores[i : i + 1]).any()):
+                self.finished = True
+                break
+        self.input_ids = ids
+        if self.streamer is not None and emitted:
+            self.streamer.put(torch.tensor(emitted))
+        return len(emitted)
+
+
+def _prefix_row(attention_mask: torch.Tensor | None, length: int, device, dtype) -> torch.Tensor:
+    """Additive mask row for the cached prefix (user padding stays masked)."""
+    row = torch.zeros(length, dtype=dtype, device=device)
+    if attention_mask is not None:
+        row[: attention_mask.shape[1]].masked_fill_(attention_mask[0] == 0, torch.finfo(dtype).min)
+    return row

@@ -1,0 +1,205 @@
+"""The decode plan: what one ``generate`` call decodes with, built from an ``EntMTPConfig``.
+
+A plan holds the trees a step may verify, their union (drafted once when the choice needs the
+whole draft), index maps from each tree into the union, the greedy chain the confidence
+feature reads, the scheduler's settings and, with retrieval on, every tree with a retrieved
+branch of each length. Everything here is built before the prefill, so a bad tree, bank or
+threshold is refused before any compute and a step only looks things up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..drafting.retrieval import RetrievalConfig, with_branch
+from ..errors import ConfigError
+from ..scheduling.eas import EASConfig
+from ..scheduling.features import TOKEN_FEATURES
+from ..scheduling.policies import FEATURE_POLICIES, Scheduler
+from .tree import Tree
+
+if TYPE_CHECKING:
+    from .bank import TopologyBank
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What one generate call decodes with: the trees, their union and the policy."""
+
+    trees: tuple[Tree, ...]
+    union: Tree  # every scheduled tree (and the greedy chain the feature reads) merged
+    node_maps: tuple[tuple[int, ...], ...]  # per tree: its nodes' indices in ``union``
+    chain_nodes: tuple[int, ...]  # union indices of the greedy chain [0], [0,0], ... (depth order)
+    scheduler_args: dict
+    feature: str = "best_path_value"  # the scalar the hysteresis / ladder policy reads
+    eas: EASConfig | None = None  # policy ``entropy``: ``trees[d]`` is the tree truncated at depth d
+    retrieval: RetrievalConfig | None = None
+    #: with retrieval: ``branches[k][L - 1]`` = (tree k plus a retrieved chain of L tokens, where
+    #: each of its nodes' tokens comes from: index < union size = union node, else retrieved token)
+    branches: tuple[tuple[tuple[Tree, tuple[int, ...]], ...], ...] = ()
+
+    def new_scheduler(self) -> Scheduler:
+        return Scheduler(num_trees=len(self.trees), **self.scheduler_args)
+
+    @property
+    def policy(self) -> str:
+        """``entropy`` for EAS plans, else the scheduler's policy."""
+        return "entropy" if self.eas is not None else self.scheduler_args["policy"]
+
+    @property
+    def node_counts(self) -> set[int]:
+        """Every number of nodes one step may verify (trees, and trees with retrieved branches)."""
+        return {t.num_nodes for t in (*self.trees, *(b for per in self.branches for b, _ in per))}
+
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes one step can verify (a static cache must hold that many more)."""
+        return max(self.node_counts)
+
+
+def build_plan(config: Any, num_heads: int, draft_rows: int | None = None) -> DecodePlan:
+    """The plan of an :class:`~entmtp_hf.config.EntMTPConfig` for heads with ``num_heads`` heads
+    drafting from ``draft_rows`` tokens (ranks at or above it cannot be drafted)."""
+    if config.entropy_adaptive:
+        plan = _entropy_plan(config, num_heads)
+    else:
+        plan = _switching_plan(config, num_heads)
+    _check_trees(plan.trees, num_heads, draft_rows)
+    return plan
+
+
+def _switching_plan(config: Any, num_heads: int) -> DecodePlan:
+    feature = config.feature or "best_path_value"
+    bank = config.load_bank() if config.bank is not None else None
+    retrieval = _retrieval(config, bank)
+    if bank is not None:
+        trees, policy, args = _from_bank(config, bank)
+        if config.feature is None:
+            feature = bank.scheduler.ladder_feature if policy == "ladder" else bank.scheduler.feature
+    elif config.tree is not None:
+        trees, policy, args = (Tree.from_choices(config.tree),), config.policy or "static", {}
+    else:
+        trees, policy, args = _from_trees(config)
+    args = {**args, "policy": policy}
+    if config.tau_on is not None:
+        args["tau_on"] = config.tau_on
+    if config.tau_off is not None:
+        args["tau_off"] = config.tau_off
+    elif config.tau_on is not None and args.get("tau_off", config.tau_on) > config.tau_on:
+        args["tau_off"] = config.tau_on
+    if policy in FEATURE_POLICIES:
+        args.setdefault("tau_off", args.get("tau_on", 0.01))
+        _check_thresholds(feature, args, max(t.depth for t in trees))
+    try:
+        Scheduler(num_trees=len(trees), **args)  # validated now, before any compute
+    except ValueError as e:
+        raise ConfigError("EntMTPConfig", str(e)) from None
+    depth = max(t.depth for t in trees)
+    chain = Tree.chain(depth) if policy in FEATURE_POLICIES else Tree.root_only()  # what features read
+    return _plan(trees, chain, args, feature=feature, retrieval=retrieval)
+
+
+def _from_trees(config: Any) -> tuple[tuple[Tree, ...], str, dict]:
+    trees = tuple(Tree.from_choices(t) for t in config.trees)
+    policy = config.policy or ("static" if len(trees) == 1 else "hysteresis" if len(trees) == 2 else "ladder")
+    args: dict = {"low": 0, "high": min(1, len(trees) - 1)}
+    if config.costs is not None:
+        args["costs"] = tuple(float(c) for c in config.costs)
+    if policy == "ladder":
+        if config.thresholds is None:
+            raise ConfigError("EntMTPConfig.thresholds",
+                              f"the ladder over {len(trees)} trees needs {len(trees) - 1} increasing values")  # fmt: skip
+        args["thresholds"] = tuple(config.thresholds)
+    return trees, policy, args
+
+
+def _from_bank(config: Any, bank: "TopologyBank") -> tuple[tuple[Tree, ...], str, dict]:
+    d = bank.scheduler
+    trees = tuple(bank.trees)
+    policy = config.policy or d.policy
+    if policy == "static":
+        return (trees[d.static],), policy, {}
+    if policy == "hysteresis":
+        low, high = sorted((d.conservative, d.aggressive), key=lambda i: trees[i].num_nodes)
+        return (trees[low], trees[high]), policy, {"low": 0, "high": 1, "tau_on": d.tau_on, "tau_off": d.tau_off}
+    if policy == "value":
+        if not d.value:
+            raise ConfigError("EntMTPConfig.policy", f"the bank for task {bank.task!r} lists no trees for the value policy")
+        return tuple(trees[i] for i in d.value), policy, {"costs": tuple(d.value_costs)}
+    ladder = tuple(trees[i] for i in d.ladder)
+    thresholds = tuple(config.thresholds) if config.thresholds is not None else tuple(d.thresholds)
+    return ladder, policy, {"thresholds": thresholds}
+
+
+def _entropy_plan(config: Any, num_heads: int) -> DecodePlan:
+    """Policy ``entropy``: the tree's truncations at depth 0..D (index = depth) and the chain."""
+    if config.tree is not None:
+        tree, retrieval = Tree.from_choices(config.tree), _retrieval(config, None)
+    else:
+        bank = config.load_bank()
+        tree, retrieval = bank.trees[bank.scheduler.static], _retrieval(config, bank)
+    trees = tuple(Tree(tuple(p for p in tree.paths if len(p) <= d)) for d in range(tree.depth + 1))
+    args = {"policy": "static", "static_index": tree.depth}
+    return _plan(trees, Tree.chain(tree.depth), args, eas=config.eas or EASConfig(), retrieval=retrieval)
+
+
+def _retrieval(config: Any, bank: "TopologyBank | None") -> RetrievalConfig | None:
+    """The retrieval settings in force: the config's own, else the bank's default (off without one)."""
+    if config.retrieval is None:
+        return bank.scheduler.retrieval if bank is not None else None
+    return config.retrieval or None
+
+
+def _check_thresholds(feature: str, args: dict, depth: int) -> None:
+    """Thresholds in the feature's units: probabilities in [0, 1], tokens per step in [0, depth + 1]."""
+    top = depth + 1.0 if feature in TOKEN_FEATURES else 1.0
+    named = {"tau_on": args.get("tau_on"), "tau_off": args.get("tau_off")}
+    named.update({f"thresholds[{i}]": t for i, t in enumerate(args.get("thresholds", ()))})
+    for name, value in named.items():
+        if value is not None and not (math.isfinite(value) and 0.0 <= value <= top):
+            raise ConfigError(f"EntMTPConfig.{name}", f"{value!r} is outside [0, {top:g}], the range of "
+                              f"feature {feature!r}")  # fmt: skip
+
+
+def _check_trees(trees: tuple[Tree, ...], num_heads: int, draft_rows: int | None) -> None:
+    """Every tree must be draftable: no deeper than the heads, no rank beyond their vocabulary."""
+    for i, t in enumerate(trees):
+        if t.depth > num_heads:
+            raise ConfigError("EntMTPConfig", f"tree #{i} has depth {t.depth} but the heads draft only {num_heads} "
+                              f"tokens ahead; use a tree of depth <= {num_heads} or heads with more heads")  # fmt: skip
+        widest = max((r for p in t.paths for r in p), default=-1)
+        if draft_rows is not None and widest >= draft_rows:
+            raise ConfigError("EntMTPConfig", f"tree #{i} asks for the rank-{widest} child but the heads draft from "
+                              f"{draft_rows} tokens; use ranks below {draft_rows}")  # fmt: skip
+
+
+def _plan(
+    trees: tuple[Tree, ...], chain: Tree, scheduler_args: dict, *, feature: str = "best_path_value",
+    eas: EASConfig | None = None, retrieval: RetrievalConfig | None = None,
+) -> DecodePlan:
+    """The plan over ``trees``: their union with ``chain`` (read by the feature) and index maps."""
+    union = trees[0].union(*trees[1:], chain)
+    index = union.node_index()
+    node_maps = tuple(tuple(union.subtree_map(t)) for t in trees)
+    branches = ()
+    if retrieval is not None:
+        replace = retrieval.mode == "replace"  # root + the chain only; else tree k + the chain
+
+        def branch(k: int, length: int) -> tuple[Tree, tuple[int, ...]]:
+            tree, sources = with_branch(Tree.root_only() if replace else trees[k], length)
+            return tree, tuple(node_maps[k][i] if i >= 0 else union.num_nodes - i - 1 for i in sources)
+
+        branches = tuple(tuple(branch(k, n) for n in range(1, retrieval.num_tokens + 1)) for k in range(len(trees)))
+    return DecodePlan(
+        trees=trees,
+        union=union,
+        node_maps=node_maps,
+        chain_nodes=tuple(index[(0,) * d] for d in range(1, chain.depth + 1)),
+        scheduler_args=scheduler_args,
+        feature=feature,
+        eas=eas,
+        retrieval=retrieval,
+        branches=branches,
+    )
