@@ -192,8 +192,10 @@ class CPUKernels:
     Built by ``enable_entmtp(..., cpu_kernels=True)`` or directly; ``rows``: the row counts to
     measure (a product of more rows uses the largest's choice); ``pack``: ``True``, ``False`` or
     ``"auto"`` (pack when measured faster); ``repeats``: interleaved timing rounds. Measuring
-    takes a few seconds and is logged. A model on another device or in another dtype, or a
-    torch without oneDNN, is left as it is (:attr:`active` is False, :attr:`reason` says why).
+    takes a few seconds, once, and is logged; the choices are installed right after it, and
+    :meth:`remove` / :meth:`install` take them off and put them back without measuring again.
+    A model on another device or in another dtype, or a torch without oneDNN, is left as it is
+    (:attr:`active` is False, :attr:`reason` says why).
     """
 
     def __init__(self, model, heads=None, *, rows: Sequence[int] = DEFAULT_ROWS, pack: bool | str = "auto",
@@ -215,9 +217,10 @@ class CPUKernels:
         if self.reason is None:
             t0 = time.perf_counter()
             with torch.no_grad():
-                self._measure_and_install(pack, repeats)
+                self._measure(pack, repeats)
             self.seconds = time.perf_counter() - t0
             log.info("entmtp-hf CPU kernels: %s", self.describe())
+            self.install()
 
     @property
     def active(self) -> bool:
@@ -234,33 +237,37 @@ class CPUKernels:
             return f"oneDNN's linear does not take {weight.dtype} weights on this CPU"
         return None
 
-    def _measure_and_install(self, pack: bool | str, repeats: int) -> None:
-        model = self.model
-        head = model.get_output_embeddings()
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-        layers = _plain_linears(decoder.modules(), exclude=head)
+    def _layers(self) -> list[torch.nn.Linear]:
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
+        return _plain_linears(decoder.modules(), exclude=self.model.get_output_embeddings())
+
+    # ------------------------------------------------------------------ measuring
+    def _measure(self, pack: bool | str, repeats: int) -> None:
+        layers = self._layers()
         dense = {r: _timed_median(self._decoder_pass(layers, r), DECODER_KERNELS, repeats) for r in self.rows}
         self.decoder = {r: min(t, key=t.get) for r, t in dense.items()}
         if pack is not False and layers:
-            try:
-                self._packed = _pack(_unshared(model, layers))
-            except RuntimeError as e:  # no packed primitive for this dtype on this CPU
-                log.info("entmtp-hf CPU kernels: packing unavailable (%s)", e)
-            packed_time = sum(_timed_median(self._decoder_pass(layers, r, packed=True), ("packed",), repeats)["packed"]
-                              for r in self.rows)  # fmt: skip
-            best_dense = sum(min(t.values()) for t in dense.values())
-            if pack == "auto" and packed_time >= best_dense:
-                _unpack(self._packed)
-                self._packed = []
-            self.packed = bool(self._packed)
+            faster = self._measure_packing(layers, sum(min(t.values()) for t in dense.values()), repeats)
+            self.packed = bool(self._packed) and (pack is True or faster)
+            _unpack(self._packed)
+            self._packed = []
+        head = self.model.get_output_embeddings()
         layouts = [lay for lay in HEAD_LAYOUTS if _works(lay, head.weight)]
         self.lm_head = {r: self._fastest_head(head, r, layouts, repeats) for r in self.rows}
-        self._install(head, self.lm_head)
-        if not self.packed:
-            for m in layers:
-                self._install(m, self.decoder)
         if self.heads is not None:
-            self._install_drafting(repeats)
+            self.drafting = self._measure_drafting(repeats)
+
+    def _measure_packing(self, layers: list[torch.nn.Linear], best_dense: float, repeats: int) -> bool:
+        """Whether a packed pass over the measured row counts beats the best dense kernels
+        (packed here for the timing; :meth:`_measure` unpacks)."""
+        try:
+            self._packed = _pack(_unshared(self.model, layers))
+        except RuntimeError as e:  # no packed primitive for this dtype on this CPU
+            log.info("entmtp-hf CPU kernels: packing unavailable (%s)", e)
+            return False
+        packed = sum(_timed_median(self._decoder_pass(layers, r, packed=True), ("packed",), repeats)["packed"]
+                     for r in self.rows)  # fmt: skip
+        return packed < best_dense
 
     def _decoder_pass(self, layers: list[torch.nn.Linear], rows: int, packed: bool = False) -> Callable[[str], None]:
         """One pass of ``rows`` rows over every decoder weight, as a forward reads them."""
@@ -280,12 +287,11 @@ class CPUKernels:
         times = _timed_median(lambda lay: project(x, head.weight, getattr(head, "bias", None), lay), layouts, repeats)
         return min(layouts, key=times.get)
 
-    def _install_drafting(self, repeats: int) -> None:
-        """The heads' one-row products (their layers, and the base LM rows they draft from) on
-        the kernel measured faster for them."""
+    def _measure_drafting(self, repeats: int) -> str:
+        """The faster kernel for the heads' one-row products: their layers, and the base LM rows
+        they draft from."""
         layers = _plain_linears(self.heads.modules())
-        rows = self.heads.config.draft_vocab_rows
-        lm_rows = self.model.get_output_embeddings().weight[:rows]
+        lm_rows = self.model.get_output_embeddings().weight[: self.heads.config.draft_vocab_rows]
         weights = [(m.weight, m.bias) for m in layers] + [(lm_rows, None)]
         g = torch.Generator().manual_seed(1)
         inputs = [torch.randn(1, w.shape[1], generator=g).to(w) for w, _ in weights]
@@ -295,14 +301,26 @@ class CPUKernels:
                 project(x, w, b, kernel)
 
         times = _timed_median(draft_pass, DECODER_KERNELS, repeats)
-        self.drafting = min(DECODER_KERNELS, key=times.get)
-        if self.drafting != "linear":
-            table = {1: self.drafting}
+        return min(DECODER_KERNELS, key=times.get)
+
+    # ------------------------------------------------------------------ installing
+    def install(self) -> None:
+        """Put the measured choices on the model (and heads); a no-op when already installed."""
+        if not self.active or self._installed or self._packed:
+            return
+        layers = self._layers()
+        self._dispatch(self.model.get_output_embeddings(), self.lm_head)
+        if self.packed:
+            self._packed = _pack(_unshared(self.model, layers))
+        else:
             for m in layers:
-                self._install(m, table)
+                self._dispatch(m, self.decoder)
+        if self.heads is not None and self.drafting != "linear":
+            for m in _plain_linears(self.heads.modules()):
+                self._dispatch(m, {1: self.drafting})
             self.heads.lm_kernel = self.drafting
 
-    def _install(self, module: torch.nn.Module, table: dict[int, str]) -> None:
+    def _dispatch(self, module: torch.nn.Module, table: dict[int, str]) -> None:
         if all(k == "linear" for k in table.values()):
             return
         self._installed.append((module, vars(module).get("forward")))
