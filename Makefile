@@ -13,11 +13,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[demo,tools,train,test]"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+# the suite includes building the wheel and decoding from it, installed away from the checkout
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --timeout=900 tests
 
@@ -25,4 +26,4 @@ demo: $(STAMP)
 	$(BIN)/python -m entmtp_hf.demo
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) build

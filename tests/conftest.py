@@ -28,5 +28,5 @@ def tiny_cache():
 
 
 def pytest_collection_modifyitems(config, items):
-    # the real demo model's tests are the slowest: run them last
-    items.sort(key=lambda item: "demo" in item.nodeid)
+    # the real demo model's tests (and the wheel's, which loads it) are the slowest: run them last
+    items.sort(key=lambda item: "demo" in item.nodeid or "wheel" in item.nodeid)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from .drafting.retrieval import RetrievalConfig
 from .errors import ConfigError
 from .scheduling.eas import EASConfig
-from .scheduling.features import FEATURES
+from .scheduling.features import FEATURES, TOKEN_FEATURES
 from .scheduling.policies import POLICIES, POLICY_ALIASES
 from .trees.bank import TopologyBank, check_task_name
 from .trees.plan import DecodePlan, build_plan
@@ -116,6 +116,7 @@ class EntMTPConfig:
             self.policy = POLICY_ALIASES.get(self.policy, self.policy)
             _choice("policy", self.policy, DECODE_POLICIES)
         self._check_schedule()
+        self._check_threshold_units()
         self._check_acceptance()
         if self.revision is not None and not isinstance(self.revision, str):
             raise ConfigError(_name("revision"), f"must be a string (branch, tag or commit), got {self.revision!r}")
@@ -177,6 +178,21 @@ class EntMTPConfig:
             if self.trees is None or len(costs) != len(self.trees):
                 raise ConfigError(_name("costs"), "must give one positive forward cost per tree in `trees`")
             self.costs = tuple(costs)
+
+    def _check_threshold_units(self) -> None:
+        """Without a bank the feature is known now, so are its units: probabilities in [0, 1],
+        ``accept_ema`` in tokens per step (at most the deepest tree's depth + 1). With a bank the
+        plan checks them against the bank's feature."""
+        if self.bank is not None:
+            return
+        feature = self.feature or "best_path_value"
+        trees = [self.tree] if self.tree is not None else list(self.trees)
+        top = max(Tree.from_choices(t).depth for t in trees) + 1.0 if feature in TOKEN_FEATURES else 1.0
+        for name in ("tau_on", "tau_off"):
+            if getattr(self, name) is not None:
+                _number(name, getattr(self, name), 0.0, top)
+        for i, t in enumerate(self.thresholds or ()):
+            _number(f"thresholds[{i}]", t, 0.0, top)
 
     def _check_acceptance(self) -> None:
         _choice("acceptance", self.acceptance, ACCEPTANCE_RULES)

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 DECODER_KERNELS = ("linear", "onednn")
 HEAD_LAYOUTS = ("linear", "transposed", "onednn")
 #: row counts measured by default: plain steps, small trees, larger trees, a prompt's prefill
-DEFAULT_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
+DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 16, 64)
 PACK_CHOICES = (True, False, "auto")
 #: where a packed layer keeps its packed weight while the layer holds none
 PACKED_ATTR = "_entmtp_packed_weight"

@@ -1,13 +1,12 @@
-"""The embedded default: the demo model with its shipped heads and banks, in one line.
+"""``python -m entmtp_hf.demo`` (what ``make demo`` runs): EntMTP on the embedded demo model.
 
-``load_demo()`` returns SmolLM2-135M-Instruct (see :mod:`entmtp_hf.demo_model`) with the
-shipped Hydra heads enabled, its tokenizer and the folder of its shipped tree banks.
-``python -m entmtp_hf.demo`` (what ``make demo`` runs) answers a coding, a math and a chat
-prompt with EntMTP while the text streams, then measures tokens per step, tokens/s and
-the speedup over vanilla ``generate`` on the same prompts in the same run, and over plain
-decoding with every linear layer on oneDNN (:func:`entmtp_hf.layouts.onednn_linears`): on a
-CPU where that kernel is much faster than MKL, that is the part of the speedup that is not
-the kernel. A greedy output that leaves vanilla's is named with the base model's logit gap there.
+It streams EntMTP's answers to a coding, a math and a chat prompt, then measures on this
+machine, in one run with the methods interleaved: plain ``generate``, plain ``generate`` with
+the CPU kernel opt-in (:class:`~entmtp_hf.cpu_kernels.CPUKernels`, measured once up front and
+said so), EntMTP on the default path and EntMTP with the CPU kernels. Warm-up runs are
+excluded, every greedy output is compared with plain ``generate``'s token for token (a
+divergence is named with the base model's logit gap there), and the result is said in words:
+the speed-up over plain ``generate`` and over the fastest plain decoding measured.
 """
 
 from __future__ import annotations
@@ -15,15 +14,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
+from contextlib import nullcontext
 
 import torch
+from tqdm.auto import tqdm
 from transformers import TextStreamer
 
-from ..tools.bench.bench import find_mismatch
-from . import DEMO_PROMPTS, config_for, load_demo
-from ..cpu_kernels import onednn_linears
+from ..cpu_kernels import CPUKernels
+from ..integration import HEADS_ATTR
 from ..scheduling.policies import POLICIES
+from . import DEMO_PROMPTS, config_for, load_demo
+from .compare import find_mismatch, mismatch_text
+
+PLAIN, PLAIN_K, ENTMTP, ENTMTP_K = "plain generate", "plain generate + CPU kernels", "EntMTP", "EntMTP + CPU kernels"
+
 
 def _encode(tokenizer, text: str) -> torch.Tensor:
     ids = tokenizer.apply_chat_template(
@@ -32,93 +36,116 @@ def _encode(tokenizer, text: str) -> torch.Tensor:
     return ids["input_ids"]
 
 
-def _timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
+def _methods(configs: dict, kernels: CPUKernels) -> dict:
+    """name -> (kernels to install or None, generate kwargs per task)."""
+    plain = {task: {} for task in configs}
+    tree = {task: {"entmtp_config": cfg, "return_dict_in_generate": True} for task, cfg in configs.items()}
+    methods = {PLAIN: (None, plain), ENTMTP: (None, tree)}
+    if kernels.active:
+        methods = {PLAIN: (None, plain), PLAIN_K: (kernels, plain), ENTMTP: (None, tree), ENTMTP_K: (kernels, tree)}
+    return methods
 
 
-def _mismatch_text(m: dict) -> str:
-    """Where a greedy output left vanilla's, and whether the base model's logits tied there."""
-    gap = m.get("logit_gap")
-    if gap is None:
-        return f"{m['task']} from token {m.get('position')} on"
-    tie = ", a floating-point tie: the tree's forward rounds differently from the one-token one" if abs(gap) < 1e-3 else ""
-    return f"{m['task']} from token {m.get('position')} on (logit gap there {gap:.4f}{tie})"
+def _installed(kernels: CPUKernels | None):
+    """The kernels installed for one call (outside the clock), removed right after."""
+    if kernels is None:
+        return nullcontext()
+    kernels.install()
+    return kernels
 
 
-def run_demo(max_new_tokens: int = 128, repeats: int = 1, policy: str | None = None) -> dict:
-    """Stream the three prompts with EntMTP, then time EntMTP, vanilla and the kernel reference on them."""
-    t0 = time.perf_counter()
-    model, tokenizer, bank_dir = load_demo()
-    print(f"loaded the demo model and heads in {time.perf_counter() - t0:.1f}s; banks: {bank_dir}\n")
-    torch.manual_seed(0)
-    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
-    configs = {task: config_for(bank_dir, task, policy) for task, _ in DEMO_PROMPTS}
-    inputs = [(task, _encode(tokenizer, text), text) for task, text in DEMO_PROMPTS]
-
-    # warm-up, excluded from the timings
-    model.generate(inputs[0][1], max_new_tokens=8, do_sample=False)
-    model.generate(inputs[0][1], max_new_tokens=8, do_sample=False, entmtp_config=configs[inputs[0][0]])
-
+def _stream(model, tokenizer, inputs, configs, greedy: dict) -> None:
     for task, ids, text in inputs:
         print(f"### [{task}] {text}\n")
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         model.generate(ids, streamer=streamer, entmtp_config=configs[task], **greedy)
         print()
 
-    rows, ent_tps, van_tps, dnn_tps, taus, mismatches = [], [], [], [], [], []
-    for task, ids, _ in inputs:
-        for _ in range(repeats):  # interleaved, so machine drift hits every method alike
-            ref, t_van = _timed(lambda: model.generate(ids, **greedy))
-            with onednn_linears(model):  # the kernel reference: plain decoding with oneDNN's products
-                plain, t_dnn = _timed(lambda: model.generate(ids, **greedy))
-            out, t_ent = _timed(
-                lambda: model.generate(ids, entmtp_config=configs[task], return_dict_in_generate=True, **greedy)
-            )
-            n_van, n_dnn, n_ent = (x.shape[1] - ids.shape[1] for x in (ref, plain, out.sequences))
-            stats = out.entmtp_stats
-            van_tps.append(n_van / t_van)
-            dnn_tps.append(n_dnn / t_dnn)
-            ent_tps.append(n_ent / t_ent)
-            taus.append(stats["mean_accept_length"])
-            if not torch.equal(out.sequences, ref):
-                n = ids.shape[1]
-                diff = find_mismatch(ref[0, n:].tolist(), out.sequences[0, n:].tolist(), model, ids[0].tolist())
-                mismatches.append({"task": task, **(diff or {})})
-            rows.append((task, stats["mean_accept_length"], n_ent / t_ent, n_van / t_van, n_dnn / t_dnn))
 
-    print(f"{'task':<10} {'tau':>6} {'EntMTP tok/s':>13} {'vanilla tok/s':>14} {'speedup':>8}   "
-          f"{'vanilla-onednn tok/s':>21} {'speedup':>8}")  # fmt: skip
-    for task, tau, ent, van, dnn in rows:
-        print(f"{task:<10} {tau:>6.2f} {ent:>13.1f} {van:>14.1f} {ent / van:>7.2f}x   {dnn:>21.1f} {ent / dnn:>7.2f}x")
-    summary = {
-        "mean_accept_length": statistics.mean(taus),
-        "entmtp_tokens_per_s": statistics.median(ent_tps),
-        "vanilla_tokens_per_s": statistics.median(van_tps),
-        "vanilla_onednn_tokens_per_s": statistics.median(dnn_tps),
-        "speedup": statistics.median(e / v for e, v in zip(ent_tps, van_tps)),
-        "speedup_over_onednn": statistics.median(e / d for e, d in zip(ent_tps, dnn_tps)),
-        "identical_to_vanilla": not mismatches,
-        "mismatches": mismatches,
-    }
-    same = "yes" if not mismatches else "no: " + "; ".join(_mismatch_text(m) for m in mismatches)
-    print(
-        f"\nmean tokens per step (tau) {summary['mean_accept_length']:.2f}; "
-        f"median tokens/s EntMTP {summary['entmtp_tokens_per_s']:.1f} vs vanilla {summary['vanilla_tokens_per_s']:.1f}; "
-        f"median speedup {summary['speedup']:.2f}x; greedy output identical to vanilla: {same}\n"
-        f"vanilla-onednn is plain generate with every linear layer on oneDNN (the kernel EntMTP's verification "
-        f"uses where it was timed faster): median speedup over it {summary['speedup_over_onednn']:.2f}x, "
-        f"what speculation adds beyond the kernel"
-    )
-    return summary
+def _measure(model, inputs, methods: dict, greedy: dict, repeats: int) -> dict:
+    """Per task and method: tokens/s of each timed run, tokens per step, and the outputs."""
+    runs = {task: {name: {"tps": [], "tau": [], "out": None} for name in methods} for task, _, _ in inputs}
+    bar = tqdm(total=len(inputs) * len(methods) * repeats, desc="timing", unit="run")
+    for task, ids, _ in inputs:
+        for r in range(repeats):
+            order = list(methods)[r % len(methods):] + list(methods)[: r % len(methods)]  # rotate who goes first
+            for name in order:
+                kernels, kwargs = methods[name]
+                bar.set_postfix_str(f"{task}: {name}")
+                with _installed(kernels):
+                    t0 = time.perf_counter()
+                    out = model.generate(ids, **greedy, **kwargs[task])
+                    seconds = time.perf_counter() - t0
+                seqs = getattr(out, "sequences", out)
+                cell = runs[task][name]
+                cell["tps"].append((seqs.shape[1] - ids.shape[1]) / seconds)
+                stats = getattr(out, "entmtp_stats", None)
+                cell["tau"].append(stats["mean_accept_length"] if stats else 1.0)
+                cell["out"] = seqs[0, ids.shape[1] :].tolist()
+                bar.update()
+    bar.close()
+    return runs
+
+
+def _report(model, inputs, runs: dict, methods: list[str]) -> dict:
+    """Print the table and the summary in words; return the figures."""
+    mismatches = []
+    for task, ids, _ in inputs:
+        ref = runs[task][PLAIN]["out"]
+        for name in methods:
+            diff = find_mismatch(ref, runs[task][name]["out"], model, ids[0].tolist())
+            if diff is not None:
+                mismatches.append({"task": task, "method": name, **diff})
+    ratio = {name: statistics.median(statistics.median(runs[t][name]["tps"]) / statistics.median(runs[t][PLAIN]["tps"])
+                                     for t in runs) for name in methods}  # fmt: skip
+    print(f"\n{'':<30}" + "".join(f"{task:>22}" for task in runs))
+    for name in methods:
+        cells = [f"{statistics.median(runs[t][name]['tps']):.1f} tok/s, {statistics.mean(runs[t][name]['tau']):.2f}/step"
+                 for t in runs]  # fmt: skip
+        print(f"{name:<30}" + "".join(f"{c:>22}" for c in cells))
+    print("(tokens per second: the median of the timed runs; tokens per step: 1 for plain decoding)")
+    fastest_plain = max((n for n in methods if n.startswith(PLAIN)), key=ratio.get)
+    best = max((n for n in methods if n.startswith(ENTMTP)), key=ratio.get)
+    same = "identical token for token" if not mismatches else (
+        "NOT identical: " + "; ".join(f"{m['method']}, " + mismatch_text(m) for m in mismatches))
+    print(f"\nIn words: {best} answered these prompts {ratio[best]:.2f}x as fast as plain `generate`"
+          + (f" and {ratio[best] / ratio[fastest_plain]:.2f}x as fast as the fastest plain decoding measured here "
+             f"({fastest_plain})" if fastest_plain != PLAIN else "")
+          + f" (median over the prompts); the greedy outputs were {same}.")
+    return {"speedup": ratio, "best": best, "fastest_plain": fastest_plain, "identical_to_plain": not mismatches,
+            "mismatches": mismatches}  # fmt: skip
+
+
+def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = None) -> dict:
+    """Stream the three prompts with EntMTP, then time every method on them (see the module docstring)."""
+    t0 = time.perf_counter()
+    model, tokenizer, bank_dir = load_demo()
+    print(f"entmtp-hf demo: SmolLM2-135M-Instruct (float32, {torch.get_num_threads()} CPU threads) with its shipped "
+          f"Hydra heads and tree banks, loaded in {time.perf_counter() - t0:.1f} s\n")  # fmt: skip
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    configs = {task: config_for(bank_dir, task, policy) for task, _ in DEMO_PROMPTS}
+    inputs = [(task, _encode(tokenizer, text), text) for task, text in DEMO_PROMPTS]
+    _stream(model, tokenizer, inputs, configs, greedy)
+
+    print("Measuring on this machine. First, the CPU kernel opt-in measures which kernel multiplies fastest "
+          "here for each row count (once, a few seconds):")  # fmt: skip
+    kernels = CPUKernels(model, getattr(model, HEADS_ATTR))
+    kernels.remove()  # installed only around the calls that use it
+    print(f"  {kernels.describe()}")
+    methods = _methods(configs, kernels)
+    for name, (k, kwargs) in methods.items():  # warm-up, outside the timings
+        with _installed(k):
+            model.generate(inputs[0][1], max_new_tokens=8, do_sample=False, **kwargs[inputs[0][0]])
+    print(f"Then {repeats} timed run(s) per prompt and method, interleaved; warm-up runs excluded.")
+    runs = _measure(model, inputs, methods, greedy, repeats)
+    return _report(model, inputs, runs, list(methods))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="EntMTP on the embedded demo model")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method")
-    parser.add_argument("--policy", choices=POLICIES, default=None)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per prompt and method")
+    parser.add_argument("--policy", choices=POLICIES, default=None, help="override the banks' default policy")
     args = parser.parse_args(argv)
     run_demo(args.max_new_tokens, args.repeats, args.policy)
     return 0
