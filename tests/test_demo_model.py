@@ -97,7 +97,7 @@ def test_real_demo_model_loads_and_generates_deterministically():
 
 
 def test_the_demo_names_a_mismatch_and_says_when_it_is_a_floating_point_tie():
-    from entmtp_hf.demo.run import _mismatch_text
+    from entmtp_hf.demo.compare import mismatch_text as _mismatch_text
 
     assert "a floating-point tie" in _mismatch_text({"task": "gsm8k", "position": 93, "logit_gap": 0.0})
     text = _mismatch_text({"task": "chat", "position": 4, "logit_gap": 2.5})

@@ -39,7 +39,7 @@ def configs(draw):
         eas = EASConfig(warmup_tokens=draw(st.integers(0, 8)), window=4, fork_min_history=2) if policy == "entropy" else None
         return EntMTPConfig(tree=tree, eas=eas, retrieval=retrieval)
     if policy == "hysteresis":
-        tau = draw(st.floats(0.02, 0.3)) if feature != "accept_ema" else draw(st.floats(1.0, 3.0))
+        tau = draw(st.floats(0.02, 0.3)) if feature != "accept_ema" else draw(st.floats(1.0, 2.0))  # depth >= 1
         return EntMTPConfig(trees=draw(trees(2)), tau_on=tau, feature=feature, retrieval=retrieval)
     if policy == "ladder":
         low = draw(st.floats(0.02, 0.15))
