@@ -17,37 +17,26 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cpu_kernels import project
+from ..errors import EntMTPError
 from ..trees.tree import DepthStep, TreeBuffers
 from .config import FORMAT_VERSION, HeadsConfig
+from .registry import CONFIG_NAME, load_from_source
 
 FORMAT_KEY = "entmtp_heads_format"
-CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-
-#: family name -> heads class; filled by :func:`register_heads` when the modules import.
-HEADS_REGISTRY: dict[str, type["DraftHeads"]] = {}
-_H = TypeVar("_H", bound=type["DraftHeads"])
-
 
 StopFn = Callable[[int, Tensor], bool]
 
 
-def register_heads(family: str) -> Callable[[_H], _H]:
-    """Class decorator adding a heads class to :data:`HEADS_REGISTRY` under ``family``."""
-
-    def add(cls: _H) -> _H:
-        cls.family = family
-        HEADS_REGISTRY[family] = cls
-        return cls
-
-    return add
+class HeadsMismatchError(EntMTPError):
+    """Heads that are not what the caller asked for (e.g. the wrong family)."""
 
 
 @dataclass(frozen=True)
@@ -367,18 +356,16 @@ class DraftHeads(nn.Module):
     ) -> "DraftHeads":
         """Load heads from a folder or Hub repo, in this project's or a published format.
 
-        The class is chosen from the checkpoint via :data:`HEADS_REGISTRY`; calling it on a
-        subclass additionally checks the family. ``base_config`` (the base model's config)
-        is only needed for published prefix-mlp Hydra heads whose base model config cannot
-        be fetched.
+        The format and class are chosen from the checkpoint through the registries
+        (:mod:`.registry`); calling it on a subclass additionally checks the family.
+        ``base_config`` (the base model's config) is only needed for published prefix-mlp
+        Hydra heads whose base model config cannot be fetched.
         """
-        from .loading import load_from_source
-
         heads = load_from_source(
             path_or_repo_id, revision=revision, base_config=base_config, cache_dir=cache_dir, token=token
         )
         if cls.family and not isinstance(heads, cls):
-            raise ValueError(f"{path_or_repo_id} holds {heads.family!r} heads, not {cls.family!r}")
+            raise HeadsMismatchError(f"{path_or_repo_id} holds {heads.family!r} heads, not {cls.family!r}")
         return heads
 
     def push_to_hub(
