@@ -15,13 +15,13 @@ from .base import DraftHeads, DraftState, HeadsMismatchError, Proposal
 from .config import FORMAT_VERSION, HeadsConfig
 from .files import HeadsLoadError
 from .hydra import HydraHeads
-from .medusa import MedusaHeads
 
-# the format modules register their readers on import; the own format first, so it wins
-# over a published marker that an own-format config happens to hold as well
-from .loading import convert_heads, load_heads  # noqa: E402  (isort: skip)
-from .published import load_published_hydra, load_published_medusa  # noqa: E402,F401  (isort: skip)
-from .registry import HEADS_REGISTRY, detect_format, register_format, register_heads  # noqa: E402
+# The format modules register their readers on import, in this order: the own format first,
+# so it wins over a published marker that an own-format config happens to hold as well.
+from .loading import convert_heads, load_heads
+from .medusa import MedusaHeads
+from .published import load_published_hydra, load_published_medusa  # noqa: F401 (registers the formats)
+from .registry import HEADS_REGISTRY, detect_format, register_format, register_heads
 
 __all__ = [
     "FORMAT_VERSION",
