@@ -17,7 +17,7 @@ import torch
 from huggingface_hub import constants as hf_constants
 from safetensors.torch import save_file
 
-import entmtp_hf.trees.bank as bank_module
+import entmtp_hf.trees.bank_format as bank_format
 from entmtp_hf.trees.bank import (
     BankFormatError,
     SchedulerDefaults,
@@ -153,7 +153,7 @@ BAD_FILES = {
     "metadata not JSON": ({"tree.0": torch.zeros(0, 0, dtype=I32)}, "{oops", "not valid JSON"),
     "metadata not object": ({"tree.0": torch.zeros(0, 0, dtype=I32)}, "[1]", "JSON object"),
     "format version": ({"tree.0": torch.zeros(0, 0, dtype=I32)}, _good_meta(format_version=2), "format_version 2"),
-    "float dtype": ({"tree.0": torch.zeros(1, 1)}, _good_meta(), "dtype torch.float32"),
+    "float dtype": ({"tree.0": torch.zeros(1, 1)}, _good_meta(), "dtype F32; expected I32"),
     "wrong ndim": ({"tree.0": torch.zeros(2, dtype=I32)}, _good_meta(), r"shape \[2\]"),
     "negative rank": ({"tree.0": torch.tensor([[-2]], dtype=I32)}, _good_meta(), "negative values"),
     "inner padding": ({"tree.0": torch.tensor([[0, -1, 0]], dtype=I32)}, _good_meta(), "padding must be on the right"),
@@ -200,7 +200,7 @@ def test_corrupt_safetensors(tmp_path: Path, case: str) -> None:
 def test_missing_file_and_missing_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(BankFormatError, match="file not found"):
         TopologyBank.from_file(tmp_path / "gone.safetensors")
-    monkeypatch.setattr(bank_module, "MAX_FILE_BYTES", 100)
+    monkeypatch.setattr(bank_format, "MAX_FILE_BYTES", 100)  # the reader lives in bank_format
     with pytest.raises(BankFormatError, match="above the 100-byte limit"):
         TopologyBank.from_file(small_bank("big").save_pretrained(tmp_path / "big"))
     monkeypatch.undo()

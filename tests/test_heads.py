@@ -533,7 +533,7 @@ def test_bad_configs(tmp_path, base):
     for bad, message in [
         ("{not json", "JSON"),
         (json.dumps([1, 2]), "JSON object"),
-        (json.dumps({**good, "num_heads": "4"}), "num_heads must be an int"),
+        (json.dumps({**good, "num_heads": "4"}), "num_heads: must be an int"),
         (json.dumps({**good, "family": "eagle"}), "family"),
         (json.dumps({**good, "entmtp_heads_format": 99}), "unsupported entmtp_heads_format"),
         (json.dumps({k: v for k, v in good.items() if k != "hidden_size"}), "hidden_size"),

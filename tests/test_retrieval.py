@@ -95,7 +95,7 @@ def test_bank_default_decides_unless_the_config_says(tmp_path):
     mine = RetrievalConfig(num_tokens=2)
     assert EntMTPConfig(bank=off, task="t", retrieval=mine).resolve(4).retrieval == mine
     assert EntMTPConfig(tree=[[0]]).resolve(4).retrieval is None  # no bank: off unless asked for
-    for bad, message in (("yes", "JSON object or null"), ({"mode": "swap"}, "mode must be one of"),
+    for bad, message in (("yes", "JSON object or null"), ({"mode": "swap"}, "RetrievalConfig.mode: must be one of"),
                          ({"tokens": 2}, "unknown retrieval keys"), ({"num_tokens": 1.5}, "must be an integer")):
         with pytest.raises(ValueError, match=message):
             TopologyBank("t", trees, {"scheduler": {"retrieval": bad}})

@@ -21,10 +21,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ConfigError
+from ..files import brief_list, brief_repr
 from ..trees.tree import Tree
 
 
 RETRIEVAL_MODES = ("append", "replace")
+#: Most tokens one retrieved branch may carry: a plan precomputes one branch per length, and
+#: every token is one more row to verify, so far longer branches only slow decoding down.
+MAX_NUM_TOKENS = 32
+#: Longest suffix matched: the index stores one entry per n-gram length and position.
+MAX_NGRAM = 32
+_FIELD = "RetrievalConfig"
+
+
+def _check_count(name: str, value: object, minimum: int, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{_FIELD}.{name}", f"must be an integer, got {brief_repr(value)}")
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{_FIELD}.{name}", f"must lie in [{minimum}, {maximum}], got {brief_repr(value)}")
 
 
 @dataclass(frozen=True)
@@ -38,26 +53,21 @@ class RetrievalConfig:
     mode: str = "append"
 
     def __post_init__(self) -> None:
-        if self.mode not in RETRIEVAL_MODES:
-            raise ValueError(f"RetrievalConfig.mode must be one of {RETRIEVAL_MODES}, got {self.mode!r}")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(
-                f"RetrievalConfig needs 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}"
-            )
-        if self.num_tokens < 1:
-            raise ValueError(f"RetrievalConfig.num_tokens must be >= 1, got {self.num_tokens}")
+        if not isinstance(self.mode, str) or self.mode not in RETRIEVAL_MODES:
+            raise ConfigError(f"{_FIELD}.mode", f"must be one of {RETRIEVAL_MODES}, got {brief_repr(self.mode)}")
+        _check_count("min_ngram", self.min_ngram, 1, MAX_NGRAM)
+        _check_count("max_ngram", self.max_ngram, self.min_ngram, MAX_NGRAM)
+        _check_count("num_tokens", self.num_tokens, 1, MAX_NUM_TOKENS)
 
     @classmethod
     def from_dict(cls, raw: object) -> "RetrievalConfig":
         """From a bank's JSON (``{"mode": "replace", "num_tokens": 2}``; missing keys default)."""
         if not isinstance(raw, dict):
-            raise ValueError(f"retrieval settings must be a JSON object or null, got {raw!r}")
-        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
+            raise ConfigError(_FIELD, f"retrieval settings must be a JSON object or null, got {brief_repr(raw)}")
+        unknown = sorted(map(str, set(raw) - set(cls.__dataclass_fields__)))
         if unknown:
-            raise ValueError(f"unknown retrieval keys {unknown}; allowed: {list(cls.__dataclass_fields__)}")
-        for key, value in raw.items():
-            if key != "mode" and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"retrieval {key} must be an integer, got {value!r}")
+            listed, allowed = brief_list(map(brief_repr, unknown)), list(cls.__dataclass_fields__)
+            raise ConfigError(_FIELD, f"unknown retrieval keys [{listed}]; allowed: {allowed}")
         return cls(**raw)
 
 

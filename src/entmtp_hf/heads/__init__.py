@@ -6,15 +6,22 @@ Public API:
   family name in :data:`HEADS_REGISTRY`;
 * :class:`HeadsConfig`, :class:`DraftState`, :class:`Proposal`;
 * :func:`load_heads` / :meth:`DraftHeads.from_pretrained` (own format, published Hydra and
-  Medusa checkpoints, local folders or Hub repos) and :func:`convert_heads`.
+  Medusa checkpoints, local folders or Hub repos) and :func:`convert_heads`;
+* :meth:`DraftHeads.check_fits` and the errors :class:`HeadsLoadError` (a file) and
+  :class:`HeadsMismatchError` (heads and a model that do not fit).
 """
 
-from .base import HEADS_REGISTRY, DraftHeads, DraftState, Proposal, register_heads
+from .base import DraftHeads, DraftState, HeadsMismatchError, Proposal
 from .config import FORMAT_VERSION, HeadsConfig
 from .files import HeadsLoadError
 from .hydra import HydraHeads
-from .loading import convert_heads, detect_format, load_heads
+
+# The format modules register their readers on import, in this order: the own format first,
+# so it wins over a published marker that an own-format config happens to hold as well.
+from .loading import convert_heads, load_heads
 from .medusa import MedusaHeads
+from .published import load_published_hydra, load_published_medusa  # noqa: F401 (registers the formats)
+from .registry import HEADS_REGISTRY, detect_format, register_format, register_heads
 
 __all__ = [
     "FORMAT_VERSION",
@@ -23,11 +30,13 @@ __all__ = [
     "DraftState",
     "HeadsConfig",
     "HeadsLoadError",
+    "HeadsMismatchError",
     "HydraHeads",
     "MedusaHeads",
     "Proposal",
     "convert_heads",
     "detect_format",
     "load_heads",
+    "register_format",
     "register_heads",
 ]

@@ -17,37 +17,27 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cpu_kernels import project
+from ..errors import EntMTPError
 from ..trees.tree import DepthStep, TreeBuffers
 from .config import FORMAT_VERSION, HeadsConfig
+from .registry import CONFIG_NAME, load_from_source
 
 FORMAT_KEY = "entmtp_heads_format"
-CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-
-#: family name -> heads class; filled by :func:`register_heads` when the modules import.
-HEADS_REGISTRY: dict[str, type["DraftHeads"]] = {}
-_H = TypeVar("_H", bound=type["DraftHeads"])
-
 
 StopFn = Callable[[int, Tensor], bool]
 
 
-def register_heads(family: str) -> Callable[[_H], _H]:
-    """Class decorator adding a heads class to :data:`HEADS_REGISTRY` under ``family``."""
-
-    def add(cls: _H) -> _H:
-        cls.family = family
-        HEADS_REGISTRY[family] = cls
-        return cls
-
-    return add
+class HeadsMismatchError(EntMTPError):
+    """Heads that do not fit what they are used with: a base model (vocabulary, hidden size,
+    drafting ids, prefix layer; see :meth:`DraftHeads.check_fits`) or the family asked for."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +216,51 @@ class DraftHeads(nn.Module):
         dtype = self._dtype
         return weight.to(dtype), (bias.to(dtype) if bias is not None else None)
 
+    def check_fits(self, model: nn.Module) -> None:
+        """Raise :class:`HeadsMismatchError` listing every way these heads do not fit ``model``.
+
+        Drafted ids index the model's input embeddings and are verified against its LM head,
+        so the heads' vocabulary must be the LM head's rows and within the embedding rows;
+        the heads read the model's hidden states and embeddings, so their widths must agree;
+        drafting ids must lie in the vocabulary; a prefix layer runs on the same hidden states.
+        Checked once before generating, so a wrong pairing fails with names, not deep inside
+        a forward pass or, worse, as silently wrong drafts.
+        """
+        problems = [*self._fit_problems(model)]
+        if problems:
+            raise HeadsMismatchError(f"{self.family} heads do not fit {type(model).__name__}: " + "; ".join(problems))
+
+    def _fit_problems(self, model: nn.Module) -> Iterator[str]:
+        h, v = self.config.hidden_size, self.config.vocab_size
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        lm = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        embed_w, lm_w = getattr(embed, "weight", None), getattr(lm, "weight", None)
+        if not isinstance(embed_w, Tensor) or embed_w.dim() != 2:
+            yield "the model exposes no input embeddings with a 2-D weight"
+        else:
+            if embed_w.shape[1] != h:
+                yield f"heads hidden_size {h} != the embedding width {embed_w.shape[1]}"
+            if embed_w.shape[0] < v:
+                yield f"heads vocab_size {v} > the {embed_w.shape[0]} embedding rows (drafted ids must be embeddable)"
+        if not isinstance(lm_w, Tensor) or lm_w.dim() != 2:
+            yield "the model exposes no LM head (output embeddings) with a 2-D weight"
+        else:
+            if lm_w.shape[0] != v:
+                yield f"heads vocab_size {v} != the {lm_w.shape[0]} rows of the model's LM head (its vocabulary)"
+            if lm_w.shape[1] != h:
+                yield f"heads hidden_size {h} != the LM head's in_features {lm_w.shape[1]}"
+        model_h = getattr(text_config(getattr(model, "config", None)), "hidden_size", None)
+        if isinstance(model_h, int) and model_h != h:
+            yield f"heads hidden_size {h} != the model config's hidden_size {model_h}"
+        prefix = self.config.prefix_layer_config
+        if prefix is not None and isinstance(model_h, int) and prefix.get("hidden_size") != model_h:
+            yield f"the prefix layer's hidden_size {prefix.get('hidden_size')} != the model's {model_h}"
+        if self.draft_vocab is not None:
+            try:
+                check_draft_vocab(self.draft_vocab, v)
+            except ValueError as e:
+                yield str(e)
+
     @property
     def _dtype(self) -> torch.dtype:
         return next(p for p in self.parameters()).dtype
@@ -367,18 +402,16 @@ class DraftHeads(nn.Module):
     ) -> "DraftHeads":
         """Load heads from a folder or Hub repo, in this project's or a published format.
 
-        The class is chosen from the checkpoint via :data:`HEADS_REGISTRY`; calling it on a
-        subclass additionally checks the family. ``base_config`` (the base model's config)
-        is only needed for published prefix-mlp Hydra heads whose base model config cannot
-        be fetched.
+        The format and class are chosen from the checkpoint through the registries
+        (:mod:`.registry`); calling it on a subclass additionally checks the family.
+        ``base_config`` (the base model's config) is only needed for published prefix-mlp
+        Hydra heads whose base model config cannot be fetched.
         """
-        from .loading import load_from_source
-
         heads = load_from_source(
             path_or_repo_id, revision=revision, base_config=base_config, cache_dir=cache_dir, token=token
         )
         if cls.family and not isinstance(heads, cls):
-            raise ValueError(f"{path_or_repo_id} holds {heads.family!r} heads, not {cls.family!r}")
+            raise HeadsMismatchError(f"{path_or_repo_id} holds {heads.family!r} heads, not {cls.family!r}")
         return heads
 
     def push_to_hub(

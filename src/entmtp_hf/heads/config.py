@@ -8,21 +8,129 @@ set of heads can serve every decoding policy.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..errors import ConfigError
+from ..files import brief_list, brief_repr
 
 #: Version of the on-disk layout written by ``save_pretrained``; bump on breaking changes.
 FORMAT_VERSION = 1
 FAMILIES = ("hydra", "medusa")
 HEAD_ARCHS = {"hydra": ("mlp", "prefix-mlp"), "medusa": ("mlp",)}
+#: Size limits, far above any published or trained heads (4-5 heads of 1-4 blocks, hidden
+#: sizes up to 8192, vocabularies up to ~256k) and low enough that a config cannot ask for
+#: an absurd module: every size is checked here before anything is built.
+MAX_HEADS = 64
+MAX_LAYERS = 64
+MAX_HIDDEN_SIZE = 65536
+MAX_VOCAB_SIZE = 2**21
+#: The prefix layer's own sizes (attention heads, their width, the MLP width, positions).
+MAX_ATTENTION_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_INTERMEDIATE_SIZE = 2**20
+MAX_POSITIONS = 2**24
+_FIELD = "HeadsConfig"
+_PREFIX = f"{_FIELD}.prefix_layer_config"
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _check_int(field: str, value: Any, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"HeadsConfig.{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"HeadsConfig.{name} must be >= {minimum}, got {value}")
+        raise ConfigError(field, f"must be an int, got {type(value).__name__} {brief_repr(value)}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ConfigError(field, f"must be {bound}, got {brief_repr(value)}")
+
+
+def _check_number(field: str, value: Any, low: float, high: float = math.inf, low_open: bool = True) -> None:
+    """A finite number in (low, high] (or [low, high] when ``low_open`` is False)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok:
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        ok = math.isfinite(number) and (number > low if low_open else number >= low) and number <= high
+    if not ok:
+        if high == math.inf:
+            span = "" if low == -math.inf else f" {'>' if low_open else '>='} {low:g}"
+        else:
+            span = f" in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ConfigError(field, f"must be a finite number{span}, got {brief_repr(value)}")
+
+
+def _check_rope(field: str, rope: Any) -> None:
+    """RoPE settings: a dict whose numbers are finite and whose theta and factors are positive."""
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise ConfigError(field, f"must be a dict or null, got {brief_repr(rope)}")
+    for key, value in rope.items():
+        where = f"{field}.{key}"
+        if key in ("rope_type", "type"):
+            if not isinstance(value, str):
+                raise ConfigError(where, f"must be a string, got {brief_repr(value)}")
+        elif key == "rope_theta" or "factor" in key:  # factor, low_freq_factor, short_factor (a list), ...
+            for number in value if isinstance(value, list) else [value]:
+                _check_number(where, number, 0.0)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            _check_number(where, value, -math.inf)
+
+
+def _check_attention(cfg: dict[str, Any], hidden_size: int) -> None:
+    """Head counts and widths: positive, bounded, and dividing as attention needs them to."""
+    heads = cfg.get("num_attention_heads")
+    if heads is not None:
+        _check_int(f"{_PREFIX}.num_attention_heads", heads, 1, MAX_ATTENTION_HEADS)
+        if cfg.get("head_dim") is None and hidden_size % heads:  # head_dim = hidden_size // heads
+            raise ConfigError(f"{_PREFIX}.num_attention_heads", f"{heads} does not divide hidden_size {hidden_size}")
+    kv = cfg.get("num_key_value_heads")
+    if kv is not None:
+        _check_int(f"{_PREFIX}.num_key_value_heads", kv, 1, heads or MAX_ATTENTION_HEADS)
+        if heads is not None and heads % kv:
+            raise ConfigError(f"{_PREFIX}.num_key_value_heads", f"{kv} does not divide num_attention_heads {heads}")
+    if cfg.get("head_dim") is not None:
+        _check_int(f"{_PREFIX}.head_dim", cfg["head_dim"], 1, MAX_HEAD_DIM)
+
+
+def check_prefix_layer_config(cfg: Any, hidden_size: int) -> None:
+    """The fields of a prefix layer's config that the layer is built from, by type and range.
+
+    Unchecked fields are left to transformers; whatever it still refuses is reported by the
+    loader as an error naming the file.
+    """
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
+        raise ConfigError(_PREFIX, "must be the base model's config dict (with 'model_type') for prefix-mlp heads")
+    if cfg.get("hidden_size") != hidden_size:
+        got = brief_repr(cfg.get("hidden_size"))
+        raise ConfigError(f"{_PREFIX}.hidden_size", f"{got} != hidden_size {hidden_size}")
+    if cfg.get("num_hidden_layers", 1) != 1:  # the prefix layer is one decoder layer
+        raise ConfigError(f"{_PREFIX}.num_hidden_layers", f"must be 1, got {brief_repr(cfg['num_hidden_layers'])}")
+    _check_attention(cfg, hidden_size)
+    for key, maximum in (("intermediate_size", MAX_INTERMEDIATE_SIZE), ("max_position_embeddings", MAX_POSITIONS),
+                         ("vocab_size", MAX_VOCAB_SIZE)):  # fmt: skip
+        if cfg.get(key) is not None:
+            _check_int(f"{_PREFIX}.{key}", cfg[key], 1, maximum)
+    if "hidden_act" in cfg:
+        from transformers.activations import ACT2FN
+
+        act = cfg["hidden_act"]
+        if not isinstance(act, str) or act not in ACT2FN:
+            known = brief_list(sorted(ACT2FN))
+            raise ConfigError(f"{_PREFIX}.hidden_act", f"must be one of [{known}], got {brief_repr(act)}")
+    for key in ("rms_norm_eps", "rope_theta"):
+        if key in cfg:
+            _check_number(f"{_PREFIX}.{key}", cfg[key], 0.0)
+    for key in ("attention_dropout", "partial_rotary_factor"):
+        if cfg.get(key) is not None:
+            _check_number(f"{_PREFIX}.{key}", cfg[key], 0.0, 1.0, low_open=key == "partial_rotary_factor")
+    for key in ("attention_bias", "mlp_bias"):
+        if key in cfg and not isinstance(cfg[key], bool):
+            raise ConfigError(f"{_PREFIX}.{key}", f"must be a bool, got {brief_repr(cfg[key])}")
+    for key in ("rope_parameters", "rope_scaling"):
+        _check_rope(f"{_PREFIX}.{key}", cfg.get(key))
 
 
 @dataclass
@@ -44,50 +152,30 @@ class HeadsConfig:
     format_version: int = field(default=FORMAT_VERSION, metadata={"help": "on-disk layout version"})
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"HeadsConfig.family must be one of {FAMILIES}, got {self.family!r}")
+        if not isinstance(self.family, str) or self.family not in FAMILIES:
+            raise ConfigError(f"{_FIELD}.family", f"must be one of {FAMILIES}, got {brief_repr(self.family)}")
         archs = HEAD_ARCHS[self.family]
-        if self.head_arch not in archs:
-            raise ValueError(
-                f"HeadsConfig.head_arch for {self.family!r} must be one of {archs}, got {self.head_arch!r}"
-            )
-        _check_int("num_heads", self.num_heads, 1)
-        _check_int("num_layers", self.num_layers, 1)
-        _check_int("hidden_size", self.hidden_size, 1)
-        _check_int("vocab_size", self.vocab_size, 1)
-        _check_int("draft_vocab_size", self.draft_vocab_size, 0)
-        _check_int("format_version", self.format_version, 1)
+        if not isinstance(self.head_arch, str) or self.head_arch not in archs:
+            got = brief_repr(self.head_arch)
+            raise ConfigError(f"{_FIELD}.head_arch", f"for {self.family!r} must be one of {archs}, got {got}")
+        for name, maximum in (("num_heads", MAX_HEADS), ("num_layers", MAX_LAYERS), ("hidden_size", MAX_HIDDEN_SIZE),
+                              ("vocab_size", MAX_VOCAB_SIZE)):  # fmt: skip
+            _check_int(f"{_FIELD}.{name}", getattr(self, name), 1, maximum)
+        _check_int(f"{_FIELD}.draft_vocab_size", self.draft_vocab_size, 0, self.vocab_size)
+        _check_int(f"{_FIELD}.format_version", self.format_version, 1)
         if self.format_version > FORMAT_VERSION:
-            raise ValueError(
-                f"HeadsConfig.format_version {self.format_version} is newer than this library supports "
-                f"({FORMAT_VERSION}); upgrade entmtp-hf"
-            )
-        if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(
-                f"HeadsConfig.draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size})"
+            raise ConfigError(
+                f"{_FIELD}.format_version",
+                f"{self.format_version} is newer than this library supports ({FORMAT_VERSION}); upgrade entmtp-hf",
             )
         if not isinstance(self.use_base_lm_head, bool):
-            raise ValueError(f"HeadsConfig.use_base_lm_head must be a bool, got {self.use_base_lm_head!r}")
+            raise ConfigError(f"{_FIELD}.use_base_lm_head", f"must be a bool, got {brief_repr(self.use_base_lm_head)}")
         if self.base_model_name_or_path is not None and not isinstance(self.base_model_name_or_path, str):
-            raise ValueError("HeadsConfig.base_model_name_or_path must be a string or null")
-        self._check_prefix_layer_config()
-
-    def _check_prefix_layer_config(self) -> None:
-        cfg = self.prefix_layer_config
-        if self.head_arch != "prefix-mlp":
-            if cfg is not None:
-                raise ValueError("HeadsConfig.prefix_layer_config is only used by head_arch='prefix-mlp'")
-            return
-        if not isinstance(cfg, dict) or "model_type" not in cfg:
-            raise ValueError(
-                "HeadsConfig.prefix_layer_config must be the base model's config dict (with 'model_type') "
-                "when head_arch='prefix-mlp'"
-            )
-        if cfg.get("hidden_size") != self.hidden_size:
-            raise ValueError(
-                f"HeadsConfig.prefix_layer_config hidden_size {cfg.get('hidden_size')!r} "
-                f"!= hidden_size {self.hidden_size}"
-            )
+            raise ConfigError(f"{_FIELD}.base_model_name_or_path", "must be a string or null")
+        if self.head_arch == "prefix-mlp":
+            check_prefix_layer_config(self.prefix_layer_config, self.hidden_size)
+        elif self.prefix_layer_config is not None:
+            raise ConfigError(_PREFIX, "is only used by head_arch='prefix-mlp'")
 
     @property
     def draft_vocab_rows(self) -> int:
@@ -101,12 +189,12 @@ class HeadsConfig:
     def from_dict(cls, data: dict[str, Any]) -> "HeadsConfig":
         """Build from a dict, warning about (and dropping) keys this version does not know."""
         if not isinstance(data, dict):
-            raise ValueError(f"a heads config must be a JSON object, got {type(data).__name__}")
+            raise ConfigError(_FIELD, f"a heads config must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(map(str, set(data) - known))
         if unknown:
-            warnings.warn(f"ignoring unknown heads config keys {unknown}", UserWarning, stacklevel=2)
+            warnings.warn(f"ignoring unknown heads config keys [{brief_list(unknown)}]", UserWarning, stacklevel=2)
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING]
         if missing:
-            raise ValueError(f"heads config lacks required keys {missing}")
+            raise ConfigError(_FIELD, f"heads config lacks required keys {missing}")
         return cls(**{k: v for k, v in data.items() if k in known})

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from ..trees.tree import TreeBuffers
-from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn, register_heads, text_config
+from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn, text_config
+from .registry import register_heads
 
 #: config entries that describe the checkpoint, not the layer; dropped from prefix_layer_config
 _NOISE_KEYS = (

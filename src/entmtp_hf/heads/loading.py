@@ -1,77 +1,55 @@
-"""Format detection and loading of heads from folders, Hub repos or published checkpoints."""
+"""This project's own heads format, and loading heads of any registered format.
+
+Importing this module registers the own format (``config.json`` with ``entmtp_heads_format``
+and a ``model.safetensors``); :mod:`.published` registers the Hydra and Medusa layouts.
+"""
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
-from .base import CONFIG_NAME, FORMAT_KEY, HEADS_REGISTRY, WEIGHTS_NAME, DraftHeads, check_draft_vocab
+from ..files import brief_repr
+from .base import FORMAT_KEY, WEIGHTS_NAME, DraftHeads, check_draft_vocab
 from .config import FORMAT_VERSION, HeadsConfig
-from .files import HeadsLoadError, load_safetensors, match_state, read_json, resolve_file
-from .published import load_published_hydra, load_published_medusa
+from .files import HeadsLoadError, open_safetensors
+from .registry import Resolver, build_checked, detect_format, load_from_source, register_format
+
+__all__ = ["convert_heads", "detect_format", "load_heads", "load_own_format"]
 
 
-def detect_format(cfg: dict[str, Any]) -> str:
-    """'entmtp', 'hydra' or 'medusa' from a checkpoint's ``config.json`` contents ('' if none)."""
-    if FORMAT_KEY in cfg:
-        return "entmtp"
-    if "hydra_num_heads" in cfg:
-        return "hydra"
-    if "medusa_num_heads" in cfg:
-        return "medusa"
-    return ""
-
-
-def load_own_format(cfg: dict[str, Any], cfg_path: str, resolve: Any) -> DraftHeads:
-    """Heads saved by :meth:`DraftHeads.save_pretrained` (strict keys, shapes and ids)."""
+def _own_config(cfg: dict[str, Any], cfg_path: str) -> HeadsConfig:
     cfg = dict(cfg)
     version = cfg.pop(FORMAT_KEY)
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
         raise HeadsLoadError(
-            f"{cfg_path}: unsupported {FORMAT_KEY} {version!r} (this library reads 1..{FORMAT_VERSION})"
+            cfg_path, f"unsupported {FORMAT_KEY} {brief_repr(version)} (this library reads 1..{FORMAT_VERSION})"
         )
     try:
-        config = HeadsConfig.from_dict(cfg)
-        heads = HEADS_REGISTRY[config.family](config)
+        return HeadsConfig.from_dict(cfg)
     except ValueError as e:
-        raise HeadsLoadError(f"{cfg_path}: {e}") from e
-    path = resolve(WEIGHTS_NAME, required=True)
-    weights = load_safetensors(path)
+        raise HeadsLoadError(cfg_path, str(e)) from e
+
+
+def load_own_format(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, base_config: Any = None) -> DraftHeads:
+    """Heads saved by :meth:`DraftHeads.save_pretrained` (strict keys, shapes, dtypes and ids).
+
+    ``base_config`` is not needed: the prefix layer's config is saved with the heads.
+    """
+    config = _own_config(cfg, cfg_path)
+    weights = open_safetensors(resolve(WEIGHTS_NAME, required=True))
     # the module stays float32: load_state_dict casts half-precision weights up, and
     # non-persistent buffers (a prefix layer's RoPE inv_freq) keep full precision
-    expected = {k: (k, v.shape) for k, v in heads.state_dict().items()}
-    heads.load_state_dict(match_state(weights, expected, path))
+    heads = build_checked(config, weights, cfg_path)
     if heads.draft_vocab is not None:
         try:
             check_draft_vocab(heads.draft_vocab, config.vocab_size)
         except ValueError as e:
-            raise HeadsLoadError(f"{path}: {e}") from e
+            raise HeadsLoadError(weights.path, str(e)) from e
     return heads
 
 
-def load_from_source(
-    source: str | os.PathLike,
-    *,
-    revision: str | None = None,
-    base_config: Any = None,
-    cache_dir: str | os.PathLike | None = None,
-    token: str | bool | None = None,
-) -> DraftHeads:
-    """Load heads of any supported format from a local folder or a Hub repo id."""
-    resolve = functools.partial(resolve_file, source, revision=revision, cache_dir=cache_dir, token=token)
-    cfg_path = resolve(CONFIG_NAME, required=True)
-    cfg = read_json(cfg_path)
-    kind = detect_format(cfg)
-    if kind == "entmtp":
-        return load_own_format(cfg, cfg_path, resolve)
-    if kind == "hydra":
-        return load_published_hydra(cfg, cfg_path, resolve, base_config)
-    if kind == "medusa":
-        return load_published_medusa(cfg, cfg_path, resolve)
-    raise HeadsLoadError(
-        f"{cfg_path}: not a draft-heads config (no {FORMAT_KEY!r}, 'hydra_num_heads' or 'medusa_num_heads' field)"
-    )
+register_format("entmtp", FORMAT_KEY, load_own_format)
 
 
 def load_heads(

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from ..trees.tree import TreeBuffers
-from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn, register_heads
+from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn
+from .registry import register_heads
 
 
 @register_heads("medusa")

@@ -11,27 +11,30 @@ Facts about the layouts (key names, quirks) are in docs/DESIGN §2. In short:
   ``{i}.{j}.linear.*`` and ``{i}.{L}.weight``; Medusa-2 full models prefix them with
   ``medusa_head.``. Head and layer counts come from the weights (the published 7B
   config understates the head count).
+
+Importing this module registers both formats. Pickles are read weights-only and memory-mapped;
+shard names from an index are refused when they leave the folder or repo; every size read off
+the weights is bounded and checked against the whole file before the heads are allocated.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from typing import Any, Callable
+from typing import Any
 
-import torch
-
-from .config import HeadsConfig
-from .files import HeadsLoadError, load_weights, match_state, read_json
+from ..files import brief_list, brief_repr
+from .config import MAX_HEADS, MAX_LAYERS, HeadsConfig
+from .files import MAX_INDEX_BYTES, HeadsLoadError, Weights, merge_weights, open_weights, read_json
 from .hydra import HydraHeads, prefix_layer_config
 from .medusa import MedusaHeads
-
-Resolver = Callable[..., "str | None"]  # resolve(filename, required=...) -> local path
+from .registry import Resolver, build_checked, register_format
 
 HYDRA_WEIGHT_FILES = ("hydra_lm_head.safetensors", "hydra_lm_head.pt")
 HYDRA_IGNORED = ("input_embed_fn.weight", "prefix_embeding_layer.embed_tokens.weight", "rotary_emb.inv_freq")
 MEDUSA_WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 MEDUSA_FULL_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+MEDUSA_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 MEDUSA2_PREFIX = "medusa_head."
 _MISSING = object()
 
@@ -40,11 +43,11 @@ def _field(cfg: dict[str, Any], name: str, kind: type | tuple[type, ...], path: 
     """A typed config field (bools are not ints here)."""
     if name not in cfg:
         if default is _MISSING:
-            raise HeadsLoadError(f"{path}: missing field {name!r}")
+            raise HeadsLoadError(path, f"missing field {name!r}")
         return default
     value = cfg[name]
     if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
-        raise HeadsLoadError(f"{path}: field {name!r} has type {type(value).__name__}, expected {kind}")
+        raise HeadsLoadError(path, f"field {name!r} has type {type(value).__name__}, expected {kind}")
     return value
 
 
@@ -56,12 +59,24 @@ def _first_file(resolve: Resolver, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def _shape(weights: dict[str, torch.Tensor], key: str, dims: int, path: str) -> torch.Size:
-    if key not in weights:
-        raise HeadsLoadError(f"{path}: missing key {key!r}")
-    if weights[key].dim() != dims:
-        raise HeadsLoadError(f"{path}: {key} has shape {tuple(weights[key].shape)}, expected {dims} dims")
-    return weights[key].shape
+def _shape(weights: Weights, key: str, dims: int) -> tuple[int, ...]:
+    """The shape of a tensor that sizes are read off: present, ``dims``-D, no zero-size dimension."""
+    if key not in weights.tensors:
+        raise HeadsLoadError(weights.path, f"missing key {key!r}")
+    shape = tuple(weights.tensors[key].shape)
+    if len(shape) != dims:
+        raise HeadsLoadError(weights.path, f"{key} has shape {shape}, expected {dims} dims")
+    if 0 in shape:
+        raise HeadsLoadError(weights.path, f"{key} has shape {shape}, with a zero-size dimension")
+    return shape
+
+
+def _sized_config(weights: Weights, cfg_path: str, **fields: Any) -> HeadsConfig:
+    """A config whose sizes come partly from ``cfg_path``, partly from the weights' shapes."""
+    try:
+        return HeadsConfig(**fields)
+    except ValueError as e:
+        raise HeadsLoadError(weights.path, f"{e} (sizes read from this file and {cfg_path})") from e
 
 
 # --------------------------------------------------------------------------- Hydra
@@ -85,14 +100,15 @@ def _hydra_base_config(base_config: Any, base_name: str | None, path: str) -> An
             return AutoConfig.for_model(**base_config)
         return base_config
     if not base_name:
-        raise HeadsLoadError(f"{path}: prefix-mlp heads need the base model config; pass base_config=")
+        raise HeadsLoadError(path, "prefix-mlp heads need the base model config; pass base_config=")
     try:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(base_name)
     except Exception as e:
         raise HeadsLoadError(
-            f"{path}: prefix-mlp heads need the config of base model {base_name!r}, which could not be loaded "
+            path,
+            f"prefix-mlp heads need the config of base model {brief_repr(base_name)}, which could not be loaded "
             f"({type(e).__name__}: {e}); pass base_config=model.config"
         ) from e
 
@@ -106,79 +122,74 @@ def load_published_hydra(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, 
     offset = _field(cfg, "hidden_state_offset", int, cfg_path, default=0)
     base_name = _field(cfg, "base_model_name_or_path", (str, type(None)), cfg_path, default=None)
     if arch not in ("mlp", "prefix-mlp"):
-        raise HeadsLoadError(f"{cfg_path}: unsupported hydra_head_arch {arch!r} (supported: 'mlp', 'prefix-mlp')")
+        supported = "'mlp', 'prefix-mlp'"
+        raise HeadsLoadError(cfg_path, f"unsupported hydra_head_arch {brief_repr(arch)} (supported: {supported})")
     if not grounded:
-        raise HeadsLoadError(f"{cfg_path}: non-grounded Hydra heads (grounded_heads=false) are not supported")
+        raise HeadsLoadError(cfg_path, "non-grounded Hydra heads (grounded_heads=false) are not supported")
     if offset != 0:
-        raise HeadsLoadError(f"{cfg_path}: hidden_state_offset={offset} is not supported (only 0)")
+        raise HeadsLoadError(cfg_path, f"hidden_state_offset={offset} is not supported (only 0)")
 
     path = _first_file(resolve, HYDRA_WEIGHT_FILES)
     if path is None:
-        raise HeadsLoadError(f"{cfg_path}: no Hydra weights next to it (looked for {', '.join(HYDRA_WEIGHT_FILES)})")
-    weights = load_weights(path)
+        raise HeadsLoadError(cfg_path, f"no Hydra weights next to it (looked for {', '.join(HYDRA_WEIGHT_FILES)})")
+    weights = open_weights(path)
     block = "1" if arch == "prefix-mlp" else "0"
-    first = _shape(weights, f"hydra_mlp.0.{block}.linear.weight", 2, path)
-    lm = _shape(weights, f"hydra_lm_head.0.{'1.' if arch == 'prefix-mlp' else ''}weight", 2, path)
-    hidden, vocab = int(first[0]), int(lm[0])
+    hidden = _shape(weights, f"hydra_mlp.0.{block}.linear.weight", 2)[0]
+    vocab = _shape(weights, f"hydra_lm_head.0.{'1.' if arch == 'prefix-mlp' else ''}weight", 2)[0]
     prefix = None
     if arch == "prefix-mlp":
         prefix = prefix_layer_config(_hydra_base_config(base_config, base_name, cfg_path))
         if prefix.get("hidden_size") != hidden:
-            raise HeadsLoadError(
-                f"{path}: hidden size {hidden} differs from the base config's {prefix.get('hidden_size')}"
-            )
-    try:
-        config = HeadsConfig(
-            family="hydra", head_arch=arch, num_heads=num_heads, num_layers=num_layers, hidden_size=hidden,
-            vocab_size=vocab, base_model_name_or_path=base_name, prefix_layer_config=prefix,
-        )  # fmt: skip
-    except ValueError as e:
-        raise HeadsLoadError(f"{cfg_path}: {e}") from e
-    heads = HydraHeads(config)  # float32; half-precision weights are cast up on load
-    expected = {hydra_published_name(k, arch): (k, v.shape) for k, v in heads.state_dict().items()}
-    heads.load_state_dict(match_state(weights, expected, path, ignore=HYDRA_IGNORED))
-    return heads
+            theirs = brief_repr(prefix.get("hidden_size"))
+            raise HeadsLoadError(path, f"hidden size {hidden} differs from the base config's {theirs}")
+    config = _sized_config(
+        weights, cfg_path, family="hydra", head_arch=arch, num_heads=num_heads, num_layers=num_layers,
+        hidden_size=hidden, vocab_size=vocab, base_model_name_or_path=base_name, prefix_layer_config=prefix,
+    )  # fmt: skip
+    return build_checked(config, weights, cfg_path, lambda k: hydra_published_name(k, arch), ignore=HYDRA_IGNORED)
 
 
 # --------------------------------------------------------------------------- Medusa
-def _medusa2_weights(resolve: Resolver) -> tuple[str, dict[str, torch.Tensor]] | None:
-    """``medusa_head.*`` tensors of a Medusa-2 full-model repo (single file or sharded)."""
+def _medusa2_weights(resolve: Resolver) -> Weights | None:
+    """``medusa_head.*`` tensors of a Medusa-2 full-model repo (single file or sharded), prefix removed."""
     path = _first_file(resolve, MEDUSA_FULL_MODEL_FILES)
     if path is not None:
-        return path, load_weights(path, keys_with_prefix=MEDUSA2_PREFIX)
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index_path = resolve(index_name, required=False)
-        if index_path is None:
-            continue
-        weight_map = read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise HeadsLoadError(f"{index_path}: missing or invalid 'weight_map'")
-        shards = sorted({f for k, f in weight_map.items() if k.startswith(MEDUSA2_PREFIX)})
-        weights: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            weights.update(load_weights(resolve(shard, required=True), keys_with_prefix=MEDUSA2_PREFIX))
-        return index_path, weights
-    return None
+        return open_weights(path, keys_with_prefix=MEDUSA2_PREFIX)
+    index_path = _first_file(resolve, MEDUSA_INDEX_FILES)
+    if index_path is None:
+        return None
+    weight_map = read_json(index_path, max_bytes=MAX_INDEX_BYTES).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise HeadsLoadError(index_path, "missing or invalid 'weight_map'")
+    shards = sorted({f for k, f in weight_map.items() if k.startswith(MEDUSA2_PREFIX)})
+    # each shard name comes from the index, so resolving refuses any that leaves the folder or repo
+    parts = [open_weights(resolve(shard, required=True, named_by=index_path), MEDUSA2_PREFIX) for shard in shards]
+    return merge_weights(index_path, parts)
 
 
-def infer_medusa_layout(weights: dict[str, torch.Tensor], path: str) -> tuple[int, int, int, int]:
+def infer_medusa_layout(weights: Weights) -> tuple[int, int, int, int]:
     """(num_heads, num_layers, hidden_size, vocab_size) read off Medusa weight names and shapes."""
+    path = weights.path
     blocks: dict[int, set[int]] = {}
-    for key in weights:
-        m = re.fullmatch(r"(\d+)\.(\d+)\.linear\.weight", key)
+    for key in weights.tensors:
+        m = re.fullmatch(r"(\d{1,9})\.(\d{1,9})\.linear\.weight", key)
         if m:
             blocks.setdefault(int(m[1]), set()).add(int(m[2]))
     if not blocks:
-        raise HeadsLoadError(f"{path}: no Medusa head weights ('{{i}}.{{j}}.linear.weight') found")
+        raise HeadsLoadError(path, "no Medusa head weights ('{i}.{j}.linear.weight') found")
     num_heads = len(blocks)
+    if num_heads > MAX_HEADS:
+        raise HeadsLoadError(path, f"{num_heads} Medusa heads, above the limit of {MAX_HEADS}")
     if sorted(blocks) != list(range(num_heads)):
-        raise HeadsLoadError(f"{path}: Medusa head indices {sorted(blocks)} are not 0..{num_heads - 1}")
+        raise HeadsLoadError(path, f"Medusa head indices [{brief_list(sorted(blocks))}] are not 0..{num_heads - 1}")
     num_layers = len(blocks[0])
-    uneven = {i: sorted(j) for i, j in blocks.items() if j != set(range(num_layers))}
+    if num_layers > MAX_LAYERS:
+        raise HeadsLoadError(path, f"{num_layers} blocks per Medusa head, above the limit of {MAX_LAYERS}")
+    uneven = [f"head {i}: [{brief_list(sorted(j))}]" for i, j in blocks.items() if j != set(range(num_layers))]
     if uneven:
-        raise HeadsLoadError(f"{path}: Medusa heads have different or non-contiguous blocks: {uneven}")
-    lm = _shape(weights, f"0.{num_layers}.weight", 2, path)
-    return num_heads, num_layers, int(lm[1]), int(lm[0])
+        raise HeadsLoadError(path, f"Medusa heads have different or non-contiguous blocks: {brief_list(uneven)}")
+    vocab, hidden = _shape(weights, f"0.{num_layers}.weight", 2)
+    return num_heads, num_layers, hidden, vocab
 
 
 def medusa_published_name(own_key: str, num_layers: int) -> str:
@@ -192,36 +203,38 @@ def medusa_published_name(own_key: str, num_layers: int) -> str:
     return own_key
 
 
-def load_published_medusa(cfg: dict[str, Any], cfg_path: str, resolve: Resolver) -> MedusaHeads:
-    """Medusa heads from a published Medusa-1 head file or a Medusa-2 full-model repo."""
+def load_published_medusa(
+    cfg: dict[str, Any], cfg_path: str, resolve: Resolver, base_config: Any = None
+) -> MedusaHeads:
+    """Medusa heads from a published Medusa-1 head file or a Medusa-2 full-model repo.
+
+    ``base_config`` is not needed (Medusa heads have no prefix layer).
+    """
     cfg_heads = _field(cfg, "medusa_num_heads", int, cfg_path)
     cfg_layers = _field(cfg, "medusa_num_layers", int, cfg_path, default=None)
     base_name = _field(cfg, "base_model_name_or_path", (str, type(None)), cfg_path, default=None)
     path = _first_file(resolve, MEDUSA_WEIGHT_FILES)
-    if path is not None:
-        weights = load_weights(path)
-    else:
-        found = _medusa2_weights(resolve)
-        if found is None:
-            raise HeadsLoadError(
-                f"{cfg_path}: no Medusa weights next to it (looked for {', '.join(MEDUSA_WEIGHT_FILES)} "
-                f"and Medusa-2 {', '.join(MEDUSA_FULL_MODEL_FILES)} or their shard indexes)"
-            )
-        path, weights = found
-    weights = {k.removeprefix(MEDUSA2_PREFIX): v for k, v in weights.items()}
-    num_heads, num_layers, hidden, vocab = infer_medusa_layout(weights, path)
+    weights = open_weights(path) if path is not None else _medusa2_weights(resolve)
+    if weights is None:
+        raise HeadsLoadError(
+            cfg_path,
+            f"no Medusa weights next to it (looked for {', '.join(MEDUSA_WEIGHT_FILES)} "
+            f"and Medusa-2 {', '.join(MEDUSA_FULL_MODEL_FILES)} or their shard indexes)",
+        )
+    num_heads, num_layers, hidden, vocab = infer_medusa_layout(weights)
     if (cfg_heads, num_layers if cfg_layers is None else cfg_layers) != (num_heads, num_layers):
         warnings.warn(
-            f"{cfg_path} declares {cfg_heads} heads x {cfg_layers} layers but {path} holds "
+            f"{cfg_path} declares {cfg_heads} heads x {cfg_layers} layers but {weights.path} holds "
             f"{num_heads} x {num_layers}; using the weights",
             UserWarning,
             stacklevel=3,
         )
-    config = HeadsConfig(
-        family="medusa", num_heads=num_heads, num_layers=num_layers, hidden_size=hidden, vocab_size=vocab,
-        base_model_name_or_path=base_name,
+    config = _sized_config(
+        weights, cfg_path, family="medusa", num_heads=num_heads, num_layers=num_layers, hidden_size=hidden,
+        vocab_size=vocab, base_model_name_or_path=base_name,
     )  # fmt: skip
-    heads = MedusaHeads(config)  # float32; half-precision weights are cast up on load
-    expected = {medusa_published_name(k, num_layers): (k, v.shape) for k, v in heads.state_dict().items()}
-    heads.load_state_dict(match_state(weights, expected, path))
-    return heads
+    return build_checked(config, weights, cfg_path, lambda k: medusa_published_name(k, num_layers))
+
+
+register_format("hydra", "hydra_num_heads", load_published_hydra)
+register_format("medusa", "medusa_num_heads", load_published_medusa)

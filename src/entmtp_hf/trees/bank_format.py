@@ -1,0 +1,471 @@
+"""The bank file format: validation, scheduler defaults, tree encoding and bounded reading.
+
+File format (version 1), ``{folder}/{task}.safetensors``:
+
+* tensors ``tree.0`` … ``tree.{K-1}``: int32, shape ``[num_paths, depth]``; each row is
+  one path of child ranks from the root (the Medusa/Hydra "choices" format), right-padded
+  with ``-1``. The root is implicit; the root-only tree is a ``[0, 0]`` tensor.
+* header metadata ``__metadata__ = {"entmtp_bank": <JSON>}``; the JSON object holds
+  ``format_version`` (1), ``task`` (equal to the file stem), ``num_trees`` (K) and the
+  user metadata: ``base_model``, ``heads``, ``hardware``, ``created_by`` (strings),
+  ``trees`` (one dict per tree, e.g. ``num_nodes``, ``mean_accept_length``,
+  ``biased_accept_length``, ``tokens_per_s``), ``scheduler`` (see
+  :class:`SchedulerDefaults`), ``calibration`` (free-form dict) and any other JSON keys.
+
+Every size is bounded (the ``MAX_*`` constants) and checked before anything of that size is
+built: the metadata's bytes and nesting before it is parsed, ``num_trees`` and each tensor's
+dtype and shape from the safetensors header before any tensor is read. The constructor
+applies the same limits, so every bank that can be built can be saved and read back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..drafting.retrieval import RetrievalConfig
+from ..errors import FileFormatError
+from ..files import brief_list, brief_repr, nesting_depth, parse_json
+from ..scheduling.policies import FEATURES, POLICIES
+from .tree import Tree
+
+FORMAT_VERSION = 1
+METADATA_KEY = "entmtp_bank"
+SUFFIX = ".safetensors"
+#: Refuse larger files before parsing them: real banks are a few kB, 1000 trees of 500 nodes ~4 MB.
+MAX_FILE_BYTES = 16 * 2**20
+#: The metadata JSON: searched banks hold ~10 kB (figures per tree, calibration notes).
+MAX_METADATA_BYTES = 2**20
+MAX_METADATA_DEPTH = 32
+#: Trees per bank: a search keeps the trees on its throughput hull, a few dozen at most.
+MAX_TREES = 1024
+#: Nodes per tree (root included) and per bank: a verified tree is a few hundred rows at most,
+#: and reading is ~10 µs per node, so a bank at the limit still loads in well under a second.
+MAX_TREE_NODES = 4096
+MAX_BANK_NODES = 2**16
+#: Depth of a tree: no published or trained heads draft anywhere near this far ahead.
+MAX_TREE_DEPTH = 64
+
+TASK_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+_RESERVED = ("format_version", "task", "num_trees")
+TEXT_KEYS = ("base_model", "heads", "hardware", "created_by")
+FIGURES = {"mean_accept_length": "mean accept length", "biased_accept_length": "biased accept length",
+           "tokens_per_s": "tokens/s"}  # fmt: skip
+_INT32_MAX = 2**31 - 1
+#: Ends of the paper's threshold grid (0.001 … 0.05), used for default ladder thresholds.
+_TAU_GRID_ENDS = (0.001, 0.05)
+
+
+class BankFormatError(FileFormatError):
+    """A bank file that cannot be read; the message names the file and the problem."""
+
+
+def check_task_name(task: object) -> str:
+    """Task names become file stems, so only a safe subset of characters is allowed."""
+    if not isinstance(task, str) or not TASK_NAME_RE.fullmatch(task):
+        raise ValueError(
+            f"task name {brief_repr(task)} is not a safe file stem: use 1-100 letters, digits, '_', '-' or '.', "
+            "not starting with '-' or '.' (e.g. 'humaneval')"
+        )
+    return task
+
+
+def _as_index(value: object, what: str) -> int:
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ValueError(f"{what} must be an integer tree index, got {brief_repr(value)}")
+
+
+def _as_number(value: object, what: str) -> float:
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float range
+            number = math.inf
+        if math.isfinite(number):
+            return number
+    raise ValueError(f"{what} must be a finite number, got {brief_repr(value)}")
+
+
+def _as_list(value: object, what: str, of: str) -> Sequence:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{what} must be a list of {of}, got {brief_repr(value)}")
+    return value
+
+
+def _strictly_increasing(values: Sequence[float]) -> bool:
+    return all(a < b for a, b in zip(values, values[1:]))
+
+
+def default_thresholds(count: int, tau: float = 0.01) -> tuple[float, ...]:
+    """Ladder thresholds when none are given: one threshold is ``tau``; more are spaced
+    evenly in log scale over the paper's grid ends 0.001 … 0.05 (uncalibrated guesses)."""
+    if count <= 0:
+        return ()
+    if count == 1:
+        return (tau,)
+    lo, hi = (math.log(v) for v in _TAU_GRID_ENDS)
+    return tuple(round(math.exp(lo + (hi - lo) * i / (count - 1)), 6) for i in range(count))
+
+
+@dataclass(frozen=True)
+class SchedulerDefaults:
+    """Which trees of a bank each scheduler policy uses, and its thresholds.
+
+    ``static``: the tree of the static policy (EntMTP*). ``conservative`` / ``aggressive``:
+    T− / T+ of the hysteresis policy, switched on ``tau_on`` / ``tau_off`` of ``feature``.
+    ``ladder``: the tree indices, in increasing order, that ``thresholds`` (one fewer) bin
+    ``ladder_feature`` into. ``policy``: what ``EntMTPConfig(bank=..., task=...)`` runs when
+    no policy is given (the search stores the fastest one it measured). ``retrieval``: the
+    retrieval branches it adds when ``retrieval`` is not given (None: none; the search stores
+    the settings that made the static tree faster, if any did).
+    """
+
+    static: int
+    conservative: int
+    aggressive: int
+    tau_on: float
+    tau_off: float
+    ladder: tuple[int, ...]
+    thresholds: tuple[float, ...]
+    policy: str = "hysteresis"
+    feature: str = "best_path_value"
+    ladder_feature: str = "best_path_value"
+    retrieval: RetrievalConfig | None = None
+    value: tuple[int, ...] = ()
+    value_costs: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.retrieval is not None and not isinstance(self.retrieval, RetrievalConfig):
+            raise ValueError(f"retrieval must be a RetrievalConfig or None, got {brief_repr(self.retrieval)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {brief_repr(self.policy)}")
+        for name in ("feature", "ladder_feature"):
+            if getattr(self, name) not in FEATURES:
+                raise ValueError(f"{name} must be one of {FEATURES}, got {brief_repr(getattr(self, name))}")
+        for name in ("static", "conservative", "aggressive"):
+            if _as_index(getattr(self, name), name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        _as_number(self.tau_on, "tau_on")
+        _as_number(self.tau_off, "tau_off")
+        if any(_as_index(i, "value entry") < 0 for i in self.value):
+            raise ValueError(f"value must list tree indices >= 0, got {brief_repr(list(self.value))}")
+        costs = [_as_number(c, "value cost") for c in self.value_costs]
+        if len(costs) != len(self.value) or any(c <= 0 for c in costs):
+            raise ValueError(
+                f"value_costs must give one positive cost per value tree ({len(self.value)}), got {brief_repr(costs)}"
+            )
+        if self.policy == "value" and not self.value:
+            raise ValueError("policy 'value' needs the trees it picks from in `value`")
+        if self.tau_off > self.tau_on:
+            raise ValueError(f"tau_off ({self.tau_off}) must be <= tau_on ({self.tau_on})")
+        if self.conservative > self.aggressive:
+            raise ValueError(f"conservative ({self.conservative}) must be <= aggressive ({self.aggressive})")
+        self._check_ladder()
+
+    def _check_ladder(self) -> None:
+        if not self.ladder or any(_as_index(i, "ladder entry") < 0 for i in self.ladder):
+            raise ValueError(f"ladder must list one or more tree indices >= 0, got {brief_repr(list(self.ladder))}")
+        if not _strictly_increasing(self.ladder):
+            raise ValueError(f"ladder indices must be strictly increasing, got {brief_repr(list(self.ladder))}")
+        if len(self.thresholds) != len(self.ladder) - 1:
+            raise ValueError(
+                f"a ladder of {len(self.ladder)} trees needs {len(self.ladder) - 1} thresholds, "
+                f"got {len(self.thresholds)}"
+            )
+        for t in self.thresholds:
+            _as_number(t, "threshold")
+        if not _strictly_increasing(self.thresholds):
+            raise ValueError(f"thresholds must be strictly increasing, got {brief_repr(list(self.thresholds))}")
+
+    @classmethod
+    def from_metadata(cls, raw: Mapping[str, Any] | None, num_trees: int) -> "SchedulerDefaults":
+        """Fill what ``raw`` leaves out and check every index against ``num_trees``.
+
+        Defaults: static = aggressive = the last tree, conservative = 0, tau_on = tau_off =
+        0.01 (one given: the other copies it), ladder = every tree, thresholds =
+        :func:`default_thresholds`, policy ``hysteresis``, features ``best_path_value``,
+        no retrieval.
+        """
+        raw = dict(raw or {})
+        unknown = sorted(map(str, set(raw) - set(cls.__dataclass_fields__)))
+        if unknown:
+            allowed = list(cls.__dataclass_fields__)
+            raise ValueError(f"unknown scheduler keys [{brief_list(map(brief_repr, unknown))}]; allowed: {allowed}")
+        last = num_trees - 1
+        tau_on = raw.get("tau_on", raw.get("tau_off", 0.01))
+        ladder = _as_list(raw.get("ladder", range(num_trees)), "ladder", "tree indices")
+        ladder = tuple(_as_index(i, "ladder entry") for i in ladder)
+        thresholds = raw.get("thresholds")
+        if thresholds is None:
+            thresholds = default_thresholds(len(ladder) - 1, _as_number(tau_on, "tau_on"))
+        _as_list(thresholds, "thresholds", "numbers")
+        value = _as_list(raw.get("value", ()), "value", "tree indices")
+        value_costs = _as_list(raw.get("value_costs", ()), "value_costs", "numbers")
+        sched = cls(
+            static=_as_index(raw.get("static", last), "static"),
+            conservative=_as_index(raw.get("conservative", 0), "conservative"),
+            aggressive=_as_index(raw.get("aggressive", last), "aggressive"),
+            tau_on=_as_number(tau_on, "tau_on"),
+            tau_off=_as_number(raw.get("tau_off", tau_on), "tau_off"),
+            ladder=ladder,
+            thresholds=tuple(_as_number(t, "threshold") for t in thresholds),
+            policy=raw.get("policy", "hysteresis"),
+            feature=raw.get("feature", "best_path_value"),
+            ladder_feature=raw.get("ladder_feature", "best_path_value"),
+            retrieval=None if raw.get("retrieval") is None else RetrievalConfig.from_dict(raw["retrieval"]),
+            value=tuple(_as_index(i, "value entry") for i in value),
+            value_costs=tuple(_as_number(c, "value cost") for c in value_costs),
+        )
+        used = {"static": sched.static, "conservative": sched.conservative, "aggressive": sched.aggressive}
+        used.update({f"ladder entry {i}": v for i, v in enumerate(sched.ladder)})
+        used.update({f"value entry {i}": v for i, v in enumerate(sched.value)})
+        for name, index in used.items():
+            if index > last:
+                raise ValueError(f"{name} is tree {index}, but the bank has only {num_trees} trees (0..{last})")
+        return sched
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+# ------------------------------------------------------------------ validation
+def _check_tree_size(k: int, nodes: int, depth: int, total: int) -> None:
+    """The size limits, shared by the constructor and the reader (which checks before decoding)."""
+    if nodes > MAX_TREE_NODES:
+        raise ValueError(f"tree {k} has {nodes} nodes, above the limit of {MAX_TREE_NODES}")
+    if depth > MAX_TREE_DEPTH:
+        raise ValueError(f"tree {k} has depth {depth}, above the limit of {MAX_TREE_DEPTH}")
+    if total > MAX_BANK_NODES:
+        raise ValueError(f"trees 0..{k} have {total} nodes together, above the limit of {MAX_BANK_NODES} per bank")
+
+
+def check_trees(trees: Sequence[Tree | Sequence[Sequence[int]]]) -> tuple[Tree, ...]:
+    """Trees as :class:`Tree` objects, smallest first and within the size limits."""
+    if isinstance(trees, (str, bytes, Tree)) or not isinstance(trees, Sequence):
+        raise ValueError("trees must be a list of Tree objects or lists of paths")
+    if not trees:
+        raise ValueError("a bank needs at least one tree")
+    if len(trees) > MAX_TREES:
+        raise ValueError(f"a bank holds at most {MAX_TREES} trees, got {len(trees)}")
+    out: list[Tree] = []
+    total = 0
+    for k, raw in enumerate(trees):
+        try:
+            tree = Tree.from_choices(raw)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ValueError(f"tree {k}: {e}") from None
+        total += tree.num_nodes
+        _check_tree_size(k, tree.num_nodes, tree.depth, total)
+        if any(r > _INT32_MAX for p in tree.paths for r in p):
+            raise ValueError(f"tree {k} has a child rank above {_INT32_MAX}, which the int32 file format cannot hold")
+        if out and tree.num_nodes < out[-1].num_nodes:
+            raise ValueError(
+                f"trees must be ordered smallest first: tree {k} has {tree.num_nodes} nodes, "
+                f"tree {k - 1} has {out[-1].num_nodes}"
+            )
+        out.append(tree)
+    return tuple(out)
+
+
+def _json_copy(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy through JSON (tuples become lists) within the size and nesting limits."""
+    try:
+        text = json.dumps(dict(metadata), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"metadata must be JSON-serialisable (no NaN/inf, no objects, no deep nesting): {e}") from None
+    size = len(text.encode("utf-8"))
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata takes {size} bytes as JSON, above the limit of {MAX_METADATA_BYTES}")
+    if nesting_depth(text, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
+        raise ValueError(f"metadata nests deeper than the limit of {MAX_METADATA_DEPTH} levels")
+    return json.loads(text)
+
+
+def check_metadata(metadata: Mapping[str, Any] | None, task: str, trees: tuple[Tree, ...]) -> dict[str, Any]:
+    """Normalise metadata through JSON and check the schema."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
+    meta = _json_copy(metadata)
+    expected = {"format_version": FORMAT_VERSION, "task": task, "num_trees": len(trees)}
+    for key, value in expected.items():  # reserved keys are written by the bank itself
+        if key in meta and meta.pop(key) != value:
+            raise ValueError(f"metadata[{key!r}] is set by the bank and must be {value!r} (or left out)")
+    for key in TEXT_KEYS:
+        if key in meta and not isinstance(meta[key], str):
+            raise ValueError(f"metadata[{key!r}] must be a string, got {brief_repr(meta[key])}")
+    for key in ("scheduler", "calibration"):
+        if key in meta and not isinstance(meta[key], dict):
+            raise ValueError(f"metadata[{key!r}] must be a dict, got {type(meta[key]).__name__}")
+    per_tree = meta.get("trees")
+    if per_tree is not None:
+        if not isinstance(per_tree, list) or len(per_tree) != len(trees):
+            raise ValueError(f"metadata['trees'] must be a list of {len(trees)} dicts, one per tree")
+        for k, (info, tree) in enumerate(zip(per_tree, trees)):
+            if not isinstance(info, dict):
+                raise ValueError(f"metadata['trees'][{k}] must be a dict, got {brief_repr(info)}")
+            if "num_nodes" in info and info["num_nodes"] != tree.num_nodes:
+                got = brief_repr(info["num_nodes"])
+                raise ValueError(f"metadata['trees'][{k}]['num_nodes'] is {got}, tree {k} has {tree.num_nodes}")
+            for fig in FIGURES:
+                if fig in info:
+                    _as_number(info[fig], f"metadata['trees'][{k}][{fig!r}]")
+    return meta
+
+
+@dataclass(frozen=True, eq=False)
+class BankContents:
+    """A validated bank: what :class:`~entmtp_hf.trees.bank.TopologyBank` wraps and the model card reads."""
+
+    task: str
+    trees: tuple[Tree, ...]
+    metadata: dict[str, Any]  # the user metadata (without format_version / task / num_trees)
+    scheduler: SchedulerDefaults
+
+    @classmethod
+    def validated(
+        cls, task: str, trees: Sequence[Tree | Sequence[Sequence[int]]], metadata: Mapping[str, Any] | None
+    ) -> "BankContents":
+        """Every check of the format; raises ``ValueError`` naming the problem."""
+        task = check_task_name(task)
+        checked = check_trees(trees)
+        meta = check_metadata(metadata, task, checked)
+        try:
+            scheduler = SchedulerDefaults.from_metadata(meta.get("scheduler"), len(checked))
+        except ValueError as e:
+            raise ValueError(f"metadata['scheduler']: {e}") from None
+        return cls(task, checked, meta, scheduler)
+
+
+# ------------------------------------------------------------------ tensor encoding
+def encode_tree(tree: Tree) -> torch.Tensor:
+    """[num_paths, depth] int32, one path per row, right-padded with -1."""
+    rows = [list(p) + [-1] * (tree.depth - len(p)) for p in tree.paths]
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(tree.paths), tree.depth)
+
+
+def decode_tree(tensor: torch.Tensor, name: str) -> Tree:
+    """Inverse of :func:`encode_tree`, refusing anything it could not have written."""
+    if tensor.dtype != torch.int32:
+        raise ValueError(f"tensor {name} has dtype {tensor.dtype}; expected torch.int32")
+    if tensor.dim() != 2:
+        raise ValueError(f"tensor {name} has shape {list(tensor.shape)}; expected [num_paths, depth]")
+    if bool((tensor < -1).any()):
+        raise ValueError(f"tensor {name} has negative values other than the -1 padding")
+    pad = tensor == -1
+    if bool((pad[:, :-1] & ~pad[:, 1:]).any()):
+        raise ValueError(f"tensor {name} has a rank after -1 padding; padding must be on the right only")
+    paths = [[r for r in row if r != -1] for row in tensor.tolist()]
+    try:
+        tree = Tree.from_choices(paths)
+    except ValueError as e:
+        raise ValueError(f"tensor {name} is not a valid tree: {e}") from None
+    if tensor.shape[1] != tree.depth:  # columns of padding only
+        raise ValueError(f"tensor {name} has {tensor.shape[1]} columns but its tree has depth {tree.depth}")
+    return tree
+
+
+# ------------------------------------------------------------------ task names in folders
+def tasks_from_names(names: Sequence[str]) -> list[str]:
+    """Task names from top-level file names, ignoring anything that is not a bank file."""
+    stems = (n[: -len(SUFFIX)] for n in names if n.endswith(SUFFIX) and "/" not in n)
+    return sorted(s for s in stems if TASK_NAME_RE.fullmatch(s))
+
+
+def list_local_tasks(folder: Path) -> list[str]:
+    return tasks_from_names([p.name for p in folder.iterdir() if p.is_file()])
+
+
+# ------------------------------------------------------------------ reading one file
+def _bank_metadata(header: Mapping[str, str] | None, path: Path) -> dict[str, Any]:
+    """The parsed ``entmtp_bank`` JSON, bounded before parsing."""
+    header = header or {}
+    if METADATA_KEY not in header:
+        raise ValueError(f"no {METADATA_KEY!r} header metadata; not a bank written by TopologyBank.save_pretrained")
+    what = f"{METADATA_KEY!r} header metadata"
+    meta = parse_json(header[METADATA_KEY], path, max_bytes=MAX_METADATA_BYTES, max_depth=MAX_METADATA_DEPTH, what=what)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    return meta
+
+
+def _tree_names(meta: Mapping[str, Any], path: Path, present: set[str]) -> list[str]:
+    """Check the reserved metadata keys; the tensor names ``num_trees`` promises, all present."""
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise ValueError(
+            f"format_version {brief_repr(version)} is not supported (this entmtp-hf reads {FORMAT_VERSION})"
+        )
+    stem = path.name[: -len(SUFFIX)] if path.name.endswith(SUFFIX) else path.stem
+    if meta.get("task") != stem:
+        raise ValueError(f"metadata task {brief_repr(meta.get('task'))} does not match the file name {path.name!r}")
+    num_trees = meta.get("num_trees")
+    if isinstance(num_trees, bool) or not isinstance(num_trees, int) or not 1 <= num_trees <= MAX_TREES:
+        raise ValueError(f"num_trees must be an integer in [1, {MAX_TREES}], got {brief_repr(num_trees)}")
+    names = [f"tree.{k}" for k in range(num_trees)]
+    missing = [n for n in names if n not in present]
+    extra = sorted(present - set(names))
+    if missing or extra:
+        raise ValueError(
+            f"num_trees is {num_trees} but tensors [{brief_list(map(brief_repr, missing))}] are missing "
+            f"and [{brief_list(map(brief_repr, extra))}] unexpected"
+        )
+    return names
+
+
+def _check_tensor_header(name: str, dtype: str, shape: list[int], k: int, total: int) -> int:
+    """Dtype and shape of tree ``k`` from the header alone; returns the bank's node count so far."""
+    if dtype != "I32":
+        raise ValueError(f"tensor {name} has dtype {dtype}; expected I32 (torch.int32)")
+    if len(shape) != 2:
+        raise ValueError(f"tensor {name} has shape {shape}; expected [num_paths, depth]")
+    total += shape[0] + 1
+    _check_tree_size(k, shape[0] + 1, shape[1], total)
+    return total
+
+
+def read_bank_contents(path: Path) -> BankContents:
+    """Read and validate one bank file, raising ``ValueError`` for any problem."""
+    if not path.is_file():
+        raise ValueError("file not found")
+    if path.stat().st_size > MAX_FILE_BYTES:
+        raise ValueError(f"file is {path.stat().st_size} bytes, above the {MAX_FILE_BYTES}-byte limit for banks")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = _bank_metadata(f.metadata(), path)
+            names = _tree_names(meta, path, set(f.keys()))
+            total = 0
+            for k, name in enumerate(names):  # every size is checked before the first tensor is read
+                part = f.get_slice(name)
+                total = _check_tensor_header(name, part.get_dtype(), part.get_shape(), k, total)
+            tensors = [f.get_tensor(name) for name in names]
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"not a readable safetensors file ({e})") from None
+    trees = [decode_tree(t, n) for t, n in zip(tensors, names)]
+    user = {k: v for k, v in meta.items() if k not in _RESERVED}
+    return BankContents.validated(meta["task"], trees, user)
+
+
+def load_bank_contents(path: str | os.PathLike[str]) -> BankContents:
+    """:func:`read_bank_contents`, every problem a :class:`BankFormatError` naming the file."""
+    path = Path(path)
+    try:
+        return read_bank_contents(path)
+    except FileFormatError as e:
+        raise BankFormatError(e.path, e.problem) from e
+    except ValueError as e:
+        raise BankFormatError(path, str(e)) from e
