@@ -165,7 +165,7 @@ def enable_entmtp(
     if lm_head is None or not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
         raise EntMTPError(f"{type(model).__name__} has no output embeddings (LM head) to verify with")
     heads = load_heads(heads, revision, base_config=model.config)
-    getattr(heads, "check_fits", lambda m: None)(model)  # MERGE: heads.check_fits
+    heads.check_fits(model)
     heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     heads.eval()
     _remove_kernels(model)

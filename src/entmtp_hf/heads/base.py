@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cpu_kernels import project
+from ..scheduling.features import entropy_from_logp
 from ..errors import EntMTPError
 from ..trees.tree import DepthStep, TreeBuffers
 from .config import FORMAT_VERSION, HeadsConfig
@@ -71,7 +72,7 @@ class DraftState:
     prefix_cache: Any = None  # the prefix layer's KV cache (prefix-mlp only)
     num_observed: int = 0  # accepted positions seen so far (prefix-layer positions)
     cond: Tensor | None = None  # [H] conditioning vector at the last accepted position
-    #: how ``lm_weight`` multiplies (a :func:`~entmtp_hf.layouts.project` layout; set by RowLayouts.drafting)
+    #: how ``lm_weight`` multiplies (a :func:`~entmtp_hf.cpu_kernels.project` layout; see ``DraftHeads.lm_kernel``)
     kernel: str = "linear"
 
 
@@ -93,13 +94,6 @@ def text_config(config: Any) -> Any:
     return get(decoder=True) if callable(get) else config
 
 
-def entropy_from_logp(logp: Tensor) -> Tensor:
-    """``-sum p log p`` over the last dimension from log-probabilities (nats; ``p = 0`` adds 0).
-
-    Computed as ``exp(logp) * logp`` in place (``0 * -inf`` gives nan, zeroed): on CPU about
-    ten times faster than ``torch.special.entr``, which takes a second logarithm.
-    """
-    return logp.exp().mul_(logp).nan_to_num_(nan=0.0).sum(-1).neg_()
 
 
 def check_draft_vocab(draft_vocab: Tensor | list[int] | None, vocab_size: int) -> Tensor | None:
@@ -122,6 +116,9 @@ class DraftHeads(nn.Module):
 
     family: ClassVar[str] = ""
     lm_head_bias: ClassVar[bool] = True  # whether per-head LM heads carry a bias
+    #: how the base LM rows multiply while drafting; :class:`~entmtp_hf.cpu_kernels.CPUKernels`
+    #: sets ``"onednn"`` on an instance where it measured that faster, and removes it again
+    lm_kernel: str = "linear"
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
@@ -276,7 +273,8 @@ class DraftHeads(nn.Module):
         lm_weight = lm_bias = None
         if self.config.use_base_lm_head:
             lm_weight, lm_bias = self._base_lm_rows(model)
-        return DraftState(embed=embed, lm_weight=lm_weight, lm_bias=lm_bias, prefix_cache=self._new_prefix_cache())
+        return DraftState(embed=embed, lm_weight=lm_weight, lm_bias=lm_bias, prefix_cache=self._new_prefix_cache(),
+                          kernel=self.lm_kernel)
 
     def _new_prefix_cache(self) -> Any:
         return None

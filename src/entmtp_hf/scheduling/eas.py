@@ -49,7 +49,7 @@ from typing import Sequence
 
 import torch
 
-from ..heads.base import entropy_from_logp
+from .features import entropy_from_logp
 
 HALT_CAUSES = ("threshold", "fork", "k_max", "warmup", "length")
 

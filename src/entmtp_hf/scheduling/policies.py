@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .features import FEATURES  # noqa: F401  (re-exported for the bank reader)
 
 POLICIES = ("static", "hysteresis", "ladder", "value")
 #: the policies that switch on one scalar feature (read off the greedy chain and the verifier)

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..heads.base import entropy_from_logp
+from ..scheduling.features import entropy_from_logp
 from ..scheduling.eas import ChainRule, EASConfig, EASController, entropy_nats, fixed_length
 from .search.search import _atomic_json, _read_json, heads_fingerprint
 from ..trees.tree import Tree

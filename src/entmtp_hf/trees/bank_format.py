@@ -35,7 +35,8 @@ from safetensors import SafetensorError, safe_open
 from ..drafting.retrieval import RetrievalConfig
 from ..errors import FileFormatError
 from ..files import brief_list, brief_repr, nesting_depth, parse_json
-from ..scheduling.policies import FEATURES, POLICIES
+from ..scheduling.features import FEATURES
+from ..scheduling.policies import POLICIES
 from .tree import Tree
 
 FORMAT_VERSION = 1
