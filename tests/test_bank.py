@@ -18,6 +18,7 @@ from huggingface_hub import constants as hf_constants
 from safetensors.torch import save_file
 
 import entmtp_hf.trees.bank_format as bank_format
+from entmtp_hf.errors import EntMTPError
 from entmtp_hf.trees.bank import (
     BankFormatError,
     SchedulerDefaults,
@@ -245,6 +246,8 @@ def test_hub_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         TopologyBank.from_pretrained("org/name", task="math")
     with pytest.raises(ValueError, match="neither a local folder nor a valid Hub repo id"):
         TopologyBank.from_pretrained("./not/a/folder", task="math")
+    with pytest.raises(EntMTPError, match=rf"revision 'v9' of Hub repo 'org/name' is not in the local cache.*{commit}"):
+        TopologyBank.from_pretrained("org/name", task="gsm8k", revision="v9")  # a missing revision, not a missing task
 
 
 def test_hub_cache_offline_through_env_vars(tmp_path: Path) -> None:
@@ -299,6 +302,8 @@ class _MiniHub(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         files = self.server.files
+        if "/nosuch" in self.path:  # the one revision this Hub does not have
+            return self._send(404, headers={"X-Error-Code": "RevisionNotFound"})
         if self.path.startswith("/api/models/org/name/tree/"):
             return self._json([{"type": "file", "path": p, "size": len(b), "oid": "0" * 40} for p, b in files.items()])
         if self.path.startswith("/org/name/resolve/"):
@@ -328,6 +333,15 @@ def mini_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     yield server
     server.shutdown()
     server.server_close()
+
+
+def test_a_revision_the_hub_does_not_have_is_named_as_such(mini_hub: ThreadingHTTPServer) -> None:
+    published_defaults_bank().push_to_hub("org/name", token="hf_test")
+    assert TopologyBank.from_pretrained("org/name", task="default") == published_defaults_bank()
+    with pytest.raises(EntMTPError, match="has no revision 'nosuch'"):
+        TopologyBank.from_pretrained("org/name", task="default", revision="nosuch")
+    with pytest.raises(EntMTPError, match="no task 'math'"):
+        TopologyBank.from_pretrained("org/name", task="math")
 
 
 def test_push_to_hub_adds_tasks_and_card(mini_hub: ThreadingHTTPServer) -> None:

@@ -433,6 +433,8 @@ def test_load_from_offline_hub_cache(tmp_path, base, monkeypatch):
         assert all(torch.equal(a, b) for a, b in pairs)
     with pytest.raises(ValueError, match="someorg/absent"):
         load_heads("someorg/absent")
+    with pytest.raises(ValueError, match=f"revision 'v2' of Hub repo 'someorg/tiny-heads' is not in the local cache.*{commit}"):
+        load_heads("someorg/tiny-heads", revision="v2")  # a missing revision, not a missing config.json
 
 
 # ------------------------------------------------------------------- refusing bad input

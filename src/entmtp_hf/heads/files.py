@@ -21,11 +21,13 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HFValidationError,
+    LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
 
 from ..errors import FileFormatError
+from ..hub import missing_revision
 from ..files import brief_list, check_relative_name, read_json_object, resolve_inside
 
 #: ``config.json`` of heads: a few kB (the prefix layer's config included); multimodal base
@@ -85,8 +87,14 @@ def resolve_file(
     _relative(filename, where)
     try:
         return hf_hub_download(source, filename, revision=revision, cache_dir=cache_dir, token=token)
-    except (EntryNotFoundError, RevisionNotFoundError) as e:  # LocalEntryNotFoundError included
-        if required or isinstance(e, RevisionNotFoundError):
+    except RevisionNotFoundError as e:
+        raise HeadsLoadError(source, f"the Hub repo has no revision {revision!r} (a branch, tag or commit)") from e
+    except EntryNotFoundError as e:  # LocalEntryNotFoundError included: offline and not cached
+        problem = missing_revision(source, revision, cache_dir=cache_dir, token=token,
+                                   offline=isinstance(e, LocalEntryNotFoundError))  # fmt: skip
+        if problem is not None:
+            raise HeadsLoadError(source, problem) from e
+        if required:
             raise HeadsLoadError(f"{source}/{filename}", f"(revision {revision or 'main'}) not found ({e})") from e
         return None
     except RepositoryNotFoundError as e:

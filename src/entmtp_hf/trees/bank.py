@@ -32,6 +32,8 @@ from huggingface_hub.errors import (
 )
 from safetensors.torch import save as safetensors_bytes
 
+from ..errors import EntMTPError
+from ..hub import missing_revision
 from .bank_card import CARD_NAME, model_card
 from .bank_format import (
     FORMAT_VERSION,
@@ -172,15 +174,21 @@ class TopologyBank:
             path = hf_hub_download(repo_id, f"{task}{SUFFIX}", revision=revision, **hub_kwargs)
         except HFValidationError as e:
             raise ValueError(f"{repo_id!r} is neither a local folder nor a valid Hub repo id ({e})") from e
-        except RemoteEntryNotFoundError as e:
-            tasks = _tasks_or_unknown(repo_id, revision, hub_kwargs, cached_only=False)
+        except RevisionNotFoundError as e:
+            raise EntMTPError(f"Hub repo {repo_id!r} has no revision {revision!r} (a branch, tag or commit)") from e
+        except (RemoteEntryNotFoundError, LocalEntryNotFoundError) as e:
+            offline = isinstance(e, LocalEntryNotFoundError)  # offline, or the Hub unreachable, and not cached
+            problem = missing_revision(repo_id, revision, cache_dir=hub_kwargs.get("cache_dir"),
+                                       token=hub_kwargs.get("token"), offline=offline)  # fmt: skip
+            if problem is not None:
+                raise EntMTPError(problem) from e
+            tasks = _tasks_or_unknown(repo_id, revision, hub_kwargs, cached_only=offline)
             where = f"Hub repo {repo_id!r} ({revision or 'main'})"
-            raise ValueError(f"{where} has no task {task!r}; tasks there: {tasks}") from e
-        except LocalEntryNotFoundError as e:  # offline, or the Hub unreachable, and not cached
-            tasks = _tasks_or_unknown(repo_id, revision, hub_kwargs, cached_only=True)
-            raise ValueError(
-                f"Hub repo {repo_id!r} ({revision or 'main'}) has no task {task!r} in the local cache and the Hub "
-                f"is offline or unreachable; cached tasks: {tasks}; there is no local folder {repo_id!r} either"
+            if not offline:
+                raise EntMTPError(f"{where} has no task {task!r}; tasks there: {tasks}") from e
+            raise EntMTPError(
+                f"{where} has no task {task!r} in the local cache and the Hub is offline or unreachable; cached "
+                f"tasks: {tasks}; there is no local folder {repo_id!r} either"
             ) from e
         return load_bank_file(path)
 
