@@ -20,6 +20,7 @@ from .scheduling.eas import EASConfig
 from .scheduling.features import FEATURES, TOKEN_FEATURES
 from .scheduling.policies import POLICIES, POLICY_ALIASES
 from .trees.bank import TopologyBank, check_task_name
+from .costs.table import CostTable
 from .trees.plan import DecodePlan, build_plan
 from .trees.tree import Tree
 
@@ -89,6 +90,13 @@ class EntMTPConfig:
     ``retrieval=True`` (or a :class:`~entmtp_hf.drafting.retrieval.RetrievalConfig`) adds to each
     step's tree a branch copied from earlier text whenever the text's last few tokens recur;
     left unset, a bank's calibrated default decides (off without a bank).
+
+    ``adapt`` (banks only): a bank that carries its task's acceptance frontier is re-ranked for
+    this machine: the step costs are measured once per machine, model and heads (a few seconds,
+    logged, cached on disk; ``entmtp-hf calibrate`` does it ahead of time) and EntMTP* becomes
+    the tree with the highest modelled speed-up, or plain decoding when none beats it
+    (:mod:`entmtp_hf.costs`). ``None`` (default): re-rank where the bank allows it;
+    ``False``: the bank's stored choice; ``True``: the bank must allow it.
     """
 
     bank: Any = None
@@ -108,7 +116,9 @@ class EntMTPConfig:
     revision: str | None = None
     eas: EASConfig | None = None
     retrieval: RetrievalConfig | bool | None = None
+    adapt: bool | None = None
     _resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _bank: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_sources()
@@ -125,6 +135,10 @@ class EntMTPConfig:
                 raise ConfigError(_name("eas"), f"must be an EASConfig, got {type(self.eas).__name__}")
             if self.policy not in (None, "entropy"):
                 raise ConfigError(_name("eas"), f"needs policy='entropy', got policy={self.policy!r}")
+        if self.adapt not in (None, True, False):
+            raise ConfigError(_name("adapt"), f"must be None, True or False, got {self.adapt!r}")
+        if self.adapt is not None and self.bank is None:
+            raise ConfigError(_name("adapt"), "re-ranks a bank's trees: give a `bank`")
         if self.retrieval is True:
             self.retrieval = RetrievalConfig()
         elif self.retrieval not in (None, False) and not isinstance(self.retrieval, RetrievalConfig):
@@ -250,18 +264,34 @@ class EntMTPConfig:
         return self.policy == "entropy" or self.eas is not None
 
     def load_bank(self) -> TopologyBank:
+        """The bank (read once per config object)."""
         if isinstance(self.bank, TopologyBank):
             if self.bank.task != self.task:
                 raise ConfigError(_name("task"), f"the bank given is for task {self.bank.task!r}, not {self.task!r}")
             return self.bank
-        return TopologyBank.from_pretrained(self.bank, task=self.task, revision=self.revision)
+        if self._bank is None:
+            self._bank = TopologyBank.from_pretrained(self.bank, task=self.task, revision=self.revision)
+        return self._bank
 
-    def resolve(self, num_heads: int, draft_rows: int | None = None) -> DecodePlan:
+    @property
+    def adapts(self) -> bool:
+        """Whether this config re-ranks its bank for the machine (see ``adapt``)."""
+        if self.bank is None or self.adapt is False:
+            return False
+        if self.load_bank().frontier:
+            return True
+        if self.adapt:
+            raise ConfigError(_name("adapt"), f"the bank for task {self.task!r} carries no acceptance frontier")
+        return False
+
+    def resolve(self, num_heads: int, draft_rows: int | None = None, costs: CostTable | None = None) -> DecodePlan:
         """The :class:`~entmtp_hf.trees.plan.DecodePlan` for heads with ``num_heads`` heads drafting
-        from ``draft_rows`` tokens. Cached on the config, so trees are compiled once and later
-        calls only look the plan up."""
-        key = (num_heads, draft_rows)
+        from ``draft_rows`` tokens, ranked by ``costs`` (a machine's step costs) if the config
+        adapts. Cached on the config, so trees are compiled once and later calls only look the
+        plan up."""
+        costs = costs if self.adapts else None
+        key = (num_heads, draft_rows, costs.key if costs is not None else None)
         plan = self._resolved.get(key)
         if plan is None:
-            plan = self._resolved[key] = build_plan(self, num_heads, draft_rows)
+            plan = self._resolved[key] = build_plan(self, num_heads, draft_rows, costs)
         return plan

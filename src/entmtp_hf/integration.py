@@ -23,6 +23,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .assisted import ACTIVE_EAS_CALL, EASCall, build_candidate_generator
 from .config import EntMTPConfig
+from .costs.cache import cost_table
+from .costs.fingerprint import machine_fingerprint, model_key
+from .costs.table import CostTable
 from .cpu_kernels import CPUKernels
 from .decoding.attention import restore_attention, use_tree_attention
 from .decoding.loop import EntMTPGenerateOutput, entmtp_decode
@@ -59,7 +62,10 @@ class EntMTPGenerationMixin:
         if heads is None:
             raise EntMTPError("this model has no draft heads: call enable_entmtp(model, heads) first")
         check_supported_call(args, kwargs)
-        plan = entmtp_config.resolve(heads.num_heads, heads.config.draft_vocab_rows)  # before any compute
+        costs = machine_costs(self, heads, entmtp_config.load_bank()) if entmtp_config.adapts else None
+        plan = entmtp_config.resolve(heads.num_heads, heads.config.draft_vocab_rows, costs)  # before the prefill
+        if plan.plain:  # nothing beats plain decoding here (the bank's ranking for this machine)
+            return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
         _stop_strings_by_hand(self, kwargs)
         loop = functools.partial(entmtp_decode, entmtp_config=entmtp_config, plan=plan, heads=heads,
                                  streamer=kwargs.get("streamer"), observers=tuple(entmtp_observers))  # fmt: skip
@@ -95,6 +101,30 @@ class EntMTPGenerationMixin:
             return super()._get_candidate_generator(*args, **kwargs)
         bound = inspect.signature(super()._get_candidate_generator).bind(*args, **kwargs)
         return build_candidate_generator(call, bound.arguments)
+
+
+def _as_entmtp_output(out, args: tuple, kwargs: dict):
+    """Plain decoding's output with the statistics an EntMTP call returns (one token per step)."""
+    if not isinstance(out, GenerateDecoderOnlyOutput):
+        return out
+    prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    steps = out.sequences.shape[1] - prompt.shape[1] - 1
+    stats = {"plain_decoding": True, "accept_lengths": [1] * steps, "tree_indices": [0] * steps,
+             "tree_sizes": [1] * steps, "features": [None] * steps, "steps": steps, "new_tokens": steps + 1,
+             "mean_accept_length": 1.0 if steps else 0.0, "drafted_tokens": 0, "accepted_draft_tokens": 0}  # fmt: skip
+    return EntMTPGenerateOutput(**dict(out.items()), entmtp_stats=stats)
+
+
+def machine_costs(model, heads, bank) -> CostTable:
+    """This machine's step costs for ``model`` and ``heads``: the bank's stored entry for this
+    machine if it has one, else the on-disk cache, else measured now (logged, a few seconds)."""
+    lm = model.get_output_embeddings().weight
+    key = f"{machine_fingerprint(lm.device, lm.dtype).key()}-{model_key(model, heads)}"
+    for entry in bank.machines:
+        table = CostTable.from_dict(entry["costs"])
+        if table.key == key:
+            return table
+    return cost_table(model, heads)
 
 
 def check_supported_call(args: tuple, kwargs: dict) -> None:

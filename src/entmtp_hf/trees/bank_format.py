@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..costs.table import CostTable
 from ..drafting.retrieval import RetrievalConfig
 from ..errors import FileFormatError
 from ..files import brief_list, brief_repr, nesting_depth, parse_json
@@ -55,6 +56,8 @@ MAX_TREE_NODES = 4096
 MAX_BANK_NODES = 2**16
 #: Depth of a tree: no published or trained heads draft anywhere near this far ahead.
 MAX_TREE_DEPTH = 64
+#: machines whose measured costs one bank may carry
+MAX_MACHINES = 64
 
 TASK_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 _RESERVED = ("format_version", "task", "num_trees")
@@ -325,7 +328,42 @@ def check_metadata(metadata: Mapping[str, Any] | None, task: str, trees: tuple[T
             for fig in FIGURES:
                 if fig in info:
                     _as_number(info[fig], f"metadata['trees'][{k}][{fig!r}]")
+    _check_frontier(meta, trees)
+    _check_machines(meta, len(trees))
     return meta
+
+
+def _check_frontier(meta: dict[str, Any], trees: tuple[Tree, ...]) -> None:
+    """``frontier``: which trees form the task's acceptance frontier; each needs its tokens per step."""
+    frontier = meta.get("frontier")
+    if frontier is None:
+        return
+    if not isinstance(frontier, dict) or not isinstance(frontier.get("trees"), list) or not frontier["trees"]:
+        raise ValueError("metadata['frontier'] must be a dict whose 'trees' lists tree indices")
+    per_tree = meta.get("trees") or []
+    for i in frontier["trees"]:
+        k = _as_index(i, "metadata['frontier'] tree")
+        if not 0 <= k < len(trees):
+            raise ValueError(f"metadata['frontier'] names tree {k}, but the bank has {len(trees)} trees")
+        if k >= len(per_tree) or "mean_accept_length" not in per_tree[k]:
+            raise ValueError(f"frontier tree {k} has no metadata['trees'][{k}]['mean_accept_length']")
+
+
+def _check_machines(meta: dict[str, Any], num_trees: int) -> None:
+    """``machines``: per machine, the cost table measured there and the scheduler it chose."""
+    machines = meta.get("machines")
+    if machines is None:
+        return
+    if not isinstance(machines, list) or len(machines) > MAX_MACHINES:
+        raise ValueError(f"metadata['machines'] must be a list of at most {MAX_MACHINES} entries")
+    for m, entry in enumerate(machines):
+        if not isinstance(entry, dict) or set(entry) - {"costs", "scheduler", "speedups"}:
+            raise ValueError(f"metadata['machines'][{m}] must be a dict of 'costs', 'scheduler' and 'speedups'")
+        try:
+            CostTable.from_dict(entry.get("costs"))
+            SchedulerDefaults.from_metadata(entry.get("scheduler"), num_trees)
+        except (ValueError, FileFormatError) as e:
+            raise ValueError(f"metadata['machines'][{m}]: {e}") from None
 
 
 @dataclass(frozen=True, eq=False)

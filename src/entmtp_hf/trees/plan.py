@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..costs.table import CostTable
 from ..drafting.retrieval import RetrievalConfig, with_branch
 from ..errors import ConfigError
 from ..scheduling.eas import EASConfig
@@ -22,6 +23,7 @@ from .tree import Tree
 
 if TYPE_CHECKING:
     from .bank import TopologyBank
+    from .bank_format import SchedulerDefaults
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,11 @@ class DecodePlan:
         return "entropy" if self.eas is not None else self.scheduler_args["policy"]
 
     @property
+    def plain(self) -> bool:
+        """Nothing to draft: the root alone every step, no retrieval (``generate`` runs plain decoding)."""
+        return self.union.num_nodes == 1 and self.retrieval is None and self.eas is None
+
+    @property
     def node_counts(self) -> set[int]:
         """Every number of nodes one step may verify (trees, and trees with retrieved branches)."""
         return {t.num_nodes for t in (*self.trees, *(b for per in self.branches for b, _ in per))}
@@ -59,25 +66,28 @@ class DecodePlan:
         return max(self.node_counts)
 
 
-def build_plan(config: Any, num_heads: int, draft_rows: int | None = None) -> DecodePlan:
+def build_plan(config: Any, num_heads: int, draft_rows: int | None = None, costs: CostTable | None = None
+               ) -> DecodePlan:
     """The plan of an :class:`~entmtp_hf.config.EntMTPConfig` for heads with ``num_heads`` heads
-    drafting from ``draft_rows`` tokens (ranks at or above it cannot be drafted)."""
+    drafting from ``draft_rows`` tokens (ranks at or above it cannot be drafted); ``costs``: this
+    machine's step costs, which re-rank a bank that carries its acceptance frontier."""
     if config.entropy_adaptive:
-        plan = _entropy_plan(config, num_heads)
+        plan = _entropy_plan(config, num_heads, costs)
     else:
-        plan = _switching_plan(config, num_heads)
+        plan = _switching_plan(config, num_heads, costs)
     _check_trees(plan.trees, num_heads, draft_rows)
     return plan
 
 
-def _switching_plan(config: Any, num_heads: int) -> DecodePlan:
+def _switching_plan(config: Any, num_heads: int, costs: CostTable | None) -> DecodePlan:
     feature = config.feature or "best_path_value"
     bank = config.load_bank() if config.bank is not None else None
-    retrieval = _retrieval(config, bank)
+    defaults = bank.scheduler_for(costs) if bank is not None else None
+    retrieval = _retrieval(config, defaults)
     if bank is not None:
-        trees, policy, args = _from_bank(config, bank)
+        trees, policy, args = _from_bank(config, bank, defaults)
         if config.feature is None:
-            feature = bank.scheduler.ladder_feature if policy == "ladder" else bank.scheduler.feature
+            feature = defaults.ladder_feature if policy == "ladder" else defaults.feature
     elif config.tree is not None:
         trees, policy, args = (Tree.from_choices(config.tree),), config.policy or "static", {}
     else:
@@ -115,8 +125,7 @@ def _from_trees(config: Any) -> tuple[tuple[Tree, ...], str, dict]:
     return trees, policy, args
 
 
-def _from_bank(config: Any, bank: "TopologyBank") -> tuple[tuple[Tree, ...], str, dict]:
-    d = bank.scheduler
+def _from_bank(config: Any, bank: "TopologyBank", d: "SchedulerDefaults") -> tuple[tuple[Tree, ...], str, dict]:
     trees = tuple(bank.trees)
     policy = config.policy or d.policy
     if policy == "static":
@@ -133,22 +142,22 @@ def _from_bank(config: Any, bank: "TopologyBank") -> tuple[tuple[Tree, ...], str
     return ladder, policy, {"thresholds": thresholds}
 
 
-def _entropy_plan(config: Any, num_heads: int) -> DecodePlan:
+def _entropy_plan(config: Any, num_heads: int, costs: CostTable | None) -> DecodePlan:
     """Policy ``entropy``: the tree's truncations at depth 0..D (index = depth) and the chain."""
     if config.tree is not None:
         tree, retrieval = Tree.from_choices(config.tree), _retrieval(config, None)
     else:
-        bank = config.load_bank()
-        tree, retrieval = bank.trees[bank.scheduler.static], _retrieval(config, bank)
+        defaults = config.load_bank().scheduler_for(costs)
+        tree, retrieval = config.load_bank().trees[defaults.static], _retrieval(config, defaults)
     trees = tuple(Tree(tuple(p for p in tree.paths if len(p) <= d)) for d in range(tree.depth + 1))
     args = {"policy": "static", "static_index": tree.depth}
     return _plan(trees, Tree.chain(tree.depth), args, eas=config.eas or EASConfig(), retrieval=retrieval)
 
 
-def _retrieval(config: Any, bank: "TopologyBank | None") -> RetrievalConfig | None:
+def _retrieval(config: Any, defaults: "SchedulerDefaults | None") -> RetrievalConfig | None:
     """The retrieval settings in force: the config's own, else the bank's default (off without one)."""
     if config.retrieval is None:
-        return bank.scheduler.retrieval if bank is not None else None
+        return defaults.retrieval if defaults is not None else None
     return config.retrieval or None
 
 

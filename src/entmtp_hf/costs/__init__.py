@@ -1,0 +1,1 @@
+"""Step costs per machine: the fingerprint, the probe, the cost table, its cache, and re-ranking."""

@@ -1,0 +1,65 @@
+"""Cost tables on disk: measured once per (machine, model and heads, dtype), read after.
+
+Files live in ``<entmtp-hf cache>/costs/<key>.json`` (see :func:`entmtp_hf.paths.cache_dir`),
+written whole then renamed, so a reader never sees half a file; an unreadable or foreign file
+is measured again rather than trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from ..errors import FileFormatError
+from ..files import read_json_object
+from ..paths import cache_dir
+from .fingerprint import machine_fingerprint, model_key
+from .probe import probe
+from .table import CostTable
+
+log = logging.getLogger(__name__)
+MAX_BYTES = 1 << 20
+
+
+def table_path(key: str, folder: Path | None = None) -> Path:
+    return (folder or cache_dir() / "costs") / f"{key}.json"
+
+
+def read_table(path: Path) -> CostTable | None:
+    """The table at ``path``, or None when there is none or it cannot be trusted (logged)."""
+    if not path.is_file():
+        return None
+    try:
+        return CostTable.from_dict(read_json_object(path, max_bytes=MAX_BYTES, max_depth=8), str(path))
+    except FileFormatError as e:
+        log.warning("entmtp-hf: ignoring the cached cost table %s (%s)", path, e.problem)
+        return None
+
+
+def write_table(table: CostTable, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(table.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def cost_table(model, heads, *, refresh: bool = False, folder: Path | None = None) -> CostTable:
+    """This machine's table for ``model`` and ``heads``: from the cache, else probed now (logged) and cached."""
+    lm = model.get_output_embeddings().weight
+    key = f"{machine_fingerprint(lm.device, lm.dtype).key()}-{model_key(model, heads)}"
+    path = table_path(key, folder)
+    table = None if refresh else read_table(path)
+    if table is None:
+        log.info("entmtp-hf: measuring this machine's step costs for the bank's re-ranking (once; cached in %s)", path)
+        table = probe(model, heads)
+        write_table(table, path)
+    return table

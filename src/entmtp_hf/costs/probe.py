@@ -1,0 +1,166 @@
+"""The cost probe: this machine's step costs for a model and its heads, measured in seconds.
+
+It times the real pieces of a decode step on the loaded model (short, interleaved, medians):
+
+1. the verification forward of ``N`` nodes after a cached prefix, for a grid of sizes;
+2. the heads drafting a few tree shapes (chains and fans), fitted by depth and size;
+3. two short EntMTP decodes and a short plain ``generate``: the rest of a step (acceptance,
+   cache, the heads' conditioning) and plain decoding's time per token.
+
+The result is a :class:`~entmtp_hf.costs.table.CostTable` (see there for the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from ..config import EntMTPConfig
+from ..decoding.attention import tree_attention_mask, verifying
+from ..decoding.stats import PhaseTimer
+from ..trees.tree import Tree
+from .fingerprint import machine_fingerprint, model_key
+from .table import CostTable
+
+log = logging.getLogger(__name__)
+
+#: forward sizes measured (larger trees interpolate, or extrapolate from the last two)
+PROBE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+PREFIX_LEN = 256
+DECODE_TOKENS = 32
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _medians(runs: dict, repeats: int, sync: Callable[[], None]) -> dict:
+    """Median seconds of each ``runs[key]()`` over ``repeats`` interleaved rounds after a warm-up round."""
+    times: dict = {k: [] for k in runs}
+    for r in range(repeats + 1):
+        for key, run in runs.items():
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            if r:
+                times[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _prefix(model, length: int, generator: torch.Generator) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+    """Random prompt ids [1, L], the cache after them and their last hidden states [L, H]."""
+    lm = model.get_output_embeddings().weight
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, length), generator=generator).to(lm.device)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=-1)
+    return ids, cache, out.hidden_states[-1][0]
+
+
+def forward_ms(model, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: int = PREFIX_LEN, repeats: int = 5
+               ) -> dict[int, float]:
+    """Median ms of the verification forward of ``N`` chained nodes after ``prefix_len`` cached tokens."""
+    lm = model.get_output_embeddings().weight
+    g = torch.Generator().manual_seed(0)
+    _, cache, _ = _prefix(model, prefix_len, g)
+    row = torch.zeros(prefix_len, dtype=lm.dtype, device=lm.device)
+    vocab = model.config.get_text_config().vocab_size
+
+    def run(n: int) -> Callable[[], None]:
+        b = Tree.chain(n - 1).buffers(lm.device, lm.dtype)
+        inputs = dict(input_ids=torch.randint(0, vocab, (1, n), generator=g).to(lm.device),
+                      attention_mask=tree_attention_mask(b, row, prefix_len + n),
+                      position_ids=(b.position_ids + prefix_len)[None])  # fmt: skip
+
+        def forward() -> None:
+            model(**inputs, cache=cache, use_cache=True, output_hidden_states=-1)
+            cache.crop(-n)
+
+        return forward
+
+    with verifying():
+        seconds = _medians({n: run(n) for n in sizes}, repeats, _sync(lm.device))
+    return {n: 1e3 * s for n, s in seconds.items()}
+
+
+def probe_trees(heads) -> list[Tree]:
+    """Shapes whose drafting times fit the draft model: chains of every depth, fans, a bushy tree."""
+    depth, rows = heads.num_heads, heads.config.draft_vocab_rows
+    trees = [Tree.chain(d) for d in range(1, depth + 1)]
+    trees += [Tree.from_choices([[i] for i in range(w)]) for w in (2, 4, 8) if w <= rows]
+    bushy = [[i] for i in range(min(4, rows))] + [[i, j] for i in range(min(4, rows)) for j in range(min(2, rows))]
+    trees.append(Tree.from_choices(bushy).union(Tree.chain(depth)))
+    return trees
+
+
+def draft_fit(model, heads, *, repeats: int = 5) -> tuple[tuple[float, float, float], float]:
+    """Least-squares ``(a, b, c)`` of drafting ms = a + b·depth + c·(nodes - 1), and the fit's
+    largest relative error over the probed shapes."""
+    heads_device = next(heads.parameters()).device
+    dtype = model.get_output_embeddings().weight.dtype
+    ids, _, hidden = _prefix(model, 64, torch.Generator().manual_seed(1))
+    state = heads.new_state(model)
+    heads.observe(state, hidden)
+    root = ids[0, -1:].to(heads_device)
+    trees = probe_trees(heads)
+    runs = {i: (lambda b=t.buffers(heads_device, dtype): heads.propose(state, root, b)) for i, t in enumerate(trees)}
+    seconds = _medians(runs, repeats, _sync(heads_device))
+    x = torch.tensor([[1.0, t.depth, t.num_nodes - 1] for t in trees], dtype=torch.float64)
+    y = torch.tensor([1e3 * seconds[i] for i in range(len(trees))], dtype=torch.float64)
+    coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0]
+    error = float(((x @ coef - y).abs() / y).max())
+    return (float(coef[0]), float(coef[1]), float(coef[2])), error
+
+
+def _greedy(model) -> GenerationConfig:
+    """Greedy decoding that runs to its token budget (no EOS: every probe decode has one length)."""
+    return GenerationConfig(**{**model.generation_config.to_dict(), "eos_token_id": None, "do_sample": False})
+
+
+def step_overhead(model, forward: dict[int, float], *, tokens: int = DECODE_TOKENS) -> tuple[tuple[float, float], float]:
+    """``(o, p)`` of a step's ms outside the forward and drafting (o + p·nodes, from two tree sizes),
+    and plain ``generate``'s ms per token (prefill excluded), from short decodes of one prompt."""
+    g = torch.Generator().manual_seed(2)
+    lm = model.get_output_embeddings().weight
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, 96), generator=g).to(lm.device)
+    config = _greedy(model)
+    sync = _sync(lm.device)
+
+    def plain(n: int) -> Callable[[], None]:
+        return lambda: model.generate(ids, generation_config=config, max_new_tokens=n)
+
+    seconds = _medians({"one": plain(1), "many": plain(tokens + 1)}, 2, sync)
+    plain_ms = 1e3 * (seconds["many"] - seconds["one"]) / tokens
+    small, large = Tree.chain(1), Tree.chain(1).union(Tree.from_choices([[i] for i in range(8)]))
+    per_step = {}
+    for tree in (small, large):
+        timer = PhaseTimer()
+        out = model.generate(ids, generation_config=config, max_new_tokens=tokens, return_dict_in_generate=True,
+                             entmtp_config=EntMTPConfig(tree=tree.choices), entmtp_observers=[timer])  # fmt: skip
+        st = out.entmtp_stats
+        decode_ms = 1e3 * (st["total_time"] - st["prefill_time"])
+        per_step[tree.num_nodes] = (decode_ms - 1e3 * (timer.seconds["verify"] + timer.seconds["draft"])) / st["steps"]
+    (n1, o1), (n2, o2) = sorted(per_step.items())
+    p = (o2 - o1) / (n2 - n1)
+    return (o1 - p * n1, p), plain_ms
+
+
+@torch.no_grad()
+def probe(model, heads, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 5) -> CostTable:
+    """Measure this machine's :class:`CostTable` for ``model`` (enabled with ``heads``)."""
+    t0 = time.perf_counter()
+    lm = model.get_output_embeddings().weight
+    fingerprint = machine_fingerprint(lm.device, lm.dtype)
+    forward = forward_ms(model, sizes, repeats=repeats)
+    draft, fit_error = draft_fit(model, heads, repeats=repeats)
+    overhead, plain = step_overhead(model, forward)
+    seconds = time.perf_counter() - t0
+    table = CostTable({**fingerprint.to_dict(), "key": fingerprint.key()}, model_key(model, heads), forward, draft,
+                      overhead, plain, seconds, notes={"draft_fit_max_error": fit_error, "prefix_len": PREFIX_LEN})  # fmt: skip
+    log.info("entmtp-hf: measured this machine's step costs in %.1f s (%s)", seconds, fingerprint.describe())
+    return table

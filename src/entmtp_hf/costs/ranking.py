@@ -1,0 +1,73 @@
+"""Re-ranking a bank's acceptance frontier by one machine's step costs.
+
+The acceptance side of a bank (each frontier tree's debiased tokens per step on the task) does
+not depend on the machine; the cost side does. Given a :class:`~entmtp_hf.costs.table.CostTable`,
+every frontier tree gets a modelled speed-up ``τ(T)·P / step(T)``, and:
+
+* EntMTP* (``static``) is the tree with the largest one, or the root alone (plain decoding,
+  which ``generate`` then runs as plain ``generate``) unless some tree beats plain decoding by
+  :data:`MARGIN`: a model error must not make decoding slower;
+* the hysteresis pair is the fastest tree below and the fastest above EntMTP* (its thresholds
+  and feature stay the bank's: they were calibrated on the task, not the machine);
+* the value policy's trees keep their shapes and get this machine's relative costs.
+
+Every tree a policy can pick comes from the same table, so none of them is priced by another
+machine. Pure functions: the probe measures, the bank stores, this module decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from ..trees.tree import Tree
+from .table import CostTable
+
+#: a tree must beat plain decoding by this factor in the model before it replaces it
+MARGIN = 1.05
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """One machine's choice over a bank's trees, and the speed-ups it was made from."""
+
+    static: int | None  # the EntMTP* tree's index; None: plain decoding
+    conservative: int | None
+    aggressive: int | None
+    speedups: dict[int, float]  # modelled speed-up of every rankable tree (index -> speed-up)
+    value_costs: tuple[float, ...]
+
+
+def rank(trees: Sequence[Tree], taus: dict[int, float], table: CostTable, value: Sequence[int] = (),
+         margin: float = MARGIN) -> Ranking:
+    """Rank the trees with known tokens per step (``taus``: index -> τ) on ``table``'s machine."""
+    speedups = {k: table.speedup(trees[k], tau) for k, tau in taus.items() if trees[k].num_nodes > 1}
+    best = max(speedups, key=lambda k: (speedups[k], -trees[k].num_nodes), default=None)
+    if best is None or speedups[best] < margin:
+        return Ranking(None, None, None, speedups, _value_costs(trees, value, table))
+    size = trees[best].num_nodes
+    below = [k for k in speedups if trees[k].num_nodes < size]
+    above = [k for k in speedups if trees[k].num_nodes > size]
+    low = max(below, key=speedups.get, default=best)
+    high = max(above, key=speedups.get, default=best)
+    return Ranking(best, low, high, speedups, _value_costs(trees, value, table))
+
+
+def _value_costs(trees: Sequence[Tree], value: Sequence[int], table: CostTable) -> tuple[float, ...]:
+    return tuple(table.relative(trees[k]) for k in value)
+
+
+def scheduler_for(defaults, ranking: Ranking, root_only: int | None):
+    """The bank's :class:`~entmtp_hf.trees.bank_format.SchedulerDefaults` with this machine's trees.
+
+    Plain decoding (no tree beats it) becomes the static policy on the root-only tree with no
+    retrieval, which ``generate`` runs as plain ``generate``.
+    """
+    if ranking.static is None:
+        if root_only is None:
+            return defaults
+        return replace(defaults, static=root_only, conservative=root_only, aggressive=root_only, policy="static",
+                       retrieval=None, value_costs=ranking.value_costs)  # fmt: skip
+    low, high = sorted((ranking.conservative, ranking.aggressive))
+    return replace(defaults, static=ranking.static, conservative=low, aggressive=high,
+                   value_costs=ranking.value_costs)  # fmt: skip

@@ -1,0 +1,126 @@
+"""The cost model of a decode step on one machine: what a tree costs, and the speed-up it buys.
+
+One EntMTP step that verifies tree ``T`` (``N`` nodes, depth ``D``) costs, in milliseconds,
+
+    step(T) = F(N) + draft(T) + overhead(N)
+
+with ``F(N)`` the verification forward of ``N`` nodes after a cached prefix (measured at a grid
+of sizes, linear in between), ``draft(T) = a + b·D + c·(N - 1)`` (Hydra drafts one batched head
+call per depth, Medusa one call per head) and ``overhead(N) = o + p·N`` (acceptance, the cache
+update, the heads' conditioning on the accepted tokens, the loop). With ``τ(T)`` tokens per
+step and plain ``generate`` at ``P`` ms per token, the modelled speed-up is ``τ(T)·P / step(T)``.
+A :class:`CostTable` holds these measurements for one (machine, model, heads) and is plain
+JSON, so it is cached on disk and stored in banks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import FileFormatError
+from ..trees.tree import Tree
+
+#: the most forward sizes a table may hold (a probe measures about fifteen)
+MAX_SIZES = 256
+FORMAT_VERSION = 1
+
+
+def interpolate(values: dict[int, float], n: int) -> float:
+    """``values[n]`` where measured, else linear between the nearest sizes around ``n`` (along
+    the last two beyond the largest)."""
+    if n in values:
+        return values[n]
+    sizes = sorted(values)
+    if len(sizes) < 2 or n < sizes[0]:
+        raise ValueError(f"no cost for {n} nodes (measured: {sizes})")
+    above = [m for m in sizes if m > n]
+    lo, hi = (sizes[-2], sizes[-1]) if not above else (max(m for m in sizes if m < n), above[0])
+    return values[lo] + (values[hi] - values[lo]) * (n - lo) / (hi - lo)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Measured step costs (ms) of one model and heads on one machine (see the module docstring)."""
+
+    fingerprint: dict[str, Any]
+    model: str  # :func:`~entmtp_hf.costs.fingerprint.model_key`
+    forward_ms: dict[int, float]  # F(N)
+    draft_ms: tuple[float, float, float]  # (a, b, c): a + b·depth + c·(nodes - 1)
+    overhead_ms: tuple[float, float]  # (o, p): o + p·nodes
+    plain_ms: float  # plain generate, per generated token
+    seconds: float = 0.0  # how long measuring took
+    format_version: int = FORMAT_VERSION
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """The machine's fingerprint key and the model key: what a bank's entry is filed under."""
+        return f"{self.fingerprint.get('key', '')}-{self.model}"
+
+    def forward(self, nodes: int) -> float:
+        return interpolate(self.forward_ms, nodes)
+
+    def drafting(self, tree: Tree) -> float:
+        a, b, c = self.draft_ms
+        return 0.0 if tree.num_nodes == 1 else max(a + b * tree.depth + c * (tree.num_nodes - 1), 0.0)
+
+    def step(self, tree: Tree) -> float:
+        """Milliseconds of one EntMTP step that verifies ``tree``."""
+        o, p = self.overhead_ms
+        return self.forward(tree.num_nodes) + self.drafting(tree) + max(o + p * tree.num_nodes, 0.0)
+
+    def speedup(self, tree: Tree, tokens_per_step: float) -> float:
+        """Modelled speed-up over plain ``generate`` of verifying ``tree`` every step."""
+        return tokens_per_step * self.plain_ms / self.step(tree)
+
+    def relative(self, tree: Tree) -> float:
+        """A step's cost over one plain token's (what the value policy weighs trees by)."""
+        return self.step(tree) / self.plain_ms
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["forward_ms"] = {str(n): v for n, v in sorted(self.forward_ms.items())}
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "cost table") -> "CostTable":
+        """Validated: every number finite, sizes positive and bounded; a problem names ``source``."""
+        try:
+            return cls._from_dict(data)
+        except (TypeError, ValueError, KeyError) as e:
+            raise FileFormatError(source, f"not a valid cost table ({e})") from None
+
+    @classmethod
+    def _from_dict(cls, data: Any) -> "CostTable":
+        if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"expected a JSON object with format_version {FORMAT_VERSION}")
+        forward = data["forward_ms"]
+        if not isinstance(forward, dict) or not 2 <= len(forward) <= MAX_SIZES:
+            raise ValueError(f"forward_ms must map 2 to {MAX_SIZES} sizes to milliseconds")
+        sizes = {int(n): _ms(v, f"forward_ms[{n}]") for n, v in forward.items()}
+        if min(sizes) != 1 or any(n < 1 for n in sizes):
+            raise ValueError("forward_ms must start at 1 node")
+        draft = tuple(_finite(v, "draft_ms") for v in data["draft_ms"])
+        overhead = tuple(_finite(v, "overhead_ms") for v in data["overhead_ms"])
+        if len(draft) != 3 or len(overhead) != 2:
+            raise ValueError("draft_ms needs 3 numbers and overhead_ms 2")
+        if not isinstance(data["fingerprint"], dict) or not isinstance(data["model"], str):
+            raise ValueError("fingerprint must be an object and model a string")
+        return cls(dict(data["fingerprint"]), data["model"], sizes, draft, overhead, _ms(data["plain_ms"], "plain_ms"),
+                   _finite(data.get("seconds", 0.0), "seconds"), FORMAT_VERSION, dict(data.get("notes") or {}))  # fmt: skip
+
+
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _ms(value: Any, name: str) -> float:
+    ms = _finite(value, name)
+    if ms <= 0:
+        raise ValueError(f"{name} must be positive, got {ms}")
+    return ms

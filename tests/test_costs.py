@@ -1,0 +1,177 @@
+"""Banks that fit the machine: the cost model, the ranking, machine entries in banks, the cache, the probe."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import entmtp_hf.costs.cache as cache_module
+from entmtp_hf import EntMTPConfig, FileFormatError, TopologyBank, Tree, enable_entmtp
+from entmtp_hf.costs.fingerprint import machine_fingerprint, model_key
+from entmtp_hf.costs.probe import probe
+from entmtp_hf.costs.ranking import MARGIN, rank
+from entmtp_hf.costs.table import CostTable, interpolate
+from entmtp_hf.trees.bank import published_defaults_bank
+from test_generation import enabled, prompts
+
+CHAIN = [Tree.chain(d) for d in range(4)]  # 1, 2, 3, 4 nodes
+
+
+def table(forward: dict[int, float], *, plain: float | None = None, key: str = "m", model: str = "x") -> CostTable:
+    """A synthetic machine: forward ms by size, drafting and overhead free unless given."""
+    return CostTable({"key": key}, model, forward, (0.0, 0.0, 0.0), (0.0, 0.0), plain or forward[1])
+
+
+def frontier_bank(taus=(1.0, 1.6, 2.0, 2.2), scheduler=None) -> TopologyBank:
+    per_tree = [{"num_nodes": t.num_nodes, "mean_accept_length": tau} for t, tau in zip(CHAIN, taus)]
+    return TopologyBank("t", CHAIN, {"trees": per_tree, "frontier": {"trees": [0, 1, 2, 3]},
+                                     "scheduler": scheduler or {"static": 3, "policy": "static"}})  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the model
+def test_interpolation_and_the_step_cost():
+    costs = {1: 10.0, 2: 10.0, 4: 14.0, 8: 20.0}
+    assert interpolate(costs, 3) == 12.0 and interpolate(costs, 16) == 32.0
+    t = CostTable({"key": "m"}, "x", costs, (1.0, 0.5, 0.1), (2.0, 0.25), 12.0)
+    tree = Tree.chain(3)  # 4 nodes, depth 3
+    assert t.step(tree) == pytest.approx(14.0 + (1.0 + 1.5 + 0.3) + (2.0 + 1.0))
+    assert t.speedup(tree, 2.0) == pytest.approx(2.0 * 12.0 / t.step(tree))
+    assert t.drafting(Tree.root_only()) == 0.0
+
+
+def test_cost_tables_round_trip_and_bad_ones_are_refused_naming_the_source():
+    t = CostTable({"key": "m"}, "x", {1: 10.0, 4: 14.0}, (1.0, 0.5, 0.1), (2.0, 0.25), 12.0, 3.5)
+    assert CostTable.from_dict(t.to_dict()) == t
+    bad = [dict(t.to_dict(), plain_ms=-1.0), dict(t.to_dict(), forward_ms={"2": 1.0, "3": 2.0}),
+           dict(t.to_dict(), draft_ms=[1.0]), dict(t.to_dict(), forward_ms={"1": float("nan"), "2": 1.0}),
+           dict(t.to_dict(), format_version=9), "not a dict"]  # fmt: skip
+    for data in bad:
+        with pytest.raises(FileFormatError, match="costs.json"):
+            CostTable.from_dict(data, "costs.json")
+
+
+# ----------------------------------------------------------------------------- the ranking
+def test_the_ranking_follows_the_injected_costs():
+    taus = {0: 1.0, 1: 1.6, 2: 2.0, 3: 2.2}
+    cheap_three = table({1: 10.0, 2: 10.0, 3: 10.5, 4: 15.0})  # three rows cost one, four cost 1.5
+    r = rank(CHAIN, taus, cheap_three)
+    assert r.static == 2 and (r.conservative, r.aggressive) == (1, 3)
+    assert r.speedups[2] == pytest.approx(2.0 / 1.05) and 0 not in r.speedups  # the root is plain decoding
+    flat = table({1: 10.0, 4: 10.0})  # every size costs one: the largest tree wins
+    assert rank(CHAIN, taus, flat).static == 3
+
+
+def test_nothing_beating_plain_decoding_by_the_margin_means_plain_decoding():
+    taus = {1: 1.6, 2: 2.0}
+    costly = table({1: 10.0, 2: 16.0, 3: 20.5})  # 1.6/1.6 = 1.0 and 2.0/2.05 < 1
+    assert rank(CHAIN, taus, costly).static is None
+    just_above = table({1: 10.0, 2: 1.6 / (MARGIN + 0.01) * 10.0, 3: 30.0})
+    assert rank(CHAIN, taus, just_above).static == 1
+
+
+def test_a_bank_re_ranks_its_frontier_and_stores_the_machine():
+    bank = frontier_bank()
+    machine = table({1: 10.0, 2: 10.0, 3: 10.5, 4: 15.0}, key="here")
+    assert bank.scheduler.static == 3 and bank.scheduler_for(None) == bank.scheduler
+    assert bank.scheduler_for(machine).static == 2  # re-ranked on the fly
+    stored = bank.with_machine(machine)
+    assert stored.machines[0]["scheduler"]["static"] == 2 and stored.machines[0]["speedups"]["2"] > 1.8
+    # a stored entry wins over re-ranking (it may have been checked against the clock)
+    entry = stored.machines[0]
+    entry["scheduler"]["static"] = 1
+    pinned = TopologyBank("t", CHAIN, {**stored.metadata, "machines": [entry]})
+    assert pinned.scheduler_for(machine).static == 1
+    assert pinned.scheduler_for(table({1: 10.0, 4: 10.0}, key="elsewhere")).static == 3
+    again = stored.with_machine(dataclasses.replace(machine, plain_ms=11.0))  # same machine: replaced, not added
+    assert len(again.machines) == 1
+
+
+def test_a_machine_where_nothing_pays_gets_plain_decoding_without_retrieval():
+    bank = frontier_bank(scheduler={"static": 3, "policy": "static", "retrieval": {"mode": "replace", "num_tokens": 2}})
+    slow = table({1: 10.0, 2: 20.0, 4: 40.0})
+    chosen = bank.scheduler_for(slow)
+    assert chosen.static == 0 and chosen.policy == "static" and chosen.retrieval is None
+
+
+def test_banks_with_machines_round_trip_and_old_banks_load(tmp_path):
+    bank = frontier_bank().with_machine(table({1: 10.0, 2: 10.0, 3: 10.5, 4: 15.0}, key="here"))
+    bank.save_pretrained(tmp_path)
+    assert TopologyBank.from_pretrained(tmp_path, task="t") == bank
+    old = published_defaults_bank()  # no frontier: the stored scheduler on every machine
+    assert old.frontier == {} and old.scheduler_for(table({1: 1.0, 4: 1.0})) == old.scheduler
+    with pytest.raises(ValueError, match="no acceptance frontier"):
+        old.with_machine(table({1: 1.0, 4: 1.0}))
+
+
+@pytest.mark.parametrize("meta", [
+    {"frontier": {"trees": [7]}},
+    {"frontier": {"trees": [1]}, "trees": [{}, {}, {}, {}]},
+    {"machines": [{"costs": {"format_version": 1}, "scheduler": {}}]},
+    {"machines": [{"costs": CostTable({"key": "m"}, "x", {1: 1.0, 2: 1.0}, (0, 0, 0), (0, 0), 1.0).to_dict(),
+                   "scheduler": {"static": 9}}]},
+])  # fmt: skip
+def test_bad_frontier_or_machine_entries_are_refused(meta):
+    with pytest.raises(ValueError, match="frontier|machines"):
+        TopologyBank("t", CHAIN, meta)
+
+
+# ----------------------------------------------------------------------------- generate adapts
+def _with_machine_costs(model, heads, forward):
+    lm = model.get_output_embeddings().weight
+    fp = machine_fingerprint(lm.device, lm.dtype)
+    return CostTable({**fp.to_dict(), "key": fp.key()}, model_key(model, heads), forward, (0.0, 0.0, 0.0), (0.0, 0.0),
+                     forward[1])  # fmt: skip
+
+
+def test_generate_uses_this_machines_ranking_and_plain_decoding_when_nothing_pays(tiny_cache):
+    model = enabled(tiny_cache)
+    heads = model.entmtp_heads
+    ids = prompts(1)[0]
+    ref = model.generate(ids, max_new_tokens=16, do_sample=False)
+    fast_three = frontier_bank().with_machine(_with_machine_costs(model, heads, {1: 10.0, 2: 10.0, 3: 10.5, 4: 15.0}))
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                         entmtp_config=EntMTPConfig(bank=fast_three, task="t"))  # fmt: skip
+    assert torch.equal(out.sequences, ref) and set(out.entmtp_stats["tree_sizes"]) == {3}
+    stored = model.generate(ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                            entmtp_config=EntMTPConfig(bank=fast_three, task="t", adapt=False))  # fmt: skip
+    assert set(stored.entmtp_stats["tree_sizes"]) == {4}  # the bank's own choice
+    slow = frontier_bank().with_machine(_with_machine_costs(model, heads, {1: 10.0, 2: 30.0, 4: 60.0}))
+    plain = model.generate(ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                           entmtp_config=EntMTPConfig(bank=slow, task="t"))  # fmt: skip
+    assert torch.equal(plain.sequences, ref) and plain.entmtp_stats["plain_decoding"]
+    assert plain.entmtp_stats["mean_accept_length"] == 1.0
+
+
+def test_adapt_needs_a_bank_with_a_frontier():
+    with pytest.raises(ValueError, match="adapt"):
+        EntMTPConfig(tree=[[0]], adapt=True)
+    with pytest.raises(ValueError, match="no acceptance frontier"):
+        EntMTPConfig(bank=published_defaults_bank(), task="default", adapt=True).adapts
+
+
+# ----------------------------------------------------------------------------- probe and cache
+def test_the_probe_measures_a_valid_table_on_a_tiny_model(tiny_cache):
+    model = enabled(tiny_cache)
+    t = probe(model, model.entmtp_heads, sizes=(1, 2, 4), repeats=1)
+    assert set(t.forward_ms) == {1, 2, 4} and all(v > 0 for v in t.forward_ms.values()) and t.plain_ms > 0
+    assert t.seconds > 0 and t.step(Tree.chain(2)) > 0
+    assert CostTable.from_dict(t.to_dict()) == t
+
+
+def test_the_cache_is_keyed_by_machine_and_model(tiny_cache, tmp_path, monkeypatch):
+    model = enabled(tiny_cache)
+    calls = []
+    fake = table({1: 1.0, 2: 1.0})
+    monkeypatch.setattr(cache_module, "probe", lambda m, h: calls.append(1) or fake)
+    first = cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
+    second = cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
+    assert first == second == fake and calls == [1] and len(list(tmp_path.glob("*.json"))) == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # another thread count: another machine
+    cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
+    assert calls == [1, 1] and len(list(tmp_path.glob("*.json"))) == 2
+    newest = max(tmp_path.glob("*.json"), key=lambda f: f.stat().st_mtime_ns)  # this machine's file
+    newest.write_text("{not json")  # a broken file is measured again, not trusted
+    cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
+    assert len(calls) == 3
