@@ -64,7 +64,7 @@ class EntMTPGenerationMixin:
         check_supported_call(args, kwargs)
         costs = machine_costs(self, heads, entmtp_config.load_bank()) if entmtp_config.adapts else None
         plan = entmtp_config.resolve(heads.num_heads, heads.config.draft_vocab_rows, costs)  # before the prefill
-        if plan.plain:  # nothing beats plain decoding here (the bank's ranking for this machine)
+        if costs is not None and plan.plain:  # this machine's ranking: nothing beats plain decoding here
             return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
         _stop_strings_by_hand(self, kwargs)
         loop = functools.partial(entmtp_decode, entmtp_config=entmtp_config, plan=plan, heads=heads,
