@@ -2,8 +2,8 @@
 
 Under greedy decoding the output does not depend on the tree, and neither does the rank of
 each true next token under each head: one teacher-forced pass over prompt + output gives
-them (:func:`~entmtp_hf.search.rank_tuples`), and walking them the way the decoder walks
-(:func:`~entmtp_hf.search.simulate_canonical`) gives every tree's accept lengths exactly, up
+them (:func:`~entmtp_hf.tools.search.trajectories.rank_tuples`), and walking them the way the
+decoder walks (:func:`~entmtp_hf.tools.search.trajectories.simulate_canonical`) gives every tree's accept lengths exactly, up
 to floating-point ties. So one greedy benchmark run (its vanilla outputs) is enough to report
 τ for ``mc_sim_7b_63``, every tree of a bank, or any other tree, on the same 20 prompts per
 task; the measured τ of the tree methods that ran checks the simulation.
@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .search.search import Trajectory, rank_tuples, simulate_canonical
 from ..trees.tree import MC_SIM_7B_63, Tree
+from .search.trajectories import Trajectory, rank_tuples, simulate_canonical
 
 
 def trajectories(model, heads, results: dict, task: str, method: str = "vanilla") -> list[Trajectory]:

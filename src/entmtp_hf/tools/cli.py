@@ -42,7 +42,7 @@ from .training import add_subcommand as _add_train_heads  # noqa: E402
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_convert_heads, _add_train_heads]
 
-from .search.search import add_subcommand as _add_search  # noqa: E402
+from .search.cli import add_subcommand as _add_search  # noqa: E402
 
 SUBCOMMANDS.append(_add_search)
 
