@@ -13,21 +13,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from entmtp_hf.trees.bank import shipped_bank_path
 from entmtp_hf.tools import regime
-from entmtp_hf.tools.bench.bench import (
-    METHODS,
-    PERPLEXITY_METRIC,
-    BenchContext,
-    BenchSettings,
-    Generation,
-    Method,
-    find_mismatch,
-    random_heads,
-    read_results,
-    rotation,
-    run_benchmark,
-    write_results,
-)
-from entmtp_hf.tools.bench.report import geomean, summarize, table1_markdown, write_report
+from entmtp_hf.tools.bench.checks import PERPLEXITY_METRIC, find_mismatch
+from entmtp_hf.tools.bench.context import BenchContext, random_heads
+from entmtp_hf.tools.bench.methods import METHODS, Generation, Method
+from entmtp_hf.tools.bench.report import table1_markdown, write_report
+from entmtp_hf.tools.bench.results import read_results, write_results
+from entmtp_hf.tools.bench.runner import rotation, run_benchmark
+from entmtp_hf.tools.bench.settings import BenchSettings
+from entmtp_hf.tools.bench.summary import geomean, summarize
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.heads import HydraHeads
@@ -176,7 +169,7 @@ def test_json_has_every_method_and_task(bench_run):
 
 def test_split_tasks_merge_into_one_report(bench_run, tmp_path):
     """The basket's tasks run in two processes (one per core) merge back into one results file."""
-    from entmtp_hf.tools.bench.report import merge_results, write_results
+    from entmtp_hf.tools.bench.results import merge_results
 
     results = bench_run[0]
     parts = []
@@ -447,7 +440,8 @@ def test_eas_table_pools_chains_and_halts():
 
 
 def test_pairwise_table_pairs_prompts_and_bounds_the_noise():
-    from entmtp_hf.tools.bench.report import bootstrap_interval, paired_ratios, pairwise_markdown
+    from entmtp_hf.tools.bench.report import pairwise_markdown
+    from entmtp_hf.tools.bench.summary import bootstrap_interval, paired_ratios
 
     def rec(m, i, tps, steps):
         return {"task": "t", "method": m, "prompt_index": i, "new_tokens": 21, "tokens_per_s": tps, "steps": steps}
@@ -470,7 +464,8 @@ def test_pairwise_table_pairs_prompts_and_bounds_the_noise():
 
 def test_the_kernel_reference_gets_its_own_prompt_by_prompt_table():
     """Tree methods over plain decoding with oneDNN's kernels (no steps: one token per step)."""
-    from entmtp_hf.tools.bench.report import KERNEL_REFERENCE, paired_ratios, pairwise_markdown
+    from entmtp_hf.tools.bench.report import KERNEL_REFERENCE, pairwise_markdown
+    from entmtp_hf.tools.bench.summary import paired_ratios
 
     def rec(m, i, tps, steps=None):
         return {"task": "t", "method": m, "prompt_index": i, "new_tokens": 21, "tokens_per_s": tps, "steps": steps}

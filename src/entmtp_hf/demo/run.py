@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import TextStreamer
 
-from ..tools.bench.bench import find_mismatch
+from ..tools.bench.checks import find_mismatch
 from . import DEMO_PROMPTS, config_for, load_demo
 from ..cpu_kernels import onednn_linears
 from ..scheduling.policies import POLICIES

@@ -87,10 +87,10 @@ def markdown(table: dict[str, Any]) -> str:
 
 
 def _acceptance(args: argparse.Namespace) -> int:
-    from ..trees.bank import TopologyBank
-    from .bench.bench import set_threads
-    from .bench.report import read_results
     from ..demo.run import load_demo
+    from ..trees.bank import TopologyBank
+    from .bench.results import read_results
+    from .machine import set_threads
 
     set_threads(args.threads)
     results = read_results(args.results)

@@ -46,7 +46,7 @@ from .search.cli import add_subcommand as _add_search  # noqa: E402
 
 SUBCOMMANDS.append(_add_search)
 
-from .bench.bench import add_subcommand as _add_bench  # noqa: E402  (bench, bench-report)
+from .bench.cli import add_subcommand as _add_bench  # noqa: E402  (bench, bench-report)
 from .acceptance_table import add_subcommand as _add_acceptance  # noqa: E402
 from .profile import add_subcommand as _add_profile  # noqa: E402
 from .regime import add_subcommand as _add_regime  # noqa: E402

@@ -35,6 +35,7 @@ from ..cpu_kernels import onednn_linears
 from ..decoding.attention import tree_attention_mask, verifying
 from ..decoding.stats import PhaseTimer
 from ..trees.tree import Tree
+from .bench.settings import SAMPLING
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -87,7 +88,7 @@ def forward_costs(
 
 def kernel_reference(model, *, prefix_len: int = 256, repeats: int = 7) -> dict[str, float]:
     """Median seconds of a one-token forward with the model's own kernels (``model``) and with
-    every linear layer on oneDNN (``onednn``, :func:`~entmtp_hf.layouts.onednn_linears`: the
+    every linear layer on oneDNN (``onednn``, :func:`~entmtp_hf.cpu_kernels.onednn_linears`: the
     benchmark's ``vanilla-onednn``), interleaved. Their ratio turns c(N), which is over the
     model's own one-token forward, into the cost over the faster plain step."""
     g = torch.Generator().manual_seed(1)
@@ -118,8 +119,6 @@ def step_breakdown(
     alone, no top-k / top-p, as ``entmtp-hf bench --sampling``, so the draws too);
     ``commit_ms``: the cache update, the heads' conditioning on the accepted positions (Hydra's
     prefix layer, a transformer layer of the drafter) and emitting; ``other_ms``: the rest."""
-    from .bench.bench import SAMPLING  # the benchmark's sampling settings, at this temperature
-
     sample = {**SAMPLING, "temperature": temperature} if temperature else {"do_sample": False}
     timer = PhaseTimer()
     with torch.inference_mode():
@@ -247,9 +246,9 @@ def _markdown(report: dict) -> str:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from .bench.bench import set_threads
     from ..demo.run import config_for, load_demo
     from .data.tasks import evaluation_basket
+    from .machine import set_threads
 
     set_threads(args.threads)
     model, tokenizer, bank_dir = load_demo()

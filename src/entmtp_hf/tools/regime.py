@@ -40,6 +40,9 @@ import torch
 
 from ..scheduling.features import ema, top1_and_entropy
 from ..trees.tree import Tree
+from . import pyplot
+from .bench.methods import METHODS
+from .checkpoint import json_safe
 
 ENTROPY_WINDOWS = (4, 8, 12, 16, 24, 32, 64)
 FEATURES = (
@@ -117,8 +120,6 @@ def trace_generation(model, heads, prompt_ids: Sequence[int], output_ids: Sequen
 
 def trace_results(results: dict, heads_by_family: dict, model, methods: Sequence[str] = DEFAULT_METHODS) -> list[Trace]:
     """Traces of every record of ``methods`` (each needs its heads family in ``heads_by_family``)."""
-    from .bench.bench import METHODS
-
     traces = []
     for r in results["records"]:
         if r["method"] not in methods or not r.get("accept_lengths"):
@@ -245,11 +246,7 @@ def analyse(traces: list[Trace], *, seed: int = 0) -> dict[str, dict]:
 
 def heatmap(analysis: dict[str, dict], path: str | os.PathLike, title: str = "Pearson r with accept length") -> Path:
     """Features × tasks heatmap of r values (like the paper's Fig. 3)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     tasks = list(analysis)
     r = np.array([[analysis[t]["pearson"][f] for t in tasks] for f in FEATURES], dtype=np.float64)
     fig, ax = plt.subplots(figsize=(1.3 * len(tasks) + 3, 0.36 * len(FEATURES) + 1.2))
@@ -271,8 +268,6 @@ def heatmap(analysis: dict[str, dict], path: str | os.PathLike, title: str = "Pe
 def analyse_results(results: dict, ctx, out_dir: str | os.PathLike, methods: Sequence[str] = DEFAULT_METHODS,
                     seed: int = 0) -> dict:  # fmt: skip
     """Trace, analyse and write ``regime.json``, ``regime_heatmap.png`` and ``regime.md`` into ``out_dir``."""
-    from .bench.bench import json_safe
-
     traces = trace_results(results, ctx.heads, ctx.model, methods)
     if not traces:
         raise ValueError(f"no records of {list(methods)} with accept lengths in these results")
@@ -309,7 +304,9 @@ def regime_markdown(doc: dict) -> str:
 
 # ============================================================================ CLI
 def _regime(args: argparse.Namespace) -> int:
-    from .bench.bench import load_context, read_results, set_threads
+    from .bench.context import load_context
+    from .bench.results import read_results
+    from .machine import set_threads
 
     set_threads(args.threads)
     results = read_results(args.results)

@@ -1,0 +1,95 @@
+"""What is checked on each prompt's outputs once every method ran it: speed-ups over vanilla,
+greedy outputs token for token against vanilla (with the base model's logit gap where they
+part), and the responses' perplexity under the base model."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .context import BenchContext
+from .settings import BenchSettings
+
+log = logging.getLogger("entmtp_hf.tools.bench")
+PERPLEXITY_METRIC = Path(__file__).resolve().parent.parent / "metrics" / "perplexity"
+
+
+def postprocess(ctx: BenchContext, records: list[dict], prompts: list[dict], settings: BenchSettings) -> None:
+    """Speedups over vanilla, greedy mismatch checks and response perplexity, in place."""
+    vanilla = {r["prompt_index"]: r for r in records if r["method"] == "vanilla"}
+    for r in records:
+        base = vanilla.get(r["prompt_index"])
+        ok = base is not None and base["tokens_per_s"] and r["tokens_per_s"] is not None
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if ok else None
+        r["mismatch"] = None
+        if settings.mode == "greedy" and base is not None and r is not base:
+            prompt_ids = prompts[r["prompt_index"]]["input_ids"]
+            r["mismatch"] = find_mismatch(base["output_ids"], r["output_ids"], ctx.model, prompt_ids)
+            if r["mismatch"] is not None:
+                log.warning("%s %s prompt %d: output differs from vanilla: %s",
+                            r["task"], r["method"], r["prompt_index"], r["mismatch"])  # fmt: skip
+    if settings.perplexity:
+        add_perplexity(ctx, records, prompts)
+
+
+def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:
+    """Index of the first differing token (or of the shorter end); None when identical."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return None if len(reference) == len(other) else min(len(reference), len(other))
+
+
+@torch.no_grad()
+def find_mismatch(reference: Sequence[int], other: Sequence[int], model=None, prompt_ids=None) -> dict | None:
+    """Where ``other`` leaves ``reference`` (both new-token lists); None when identical.
+
+    With the model and prompt, adds the base model's logits at the divergent position
+    (one teacher-forced forward over prompt + common prefix): ``logit_gap`` = logit of the
+    reference token - logit of the other token (a near-zero gap is an fp near-tie).
+    """
+    pos = first_divergence(reference, other)
+    if pos is None:
+        return None
+    ref_tok = reference[pos] if pos < len(reference) else None
+    oth_tok = other[pos] if pos < len(other) else None
+    out = {"position": pos, "reference_token": ref_tok, "token": oth_tok,
+           "reference_length": len(reference), "length": len(other), "logit_gap": None, "top2_gap": None}  # fmt: skip
+    if model is not None and prompt_ids is not None and ref_tok is not None and oth_tok is not None:
+        device = next(model.parameters()).device
+        ids = torch.tensor([list(prompt_ids) + list(reference[:pos])], device=device)
+        logits = model(input_ids=ids, logits_to_keep=1).logits[0, -1].double()
+        top2 = logits.topk(2).values
+        out["logit_gap"] = float(logits[ref_tok] - logits[oth_tok])
+        out["top2_gap"] = float(top2[0] - top2[1])
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def perplexity_metric():
+    """The shipped ``evaluate`` perplexity metric (loaded once, offline)."""
+    import evaluate
+
+    return evaluate.load(str(PERPLEXITY_METRIC))
+
+
+def add_perplexity(ctx: BenchContext, records: list[dict], prompts: list[dict]) -> None:
+    """Response perplexity under the base model (given the prompt), via the shipped metric."""
+    metric = perplexity_metric()
+    cache: dict[tuple, float | None] = {}
+    for r in records:
+        key = (r["prompt_index"], tuple(r["output_ids"]))
+        if key not in cache:
+            text = ctx.tokenizer.decode(r["output_ids"], skip_special_tokens=True)
+            context = ctx.tokenizer.decode(prompts[r["prompt_index"]]["input_ids"])
+            if not text.strip():
+                cache[key] = None
+            else:
+                res = metric.compute(predictions=[text], contexts=[context], model=ctx.model,
+                                     tokenizer=ctx.tokenizer, batch_size=1)  # fmt: skip
+                cache[key] = res["perplexities"][0]
+        r["perplexity"] = cache[key]
