@@ -19,13 +19,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from ..trees.tree import MC_SIM_7B_63, Tree
 from .search.trajectories import Trajectory, rank_tuples, simulate_canonical
 
 
-def trajectories(model, heads, results: dict, task: str, method: str = "vanilla") -> list[Trajectory]:
-    """One trajectory per prompt of ``task``: prompt + the greedy output ``method`` produced."""
+def trajectories(model, heads, results: dict, task: str, method: str = "vanilla",
+                 progress: bool = False) -> list[Trajectory]:
+    """One trajectory per prompt of ``task``: prompt + the greedy output ``method`` produced
+    (``progress``: a bar over the prompts)."""
     prompts = results["prompts"][task]
     records = sorted((r for r in results["records"] if r["task"] == task and r["method"] == method),
                      key=lambda r: r["prompt_index"])  # fmt: skip
@@ -35,7 +38,7 @@ def trajectories(model, heads, results: dict, task: str, method: str = "vanilla"
         raise ValueError("accept lengths can be simulated from greedy runs only")
     out = []
     depth, rank_cap = heads.num_heads, heads.config.draft_vocab_rows
-    for r in records:
+    for r in tqdm(records, desc=f"rank tuples {task}", unit="prompt", disable=not progress):
         prompt = prompts[r["prompt_index"]]["input_ids"]
         tokens = list(prompt) + list(r["output_ids"])
         with torch.no_grad():
@@ -57,11 +60,12 @@ def measured_accept(results: dict, task: str, method: str) -> float | None:
     return sum(lengths) / len(lengths) if lengths else None
 
 
-def acceptance_table(model, heads, results: dict, trees: dict[str, dict[str, Tree]]) -> dict[str, Any]:
+def acceptance_table(model, heads, results: dict, trees: dict[str, dict[str, Tree]],
+                     progress: bool = False) -> dict[str, Any]:
     """τ per task for the named trees; ``trees[task]`` maps a label to a tree."""
     table: dict[str, Any] = {}
     for task, named in trees.items():
-        trajs = trajectories(model, heads, results, task)
+        trajs = trajectories(model, heads, results, task, progress=progress)
         table[task] = {
             "prompts": len(trajs),
             "tau": {label: {"num_nodes": t.num_nodes, "tau": mean_accept(trajs, t)} for label, t in named.items()},
@@ -106,7 +110,7 @@ def _acceptance(args: argparse.Namespace) -> int:
             for i, t in enumerate(bank.trees):
                 named[f"bank tree {i}"] = t
         trees[task] = named
-    table = acceptance_table(model, heads, results, trees)
+    table = acceptance_table(model, heads, results, trees, progress=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(table, indent=1), encoding="utf-8")

@@ -191,8 +191,9 @@ def calibrate(replays: Sequence[ChainReplay], costs: Costs, settings: dict[str, 
 
 
 # ============================================================================ measuring costs
-def drafting_costs(model, heads, repeats: int = 30, prefix_len: int = 128) -> list[float]:
-    """Median seconds of drafting the chain's first ``d`` depths, ``d = 0..D`` (interleaved rounds)."""
+def drafting_costs(model, heads, repeats: int = 30, prefix_len: int = 128, progress: bool = False) -> list[float]:
+    """Median seconds of drafting the chain's first ``d`` depths, ``d = 0..D`` (interleaved rounds;
+    ``progress``: a bar over the rounds)."""
     device = model.get_output_embeddings().weight.device
     depth = heads.num_heads
     buffers = Tree.chain(depth).buffers(next(heads.parameters()).device, model.get_output_embeddings().weight.dtype)
@@ -204,7 +205,7 @@ def drafting_costs(model, heads, repeats: int = 30, prefix_len: int = 128) -> li
         heads.observe(state, hidden)
         root = ids[0, -1]
         times: dict[int, list[float]] = {d: [] for d in range(1, depth + 1)}
-        for r in range(repeats + 1):
+        for r in tqdm(range(repeats + 1), desc="drafting costs", unit="round", disable=not progress):
             for d in range(1, depth + 1):
                 t0 = time.perf_counter()
                 heads.propose(state, root, buffers, until=lambda i, _h, d=d: i >= d)
@@ -302,8 +303,8 @@ def run_cli(args: argparse.Namespace) -> int:
     chosen = [replays[p.prompt_id] for p in prompts]  # a larger earlier --n left more in the file
     prefix = int(statistics.median(len(r.tokens) for r in chosen))
     depth = heads.num_heads
-    forward = forward_costs(model, list(range(1, depth + 2)), prefix_len=prefix, repeats=args.repeats)
-    costs = Costs(forward, drafting_costs(model, heads, repeats=args.repeats, prefix_len=prefix))
+    forward = forward_costs(model, list(range(1, depth + 2)), prefix_len=prefix, repeats=args.repeats, progress=True)
+    costs = Costs(forward, drafting_costs(model, heads, repeats=args.repeats, prefix_len=prefix, progress=True))
     result = calibrate(chosen, costs)
     # the regime EAS was designed for, modelled only: verifying N tokens costs what one does (a GPU)
     result["flat_cost"] = calibrate(chosen, Costs({n: forward[1] for n in forward}, costs.draft))
