@@ -30,6 +30,7 @@ DEFAULTS = shipped_bank_path("published-defaults")
 WORDS = ["<s>", "</s>", "[UNK]"] + [f"w{i}" for i in range(45)]
 V = len(WORDS)
 N_PROMPTS, NEW_TOKENS = 2, 8
+BROAD = ("vanilla-onednn", "medusa-default", "entmtp-ladder", "entmtp-tau-retrieval")
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -95,8 +96,9 @@ def bench_run(tmp_path_factory):
     clock = CountingClock()
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(METHODS, "planted", Planted("planted", "vanilla with a planted change", default=False))
-        # the published-defaults bank lists no value trees: entmtp-value is checked on its own below
-        names = tuple(n for n, m in METHODS.items() if m.default and n != "entmtp-value") + ("planted",)
+        # the default methods and the opt-in ones that share their machinery (the published-defaults
+        # bank lists no value trees: entmtp-value is checked on its own below)
+        names = (*(n for n, m in METHODS.items() if m.default), *BROAD, "planted")
         settings = BenchSettings(tasks=tasks, num_prompts=N_PROMPTS, max_new_tokens=NEW_TOKENS, preset="test",
                                  methods=names, warmup_tokens=4)  # fmt: skip
         Planted.calls = 0
@@ -279,6 +281,19 @@ def test_packed_methods_pack_outside_the_clock_and_unpack_before_the_next_method
     results = run_benchmark(ctx64, BenchSettings(tasks=settings.tasks, num_prompts=1, max_new_tokens=4,
                                                  methods=("vanilla", "vanilla-packed"), perplexity=False))  # fmt: skip
     assert "no layer of the model could be packed" in results["skipped"]["vanilla-packed"]["zeta"]
+
+
+def test_one_progress_bar_counts_every_measured_generation(tmp_path, capsys):
+    model, tok = tiny_llama(), tiny_tokenizer()
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": random_heads(model, "hydra")},
+                       missing_heads={"medusa": "no medusa heads here"})  # fmt: skip
+    tasks = (write_task(tmp_path, "iota", 8), write_task(tmp_path, "kappa", 9))
+    settings = BenchSettings(tasks=tasks, num_prompts=2, max_new_tokens=4, perplexity=False,
+                             methods=("vanilla", "medusa-default", "entmtp-static"))  # fmt: skip
+    results = run_benchmark(ctx, settings, progress=True)
+    err = capsys.readouterr().err
+    assert len(results["records"]) == 2 * 2 * 2  # medusa-default skipped: the bar's total shrinks with it
+    assert "bench: 100%" in err and "8/8" in err and "kappa entmtp-static" in err and "12/12" not in err
 
 
 @pytest.mark.parametrize("mode", ["sampling", "typical"])

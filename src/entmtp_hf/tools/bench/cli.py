@@ -12,7 +12,7 @@ from pathlib import Path
 from ..data.tasks import BUILTIN_TASKS
 from ..machine import set_threads
 from .context import DEFAULT_HEADS, load_context
-from .methods import METHODS, chosen_methods
+from .methods import METHODS, chosen_methods, default_method_names
 from .settings import DEFAULT_PRESET, PRESETS, BenchSettings
 
 
@@ -34,6 +34,8 @@ def _settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     from .report import write_report
     from .results import read_results, write_results
     from .runner import run_benchmark
@@ -47,10 +49,13 @@ def _bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/bench-{settings.mode}-{stamp}")
     heads = {"hydra": args.hydra_heads, "medusa": args.medusa_heads}
     t0 = time.perf_counter()
-    ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank, device=args.device)
-    ctx.eas_config = args.eas_config
-    previous = read_results(out / "results.json") if args.resume and (out / "results.json").is_file() else None
-    results = run_benchmark(ctx, settings, out_path=out / "results.json", resume=previous)
+    with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
+                           device=args.device)  # fmt: skip
+        ctx.eas_config = args.eas_config
+        previous = read_results(out / "results.json") if args.resume and (out / "results.json").is_file() else None
+        results = run_benchmark(ctx, settings, out_path=out / "results.json", resume=previous,
+                                progress=not args.no_progress)  # fmt: skip
     results["environment"]["wall_time_s"] = time.perf_counter() - t0
     write_results(results, out / "results.json")
     paths = write_report(out / "results.json", out)
@@ -58,7 +63,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.regime:
         from ..regime import analyse_results
 
-        analyse_results(results, ctx, out)
+        analyse_results(results, ctx, out, progress=not args.no_progress)
     print(f"results: {out / 'results.json'}; wall time {time.perf_counter() - t0:.0f} s")
     return 0
 
@@ -90,7 +95,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                       help=f"basket preset (default: {DEFAULT_PRESET}, {n} x {tokens})")  # fmt: skip
     p.add_argument("--n", type=int, default=None, help="prompts per task (overrides the preset)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (overrides the preset)")
-    p.add_argument("--methods", nargs="+", default=None, help=f"subset of {list(METHODS)}")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help=f"methods to run (default: {' '.join(default_method_names())}); registered: "
+                   f"{', '.join(METHODS)}")  # fmt: skip
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--sampling", action="store_true", help="T=0.7 sampling, exact (lossless) acceptance")
     mode.add_argument("--typical", action="store_true", help="T=0.7 sampling, typical acceptance (eps 0.09, alpha 0.3)")
@@ -113,6 +120,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="keep the complete prompts of --out's results.json, run the rest")
     p.add_argument("--regime", action="store_true", help="also run the regime analysis on the EntMTP records")
     p.add_argument("--plugin", nargs="+", default=None, help="modules to import first (they may register methods)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default=None, help="output folder (default runs/bench-<mode>-<utc time>)")
     p.set_defaults(func=_bench)
 

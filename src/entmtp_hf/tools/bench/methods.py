@@ -2,8 +2,9 @@
 
 Every method registers itself here with :func:`register_method`; a plug-in module does the
 same (``entmtp-hf bench --plugin my.module``). A method whose heads, bank or library support
-is missing is skipped with its reason. Methods registered with ``default=False`` run only
-when named (``entmtp-hf bench --methods ...``).
+is missing is skipped with its reason. Most methods are opt-in (``default=False``): the
+default list is the comparison a user runs first (plain decoding, prompt lookup, Hydra with
+mc_sim_7b_63, EntMTP* and EntMTPτ); ``entmtp-hf bench --methods ...`` picks any others.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Method:
     heads: str | None = None
     entmtp: ConfigFactory | None = None
     generate_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    default: bool = True  # part of the default method list
+    default: bool = False  # part of the default method list
 
     def unavailable(self, ctx: BenchContext, task: str, mode: str) -> str | None:
         """Why this method cannot run on ``task`` (None when it can)."""
@@ -219,40 +220,39 @@ class DraftMethod(Method):
 
 
 # ============================================================================ the registry
-register_method(Method("vanilla", "plain autoregressive generate"))
+register_method(Method("vanilla", "plain autoregressive generate", default=True))
 register_method(KernelReference("vanilla-onednn", "plain generate, every linear layer on oneDNN (kernel reference)"))
 register_method(PackedKernelReference("vanilla-packed", "plain generate, the decoder's layers packed and the LM head "
-                                      "on oneDNN (kernel reference)", default=False))  # fmt: skip
-register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10}))
+                                      "on oneDNN (kernel reference)"))  # fmt: skip
+register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10},
+                       default=True))  # fmt: skip
 register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="medusa", entmtp=_default_tree))
-register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hydra", entmtp=_default_tree))
-register_method(Method("entmtp-static", "EntMTP*: the bank's static optimum", heads="hydra", entmtp=_bank_policy("static")))
-register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis")))
+register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hydra", entmtp=_default_tree,
+                       default=True))  # fmt: skip
+register_method(Method("entmtp-static", "EntMTP*: the bank's static optimum", heads="hydra",
+                       entmtp=_bank_policy("static"), default=True))  # fmt: skip
+register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis"),
+                       default=True))  # fmt: skip
 register_method(PackedWeights("entmtp-static-packed", "EntMTP*, the decoder's layers packed for oneDNN", heads="hydra",
-                              entmtp=_bank_policy("static"), default=False))  # fmt: skip
+                              entmtp=_bank_policy("static")))  # fmt: skip
 register_method(Method("entmtp-value", "EntMTP-v: per step, the bank's value tree with the most path value",
                        heads="hydra", entmtp=_bank_policy("value")))  # fmt: skip
 register_method(Method("entmtp-ladder", "EntMTP-l: threshold ladder", heads="hydra", entmtp=_bank_policy("ladder")))
 register_method(Method("entmtp-tau-retrieval", "EntMTPτ + a retrieval branch copied from earlier text", heads="hydra",
                        entmtp=_bank_policy("hysteresis", retrieval=True)))  # fmt: skip
 register_method(Method("entmtp-tau-no-retrieval", "EntMTPτ without retrieval branches, whatever the bank's default",
-                       heads="hydra", entmtp=_bank_policy("hysteresis", retrieval=False), default=False))  # fmt: skip
-# Entropy-adaptive speculation (EAS) on the Hydra head chain and its fixed-chain baselines;
-# opt-in (`--methods vanilla eas chain-4 ...`). Chains longer than the heads are skipped.
-register_method(Method("eas", "EAS: Hydra head chain halted by entropy", heads="hydra", entmtp=eas_bench_config,
-                       default=False))
+                       heads="hydra", entmtp=_bank_policy("hysteresis", retrieval=False)))  # fmt: skip
+# Entropy-adaptive speculation (EAS) on the Hydra head chain and its fixed-chain baselines.
+# Chains longer than the heads are skipped.
+register_method(Method("eas", "EAS: Hydra head chain halted by entropy", heads="hydra", entmtp=eas_bench_config))
 register_method(Method("eas-w16", "EAS with a 16-token warm-up (the default waits 100 tokens)", heads="hydra",
-                       entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, EASConfig(warmup_tokens=16)),
-                       default=False))  # fmt: skip
+                       entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, EASConfig(warmup_tokens=16))))
 register_method(Method("eas-calibrated", "EAS with the task's calibrated settings (--eas-config)", heads="hydra",
-                       entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, calibrated_eas(ctx, task)),
-                       default=False))  # fmt: skip
+                       entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, calibrated_eas(ctx, task))))
 for _k in (2, 4, 8, 12):  # short chains: verifying a few tokens costs about one forward where the cost is flat in N
-    register_method(Method(f"chain-{_k}", f"fixed Hydra head chain, k={_k}", heads="hydra",
-                           entmtp=fixed_chain_config(_k), default=False))
+    register_method(Method(f"chain-{_k}", f"fixed Hydra head chain, k={_k}", heads="hydra", entmtp=fixed_chain_config(_k)))
 # The draft-model form of EAS against fixed chains, with the target's own int8 copy as the draft.
 register_method(DraftMethod("draft-eas", "int8 draft model, chain halted by EAS (k_max 12, 16-token warm-up)",
-                            eas=EASConfig(warmup_tokens=16), default=False))  # fmt: skip
+                            eas=EASConfig(warmup_tokens=16)))  # fmt: skip
 for _k in (4, 8, 12):
-    register_method(DraftMethod(f"draft-chain-{_k}", f"int8 draft model, fixed chain k={_k}", eas=fixed_length(_k),
-                                default=False))  # fmt: skip
+    register_method(DraftMethod(f"draft-chain-{_k}", f"int8 draft model, fixed chain k={_k}", eas=fixed_length(_k)))

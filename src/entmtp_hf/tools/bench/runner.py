@@ -5,8 +5,9 @@ Protocol (the paper's, scaled by presets): per task a deterministic basket of N 
 Every method gets one warm-up generation per task that is not measured. The timed region is
 the whole ``generate`` call, prefill included. Methods run *interleaved*: for prompt ``i``
 every method runs once, in an order rotated by ``i``, so machine drift hits all methods alike.
-Whatever a method prepares (heads swap, packed weights, installed kernels) happens outside the
-clock, and what it holds is released right after its timed call.
+Whatever a method prepares (heads swap, packed weights) happens outside the clock, and what
+it holds is released right after its timed call. One progress bar counts the run's measured
+generations.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from ..checkpoint import json_safe
 from ..data.tasks import evaluation_basket
@@ -150,8 +152,12 @@ class _Run:
     methods: list[Method]
     results: dict
     meter: _Meter
+    bar: Any  # tqdm over the run's measured generations
     out_path: str | os.PathLike | None
     resume: dict | None
+
+    def show(self, task: str, method: str) -> None:
+        self.bar.set_postfix_str(f"{task} {method}")
 
     def availability(self, label: str, baskets: Baskets) -> dict[str, set]:
         """Per method, whether it can run on task ``label`` (the reasons for the others go into
@@ -176,6 +182,7 @@ class _Run:
         kwargs = _gen_kwargs(self.ctx, s, min(s.warmup_tokens, s.max_new_tokens))
         failed = {}
         for m in (m for m in self.methods if label in available[m.name]):
+            self.show(label, f"{m.name} (warm-up)")
             try:
                 m.prepare(self.ctx, label, s.mode)(torch.tensor([ids], device=self.ctx.device), kwargs)
             except Exception as e:  # noqa: BLE001 - any failure means: skip this method, say why
@@ -195,12 +202,12 @@ class _Run:
             resumed = self.results.setdefault("resumed", {"from": self.resume["environment"].get("date_utc"), "prompts": 0})
             resumed["prompts"] += len(done)
             log.info("resuming %s: %d prompts already complete", label, len(done))
-        names, t_task = [m.name for m in self.methods if label in available[m.name]], time.perf_counter()
+        names = [m.name for m in self.methods if label in available[m.name]]
+        self.bar.total += (len(basket) - len(done)) * len(names) - len(basket) * len(self.methods)
+        self.bar.refresh()
         for i, (prompt, ids) in enumerate(zip(basket, all_ids)):
             if (label, i) not in done:
                 self.prompt(label, i, prompt, ids, names)
-                log.info("%s prompt %d/%d done", label, i + 1, len(basket))
-        log.info("%s: %d prompts in %.0f s", label, len(basket), time.perf_counter() - t_task)
 
     def prompt(self, label: str, i: int, prompt, ids: list[int], names: list[str]) -> None:
         """One prompt by every method, in the order rotated by ``i``; then its checks."""
@@ -208,6 +215,7 @@ class _Run:
         input_ids = torch.tensor([ids], device=self.ctx.device)
         gen_kwargs = _gen_kwargs(self.ctx, s, s.max_new_tokens)
         for position, name in enumerate(rotation(names, i)):
+            self.show(label, name)
             run = by_name[name].prepare(self.ctx, label, s.mode)  # outside the clock
             torch.manual_seed(s.seed * 100_003 + i)  # same seed for every method of a prompt
             measured = self.meter.measure(run, input_ids, gen_kwargs)
@@ -215,6 +223,7 @@ class _Run:
             rec = _record(label, i, prompt, name, *measured)
             rec.update(order=len(records), rotation_position=position, prompt_tokens=len(ids))
             records.append(rec)
+            self.bar.update(1)
         mine = [r for r in records if r["task"] == label and r["prompt_index"] == i]
         postprocess(self.ctx, mine, self.results["prompts"][label], s)
         if self.out_path is not None:  # a long run leaves complete per-prompt results behind
@@ -254,22 +263,27 @@ def run_benchmark(
     clock: Callable[[], float] = time.perf_counter,
     out_path: str | os.PathLike | None = None,
     resume: dict | None = None,
+    progress: bool = False,
 ) -> dict:
     """Run every method on every task's basket, interleaved; returns the result dict.
 
     ``clock`` is read only around measured generations (twice each). With ``out_path``
     the JSON is rewritten after every prompt, so a long run leaves partial results;
     ``resume`` (such a partial result of the same settings) keeps its complete prompts
-    and runs only the others.
+    and runs only the others. ``progress``: one bar over the run's measured generations,
+    the running task and method in its postfix.
     """
     methods = chosen_methods(settings.methods)
     results = _new_results(ctx, settings, methods)
     baskets = _baskets(ctx, settings, results)
-    run = _Run(ctx, settings, methods, results, _Meter(ctx, clock), out_path, resume)
+    total = len(methods) * sum(len(b[1]) for b in baskets.values())
+    bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress)
+    run = _Run(ctx, settings, methods, results, _Meter(ctx, clock), bar, out_path, resume)
     try:
         for label in baskets:
             run.task(label, baskets)
     finally:
+        bar.close()
         ctx.release()
         run.meter.counter.close()
     results["environment"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
