@@ -283,6 +283,51 @@ def test_packed_methods_pack_outside_the_clock_and_unpack_before_the_next_method
     assert "no layer of the model could be packed" in results["skipped"]["vanilla-packed"]["zeta"]
 
 
+def test_kernel_methods_measure_once_and_install_only_around_their_timed_calls(tmp_path, monkeypatch):
+    """``vanilla-kernels`` and ``entmtp-static-kernels`` run with the measured CPU kernels (float32:
+    oneDNN takes it), built once per context each and installed only for their own calls; every
+    other method runs on the model's own layers, whose weights come back bit for bit. On a
+    float64 model the kernels stay off and the methods run without them."""
+    import entmtp_hf.tools.bench.context as context
+
+    built = []
+
+    class Counted(context.CPUKernels):
+        def __init__(self, *args, **kwargs):
+            built.append(args[1:])
+            super().__init__(*args, **kwargs, rows=(1, 2, 4), repeats=1)
+
+    monkeypatch.setattr(context, "CPUKernels", Counted)
+    model, tok = tiny_llama().float(), tiny_tokenizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": random_heads(model, "hydra").float()})
+    seen = []
+
+    class Spy(Method):  # vanilla, noting whether every layer runs its own forward on dense weights
+        def prepare(self, ctx_, task, mode):
+            run = super().prepare(ctx_, task, mode)
+            plain = lambda: all("forward" not in vars(m) for m in model.modules()) and all(  # noqa: E731
+                p.numel() for p in model.parameters())
+            return lambda ids, kw: seen.append(plain()) or run(ids, kw)
+
+    names = ("vanilla", "vanilla-kernels", "entmtp-static", "entmtp-static-kernels")
+    settings = BenchSettings(tasks=(write_task(tmp_path, "theta", 7),), num_prompts=2, max_new_tokens=8,
+                             methods=names, perplexity=False)  # fmt: skip
+    monkeypatch.setitem(METHODS, "vanilla", Spy("vanilla", "plain generate, watched"))
+    results = run_benchmark(ctx, settings)
+    assert not results["skipped"] and {r["method"] for r in results["records"]} == set(names)
+    assert len(built) == 2 and set(ctx._kernels) == {None, "hydra"} and ctx._kernels["hydra"].active
+    assert set(results["environment"]["cpu_kernels"]) == {"model", "hydra"}
+    assert seen and all(seen) and all("forward" not in vars(m) for m in model.modules())
+    after = model.state_dict()  # the heads have joined the model since: compare the model's own
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+    ctx64 = BenchContext(tiny_llama(), tok, bank_folder=DEFAULTS)
+    results = run_benchmark(ctx64, BenchSettings(tasks=settings.tasks, num_prompts=1, max_new_tokens=4,
+                                                 methods=("vanilla", "vanilla-kernels"), perplexity=False))  # fmt: skip
+    assert not results["skipped"] and len(results["records"]) == 2
+    assert not ctx64._kernels[None].active and "off" in results["environment"]["cpu_kernels"]["model"]
+
+
 def test_one_progress_bar_counts_every_measured_generation(tmp_path, capsys):
     model, tok = tiny_llama(), tiny_tokenizer()
     ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": random_heads(model, "hydra")},

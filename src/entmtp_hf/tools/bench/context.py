@@ -1,7 +1,7 @@
 """The loaded model, tokenizer, heads and banks a benchmark run shares between its methods.
 
 Whatever is expensive to build is built once per context and kept: each task's bank, each
-method's config (its plan resolved once) and the int8 draft model.
+method's config (its plan resolved once), the int8 draft model and the measured CPU kernels.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from ...config import EntMTPConfig
+from ...cpu_kernels import CPUKernels
 from ...demo import DEMO_HEADS, DEMO_MEDUSA_HEADS
 from ...trees.bank import SHIPPED_DIR, TopologyBank
 
@@ -55,8 +56,9 @@ class BenchContext:
     _banks: dict[str, Any] = field(default_factory=dict, repr=False)
     _configs: dict[tuple, EntMTPConfig] = field(default_factory=dict, repr=False)
     _int8_draft: Any = field(default=None, repr=False)
-    #: what a method's :meth:`~.methods.Method.prepare` set up for its timed call (packed weights),
-    #: undone by :meth:`release` right after that call: outside the clock both ways
+    _kernels: dict[str | None, CPUKernels] = field(default_factory=dict, repr=False)
+    #: what a method's :meth:`~.methods.Method.prepare` set up for its timed call (packed weights,
+    #: installed kernels), undone by :meth:`release` right after that call: outside the clock both ways
     _held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     def hold(self, context: Any) -> Any:
@@ -75,6 +77,20 @@ class BenchContext:
         if self._int8_draft is None:
             self._int8_draft = quantized_draft(self.model)
         return self._int8_draft
+
+    def cpu_kernels(self, family: str | None = None) -> CPUKernels:
+        """The model's measured CPU kernels (with the ``family`` heads' drafting products),
+        installed: measured once, when first asked for, and put back on without measuring after."""
+        kernels = self._kernels.get(family)
+        if kernels is None:  # measures, then installs
+            kernels = self._kernels[family] = CPUKernels(self.model, self.heads[family] if family else None)
+        else:
+            kernels.install()
+        return kernels
+
+    def kernel_choices(self) -> dict[str, str]:
+        """What each measured set of CPU kernels chose (for the result's environment)."""
+        return {family or "model": k.describe() for family, k in self._kernels.items()}
 
     def bank(self, task: str) -> TopologyBank:
         """The bank of ``task``, falling back to the folder's ``default`` task (logged)."""

@@ -197,6 +197,20 @@ class PackedKernelReference(PackedWeights, KernelReference):
     """Plain ``generate`` on the decoder's layers packed and the LM head (never packed) on oneDNN."""
 
 
+@dataclass(frozen=True)
+class MeasuredKernels(Method):
+    """The method run with this machine's measured CPU kernels installed
+    (:class:`~entmtp_hf.cpu_kernels.CPUKernels`, with the method's heads when it has any):
+    measured once per context, installed before the clock starts and removed right after the
+    timed call, as a model enabled with ``cpu_kernels=True`` would run. Where the kernels do
+    not apply (another device or dtype, no oneDNN) the method runs without them."""
+
+    def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
+        run = super().prepare(ctx, task, mode)  # enables the heads first: the kernels dispatch their layers
+        ctx.hold(ctx.cpu_kernels(self.heads))
+        return run
+
+
 # ============================================================================ draft-model methods
 @dataclass(frozen=True)
 class DraftMethod(Method):
@@ -224,6 +238,7 @@ register_method(Method("vanilla", "plain autoregressive generate", default=True)
 register_method(KernelReference("vanilla-onednn", "plain generate, every linear layer on oneDNN (kernel reference)"))
 register_method(PackedKernelReference("vanilla-packed", "plain generate, the decoder's layers packed and the LM head "
                                       "on oneDNN (kernel reference)"))  # fmt: skip
+register_method(MeasuredKernels("vanilla-kernels", "plain generate with this machine's measured CPU kernels"))
 register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10},
                        default=True))  # fmt: skip
 register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="medusa", entmtp=_default_tree))
@@ -235,6 +250,8 @@ register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra"
                        default=True))  # fmt: skip
 register_method(PackedWeights("entmtp-static-packed", "EntMTP*, the decoder's layers packed for oneDNN", heads="hydra",
                               entmtp=_bank_policy("static")))  # fmt: skip
+register_method(MeasuredKernels("entmtp-static-kernels", "EntMTP* with this machine's measured CPU kernels",
+                                heads="hydra", entmtp=_bank_policy("static")))  # fmt: skip
 register_method(Method("entmtp-value", "EntMTP-v: per step, the bank's value tree with the most path value",
                        heads="hydra", entmtp=_bank_policy("value")))  # fmt: skip
 register_method(Method("entmtp-ladder", "EntMTP-l: threshold ladder", heads="hydra", entmtp=_bank_policy("ladder")))

@@ -5,9 +5,9 @@ Protocol (the paper's, scaled by presets): per task a deterministic basket of N 
 Every method gets one warm-up generation per task that is not measured. The timed region is
 the whole ``generate`` call, prefill included. Methods run *interleaved*: for prompt ``i``
 every method runs once, in an order rotated by ``i``, so machine drift hits all methods alike.
-Whatever a method prepares (heads swap, packed weights) happens outside the clock, and what
-it holds is released right after its timed call. One progress bar counts the run's measured
-generations.
+Whatever a method prepares (heads swap, packed weights, installed kernels) happens outside the
+clock, and what it holds is released right after its timed call. One progress bar counts the
+run's measured generations.
 """
 
 from __future__ import annotations
@@ -287,6 +287,8 @@ def run_benchmark(
         ctx.release()
         run.meter.counter.close()
     results["environment"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    if ctx.kernel_choices():
+        results["environment"]["cpu_kernels"] = ctx.kernel_choices()
     results["summary"] = summarize(results)
     if out_path is not None:
         write_results(results, out_path)
