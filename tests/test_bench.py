@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from entmtp_hf.trees.bank import shipped_bank_path
 from entmtp_hf.tools import regime
-from entmtp_hf.tools.bench.checks import PERPLEXITY_METRIC, find_mismatch
+from entmtp_hf.tools.bench.checks import find_mismatch
 from entmtp_hf.tools.bench.context import BenchContext, random_heads
 from entmtp_hf.tools.bench.methods import METHODS, Generation, Method
 from entmtp_hf.tools.bench.report import table1_markdown, write_report
@@ -21,6 +21,7 @@ from entmtp_hf.tools.bench.results import read_results, write_results
 from entmtp_hf.tools.bench.runner import rotation, run_benchmark
 from entmtp_hf.tools.bench.settings import BenchSettings
 from entmtp_hf.tools.bench.summary import geomean, summarize
+from entmtp_hf.tools.metrics import load_perplexity
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.heads import HydraHeads
@@ -354,11 +355,9 @@ def test_sampling_modes_run(tmp_path, mode):
 
 # ----------------------------------------------------------------------------- perplexity metric
 def test_perplexity_of_uniform_model_is_vocab_size(tmp_path):
-    import evaluate
-
     model, tok = tiny_llama(zero_head=True), tiny_tokenizer()
     assert tok.pad_token is None
-    metric = evaluate.load(str(PERPLEXITY_METRIC))
+    metric = load_perplexity()
     texts = ["w1 w2 w3 w4", "w5"]
     res = metric.compute(predictions=texts, model=model, tokenizer=tok, batch_size=2)
     assert res["perplexities"] == pytest.approx([V, V], rel=1e-9) and res["mean_perplexity"] == pytest.approx(V)
@@ -370,11 +369,25 @@ def test_perplexity_of_uniform_model_is_vocab_size(tmp_path):
     assert res["perplexities"] == pytest.approx([V, V], rel=1e-5)
 
 
+def test_perplexity_loads_offline_from_the_package(monkeypatch):
+    """The shipped metric folder loads with every network connection refused (as from a wheel)."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    load_perplexity.cache_clear()
+    metric = load_perplexity()
+    assert load_perplexity() is metric  # loaded once
+    model, tok = tiny_llama(zero_head=True), tiny_tokenizer()
+    res = metric.compute(predictions=["w1 w2 w3"], contexts=["w4 w5"], model=model, tokenizer=tok)
+    assert res["perplexities"] == pytest.approx([V], rel=1e-9)
+
+
 def test_perplexity_matches_direct_nll():
     model, tok = tiny_llama(seed=5), tiny_tokenizer()
-    import evaluate
-
-    metric = evaluate.load(str(PERPLEXITY_METRIC))
+    metric = load_perplexity()
     ids = tok("w3 w4 w5 w6", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([[0] + ids])).logits[0].double(), -1)

@@ -4,18 +4,16 @@ part), and the responses' perplexity under the base model."""
 
 from __future__ import annotations
 
-import functools
 import logging
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from ..metrics import load_perplexity
 from .context import BenchContext
 from .settings import BenchSettings
 
 log = logging.getLogger("entmtp_hf.tools.bench")
-PERPLEXITY_METRIC = Path(__file__).resolve().parent.parent / "metrics" / "perplexity"
 
 
 def postprocess(ctx: BenchContext, records: list[dict], prompts: list[dict], settings: BenchSettings) -> None:
@@ -69,17 +67,9 @@ def find_mismatch(reference: Sequence[int], other: Sequence[int], model=None, pr
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def perplexity_metric():
-    """The shipped ``evaluate`` perplexity metric (loaded once, offline)."""
-    import evaluate
-
-    return evaluate.load(str(PERPLEXITY_METRIC))
-
-
 def add_perplexity(ctx: BenchContext, records: list[dict], prompts: list[dict]) -> None:
     """Response perplexity under the base model (given the prompt), via the shipped metric."""
-    metric = perplexity_metric()
+    metric = load_perplexity()
     cache: dict[tuple, float | None] = {}
     for r in records:
         key = (r["prompt_index"], tuple(r["output_ids"]))
