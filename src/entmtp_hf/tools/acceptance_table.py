@@ -3,10 +3,11 @@
 Under greedy decoding the output does not depend on the tree, and neither does the rank of
 each true next token under each head: one teacher-forced pass over prompt + output gives
 them (:func:`~entmtp_hf.tools.search.trajectories.rank_tuples`), and walking them the way the
-decoder walks (:func:`~entmtp_hf.tools.search.trajectories.simulate_canonical`) gives every tree's accept lengths exactly, up
-to floating-point ties. So one greedy benchmark run (its vanilla outputs) is enough to report
-τ for ``mc_sim_7b_63``, every tree of a bank, or any other tree, on the same 20 prompts per
-task; the measured τ of the tree methods that ran checks the simulation.
+decoder walks (:func:`~entmtp_hf.tools.search.trajectories.simulate_canonical`) gives every
+tree's accept lengths exactly, up to floating-point ties. So one greedy benchmark run (its
+vanilla outputs) is enough to report τ for ``mc_sim_7b_63``, every tree of a bank, or any
+other tree, on the same prompts per task; the measured τ of the tree methods that ran checks
+the simulation.
 
 ``entmtp-hf acceptance RESULTS.json`` writes ``acceptance.json`` and ``acceptance.md``.
 """
