@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from entmtp_hf.tools.acceptance_table import acceptance_table, markdown, trajectories
-from entmtp_hf.tools.search.search import simulate_canonical
+from entmtp_hf.tools.search.trajectories import simulate_canonical
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree

@@ -13,21 +13,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from entmtp_hf.trees.bank import shipped_bank_path
 from entmtp_hf.tools import regime
-from entmtp_hf.tools.bench.bench import (
-    METHODS,
-    PERPLEXITY_METRIC,
-    BenchContext,
-    BenchSettings,
-    Generation,
-    Method,
-    find_mismatch,
-    random_heads,
-    read_results,
-    rotation,
-    run_benchmark,
-    write_results,
-)
-from entmtp_hf.tools.bench.report import geomean, summarize, table1_markdown, write_report
+from entmtp_hf.demo.compare import find_mismatch
+from entmtp_hf.tools.bench.context import BenchContext, random_heads
+from entmtp_hf.tools.bench.methods import METHODS, Generation, Method
+from entmtp_hf.tools.bench.report import table1_markdown, write_report
+from entmtp_hf.tools.bench.results import read_results, write_results
+from entmtp_hf.tools.bench.runner import rotation, run_benchmark
+from entmtp_hf.tools.bench.settings import BenchSettings
+from entmtp_hf.tools.bench.summary import geomean, summarize
+from entmtp_hf.tools.metrics import load_perplexity
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.heads import HydraHeads
@@ -37,6 +31,7 @@ DEFAULTS = shipped_bank_path("published-defaults")
 WORDS = ["<s>", "</s>", "[UNK]"] + [f"w{i}" for i in range(45)]
 V = len(WORDS)
 N_PROMPTS, NEW_TOKENS = 2, 8
+BROAD = ("vanilla-onednn", "medusa-default", "entmtp-ladder", "entmtp-tau-retrieval")
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -102,8 +97,9 @@ def bench_run(tmp_path_factory):
     clock = CountingClock()
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(METHODS, "planted", Planted("planted", "vanilla with a planted change", default=False))
-        # the published-defaults bank lists no value trees: entmtp-value is checked on its own below
-        names = tuple(n for n, m in METHODS.items() if m.default and n != "entmtp-value") + ("planted",)
+        # the default methods and the opt-in ones that share their machinery (the published-defaults
+        # bank lists no value trees: entmtp-value is checked on its own below)
+        names = (*(n for n, m in METHODS.items() if m.default), *BROAD, "planted")
         settings = BenchSettings(tasks=tasks, num_prompts=N_PROMPTS, max_new_tokens=NEW_TOKENS, preset="test",
                                  methods=names, warmup_tokens=4)  # fmt: skip
         Planted.calls = 0
@@ -176,7 +172,7 @@ def test_json_has_every_method_and_task(bench_run):
 
 def test_split_tasks_merge_into_one_report(bench_run, tmp_path):
     """The basket's tasks run in two processes (one per core) merge back into one results file."""
-    from entmtp_hf.tools.bench.report import merge_results, write_results
+    from entmtp_hf.tools.bench.results import merge_results
 
     results = bench_run[0]
     parts = []
@@ -288,6 +284,64 @@ def test_packed_methods_pack_outside_the_clock_and_unpack_before_the_next_method
     assert "no layer of the model could be packed" in results["skipped"]["vanilla-packed"]["zeta"]
 
 
+def test_kernel_methods_measure_once_and_install_only_around_their_timed_calls(tmp_path, monkeypatch):
+    """``vanilla-kernels`` and ``entmtp-static-kernels`` run with the measured CPU kernels (float32:
+    oneDNN takes it), built once per context each and installed only for their own calls; every
+    other method runs on the model's own layers, whose weights come back bit for bit. On a
+    float64 model the kernels stay off and the methods run without them."""
+    import entmtp_hf.tools.bench.context as context
+
+    built = []
+
+    class Counted(context.CPUKernels):
+        def __init__(self, *args, **kwargs):
+            built.append(args[1:])
+            super().__init__(*args, **kwargs, rows=(1, 2, 4), repeats=1)
+
+    monkeypatch.setattr(context, "CPUKernels", Counted)
+    model, tok = tiny_llama().float(), tiny_tokenizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": random_heads(model, "hydra").float()})
+    seen = []
+
+    class Spy(Method):  # vanilla, noting whether every layer runs its own forward on dense weights
+        def prepare(self, ctx_, task, mode):
+            run = super().prepare(ctx_, task, mode)
+            plain = lambda: all("forward" not in vars(m) for m in model.modules()) and all(  # noqa: E731
+                p.numel() for p in model.parameters())
+            return lambda ids, kw: seen.append(plain()) or run(ids, kw)
+
+    names = ("vanilla", "vanilla-kernels", "entmtp-static", "entmtp-static-kernels")
+    settings = BenchSettings(tasks=(write_task(tmp_path, "theta", 7),), num_prompts=2, max_new_tokens=8,
+                             methods=names, perplexity=False)  # fmt: skip
+    monkeypatch.setitem(METHODS, "vanilla", Spy("vanilla", "plain generate, watched"))
+    results = run_benchmark(ctx, settings)
+    assert not results["skipped"] and {r["method"] for r in results["records"]} == set(names)
+    assert len(built) == 2 and set(ctx._kernels) == {None, "hydra"} and ctx._kernels["hydra"].active
+    assert set(results["environment"]["cpu_kernels"]) == {"model", "hydra"}
+    assert seen and all(seen) and all("forward" not in vars(m) for m in model.modules())
+    after = model.state_dict()  # the heads have joined the model since: compare the model's own
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+    ctx64 = BenchContext(tiny_llama(), tok, bank_folder=DEFAULTS)
+    results = run_benchmark(ctx64, BenchSettings(tasks=settings.tasks, num_prompts=1, max_new_tokens=4,
+                                                 methods=("vanilla", "vanilla-kernels"), perplexity=False))  # fmt: skip
+    assert not results["skipped"] and len(results["records"]) == 2
+    assert not ctx64._kernels[None].active and "off" in results["environment"]["cpu_kernels"]["model"]
+
+
+def test_one_progress_bar_counts_every_measured_generation(tmp_path, capsys):
+    model, tok = tiny_llama(), tiny_tokenizer()
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": random_heads(model, "hydra")},
+                       missing_heads={"medusa": "no medusa heads here"})  # fmt: skip
+    tasks = (write_task(tmp_path, "iota", 8), write_task(tmp_path, "kappa", 9))
+    settings = BenchSettings(tasks=tasks, num_prompts=2, max_new_tokens=4, perplexity=False,
+                             methods=("vanilla", "medusa-default", "entmtp-static"))  # fmt: skip
+    results = run_benchmark(ctx, settings, progress=True)
+    err = capsys.readouterr().err
+    assert len(results["records"]) == 2 * 2 * 2  # medusa-default skipped: the bar's total shrinks with it
+    assert "bench: 100%" in err and "8/8" in err and "kappa entmtp-static" in err and "12/12" not in err
+
+
 @pytest.mark.parametrize("mode", ["sampling", "typical"])
 def test_sampling_modes_run(tmp_path, mode):
     model, tok = tiny_llama(), tiny_tokenizer()
@@ -301,11 +355,9 @@ def test_sampling_modes_run(tmp_path, mode):
 
 # ----------------------------------------------------------------------------- perplexity metric
 def test_perplexity_of_uniform_model_is_vocab_size(tmp_path):
-    import evaluate
-
     model, tok = tiny_llama(zero_head=True), tiny_tokenizer()
     assert tok.pad_token is None
-    metric = evaluate.load(str(PERPLEXITY_METRIC))
+    metric = load_perplexity()
     texts = ["w1 w2 w3 w4", "w5"]
     res = metric.compute(predictions=texts, model=model, tokenizer=tok, batch_size=2)
     assert res["perplexities"] == pytest.approx([V, V], rel=1e-9) and res["mean_perplexity"] == pytest.approx(V)
@@ -317,11 +369,25 @@ def test_perplexity_of_uniform_model_is_vocab_size(tmp_path):
     assert res["perplexities"] == pytest.approx([V, V], rel=1e-5)
 
 
+def test_perplexity_loads_offline_from_the_package(monkeypatch):
+    """The shipped metric folder loads with every network connection refused (as from a wheel)."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    load_perplexity.cache_clear()
+    metric = load_perplexity()
+    assert load_perplexity() is metric  # loaded once
+    model, tok = tiny_llama(zero_head=True), tiny_tokenizer()
+    res = metric.compute(predictions=["w1 w2 w3"], contexts=["w4 w5"], model=model, tokenizer=tok)
+    assert res["perplexities"] == pytest.approx([V], rel=1e-9)
+
+
 def test_perplexity_matches_direct_nll():
     model, tok = tiny_llama(seed=5), tiny_tokenizer()
-    import evaluate
-
-    metric = evaluate.load(str(PERPLEXITY_METRIC))
+    metric = load_perplexity()
     ids = tok("w3 w4 w5 w6", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([[0] + ids])).logits[0].double(), -1)
@@ -447,7 +513,8 @@ def test_eas_table_pools_chains_and_halts():
 
 
 def test_pairwise_table_pairs_prompts_and_bounds_the_noise():
-    from entmtp_hf.tools.bench.report import bootstrap_interval, paired_ratios, pairwise_markdown
+    from entmtp_hf.tools.bench.report import pairwise_markdown
+    from entmtp_hf.tools.bench.summary import bootstrap_interval, paired_ratios
 
     def rec(m, i, tps, steps):
         return {"task": "t", "method": m, "prompt_index": i, "new_tokens": 21, "tokens_per_s": tps, "steps": steps}
@@ -470,7 +537,8 @@ def test_pairwise_table_pairs_prompts_and_bounds_the_noise():
 
 def test_the_kernel_reference_gets_its_own_prompt_by_prompt_table():
     """Tree methods over plain decoding with oneDNN's kernels (no steps: one token per step)."""
-    from entmtp_hf.tools.bench.report import KERNEL_REFERENCE, paired_ratios, pairwise_markdown
+    from entmtp_hf.tools.bench.report import KERNEL_REFERENCE, pairwise_markdown
+    from entmtp_hf.tools.bench.summary import paired_ratios
 
     def rec(m, i, tps, steps=None):
         return {"task": "t", "method": m, "prompt_index": i, "new_tokens": 21, "tokens_per_s": tps, "steps": steps}

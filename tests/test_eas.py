@@ -340,7 +340,9 @@ def test_invalid_entropy_policy(kwargs, message):
 
 # ----------------------------------------------------------------------------- benchmark hook
 def test_bench_methods_eas_and_fixed_chains(tmp_path):
-    from entmtp_hf.tools.bench.bench import BenchContext, BenchSettings, random_heads, run_benchmark
+    from entmtp_hf.tools.bench.context import BenchContext, random_heads
+    from entmtp_hf.tools.bench.runner import run_benchmark
+    from entmtp_hf.tools.bench.settings import BenchSettings
     from test_bench import DEFAULTS, tiny_llama, tiny_tokenizer, write_task
 
     model = tiny_llama()
@@ -369,9 +371,10 @@ def test_bench_methods_eas_and_fixed_chains(tmp_path):
 def test_bench_draft_model_methods_int8_draft(tmp_path):
     """The draft-model form in the harness: the target's int8 copy drafts, EAS or a fixed chain
     sets the length, output identical to vanilla."""
-    from entmtp_hf.tools.bench.bench import BenchContext, BenchSettings, random_heads, run_benchmark
     from entmtp_hf.scheduling.eas import fixed_length
-    from entmtp_hf.tools.bench.bench import quantized_draft
+    from entmtp_hf.tools.bench.context import BenchContext, quantized_draft, random_heads
+    from entmtp_hf.tools.bench.runner import run_benchmark
+    from entmtp_hf.tools.bench.settings import BenchSettings
     from test_bench import DEFAULTS, tiny_llama, tiny_tokenizer, write_task
 
     model = tiny_llama()

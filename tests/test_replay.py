@@ -9,7 +9,9 @@ read from the signals) and with retrieval branches, appended or replacing the tr
 import pytest
 import torch
 
-from entmtp_hf.tools.search import search as S
+from entmtp_hf.tools.search.config import SearchConfig
+from entmtp_hf.tools.search.measure import generate_measure
+from entmtp_hf.tools.search.trajectories import Trajectory, simulate_canonical, step_table
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.heads import HydraHeads
@@ -32,12 +34,12 @@ def setup():
     enable_entmtp(model, heads)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB, (4 + 3 * i,), generator=g).tolist() for i in range(3)]
-    measure = S.generate_measure(model, S.SearchConfig(max_new_tokens=NEW))
+    measure = generate_measure(model, SearchConfig(max_new_tokens=NEW))
     trajectories = []
     for p in prompts:
         tokens = p + measure("plain", None, p)["tokens"]
-        tuples, signals = S.step_table(model, heads, tokens, len(p), DEPTH, 8)
-        trajectories.append(S.Trajectory(len(p), tokens, tuples, signals))
+        tuples, signals = step_table(model, heads, tokens, len(p), DEPTH, 8)
+        trajectories.append(Trajectory(len(p), tokens, tuples, signals))
     return model, heads, prompts, trajectories, measure
 
 
@@ -96,7 +98,7 @@ def test_static_replay_is_the_canonical_simulation(setup):
     *_, trajectories, _ = setup
     plan = EntMTPConfig(tree=LARGE.choices).resolve(DEPTH)
     for traj in trajectories:
-        assert replay(traj, plan).accept_lengths == S.simulate_canonical(traj, LARGE)
+        assert replay(traj, plan).accept_lengths == simulate_canonical(traj, LARGE)
 
 
 def test_signals_cover_every_step_start(setup):
@@ -115,7 +117,7 @@ def test_what_cannot_be_replayed_is_refused(setup):
     assert "value" in why_not_replayable(value) and "chain_value" in why_not_replayable(chain)
     with pytest.raises(ValueError, match="cannot replay"):
         replay(trajectories[0], value)
-    bare = S.Trajectory(trajectories[0].prompt_len, trajectories[0].tokens, trajectories[0].tuples)
+    bare = Trajectory(trajectories[0].prompt_len, trajectories[0].tokens, trajectories[0].tuples)
     head = EntMTPConfig(trees=[SMALL.choices, LARGE.choices], feature="head_confidence").resolve(DEPTH)
     with pytest.raises(ValueError, match="lacks the signals"):
         replay(bare, head)
@@ -131,7 +133,7 @@ def test_accept_table_is_the_static_replay(setup):
             while j < len(table):
                 lengths.append(table[j][k])
                 j += table[j][k]
-            assert lengths == S.simulate_canonical(traj, tree)
+            assert lengths == simulate_canonical(traj, tree)
 
 
 def test_foresight_rate_bounds_every_walk_and_finds_the_obvious_optimum():

@@ -11,7 +11,15 @@ import json
 import pytest
 import torch
 
-from entmtp_hf.tools.search import search as S
+from entmtp_hf.tools.search import runner
+from entmtp_hf.tools.search.choose import Choice, choose_trees, fan, value_sets
+from entmtp_hf.tools.search.config import RETRIEVAL_RUNS, SearchConfig
+from entmtp_hf.tools.search.frontier import frontier_nodes, greedy_frontier, rank_tuple_scorer
+from entmtp_hf.tools.search.measure import generate_measure
+from entmtp_hf.tools.search.result import median
+from entmtp_hf.tools.search.rollout import joint_rollout, rollout_scorer
+from entmtp_hf.tools.search.runner import TreeSearch
+from entmtp_hf.tools.search.trajectories import Trajectory, accepted_depth, rank_tuples, simulate_canonical, table_accept
 from entmtp_hf.trees.bank import TopologyBank
 from entmtp_hf.tools.cli import build_parser
 from entmtp_hf.config import EntMTPConfig
@@ -35,42 +43,42 @@ def setup():
     enable_entmtp(model, heads)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, VOCAB, (3 + i,), generator=g).tolist() for i in range(3)]
-    cfg = S.SearchConfig(num_prompts=3, max_new_tokens=NEW, budget=8)
-    measure = S.generate_measure(model, cfg)
+    cfg = SearchConfig(num_prompts=3, max_new_tokens=NEW, budget=8)
+    measure = generate_measure(model, cfg)
     trajectories = []
     for p in prompts:
         tokens = p + measure("plain", None, p)["tokens"]
-        trajectories.append(S.Trajectory(len(p), tokens, S.rank_tuples(model, heads, tokens, len(p), DEPTH, 8)))
+        trajectories.append(Trajectory(len(p), tokens, rank_tuples(model, heads, tokens, len(p), DEPTH, 8)))
     return model, heads, prompts, trajectories, measure
 
 
 # ----------------------------------------------------------------------------- frontier
 def test_frontier_nodes_children_siblings_and_limits():
     tree = Tree.from_choices([[0], [1], [0, 0]])
-    assert set(S.frontier_nodes(tree, max_depth=2, max_rank=3)) == {(2,), (1, 0), (0, 1)}
-    assert set(S.frontier_nodes(tree, max_depth=3, max_rank=2)) == {(1, 0), (0, 0, 0), (0, 1)}
-    assert S.frontier_nodes(Tree.root_only(), 4, 10) == [(0,)]
+    assert set(frontier_nodes(tree, max_depth=2, max_rank=3)) == {(2,), (1, 0), (0, 1)}
+    assert set(frontier_nodes(tree, max_depth=3, max_rank=2)) == {(1, 0), (0, 0, 0), (0, 1)}
+    assert frontier_nodes(Tree.root_only(), 4, 10) == [(0,)]
 
 
 def test_frontier_grows_one_node_at_a_time(setup):
     *_, trajectories, _ = setup
-    points = S.greedy_frontier(S.rank_tuple_scorer(trajectories), 12, DEPTH, DRAFT_VOCAB)
+    points = greedy_frontier(rank_tuple_scorer(trajectories), 12, DEPTH, DRAFT_VOCAB)
     assert [p.num_nodes for p in points] == list(range(1, 13))
     assert points[0].tree == Tree.root_only()
     for prev, cur in zip(points, points[1:]):
         assert set(cur.tree.paths) - set(prev.tree.paths) == {cur.added}
         assert cur.tree == Tree.from_choices(cur.tree.choices)  # valid: every parent present
-        assert cur.added in S.frontier_nodes(prev.tree, DEPTH, DRAFT_VOCAB)
+        assert cur.added in frontier_nodes(prev.tree, DEPTH, DRAFT_VOCAB)
         assert cur.accept >= prev.accept
         assert cur.tree.depth <= DEPTH and max(p[-1] for p in cur.tree.paths) < DRAFT_VOCAB
-        assert cur.accept == pytest.approx(S.table_accept(trajectories, cur.tree))
+        assert cur.accept == pytest.approx(table_accept(trajectories, cur.tree))
 
 
 def test_frontier_ties_prefer_small_rank_sum_then_shallow():
     def flat(tree, cands):  # every candidate scores the same
         return 1.0, [1.0] * len(cands)
 
-    points = S.greedy_frontier(flat, 5, 3, 4)
+    points = greedy_frontier(flat, 5, 3, 4)
     assert [p.added for p in points[1:]] == [(0,), (0, 0), (0, 0, 0), (1,)]
 
 
@@ -78,12 +86,12 @@ def test_frontier_ties_prefer_small_rank_sum_then_shallow():
 def test_rank_tuples_reproduce_canonical_generate(setup):
     """The rank-tuple table walked along the canonical path equals real generate, step by step."""
     model, _, prompts, trajectories, measure = setup
-    frontier = S.greedy_frontier(S.rank_tuple_scorer(trajectories), 8, DEPTH, DRAFT_VOCAB)
+    frontier = greedy_frontier(rank_tuple_scorer(trajectories), 8, DEPTH, DRAFT_VOCAB)
     for tree in (frontier[3].tree, frontier[-1].tree, Tree.chain(DEPTH)):
         for p, traj in zip(prompts[:2], trajectories):
             run = measure("tree", EntMTPConfig(tree=tree.choices), p)
             assert run["tokens"] == traj.tokens[len(p) :]
-            assert run["accept_lengths"] == S.simulate_canonical(traj, tree)
+            assert run["accept_lengths"] == simulate_canonical(traj, tree)
 
 
 @pytest.mark.parametrize("cls,arch", [(HydraHeads, "prefix-mlp"), (MedusaHeads, "mlp")])
@@ -92,12 +100,12 @@ def test_rank_tuples_exact_for_other_heads(cls, arch):
     torch.manual_seed(4)
     heads = cls.for_model(model, num_heads=4, arch=arch).double().init_lm_heads_from(model)
     enable_entmtp(model, heads)
-    measure = S.generate_measure(model, S.SearchConfig(max_new_tokens=NEW))
+    measure = generate_measure(model, SearchConfig(max_new_tokens=NEW))
     prompt = [3, 1, 4, 1, 5]
     tokens = prompt + measure("plain", None, prompt)["tokens"]
-    traj = S.Trajectory(len(prompt), tokens, S.rank_tuples(model, heads, tokens, len(prompt), 4, 64))
+    traj = Trajectory(len(prompt), tokens, rank_tuples(model, heads, tokens, len(prompt), 4, 64))
     run = measure("mc_sim", EntMTPConfig(tree=MC_SIM_7B_63), prompt)
-    assert run["accept_lengths"] == S.simulate_canonical(traj, Tree.from_choices(MC_SIM_7B_63))
+    assert run["accept_lengths"] == simulate_canonical(traj, Tree.from_choices(MC_SIM_7B_63))
 
 
 def test_joint_rollout_single_candidate_equals_rank_tuple_score(setup):
@@ -105,9 +113,9 @@ def test_joint_rollout_single_candidate_equals_rank_tuple_score(setup):
     score of [0] is exactly the rank-tuple score (both average over all starts)."""
     model, heads, prompts, trajectories, _ = setup
     root = Tree.root_only()
-    assert S.frontier_nodes(root, DEPTH, DRAFT_VOCAB) == [(0,)]
-    base, [joint] = S.rollout_scorer(model, heads, prompts, S.SearchConfig(max_new_tokens=NEW), [])(root, [(0,)])
-    _, [table] = S.rank_tuple_scorer(trajectories)(root, [(0,)])
+    assert frontier_nodes(root, DEPTH, DRAFT_VOCAB) == [(0,)]
+    base, [joint] = rollout_scorer(model, heads, prompts, SearchConfig(max_new_tokens=NEW), [])(root, [(0,)])
+    _, [table] = rank_tuple_scorer(trajectories)(root, [(0,)])
     assert base == 1.0
     assert joint == pytest.approx(table, abs=1e-12)
 
@@ -117,13 +125,13 @@ def test_joint_rollout_candidates_read_off_the_trajectory(setup):
     length is the table value at the starts T visits (its known optimism is exactly that)."""
     model, heads, prompts, trajectories, _ = setup
     tree = Tree.from_choices([[0], [1], [0, 0]])
-    cands = S.frontier_nodes(tree, DEPTH, DRAFT_VOCAB)
+    cands = frontier_nodes(tree, DEPTH, DRAFT_VOCAB)
     for p, traj in zip(prompts, trajectories):
-        counts = S.joint_rollout(model, heads, p, tree, cands, NEW)
-        assert counts.tree == S.simulate_canonical(traj, tree)
+        counts = joint_rollout(model, heads, p, tree, cands, NEW)
+        assert counts.tree == simulate_canonical(traj, tree)
         starts = [sum(counts.tree[:k]) for k in range(len(counts.tree))]
         for j, row in zip(starts, counts.candidates):
-            want = [1 + S.accepted_depth(traj.tuples[j], set(tree.paths) | {c}) for c in cands]
+            want = [1 + accepted_depth(traj.tuples[j], set(tree.paths) | {c}) for c in cands]
             assert row == want
 
 
@@ -131,9 +139,9 @@ def test_joint_rollout_candidates_read_off_the_trajectory(setup):
 def test_joint_rollout_sampling_rules(setup, rule):
     model, heads, prompts, *_ = setup
     tree = Tree.chain(1)
-    cands = S.frontier_nodes(tree, DEPTH, DRAFT_VOCAB)
+    cands = frontier_nodes(tree, DEPTH, DRAFT_VOCAB)
     g = torch.Generator().manual_seed(0)
-    c = S.joint_rollout(model, heads, prompts[0], tree, cands, NEW, rule=rule, temperature=0.7, generator=g)
+    c = joint_rollout(model, heads, prompts[0], tree, cands, NEW, rule=rule, temperature=0.7, generator=g)
     assert sum(c.tree) == NEW - 1  # every token after the prefill's comes from a step
     assert all(min(row) >= t for t, row in zip(c.tree, c.candidates))  # adding a node never hurts
 
@@ -141,25 +149,25 @@ def test_joint_rollout_sampling_rules(setup, rule):
 # ----------------------------------------------------------------------------- throughput choice
 def test_upper_hull_and_choice():
     nodes, tps = [1, 2, 4, 8, 16], [10.0, 14.0, 15.0, 20.0, 12.0]
-    c = S.choose_trees(nodes, tps)
+    c = choose_trees(nodes, tps)
     assert c.static == 3 and c.hull == [0, 1, 3, 4] and (c.conservative, c.aggressive) == (2, 4)  # fastest each side
-    far = S.choose_trees([1, 2, 3, 64], [10.0, 14.0, 13.0, 7.0])  # CPU-like: the hull's right neighbour is 64
+    far = choose_trees([1, 2, 3, 64], [10.0, 14.0, 13.0, 7.0])  # CPU-like: the hull's right neighbour is 64
     assert (far.static, far.conservative, far.aggressive) == (1, 0, 2) and far.hull == [0, 1, 3]
     assert c.pareto == [0, 1, 2, 3]
-    assert S.choose_trees([1, 2], [5.0, 5.0]).static == 0  # ties: fewer nodes
-    one = S.choose_trees([3], [1.0])
+    assert choose_trees([1, 2], [5.0, 5.0]).static == 0  # ties: fewer nodes
+    one = choose_trees([3], [1.0])
     assert (one.static, one.conservative, one.aggressive) == (0, 0, 0)
 
 
 def test_the_conservative_tree_must_also_cost_less():
-    """Where a 4-token forward is cheaper than 2 or 3 tokens (the AMD EPYC of session 10), the
-    only cheaper tree than a 4-node EntMTP* is the root alone; with monotone costs nothing changes."""
+    """Where a 4-token forward is cheaper than 2 or 3 tokens (a BLAS switching kernels at a few
+    rows), the only cheaper tree than a 4-node EntMTP* is the root alone; with monotone costs nothing changes."""
     nodes, speed = [1, 2, 3, 4, 8], [0.95, 1.08, 1.09, 1.38, 1.30]
-    amd = S.choose_trees(nodes, speed, costs=[1.0, 1.33, 1.56, 1.28, 1.66])
+    amd = choose_trees(nodes, speed, costs=[1.0, 1.33, 1.56, 1.28, 1.66])
     assert (amd.static, amd.conservative, amd.aggressive) == (3, 0, 4)
-    monotone = S.choose_trees(nodes, speed, costs=[1.0, 1.01, 1.09, 1.5, 2.0])
-    assert (monotone.static, monotone.conservative) == (3, 2) == (S.choose_trees(nodes, speed).static, 2)
-    alone = S.choose_trees([2, 4], [1.0, 1.2], costs=[1.3, 1.2])  # nothing cheaper: EntMTP* itself
+    monotone = choose_trees(nodes, speed, costs=[1.0, 1.01, 1.09, 1.5, 2.0])
+    assert (monotone.static, monotone.conservative) == (3, 2) == (choose_trees(nodes, speed).static, 2)
+    alone = choose_trees([2, 4], [1.0, 1.2], costs=[1.3, 1.2])  # nothing cheaper: EntMTP* itself
     assert alone.conservative == alone.static == 1
 
 
@@ -182,7 +190,7 @@ def small_config(**kw):
     args = dict(num_prompts=2, timing_prompts=2, max_new_tokens=12, budget=8, timed_sizes=(1, 2, 4, 8),
                 time_reference=False, sweep_prompts=2, tau_grid=(0.3, 0.9), features=("base_top1",),
                 ranking="measured")  # fmt: skip
-    return S.SearchConfig(**{**args, **kw})
+    return SearchConfig(**{**args, **kw})
 
 
 class Interrupt(Exception):
@@ -202,7 +210,7 @@ def pipeline(setup, tmp_path_factory):
         return fake(measure, FAKE_TPS, calls[0])(label, config, prompt)
 
     def search(cfg=None, measure_fn=None):
-        return S.TreeSearch(model, heads, prompts[:2], out, cfg or small_config(), task="tiny",
+        return TreeSearch(model, heads, prompts[:2], out, cfg or small_config(), task="tiny",
                             measure=measure_fn, progress=False)  # fmt: skip
 
     with pytest.raises(Interrupt):
@@ -210,8 +218,8 @@ def pipeline(setup, tmp_path_factory):
     interrupted = {k: len(v) for k, v in json.loads((out / "rollouts.json").read_text()).items() if k != "_configs"}
     frontier_done = json.loads((out / "frontier.json").read_text())["complete"]
     with pytest.MonkeyPatch.context() as mp:  # resumed runs must not recompute the first stages
-        mp.setattr(S, "rank_tuples", lambda *a, **k: pytest.fail("trajectories stage was recomputed"))
-        mp.setattr(S, "greedy_frontier", lambda *a, **k: pytest.fail("frontier stage was recomputed"))
+        mp.setattr(runner, "step_table", lambda *a, **k: pytest.fail("trajectories stage was recomputed"))
+        mp.setattr(runner, "greedy_frontier", lambda *a, **k: pytest.fail("frontier stage was recomputed"))
         result = search(measure_fn=fake(measure, FAKE_TPS, calls[1])).run(bank_dir=out / "banks")
         search(measure_fn=fake(measure, FAKE_TPS, calls[2])).run()
     return out, result, calls, interrupted, frontier_done, search
@@ -237,7 +245,7 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     copy = TopologyBank.from_pretrained(out / "bank", task="tiny")  # rewritten by the third run
     assert (copy.trees, copy.scheduler) == (bank.trees, bank.scheduler)
     # the timed frontier, plus the 4-node fan the value policy may pick instead of frontier-4
-    assert [t.num_nodes for t in bank.trees] == [1, 2, 4, 4, 8] and bank.trees[3] == S.fan(4)
+    assert [t.num_nodes for t in bank.trees] == [1, 2, 4, 4, 8] and bank.trees[3] == fan(4)
     trees, at = result.bank_trees()
     assert trees == list(bank.trees) and at == [0, 1, 2, 4]
     sched = bank.scheduler
@@ -258,10 +266,10 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
                                if k != "retrieval" and v["vs_static"] >= 1.05}}  # fmt: skip
     assert sched.policy == max(speed, key=speed.get) and sched.feature == "base_top1"
     assert result.confirmation == {} and not (out / "confirm.json").exists()  # 2 prompts, both the sweep's
-    assert set(S.RETRIEVAL_RUNS) <= set(result.sweep)  # the static tree with retrieval branches, timed in the sweep
+    assert set(RETRIEVAL_RUNS) <= set(result.sweep)  # the static tree with retrieval branches, timed in the sweep
     won = result.winners["retrieval"]
-    assert won["vs_static"] == max(result.sweep[lab]["vs_static"] for lab in S.RETRIEVAL_RUNS)
-    assert sched.retrieval == (S.RETRIEVAL_RUNS[won["label"]] if won["vs_static"] >= 1.05 else None)
+    assert won["vs_static"] == max(result.sweep[lab]["vs_static"] for lab in RETRIEVAL_RUNS)
+    assert sched.retrieval == (RETRIEVAL_RUNS[won["label"]] if won["vs_static"] >= 1.05 else None)
     meta = bank.metadata
     for k, info in enumerate(meta["trees"]):
         assert info["num_nodes"] == bank.trees[k].num_nodes
@@ -283,8 +291,8 @@ def test_search_with_rollout_scoring_and_sampling(setup, tmp_path):
     model, heads, prompts, _, _ = setup
     cfg = small_config(scoring="rollout", acceptance="exact", budget=4, timed_sizes=(1, 4), tau_grid=(0.5,),
                        ladder=False, sweep_prompts=1)  # fmt: skip
-    measure = S.generate_measure(model, cfg)
-    result = S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny-exact",
+    measure = generate_measure(model, cfg)
+    result = TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny-exact",
                           measure=fake(measure, {}, []), progress=False).run()  # fmt: skip
     frontier = json.loads((tmp_path / "frontier.json").read_text())
     assert [p["num_nodes"] for p in frontier["points"]] == [1, 2, 3, 4] and frontier["complete"]
@@ -297,12 +305,12 @@ def test_search_with_rollout_scoring_and_sampling(setup, tmp_path):
 
 def test_config_validation_and_cli():
     with pytest.raises(ValueError, match="greedy"):
-        S.SearchConfig(acceptance="typical")
+        SearchConfig(acceptance="typical")
     with pytest.raises(ValueError, match="features"):
-        S.SearchConfig(features=("nope",))
+        SearchConfig(features=("nope",))
     argv = ["search", "--task", "gsm8k", "--out", "x", "--timed-sizes", "1,3", "--tau-grid", "0.1"]
     args = build_parser().parse_args(argv)
-    from entmtp_hf.tools.search.report import config_from_args
+    from entmtp_hf.tools.search.cli import config_from_args
 
     cfg = config_from_args(args)
     assert cfg.timed_sizes == (1, 3) and cfg.tau_grid == (0.1,) and args.func.__name__ == "run_cli"
@@ -311,17 +319,17 @@ def test_config_validation_and_cli():
 def test_value_sets_are_also_offered_with_the_cheaper_t_minus():
     trees = {"f1": Tree.root_only(), "f2": Tree.chain(1), "f3": Tree.chain(2), "f4": Tree.from_choices([[0], [0, 0], [1]])}
     labels = list(trees)
-    choice = S.Choice(static=2, conservative=1, aggressive=3, hull=[0, 1, 2, 3], pareto=[0, 1, 2, 3])
-    sets = S.value_sets(trees, choice, labels)
+    choice = Choice(static=2, conservative=1, aggressive=3, hull=[0, 1, 2, 3], pareto=[0, 1, 2, 3])
+    sets = value_sets(trees, choice, labels)
     assert list(sets) == ["value:3", "value:4", "value:3+4", "value:2+3", "value:2+4", "value:2+3+4"]
-    assert sets["value:2+3"] == [trees["f2"], trees["f3"], S.fan(3)]
-    assert sets["value:2+3+4"] == [trees["f2"], trees["f3"], S.fan(3), trees["f4"], S.fan(4)]
+    assert sets["value:2+3"] == [trees["f2"], trees["f3"], fan(3)]
+    assert sets["value:2+3+4"] == [trees["f2"], trees["f3"], fan(3), trees["f4"], fan(4)]
     # T- no smaller than a set's trees adds nothing; root-only is offered like any smaller tree
-    same = S.Choice(static=2, conservative=2, aggressive=3, hull=[0, 1, 2, 3], pareto=[0, 1, 2, 3])
-    assert list(S.value_sets(trees, same, labels)) == ["value:3", "value:4", "value:3+4"]
-    root = S.Choice(static=2, conservative=0, aggressive=2, hull=[0, 2], pareto=[0, 2])
-    assert S.value_sets(trees, root, labels) == {"value:3": [trees["f3"], S.fan(3)],
-                                                 "value:1+3": [trees["f1"], trees["f3"], S.fan(3)]}
+    same = Choice(static=2, conservative=2, aggressive=3, hull=[0, 1, 2, 3], pareto=[0, 1, 2, 3])
+    assert list(value_sets(trees, same, labels)) == ["value:3", "value:4", "value:3+4"]
+    root = Choice(static=2, conservative=0, aggressive=2, hull=[0, 2], pareto=[0, 2])
+    assert value_sets(trees, root, labels) == {"value:3": [trees["f3"], fan(3)],
+                                                 "value:1+3": [trees["f1"], trees["f3"], fan(3)]}
 
 
 @pytest.mark.parametrize("hyst,ladder,value,retrieval,held_out,policy", [
@@ -329,16 +337,16 @@ def test_value_sets_are_also_offered_with_the_cheaper_t_minus():
     (1.06, 1.2, 1.0, 1.06, 1.03, "ladder"), (1.06, 1.05, 1.1, 1.0, None, "value"),
     (1.08, 1.06, 1.07, 1.3, 1.01, "static")])  # fmt: skip
 def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, value, retrieval, held_out, policy):
-    from entmtp_hf.tools.search.report import SearchResult
+    from entmtp_hf.tools.search.result import SearchResult
 
-    choice = S.choose_trees([1, 2, 3], [10.0, 12.0, 11.0])
+    choice = choose_trees([1, 2, 3], [10.0, 12.0, 11.0])
     timed = {lab: {"tree": Tree.chain(n - 1), "num_nodes": n} for lab, n in (("a", 1), ("b", 2), ("c", 3))}
     result = SearchResult(task="t", settings={}, frontier=[], timed=timed, labels=["a", "b", "c"], choice=choice,
                           vanilla_tokens_per_s=10.0, reference=None, elapsed={})  # fmt: skip
     result.winners = {"hysteresis": {"label": "h", "feature": "chain_value", "values": [0.4], "vs_static": hyst,
                                      "trees": [0, 2]},
                       "ladder": {"label": "l", "feature": "base_top1", "values": [0.2, 0.6], "vs_static": ladder},
-                      "value": {"label": "v", "trees": [Tree.chain(2).choices, S.fan(3).choices], "costs": [1.0, 1.0],
+                      "value": {"label": "v", "trees": [Tree.chain(2).choices, fan(3).choices], "costs": [1.0, 1.0],
                                 "vs_static": value},
                       "retrieval": {"label": "static+retrieval-replace", "vs_static": retrieval,
                                     "config": {"mode": "replace", "num_tokens": 2}}}  # fmt: skip
@@ -366,28 +374,28 @@ def test_confirm_measures_the_candidate_on_prompts_the_sweep_did_not_use(setup, 
         return fake(measure, {"static": 10.0, "cand": 12.0}, calls)(label, config, prompt)
 
     cfg = small_config(num_prompts=3, timing_prompts=3, sweep_prompts=1)
-    search = S.TreeSearch(model, heads, prompts, tmp_path, cfg, task="tiny", measure=record, progress=False)
+    search = TreeSearch(model, heads, prompts, tmp_path, cfg, task="tiny", measure=record, progress=False)
     runs = {"static": EntMTPConfig(tree=Tree.chain(1).choices), "cand": EntMTPConfig(tree=Tree.chain(2).choices),
             "other": EntMTPConfig(tree=Tree.chain(3).choices)}  # fmt: skip
     out = search.confirm(runs, "cand")
     assert set(out) == {"static", "cand"} and set(out["cand"]) == {"1", "2"}  # prompt 0 was the sweep's
     assert all(p in (prompts[1], prompts[2]) for p in seen[-4:]) and "other" not in calls
-    from entmtp_hf.tools.search.report import SearchResult
+    from entmtp_hf.tools.search.result import SearchResult
 
-    result = SearchResult(task="t", settings={}, frontier=[], timed={}, labels=[], choice=S.choose_trees([1], [1.0]),
+    result = SearchResult(task="t", settings={}, frontier=[], timed={}, labels=[], choice=choose_trees([1], [1.0]),
                           vanilla_tokens_per_s=1.0, reference=None, elapsed={})  # fmt: skip
     result.with_confirmation(out)
     assert result.confirmation["label"] == "cand" and result.confirmation["prompts"] == 2
     assert result.confirmation["measured_vs_static"] == pytest.approx(1.2)
     cfg = small_config(num_prompts=3, timing_prompts=3, sweep_prompts=3)  # nothing held out: nothing to confirm
-    assert S.TreeSearch(model, heads, prompts, tmp_path / "b", cfg, task="tiny", measure=record,
+    assert TreeSearch(model, heads, prompts, tmp_path / "b", cfg, task="tiny", measure=record,
                         progress=False).confirm(runs, "cand") == {}  # fmt: skip
 
 
 def test_checkpointed_runs_are_remeasured_when_their_label_gets_another_config(setup, tmp_path):
     model, heads, prompts, _, measure = setup
     calls: list[str] = []
-    search = S.TreeSearch(model, heads, prompts[:2], tmp_path, small_config(), task="tiny",
+    search = TreeSearch(model, heads, prompts[:2], tmp_path, small_config(), task="tiny",
                           measure=fake(measure, {}, calls), progress=False)  # fmt: skip
     first = {"static": EntMTPConfig(tree=Tree.chain(1).choices), "other": EntMTPConfig(tree=Tree.chain(2).choices)}
     out, measured = search._interleaved("sweep", first, [0, 1], search.measure)
@@ -406,9 +414,9 @@ def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
     """accept_ema is swept in tokens per step (1 + t * depth of T-, or of the heads for the ladder)."""
     model, heads, prompts, _, _ = setup
     cfg = small_config(features=("head_confidence", "accept_ema"), tau_grid=(0.25, 0.5, 0.75))
-    search = S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", progress=False)
+    search = TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", progress=False)
     trees = {f"t{n}": Tree.chain(n) for n in (1, 2, 3)}
-    runs = search.sweep_runs(trees, S.Choice(1, 0, 2, [0, 1, 2], [0, 1, 2]), list(trees))
+    runs = search.sweep_runs(trees, Choice(1, 0, 2, [0, 1, 2], [0, 1, 2]), list(trees))
     taus = {f: sorted({float(lab.split(":")[2]) for lab in runs if lab.startswith(f"hysteresis:{f}:")})
             for f in cfg.features}
     assert taus["head_confidence"] == [0.25, 0.5, 0.75]
@@ -425,7 +433,7 @@ def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
 
 # ----------------------------------------------------------------------------- modelled ranking
 def test_modelled_speed_is_tokens_over_work_and_own_overhead():
-    from entmtp_hf.tools.search.report import modelled_speed
+    from entmtp_hf.tools.search.result import modelled_speed
 
     run = {"seconds": 9.0, "new_tokens": 7, "accept_lengths": [2, 1, 3], "tree_sizes": [2, 2, 3],
            "forward_seconds": 1.0, "decode_seconds": 1.1}  # fmt: skip
@@ -440,7 +448,7 @@ def test_modelled_speed_is_tokens_over_work_and_own_overhead():
 def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_path):
     """Wall times say the 8-node tree is fastest; with forward costs that grow fast in N the
     modelled ranking picks the tree with the most tokens per unit of modelled work."""
-    from entmtp_hf.tools.search.report import modelled_speed
+    from entmtp_hf.tools.search.result import modelled_speed
 
     model, heads, prompts, _, measure = setup
     asked = []
@@ -451,15 +459,15 @@ def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_pat
 
     wall = {"vanilla": 10.0, "frontier-1": 10.0, "frontier-2": 11.0, "frontier-4": 12.0, "frontier-8": 30.0}
     cfg = small_config(ranking="modelled", cost_repeats=3)
-    result = S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", measure=fake(measure, wall, []),
+    result = TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", measure=fake(measure, wall, []),
                           forward_costs=costs, progress=False).run()  # fmt: skip
     # the timed trees' sizes and those plus up to 4 retrieved tokens (the sweep's retrieval runs)
     want_sizes = tuple(sorted({1, 2, 4, 8} | {n + k for n in (1, 2, 4, 8) for k in range(1, 5)}))
-    assert asked == [(want_sizes, int(S.median([len(p) for p in prompts[:2]])) + 6, 3)]
+    assert asked == [(want_sizes, int(median([len(p) for p in prompts[:2]])) + 6, 3)]
     rel = {n: 1 + 0.6 * (n - 1) for n in want_sizes}
     assert result.costs == pytest.approx(rel)
     runs = json.loads((tmp_path / "rollouts.json").read_text())
-    want = {lab: S.median([modelled_speed(r, rel) for r in runs[lab].values()]) for lab in result.labels}
+    want = {lab: median([modelled_speed(r, rel) for r in runs[lab].values()]) for lab in result.labels}
     assert {lab: result.timed[lab]["modelled"] for lab in result.labels} == pytest.approx(want)
     best = max(result.labels, key=lambda lab: (want[lab], -result.timed[lab]["num_nodes"]))
     assert result.labels[result.choice.static] == best != "frontier-8"
@@ -474,7 +482,7 @@ def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_pat
             continue
         mine = timed_sweep[lab]
         ratios = [modelled_speed(r, rel) / modelled_speed(static[p], rel) for p, r in mine.items()]
-        assert v["vs_static"] == pytest.approx(S.median(ratios))
+        assert v["vs_static"] == pytest.approx(median(ratios))
     bank = TopologyBank.from_pretrained(tmp_path / "bank", task="tiny")
     assert bank.metadata["calibration"]["ranked_by"].startswith("modelled")
     assert "c(N)" in (tmp_path / "report.md").read_text()
@@ -482,5 +490,5 @@ def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_pat
     assert h["trees"] == [result.timed[lab]["num_nodes"] for lab in result.labels] and h["prompts"] == 2
     assert h["foresight_vs_static"] >= 1.0 and "Headroom:" in (tmp_path / "report.md").read_text()
     assert json.loads((tmp_path / "result.json").read_text())["headroom"] == h
-    S.TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", measure=fake(measure, wall, []),
+    TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", measure=fake(measure, wall, []),
                  forward_costs=lambda *a, **k: pytest.fail("costs were measured again"), progress=False).run()  # fmt: skip

@@ -2,11 +2,12 @@
 
 Under greedy decoding the output does not depend on the tree, and neither does the rank of
 each true next token under each head: one teacher-forced pass over prompt + output gives
-them (:func:`~entmtp_hf.search.rank_tuples`), and walking them the way the decoder walks
-(:func:`~entmtp_hf.search.simulate_canonical`) gives every tree's accept lengths exactly, up
-to floating-point ties. So one greedy benchmark run (its vanilla outputs) is enough to report
-τ for ``mc_sim_7b_63``, every tree of a bank, or any other tree, on the same 20 prompts per
-task; the measured τ of the tree methods that ran checks the simulation.
+them (:func:`~entmtp_hf.tools.search.trajectories.rank_tuples`), and walking them the way the
+decoder walks (:func:`~entmtp_hf.tools.search.trajectories.simulate_canonical`) gives every
+tree's accept lengths exactly, up to floating-point ties. So one greedy benchmark run (its
+vanilla outputs) is enough to report τ for ``mc_sim_7b_63``, every tree of a bank, or any
+other tree, on the same prompts per task; the measured τ of the tree methods that ran checks
+the simulation.
 
 ``entmtp-hf acceptance RESULTS.json`` writes ``acceptance.json`` and ``acceptance.md``.
 """
@@ -19,13 +20,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
-from .search.search import Trajectory, rank_tuples, simulate_canonical
 from ..trees.tree import MC_SIM_7B_63, Tree
+from .search.trajectories import Trajectory, rank_tuples, simulate_canonical
 
 
-def trajectories(model, heads, results: dict, task: str, method: str = "vanilla") -> list[Trajectory]:
-    """One trajectory per prompt of ``task``: prompt + the greedy output ``method`` produced."""
+def trajectories(model, heads, results: dict, task: str, method: str = "vanilla",
+                 progress: bool = False) -> list[Trajectory]:
+    """One trajectory per prompt of ``task``: prompt + the greedy output ``method`` produced
+    (``progress``: a bar over the prompts)."""
     prompts = results["prompts"][task]
     records = sorted((r for r in results["records"] if r["task"] == task and r["method"] == method),
                      key=lambda r: r["prompt_index"])  # fmt: skip
@@ -35,7 +39,7 @@ def trajectories(model, heads, results: dict, task: str, method: str = "vanilla"
         raise ValueError("accept lengths can be simulated from greedy runs only")
     out = []
     depth, rank_cap = heads.num_heads, heads.config.draft_vocab_rows
-    for r in records:
+    for r in tqdm(records, desc=f"rank tuples {task}", unit="prompt", disable=not progress):
         prompt = prompts[r["prompt_index"]]["input_ids"]
         tokens = list(prompt) + list(r["output_ids"])
         with torch.no_grad():
@@ -57,11 +61,12 @@ def measured_accept(results: dict, task: str, method: str) -> float | None:
     return sum(lengths) / len(lengths) if lengths else None
 
 
-def acceptance_table(model, heads, results: dict, trees: dict[str, dict[str, Tree]]) -> dict[str, Any]:
+def acceptance_table(model, heads, results: dict, trees: dict[str, dict[str, Tree]],
+                     progress: bool = False) -> dict[str, Any]:
     """τ per task for the named trees; ``trees[task]`` maps a label to a tree."""
     table: dict[str, Any] = {}
     for task, named in trees.items():
-        trajs = trajectories(model, heads, results, task)
+        trajs = trajectories(model, heads, results, task, progress=progress)
         table[task] = {
             "prompts": len(trajs),
             "tau": {label: {"num_nodes": t.num_nodes, "tau": mean_accept(trajs, t)} for label, t in named.items()},
@@ -87,10 +92,10 @@ def markdown(table: dict[str, Any]) -> str:
 
 
 def _acceptance(args: argparse.Namespace) -> int:
-    from ..trees.bank import TopologyBank
-    from .bench.bench import set_threads
-    from .bench.report import read_results
     from ..demo.run import load_demo
+    from ..trees.bank import TopologyBank
+    from .bench.results import read_results
+    from .machine import set_threads
 
     set_threads(args.threads)
     results = read_results(args.results)
@@ -106,7 +111,7 @@ def _acceptance(args: argparse.Namespace) -> int:
             for i, t in enumerate(bank.trees):
                 named[f"bank tree {i}"] = t
         trees[task] = named
-    table = acceptance_table(model, heads, results, trees)
+    table = acceptance_table(model, heads, results, trees, progress=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(table, indent=1), encoding="utf-8")

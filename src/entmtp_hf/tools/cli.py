@@ -1,10 +1,14 @@
-"""The ``entmtp-hf`` command line: one subcommand per task, each a small function."""
+"""The ``entmtp-hf`` command line: one subcommand per task, each registered by its own module."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Callable, Sequence
+
+from . import missing_extra
+
+Registrar = Callable[[argparse._SubParsersAction], None]
 
 
 def _convert_heads(args: argparse.Namespace) -> int:
@@ -37,39 +41,50 @@ def _add_convert_heads(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_convert_heads)
 
 
-#: subcommand registrars; other modules' commands are added here.
-from .training import add_subcommand as _add_train_heads  # noqa: E402
+def subcommands() -> list[Registrar]:
+    """Every subcommand's registrar, in help order (imported here: the tools load only when the CLI runs)."""
+    from .acceptance_table import add_subcommand as acceptance
+    from .bench.cli import add_subcommand as bench
+    from .eas_calibration import add_subcommand as eas_calibrate
+    from .profile import add_subcommand as profile
+    from .regime import add_subcommand as regime
+    from .search.cli import add_subcommand as search
+    from .training.cli import add_subcommand as train_heads
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_convert_heads, _add_train_heads]
-
-from .search.search import add_subcommand as _add_search  # noqa: E402
-
-SUBCOMMANDS.append(_add_search)
-
-from .bench.bench import add_subcommand as _add_bench  # noqa: E402  (bench, bench-report)
-from .acceptance_table import add_subcommand as _add_acceptance  # noqa: E402
-from .profile import add_subcommand as _add_profile  # noqa: E402
-from .regime import add_subcommand as _add_regime  # noqa: E402
-from .eas_calibration import add_subcommand as _add_eas_calibrate  # noqa: E402
-
-SUBCOMMANDS += [_add_bench, _add_regime, _add_profile, _add_acceptance, _add_eas_calibrate]
+    return [_add_convert_heads, train_heads, search, bench, regime, profile, acceptance, eas_calibrate]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="entmtp-hf", description="EntMTP tree speculative decoding tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in SUBCOMMANDS:
+    for add in subcommands():
         add(sub)
     return parser
 
 
+def _missing_extra(error: ImportError, command: str = "") -> int:
+    """Exit status 2 with the extra to install when ``error`` is a missing optional dependency."""
+    missing = missing_extra(error)
+    if missing is None:
+        raise error
+    print(f"entmtp-hf{' ' + command if command else ''}: {missing}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one subcommand; a bad argument or a missing optional dependency is one line and exit status 2."""
+    try:
+        parser = build_parser()
+    except ImportError as e:
+        return _missing_extra(e)
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:
         print(f"entmtp-hf {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:
+        return _missing_extra(e, args.command)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ CPU; instead:
    decoding's output does not depend on the drafts, so every step a chain policy could
    take starts at one of these positions and sees exactly these entropies.
 2. **Simulate** (:func:`simulate`): walk each output as the decode loop would, an
-   :class:`~entmtp_hf.eas.EASController` choosing each chain's length from the recorded
+   :class:`~entmtp_hf.scheduling.eas.EASController` choosing each chain's length from the recorded
    entropies; a chain of ``k`` accepts ``min(k, matches)`` drafted tokens, costs one forward
    over ``k + 1`` tokens plus the heads' drafting up to the depth the rule read.
 3. **Rank** (:func:`calibrate`): model every setting of a grid (fixed chains, the report's
@@ -34,14 +34,15 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from ..scheduling.features import entropy_from_logp
 from ..scheduling.eas import ChainRule, EASConfig, EASController, entropy_nats, fixed_length
-from .search.search import _atomic_json, _read_json, heads_fingerprint
 from ..trees.tree import Tree
+from .checkpoint import heads_fingerprint, read_json, write_json
 
 
 # ============================================================================ replay
@@ -190,8 +191,9 @@ def calibrate(replays: Sequence[ChainReplay], costs: Costs, settings: dict[str, 
 
 
 # ============================================================================ measuring costs
-def drafting_costs(model, heads, repeats: int = 30, prefix_len: int = 128) -> list[float]:
-    """Median seconds of drafting the chain's first ``d`` depths, ``d = 0..D`` (interleaved rounds)."""
+def drafting_costs(model, heads, repeats: int = 30, prefix_len: int = 128, progress: bool = False) -> list[float]:
+    """Median seconds of drafting the chain's first ``d`` depths, ``d = 0..D`` (interleaved rounds;
+    ``progress``: a bar over the rounds)."""
     device = model.get_output_embeddings().weight.device
     depth = heads.num_heads
     buffers = Tree.chain(depth).buffers(next(heads.parameters()).device, model.get_output_embeddings().weight.dtype)
@@ -203,7 +205,7 @@ def drafting_costs(model, heads, repeats: int = 30, prefix_len: int = 128) -> li
         heads.observe(state, hidden)
         root = ids[0, -1]
         times: dict[int, list[float]] = {d: [] for d in range(1, depth + 1)}
-        for r in range(repeats + 1):
+        for r in tqdm(range(repeats + 1), desc="drafting costs", unit="round", disable=not progress):
             for d in range(1, depth + 1):
                 t0 = time.perf_counter()
                 heads.propose(state, root, buffers, until=lambda i, _h, d=d: i >= d)
@@ -214,7 +216,7 @@ def drafting_costs(model, heads, repeats: int = 30, prefix_len: int = 128) -> li
 
 # ============================================================================ persistence
 def save_replays(path: str | os.PathLike, replays: dict[str, ChainReplay]) -> None:
-    _atomic_json(Path(path), {pid: asdict(r) for pid, r in replays.items()})
+    write_json(Path(path), {pid: asdict(r) for pid, r in replays.items()})
 
 
 def load_replays(path: str | os.PathLike) -> dict[str, ChainReplay]:
@@ -232,12 +234,12 @@ TABLE_HEADER = ("| setting | modelled speed-up | tokens/step | mean chain | reje
 
 def check_settings(path: Path, settings: dict) -> None:
     """Replays are resumed per prompt: refuse a folder whose replays came from other settings."""
-    saved = _read_json(path)
+    saved = read_json(path)
     if saved is not None and saved != settings:
         diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
         raise ValueError(f"{path}: this folder's replays were made with other settings {diff} "
                          "(saved, now); use another --out or delete the folder")  # fmt: skip
-    _atomic_json(path, settings)
+    write_json(path, settings)
 
 
 def markdown(result: dict, task: str, costs: Costs, top: int = 12) -> str:
@@ -273,16 +275,14 @@ def _rows(rows: Sequence[dict]) -> list[str]:
 
 # ============================================================================ CLI
 def run_cli(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
+    from ..demo import DEMO_HEADS
     from ..demo.model import load_base_model
     from ..heads import load_heads
-    from .profile import forward_costs
-    from ..demo import DEMO_HEADS
     from .data.tasks import calibration_prompts
+    from .machine import set_threads
+    from .profile import forward_costs
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model, tokenizer = load_base_model(args.model)
     heads = load_heads(args.heads or str(DEMO_HEADS), base_config=model.config).eval()
     out = Path(args.out.replace("{task}", Path(args.task).stem))
@@ -303,8 +303,8 @@ def run_cli(args: argparse.Namespace) -> int:
     chosen = [replays[p.prompt_id] for p in prompts]  # a larger earlier --n left more in the file
     prefix = int(statistics.median(len(r.tokens) for r in chosen))
     depth = heads.num_heads
-    forward = forward_costs(model, list(range(1, depth + 2)), prefix_len=prefix, repeats=args.repeats)
-    costs = Costs(forward, drafting_costs(model, heads, repeats=args.repeats, prefix_len=prefix))
+    forward = forward_costs(model, list(range(1, depth + 2)), prefix_len=prefix, repeats=args.repeats, progress=True)
+    costs = Costs(forward, drafting_costs(model, heads, repeats=args.repeats, prefix_len=prefix, progress=True))
     result = calibrate(chosen, costs)
     # the regime EAS was designed for, modelled only: verifying N tokens costs what one does (a GPU)
     result["flat_cost"] = calibrate(chosen, Costs({n: forward[1] for n in forward}, costs.draft))
@@ -349,10 +349,7 @@ def measure_overhead(model=None, heads=None, repeats: int = 200, tree=None) -> d
       full vocabulary plus the rule;
     * ``propose_ms`` / ``base_step_ms``: the chain proposal and one base decode step, for scale.
     """
-    import time
-
     from ..heads import HydraHeads
-    from ..trees.tree import Tree
 
     if model is None:
         from ..demo.model import load_base_model

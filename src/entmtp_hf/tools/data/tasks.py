@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import require
 from .datasets import GSM8K_DIR, humaneval_problems, mt_bench_rows, read_jsonl
 
 SEED = 123
@@ -81,9 +82,7 @@ def _custom(source: str) -> list[TaskPrompt]:
     if Path(source).exists():
         rows = read_jsonl(source)
     else:
-        import datasets
-
-        ds = datasets.load_dataset(source, split="test")
+        ds = require("datasets").load_dataset(source, split="test")
         rows = [dict(r) for r in ds]
     name = Path(source).stem
     return [TaskPrompt(name, f"{name}-{i}", _user(_prompt_text(r, source, i))) for i, r in enumerate(rows)]

@@ -1,8 +1,8 @@
 """Replaying greedy decoding from rank tuples: a plan's exact accept lengths without a model.
 
 Under greedy decoding the output does not depend on the trees, so one greedy run of a prompt
-and one teacher-forced pass of the heads along it (:func:`~entmtp_hf.search.rank_tuples`)
-fix what every step of any :class:`~entmtp_hf.config.DecodePlan` would accept: a drafted
+and one teacher-forced pass of the heads along it (:func:`~.trajectories.rank_tuples`)
+fix what every step of any :class:`~entmtp_hf.trees.plan.DecodePlan` would accept: a drafted
 node is the verifier's pick iff its rank equals the rank of the true token at its depth, a
 retrieved token iff it is the true token. The scheduler's features come from the same pass
 (:data:`SIGNALS`, one value per step start), retrieval from the text so far, exactly as
@@ -23,17 +23,15 @@ a step starts; the gap between the two says how much a better confidence signal 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Sequence
 
+from ...decoding.acceptance import walk_tree
 from ...drafting.retrieval import NgramIndex
 from ...scheduling.features import FeatureTracker
 from ...scheduling.policies import FEATURE_POLICIES
-from ...decoding.acceptance import walk_tree
-
-if TYPE_CHECKING:
-    from ...config import DecodePlan
-    from .search import Trajectory
-    from ...trees.tree import Tree
+from ...trees.plan import DecodePlan
+from ...trees.tree import Tree
+from .trajectories import Trajectory, accepted_depth
 
 #: per step start: head 0's top-1 probability, the verifier's top-1 probability and entropy
 #: (nats) at the position the root was chosen from
@@ -50,7 +48,7 @@ class Replay:
     tree_sizes: list[int]
 
 
-def why_not_replayable(plan: "DecodePlan") -> str | None:
+def why_not_replayable(plan: DecodePlan) -> str | None:
     """None when :func:`replay` reproduces ``plan`` exactly, else the reason it cannot."""
     policy = plan.scheduler_args.get("policy")
     if plan.eas is not None or policy not in REPLAY_POLICIES:
@@ -75,10 +73,10 @@ def _flags(tree_paths, sources, union_paths, row: Sequence[int], found: Sequence
     return flags
 
 
-def replay(traj: "Trajectory", plan: "DecodePlan", window: int = 8) -> Replay:
+def replay(traj: Trajectory, plan: DecodePlan, window: int = 8) -> Replay:
     """The accept lengths and verified tree sizes of greedy ``generate`` with ``plan`` on the
     trajectory's prompt, stopping where its rank tuples end (as
-    :func:`~entmtp_hf.search.simulate_canonical` does).
+    :func:`~.trajectories.simulate_canonical` does).
 
     Mirrors the decode loop step by step: retrieval first (``replace`` mode verifies the found
     continuation alone and skips the scheduler), else the scheduler reads its feature and
@@ -122,22 +120,15 @@ def replay(traj: "Trajectory", plan: "DecodePlan", window: int = 8) -> Replay:
     return Replay(lengths, sizes)
 
 
-def accepted_depth(row: Sequence[int], paths: set[tuple[int, ...]]) -> int:
-    """How deep a tree (its ``paths``) matches a rank tuple: the drafted tokens a greedy step accepts."""
-    d = 0
-    while d < len(row) and tuple(row[: d + 1]) in paths:
-        d += 1
-    return d
-
-
-def accept_table(traj: "Trajectory", trees: Sequence["Tree"]) -> list[list[int]]:
+def accept_table(traj: Trajectory, trees: Sequence[Tree]) -> list[list[int]]:
     """``table[j][k]``: the tokens tree ``k`` adds in a greedy step starting at step start ``j``
     (no retrieval): one plus the depth of its deepest path matching the rank tuple."""
     paths = [set(t.paths) for t in trees]
     return [[1 + accepted_depth(row, p) for p in paths] for row in traj.tuples]
 
 
-def walk_rate(tables: Sequence[Sequence[Sequence[int]]], costs: Sequence[float], choose) -> tuple[float, float]:
+def walk_rate(tables: Sequence[Sequence[Sequence[int]]], costs: Sequence[float],
+              choose: Callable[[int, int], int]) -> tuple[float, float]:
     """(tokens, work) of walking every table with ``choose(prompt, j) -> tree index``."""
     tokens = work = 0.0
     for i, table in enumerate(tables):

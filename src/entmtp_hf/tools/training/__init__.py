@@ -2,12 +2,13 @@
 
 Recipe (docs/training.md has the commands and the measured numbers):
 
-1. **Data.** Token sequences from the self-distilled records of :mod:`entmtp_hf.distill`
-   (chat-templated prompt + the base model's greedy response; rows are supervised from the
-   last prompt position on, where drafting starts) and real text from :mod:`entmtp_hf.data`
-   (GSM8K *train* question/answer chats, Python standard-library source). No evaluation
-   text: no HumanEval, GSM8K test or MT-Bench; stdlib chunks sharing a 13-gram with an
-   evaluation prompt are dropped. Documents go to a held-out split by a hash of their id.
+1. **Data.** Token sequences from the self-distilled records of
+   :mod:`entmtp_hf.tools.data.distill` (chat-templated prompt + the base model's greedy
+   response; rows are supervised from the last prompt position on, where drafting starts) and
+   real text from :mod:`entmtp_hf.tools.data.datasets` (GSM8K *train* question/answer chats,
+   Python standard-library source). No evaluation text: no HumanEval, GSM8K test or
+   MT-Bench; stdlib chunks sharing a 13-gram with an evaluation prompt are dropped.
+   Documents go to a held-out split by a hash of their id.
 2. **Teacher cache.** One pass of the base model writes every position's last hidden state
    h_t (after the final norm, so ``lm_head(h_t)`` are the logits) as float16 and its greedy
    token argmax(logits_t) into memmaps under ``WORK/data`` (resumable, by batch).

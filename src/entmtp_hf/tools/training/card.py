@@ -20,8 +20,8 @@ def model_card(s: dict[str, Any], heads: DraftHeads) -> str:
     tau = s.get("tau_mc_sim_7b_63")
     sources = (s["data"] or {}).keys()
     described = {
-        "distill": "`distill`: the base model's own greedy answers (`entmtp_hf.distill`) to GSM8K-train, Python "
-                   "standard-library docstring and chat prompts",
+        "distill": "`distill`: the base model's own greedy answers (`entmtp_hf.tools.data.distill`) to "
+                   "GSM8K-train, Python standard-library docstring and chat prompts",
         "gsm8k": "`gsm8k`: GSM8K *train* questions with their reference answers as chats",
         "stdlib": "`stdlib`: Python standard-library source",
     }

@@ -1,5 +1,5 @@
 """``entmtp-hf train-heads``: command-line flags derived from :class:`TrainConfig` and the
-command that runs the extraction or the training (registered by :mod:`entmtp_hf.cli`).
+command that runs the extraction or the training (registered by :mod:`entmtp_hf.tools.cli`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _HELP = {
     "head_decay": "head i's loss weight is HEAD_DECAY**i", "save_dtype": "precision of the shipped heads",
     "mixed_precision": "accelerate mixed precision: no, bf16 or fp16",
     "teacher_dtype": "precision of the base model's forward when filling the teacher cache: float32 or "
-                     "bfloat16 (autocast; ~2x faster on CPUs with AMX)",
+                     "bfloat16 (autocast; faster on CPUs with AMX)",
     "tau_prompts": "held-out prompts for the final tau measurement (0: skip)",
 }
 

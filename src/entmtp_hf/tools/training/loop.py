@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ...heads import HEADS_REGISTRY, DraftHeads
+from .. import require
 from .card import model_card
 from .config import DEMO_HUB_ID, SOURCES, SPLIT_TRAIN, SPLIT_VAL, TrainConfig
 from .objective import HeadsObjective, evaluate_heads, measure_tau, tau_prompts
@@ -157,41 +158,28 @@ def total_steps(cfg: TrainConfig, cache: TeacherCache, num_processes: int) -> in
     return min(n, cfg.max_steps) if cfg.max_steps else n
 
 
-def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = False, cache: TeacherCache | None = None,
-                max_minutes: float | None = None, stop_after: int | None = None, measure: bool = True,
-                command: str | None = None, accelerator=None, extract: bool = True) -> dict[str, Any]:
-    """Train (or resume) one set of heads; writes checkpoints under ``WORK/RUN`` and the final
-    heads to ``cfg.output`` (default ``WORK/RUN/final``). Returns the run summary.
-
-    ``max_minutes`` / ``stop_after`` (steps in this call) end the call early with a checkpoint
-    (and final heads from the current weights); ``resume=True`` later continues the schedule.
-    """
-    from accelerate import Accelerator
-    from tqdm.auto import tqdm
-
-    acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision)
-    run = Path(cfg.work_dir) / cfg.run_name
-    run.mkdir(parents=True, exist_ok=True)
-    log = RunLog(run / "train.log", acc.is_main_process)
-    started = time.perf_counter()
-    if model is None:
-        from ...demo.model import load_base_model
-
-        model, tokenizer = load_base_model(cfg.model)
-    model.to(acc.device).eval().requires_grad_(False)
+def _teacher_cache(cfg: TrainConfig, acc, model, tokenizer, cache: TeacherCache | None, log: RunLog,
+                   run: Path, resume: bool, extract: bool) -> TeacherCache:
+    """The teacher cache this run trains on: built and filled once (main process), then the
+    sequences fixed at the run's start (kept on resume)."""
     if cache is None:
         if acc.is_main_process:
             prepare_teacher_cache(model, tokenizer, cfg, log, extract=extract)
         acc.wait_for_everyone()
         cache = TeacherCache(Path(cfg.work_dir) / "data")
-
-    snapshot = run / "sequences.npy"  # the sequences this run trains on, fixed at its start
+    snapshot = run / "sequences.npy"
     if resume and snapshot.exists():
         cache.restrict(np.load(snapshot))
     elif acc.is_main_process:
         np.save(snapshot, np.nonzero(cache.ready)[0])
+    return cache
+
+
+def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftHeads, Tensor]:
+    """The heads training starts from (``--init-from`` heads, or a warm start) and the drafting
+    vocabulary: chosen from this data unless kept from the ``--init-from`` heads."""
     vocab_size = model.config.get_text_config().vocab_size
-    dv = None  # the drafting vocabulary: chosen from this data unless kept from --init-from heads
+    dv = None
     if not (cfg.init_from and cfg.init_vocab == "heads"):
         dv = draft_vocabulary(supervised_tokens(cache, SPLIT_TRAIN), cfg.draft_vocab_size, vocab_size)
     if cfg.init_from:  # continue training given heads on this data
@@ -207,6 +195,114 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
         sample = np.concatenate([cache.hidden[o : o + n] for o, n in cache.seqs[k, :2]]).astype(np.float32)
         warm_start(heads, float(np.sqrt((sample**2).mean(-1)).mean()))
     heads.config.base_model_name_or_path = cfg.model or DEMO_HUB_ID
+    return heads, dv
+
+
+@dataclass
+class _Trainer:
+    """What the optimisation loop of one run works on (all prepared by :mod:`accelerate`)."""
+
+    cfg: TrainConfig
+    acc: Any
+    model: Any
+    cache: TeacherCache
+    objective: Any
+    optimizer: Any
+    scheduler: Any
+    heads: DraftHeads  # the unwrapped heads (checkpoints, evaluation)
+    run: Path
+    log: RunLog
+    total: int
+
+    def __post_init__(self) -> None:
+        self._params = [p for p in self.objective.parameters() if p.requires_grad]
+
+    def fit(self, cursor: Cursor, deadline: float | None, stop_after: int | None) -> list[float]:
+        """Optimise from ``cursor`` to ``total`` steps (or the deadline / step budget), epoch by
+        epoch; checkpoints every ``save_every`` steps and when stopping. Returns the losses."""
+        from tqdm.auto import tqdm
+
+        cfg, acc = self.cfg, self.acc
+        ks, lengths = self.cache.split(SPLIT_TRAIN), self.cache.seqs[:, 1]
+        bar = tqdm(total=self.total, initial=cursor.step, disable=not acc.is_main_process, desc=cfg.run_name)
+        first_step, losses, stopped = cursor.step, [], False
+        while cursor.step < self.total and not stopped:
+            batches = epoch_batches(ks, lengths, cfg.batch_tokens, cfg.seed, cursor.epoch)
+            usable = len(batches) // acc.num_processes * acc.num_processes
+            loader = acc.prepare_data_loader(torch.utils.data.DataLoader(
+                _Batches(self.cache, batches[cursor.batch : usable]), batch_size=1, collate_fn=_first))
+            t0 = time.perf_counter()
+            for b in loader:
+                loss, per_head = self._step(b)
+                now = time.perf_counter()
+                cursor.step, cursor.batch = cursor.step + 1, cursor.batch + acc.num_processes
+                cursor.train_tokens += int(b["valid"].sum()) * acc.num_processes
+                cursor.train_seconds, t0 = cursor.train_seconds + now - t0, now
+                losses.append(round(loss, 5))
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+                self._report(cursor, loss, per_head)
+                out_of_time = (deadline is not None and now > deadline) or cursor.step - first_step == stop_after
+                if cursor.step % cfg.save_every == 0 or cursor.step >= self.total or out_of_time:
+                    self._checkpoint(cursor)
+                if cursor.step >= self.total:
+                    break
+                if out_of_time:
+                    self.log(f"stopping at step {cursor.step} of {self.total} (time/step budget): checkpoint saved")
+                    stopped = True
+                    break
+            else:
+                cursor.epoch, cursor.batch = cursor.epoch + 1, 0
+        bar.close()
+        return losses
+
+    def _step(self, batch: dict[str, Tensor]) -> tuple[float, list[float]]:
+        loss, per_head = self.objective(**batch)
+        self.acc.backward(loss)
+        if self.cfg.grad_clip:
+            self.acc.clip_grad_norm_(self._params, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item(), per_head
+
+    def _report(self, cursor: Cursor, loss: float, per_head: list[float]) -> None:
+        if cursor.step % 10 == 0:
+            self.log(f"step {cursor.step}/{self.total} epoch {cursor.epoch} loss {loss:.4f} heads "
+                     f"{[round(x, 3) for x in per_head]} lr {self.scheduler.get_last_lr()[0]:.2e} "
+                     f"{cursor.train_tokens / max(cursor.train_seconds, 1e-9):.0f} tok/s")  # fmt: skip
+        if self.cfg.eval_every and cursor.step % self.cfg.eval_every == 0 and self.acc.is_main_process:
+            metrics = evaluate_heads(self.heads, *_base_io(self.model), self.cache)
+            self.log(f"eval step {cursor.step}: {json.dumps(metrics)}")
+
+    def _checkpoint(self, cursor: Cursor) -> None:
+        if self.acc.is_main_process:
+            save_checkpoint(self.run, cursor, self.heads, self.optimizer, self.scheduler, self.cfg)
+        self.acc.wait_for_everyone()
+
+
+def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = False, cache: TeacherCache | None = None,
+                max_minutes: float | None = None, stop_after: int | None = None, measure: bool = True,
+                command: str | None = None, accelerator=None, extract: bool = True) -> dict[str, Any]:
+    """Train (or resume) one set of heads; writes checkpoints under ``WORK/RUN`` and the final
+    heads to ``cfg.output`` (default ``WORK/RUN/final``). Returns the run summary.
+
+    ``max_minutes`` / ``stop_after`` (steps in this call) end the call early with a checkpoint
+    (and final heads from the current weights); ``resume=True`` later continues the schedule.
+    """
+    accelerate = require("accelerate", extra="train")
+    acc = accelerator or accelerate.Accelerator(mixed_precision=cfg.mixed_precision)
+    run = Path(cfg.work_dir) / cfg.run_name
+    run.mkdir(parents=True, exist_ok=True)
+    log = RunLog(run / "train.log", acc.is_main_process)
+    started = time.perf_counter()
+    if model is None:
+        from ...demo.model import load_base_model
+
+        model, tokenizer = load_base_model(cfg.model)
+    model.to(acc.device).eval().requires_grad_(False)
+    cache = _teacher_cache(cfg, acc, model, tokenizer, cache, log, run, resume, extract)
+    heads, dv = _initial_heads(cfg, model, cache)
     cov = coverage(dv, supervised_tokens(cache, SPLIT_VAL))
     objective = HeadsObjective(heads, model.get_input_embeddings(), model.get_output_embeddings(),
                                cfg.ce_weight, cfg.head_decay)
@@ -228,53 +324,8 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
     log(f"{cfg.family}/{cfg.arch}: {sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M parameters, "
         f"draft vocab {len(dv)} (held-out greedy coverage {cov:.4f}), {total} steps, "
         f"{len(cache.split(SPLIT_TRAIN))} train / {len(cache.split(SPLIT_VAL))} val sequences")
-
-    ks, lengths = cache.split(SPLIT_TRAIN), cache.seqs[:, 1]
-    bar = tqdm(total=total, initial=cursor.step, disable=not acc.is_main_process, desc=cfg.run_name)
-    deadline = started + 60 * max_minutes if max_minutes else None
-    stopped_early, params = False, [p for p in objective.parameters() if p.requires_grad]
-    first_step, losses = cursor.step, []
-    while cursor.step < total and not stopped_early:
-        batches = epoch_batches(ks, lengths, cfg.batch_tokens, cfg.seed, cursor.epoch)
-        usable = len(batches) // acc.num_processes * acc.num_processes
-        loader = acc.prepare_data_loader(torch.utils.data.DataLoader(
-            _Batches(cache, batches[cursor.batch : usable]), batch_size=1, collate_fn=_first))
-        t0 = time.perf_counter()
-        for b in loader:
-            loss, per_head = objective(**b)
-            acc.backward(loss)
-            if cfg.grad_clip:
-                acc.clip_grad_norm_(params, cfg.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            now = time.perf_counter()
-            cursor.step, cursor.batch = cursor.step + 1, cursor.batch + acc.num_processes
-            cursor.train_tokens += int(b["valid"].sum()) * acc.num_processes
-            cursor.train_seconds, t0 = cursor.train_seconds + now - t0, now
-            bar.update(1)
-            losses.append(round(loss.item(), 5))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            if cursor.step % 10 == 0:
-                log(f"step {cursor.step}/{total} epoch {cursor.epoch} loss {loss.item():.4f} heads "
-                    f"{[round(x, 3) for x in per_head]} lr {scheduler.get_last_lr()[0]:.2e} "
-                    f"{cursor.train_tokens / max(cursor.train_seconds, 1e-9):.0f} tok/s")
-            if cfg.eval_every and cursor.step % cfg.eval_every == 0 and acc.is_main_process:
-                log(f"eval step {cursor.step}: {json.dumps(evaluate_heads(unwrapped, *_base_io(model), cache))}")
-            out_of_time = (deadline is not None and now > deadline) or cursor.step - first_step == stop_after
-            if cursor.step % cfg.save_every == 0 or cursor.step >= total or out_of_time:
-                if acc.is_main_process:
-                    save_checkpoint(run, cursor, unwrapped, optimizer, scheduler, cfg)
-                acc.wait_for_everyone()
-            if cursor.step >= total:
-                break
-            if out_of_time:
-                log(f"stopping at step {cursor.step} of {total} (time/step budget): checkpoint saved")
-                stopped_early = True
-                break
-        else:
-            cursor.epoch, cursor.batch = cursor.epoch + 1, 0
-    bar.close()
+    trainer = _Trainer(cfg, acc, model, cache, objective, optimizer, scheduler, unwrapped, run, log, total)
+    losses = trainer.fit(cursor, started + 60 * max_minutes if max_minutes else None, stop_after)
     saved = checkpoints(run)
     if cursor.step > 0 and (not saved or saved[-1].name != f"step-{cursor.step:07d}") and acc.is_main_process:
         save_checkpoint(run, cursor, unwrapped, optimizer, scheduler, cfg)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from ...heads import DraftHeads
 from .config import SOURCES, SPLIT_VAL
@@ -137,7 +138,7 @@ def measure_tau(model, heads: DraftHeads, prompts: Sequence[Sequence[int]], max_
     enable_entmtp(model, copy.deepcopy(heads).float())
     steps, accepted, t0 = 0, 0, time.perf_counter()
     try:
-        for p in prompts:
+        for p in tqdm(prompts, desc="tau", unit="prompt", disable=None):
             ids = torch.tensor([list(p)], device=next(model.parameters()).device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, return_dict_in_generate=True,

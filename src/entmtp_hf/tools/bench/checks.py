@@ -1,0 +1,50 @@
+"""What is checked on each prompt's outputs once every method ran it: speed-ups over vanilla,
+greedy outputs token for token against vanilla (with the base model's logit gap where they
+part), and the responses' perplexity under the base model."""
+
+from __future__ import annotations
+
+import logging
+
+from ...demo.compare import find_mismatch
+from ..metrics import load_perplexity
+from .context import BenchContext
+from .settings import BenchSettings
+
+log = logging.getLogger("entmtp_hf.tools.bench")
+
+
+def postprocess(ctx: BenchContext, records: list[dict], prompts: list[dict], settings: BenchSettings) -> None:
+    """Speedups over vanilla, greedy mismatch checks and response perplexity, in place."""
+    vanilla = {r["prompt_index"]: r for r in records if r["method"] == "vanilla"}
+    for r in records:
+        base = vanilla.get(r["prompt_index"])
+        ok = base is not None and base["tokens_per_s"] and r["tokens_per_s"] is not None
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if ok else None
+        r["mismatch"] = None
+        if settings.mode == "greedy" and base is not None and r is not base:
+            prompt_ids = prompts[r["prompt_index"]]["input_ids"]
+            r["mismatch"] = find_mismatch(base["output_ids"], r["output_ids"], ctx.model, prompt_ids)
+            if r["mismatch"] is not None:
+                log.warning("%s %s prompt %d: output differs from vanilla: %s",
+                            r["task"], r["method"], r["prompt_index"], r["mismatch"])  # fmt: skip
+    if settings.perplexity:
+        add_perplexity(ctx, records, prompts)
+
+
+def add_perplexity(ctx: BenchContext, records: list[dict], prompts: list[dict]) -> None:
+    """Response perplexity under the base model (given the prompt), via the shipped metric."""
+    metric = load_perplexity()
+    cache: dict[tuple, float | None] = {}
+    for r in records:
+        key = (r["prompt_index"], tuple(r["output_ids"]))
+        if key not in cache:
+            text = ctx.tokenizer.decode(r["output_ids"], skip_special_tokens=True)
+            context = ctx.tokenizer.decode(prompts[r["prompt_index"]]["input_ids"])
+            if not text.strip():
+                cache[key] = None
+            else:
+                res = metric.compute(predictions=[text], contexts=[context], model=ctx.model,
+                                     tokenizer=ctx.tokenizer, batch_size=1)  # fmt: skip
+                cache[key] = res["perplexities"][0]
+        r["perplexity"] = cache[key]

@@ -1,0 +1,178 @@
+"""The loaded model, tokenizer, heads and banks a benchmark run shares between its methods.
+
+Whatever is expensive to build is built once per context and kept: each task's bank, each
+method's config (its plan resolved once), the int8 draft model and the measured CPU kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ...config import EntMTPConfig
+from ...cpu_kernels import CPUKernels
+from ...demo import DEMO_HEADS, DEMO_MEDUSA_HEADS
+from ...trees.bank import SHIPPED_DIR, TopologyBank
+
+log = logging.getLogger("entmtp_hf.tools.bench")
+
+DEFAULT_HEADS = {"hydra": DEMO_HEADS, "medusa": DEMO_MEDUSA_HEADS}
+DEFAULT_BANKS = (SHIPPED_DIR / "smollm2-135m-cpu", SHIPPED_DIR / "published-defaults")
+RANDOM_HEADS_VOCAB = 4096  # random smoke-test heads draft from the first ids only (cheap on CPU)
+
+
+def quantized_draft(model):
+    """An int8 copy of ``model`` (dynamic quantisation of every ``nn.Linear``; CPU only) to
+    draft with: the target's own vocabulary and weights at a quarter of the bytes per step,
+    a draft/target pair that needs no second checkpoint and no training."""
+    with warnings.catch_warnings():  # torch.ao's eager quantisation warns that it moved to torchao
+        warnings.simplefilter("ignore")
+        draft = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear},
+                                                       dtype=torch.qint8)  # fmt: skip
+    return draft.eval()
+
+
+@dataclass
+class BenchContext:
+    """The loaded model, tokenizer, heads and bank a run uses (built by :func:`load_context`)."""
+
+    model: Any
+    tokenizer: Any
+    heads: dict[str, Any] = field(default_factory=dict)  # family -> DraftHeads
+    heads_sources: dict[str, str] = field(default_factory=dict)
+    missing_heads: dict[str, str] = field(default_factory=dict)  # family -> why absent
+    bank_folder: Path | None = None
+    model_name: str = ""
+    eas_config: str | None = None  # EAS settings file of ``eas-calibrated`` ({task} is replaced)
+    _banks: dict[str, Any] = field(default_factory=dict, repr=False)
+    _configs: dict[tuple, EntMTPConfig] = field(default_factory=dict, repr=False)
+    _int8_draft: Any = field(default=None, repr=False)
+    _kernels: dict[str | None, CPUKernels] = field(default_factory=dict, repr=False)
+    #: what a method's :meth:`~.methods.Method.prepare` set up for its timed call (packed weights,
+    #: installed kernels), undone by :meth:`release` right after that call: outside the clock both ways
+    _held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
+
+    def hold(self, context: Any) -> Any:
+        """Enter ``context`` until :meth:`release`."""
+        return self._held.enter_context(context)
+
+    def release(self) -> None:
+        self._held.close()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def int8_draft(self):
+        """The draft model of the draft-model methods (:func:`quantized_draft`), built once."""
+        if self._int8_draft is None:
+            self._int8_draft = quantized_draft(self.model)
+        return self._int8_draft
+
+    def cpu_kernels(self, family: str | None = None) -> CPUKernels:
+        """The model's measured CPU kernels (with the ``family`` heads' drafting products),
+        installed: measured once, when first asked for, and put back on without measuring after."""
+        kernels = self._kernels.get(family)
+        if kernels is None:  # measures, then installs
+            kernels = self._kernels[family] = CPUKernels(self.model, self.heads[family] if family else None)
+        else:
+            kernels.install()
+        return kernels
+
+    def kernel_choices(self) -> dict[str, str]:
+        """What each measured set of CPU kernels chose (for the result's environment)."""
+        return {family or "model": k.describe() for family, k in self._kernels.items()}
+
+    def bank(self, task: str) -> TopologyBank:
+        """The bank of ``task``, falling back to the folder's ``default`` task (logged)."""
+        if task not in self._banks:
+            if self.bank_folder is None:
+                raise ValueError("no tree bank folder given")
+            tasks = TopologyBank.list_tasks(self.bank_folder)
+            name = task if task in tasks else "default" if "default" in tasks else None
+            if name is None:
+                raise ValueError(f"bank {self.bank_folder} has neither task {task!r} nor 'default' (has {tasks})")
+            if name != task:
+                log.info("bank %s has no task %r: using its 'default' trees", self.bank_folder, task)
+            self._banks[task] = TopologyBank.from_pretrained(self.bank_folder, task=name)
+        return self._banks[task]
+
+
+def random_heads(model, family: str, seed: int = 0):
+    """Random (untrained) heads for smoke runs; deterministic for a given seed."""
+    from ...heads import HydraHeads, MedusaHeads
+
+    cls = {"hydra": HydraHeads, "medusa": MedusaHeads}[family]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    torch.manual_seed(seed)
+    heads = cls.for_model(model, num_heads=4, draft_vocab=torch.arange(min(vocab, RANDOM_HEADS_VOCAB)))
+    return heads.to(dtype=model.get_output_embeddings().weight.dtype).eval()
+
+
+def _weights_digest(folder: str | os.PathLike) -> str:
+    """Short sha256 of a local heads folder's weights (which checkpoint a run used)."""
+    path = Path(folder) / "model.safetensors"
+    if not path.is_file():
+        return "n/a"
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:12]
+
+
+def default_bank_folder() -> Path | None:
+    return next((p for p in DEFAULT_BANKS if p.is_dir()), None)
+
+
+def _load_family(ctx: BenchContext, family: str, source, given: bool, random_missing: bool, seed: int) -> None:
+    """Load one family's heads into ``ctx`` (or say why not, and use random heads if asked)."""
+    from ...heads import load_heads
+
+    if Path(source).is_dir() or given:
+        try:
+            ctx.heads[family] = load_heads(str(source), base_config=ctx.model.config).to(ctx.device).eval()
+            ctx.heads_sources[family] = f"{source} (weights sha256 {_weights_digest(source)})"
+            return
+        except (ValueError, OSError) as e:
+            ctx.missing_heads[family] = f"{family} heads at {source} could not be loaded: {e}"
+    else:
+        ctx.missing_heads[family] = f"no {family} heads at {source} (train them, or pass --random-heads)"
+    if random_missing:
+        ctx.heads[family] = random_heads(ctx.model, family, seed)
+        ctx.heads_sources[family] = f"random (seed {seed}, draft vocab {RANDOM_HEADS_VOCAB})"
+        log.warning("using RANDOM %s heads: %s", family, ctx.missing_heads.pop(family))
+
+
+def load_context(
+    model_id: str | None = None,
+    *,
+    heads: Mapping[str, str | os.PathLike | None] | None = None,
+    random_missing: bool = False,
+    bank: str | os.PathLike | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+) -> BenchContext:
+    """Load the base model (default: the demo model), the heads of each family and the bank."""
+    from ...demo.model import load_base_model
+
+    model, tokenizer = load_base_model(model_id)
+    model.to(device)
+    ctx = BenchContext(model, tokenizer, model_name=model_id or "SmolLM2-135M-Instruct (demo, fp32)")
+    for family, default in DEFAULT_HEADS.items():
+        given = (heads or {}).get(family)
+        _load_family(ctx, family, given or default, bool(given), random_missing, seed)
+    ctx.bank_folder = Path(bank) if bank is not None else default_bank_folder()
+    if bank is None and ctx.bank_folder != DEFAULT_BANKS[0]:
+        log.info("no bank at %s (run the tree search for this machine): using %s", DEFAULT_BANKS[0], ctx.bank_folder)
+    log.info("heads: %s; bank: %s", ctx.heads_sources or "none", ctx.bank_folder)
+    return ctx

@@ -1,0 +1,275 @@
+"""The benchmark's decoding methods: :class:`Method` objects in one registry, :data:`METHODS`.
+
+Every method registers itself here with :func:`register_method`; a plug-in module does the
+same (``entmtp-hf bench --plugin my.module``). A method whose heads, bank or library support
+is missing is skipped with its reason. Most methods are opt-in (``default=False``): the
+default list is the comparison a user runs first (plain decoding, prompt lookup, Hydra with
+mc_sim_7b_63, EntMTP* and EntMTPτ); ``entmtp-hf bench --methods ...`` picks any others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ...config import EntMTPConfig
+from ...cpu_kernels import onednn_linears, packed_linears
+from ...decoding.stats import PhaseTimer
+from ...scheduling.eas import EASConfig, fixed_length
+from ...trees.tree import MC_SIM_7B_63, Tree
+from .context import BenchContext
+from .settings import MODES
+
+
+@dataclass
+class Generation:
+    """What one generate call produced: the new token ids and EntMTP's statistics if any."""
+
+    new_ids: list[int]
+    stats: dict | None = None
+    assisted: bool = False  # transformers' assisted decoding: its first forward verifies drafts too
+
+
+#: ``(ctx, task, acceptance_kwargs)`` -> the EntMTP config of a tree method on that task
+ConfigFactory = Callable[[BenchContext, str, dict], EntMTPConfig]
+#: the timed callable a method prepares: ``run(input_ids, generate_kwargs)``
+Run = Callable[[torch.Tensor, dict], Generation]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A decoding method: a name and how to call ``generate``.
+
+    Plain methods pass ``generate_kwargs``; tree methods name a heads family and build an
+    :class:`EntMTPConfig` per task with ``entmtp(ctx, task, acceptance_kwargs)``. Override
+    :meth:`prepare` for anything else (it runs outside the timed region and returns the
+    callable that is timed).
+    """
+
+    name: str
+    description: str
+    heads: str | None = None
+    entmtp: ConfigFactory | None = None
+    generate_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    default: bool = False  # part of the default method list
+
+    def unavailable(self, ctx: BenchContext, task: str, mode: str) -> str | None:
+        """Why this method cannot run on ``task`` (None when it can)."""
+        if self.heads is not None and self.heads not in ctx.heads:
+            return ctx.missing_heads.get(self.heads, f"no {self.heads} heads")
+        if self.entmtp is not None:
+            try:
+                self._config(ctx, task, mode).resolve(ctx.heads[self.heads].num_heads)
+            except (ValueError, OSError) as e:
+                return str(e)
+        return None
+
+    def _config(self, ctx: BenchContext, task: str, mode: str) -> EntMTPConfig:
+        key = (self.name, task, mode)
+        if key not in ctx._configs:  # one config per (method, task): its plan is resolved once
+            ctx._configs[key] = self.entmtp(ctx, task, dict(MODES[mode][1]))
+        return ctx._configs[key]
+
+    def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
+        """Set the model up for this method; returns ``run(input_ids, generate_kwargs)``."""
+        from ...integration import enable_entmtp
+
+        kwargs = dict(self.generate_kwargs)
+        if self.entmtp is not None:
+            enable_entmtp(ctx.model, ctx.heads[self.heads])  # a heads swap, outside the clock
+            kwargs["entmtp_config"] = self._config(ctx, task, mode)
+        return generate_runner(ctx, kwargs)
+
+
+def generate_runner(ctx: BenchContext, kwargs: dict) -> Run:
+    """The timed callable: ``generate`` with the method's ``kwargs`` on top of the basket's."""
+    assisted = any(kwargs.get(k) is not None for k in ("assistant_model", "prompt_lookup_num_tokens"))
+
+    def run(input_ids: torch.Tensor, gen_kwargs: dict) -> Generation:
+        timer = PhaseTimer()
+        observe = {"entmtp_observers": [timer]} if kwargs.get("entmtp_config") is not None else {}
+        out = ctx.model.generate(input_ids, return_dict_in_generate=True, **gen_kwargs, **kwargs, **observe)
+        new_ids = out.sequences[0, input_ids.shape[1] :].tolist()
+        stats = getattr(out, "entmtp_stats", None)
+        if observe:  # drafting against everything else a step does (verification, acceptance, commit)
+            t = timer.seconds
+            stats = {**stats, "draft_time": t["draft"], "verify_time": t["verify"] + t["accept"] + t["commit"]}
+        return Generation(new_ids, stats, assisted)
+
+    return run
+
+
+#: name -> method; insertion order is the default run and report order.
+METHODS: dict[str, Method] = {}
+
+
+def register_method(method: Method, *, replace: bool = False) -> Method:
+    """Add a method to :data:`METHODS` (e.g. ``eas``, the entropy-adaptive method)."""
+    if method.name in METHODS and not replace:
+        raise ValueError(f"method {method.name!r} is already registered (pass replace=True)")
+    if method.heads is not None and method.heads not in ("hydra", "medusa"):
+        raise ValueError(f"method {method.name!r}: unknown heads family {method.heads!r}")
+    METHODS[method.name] = method
+    return method
+
+
+def default_method_names() -> tuple[str, ...]:
+    return tuple(n for n, m in METHODS.items() if m.default)
+
+
+def chosen_methods(names: Sequence[str] = ()) -> list[Method]:
+    """The registered methods ``names`` (empty: the default list), in that order."""
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; registered: {list(METHODS)}")
+    return [METHODS[n] for n in names or default_method_names()]
+
+
+# ============================================================================ EntMTP configs
+def _default_tree(ctx: BenchContext, task: str, acc: dict) -> EntMTPConfig:
+    return EntMTPConfig(tree=MC_SIM_7B_63, **acc)
+
+
+def _bank_policy(policy: str, **extra: Any) -> ConfigFactory:
+    def make(ctx: BenchContext, task: str, acc: dict) -> EntMTPConfig:
+        bank = ctx.bank(task)
+        return EntMTPConfig(bank=bank, task=bank.task, policy=policy, **acc, **extra)
+
+    return make
+
+
+def eas_bench_config(ctx: BenchContext, task: str, acceptance: dict, eas: EASConfig | None = None) -> EntMTPConfig:
+    """Benchmark factory: the Hydra head chain as deep as the heads go, halted by EAS."""
+    depth = ctx.heads["hydra"].num_heads
+    return EntMTPConfig(tree=Tree.chain(depth).choices, eas=eas or EASConfig(), **acceptance)
+
+
+def fixed_chain_config(k: int) -> ConfigFactory:
+    """Benchmark factory: the fixed head chain of length ``k`` (unavailable with fewer heads)."""
+    def make(ctx: BenchContext, task: str, acceptance: dict) -> EntMTPConfig:
+        return EntMTPConfig(tree=Tree.chain(k).choices, **acceptance)
+
+    return make
+
+
+def calibrated_eas(ctx: BenchContext, task: str) -> EASConfig:
+    """The ``--eas-config`` settings of ``task`` (``entmtp-hf eas-calibrate`` writes them)."""
+    if ctx.eas_config is None:
+        raise ValueError("eas-calibrated needs --eas-config (e.g. runs/eas-calibration-{task}/eas_config.json)")
+    return EASConfig.from_json(ctx.eas_config.replace("{task}", Path(task).stem))
+
+
+# ============================================================================ kernel methods
+@dataclass(frozen=True)
+class KernelReference(Method):
+    """Plain ``generate`` with every linear layer of the model on oneDNN
+    (:func:`~entmtp_hf.cpu_kernels.onednn_linears`): how much of a tree method's speed-up over
+    vanilla the kernel alone would give plain decoding on this machine."""
+
+    def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
+        run = generate_runner(ctx, dict(self.generate_kwargs))
+
+        def timed(input_ids: torch.Tensor, gen_kwargs: dict) -> Generation:
+            with onednn_linears(ctx.model):
+                return run(input_ids, gen_kwargs)
+
+        return timed
+
+
+@dataclass(frozen=True)
+class PackedWeights(Method):
+    """The method run with the decoder's layers packed for oneDNN
+    (:func:`~entmtp_hf.cpu_kernels.packed_linears`), packed before the clock starts and unpacked
+    right after its timed call, as a model kept packed across many calls would run it."""
+
+    def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
+        run = super().prepare(ctx, task, mode)
+        if not ctx.hold(packed_linears(ctx.model)):
+            raise RuntimeError(f"{self.name}: no layer of the model could be packed for oneDNN")
+        return run
+
+
+@dataclass(frozen=True)
+class PackedKernelReference(PackedWeights, KernelReference):
+    """Plain ``generate`` on the decoder's layers packed and the LM head (never packed) on oneDNN."""
+
+
+@dataclass(frozen=True)
+class MeasuredKernels(Method):
+    """The method run with this machine's measured CPU kernels installed
+    (:class:`~entmtp_hf.cpu_kernels.CPUKernels`, with the method's heads when it has any):
+    measured once per context, installed before the clock starts and removed right after the
+    timed call, as a model enabled with ``cpu_kernels=True`` would run. Where the kernels do
+    not apply (another device or dtype, no oneDNN) the method runs without them."""
+
+    def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
+        run = super().prepare(ctx, task, mode)  # enables the heads first: the kernels dispatch their layers
+        ctx.hold(ctx.cpu_kernels(self.heads))
+        return run
+
+
+# ============================================================================ draft-model methods
+@dataclass(frozen=True)
+class DraftMethod(Method):
+    """Assisted decoding with the target's int8 copy as the draft model (``ctx.int8_draft()``)
+    and EAS (or a fixed chain: :func:`~entmtp_hf.scheduling.eas.fixed_length`) deciding each
+    chain's length."""
+
+    eas: EASConfig = field(default_factory=EASConfig)
+
+    def unavailable(self, ctx: BenchContext, task: str, mode: str) -> str | None:
+        if ctx.device.type != "cpu":
+            return "the int8 draft (dynamic quantisation) runs on the CPU only"
+        return None if ctx.heads else "eas_config needs a model enabled by enable_entmtp, i.e. some heads"
+
+    def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
+        from ...integration import EntMTPGenerationMixin, enable_entmtp
+
+        if not isinstance(ctx.model, EntMTPGenerationMixin):  # the heads are not used, only the generate hook
+            enable_entmtp(ctx.model, next(iter(ctx.heads.values())))
+        return generate_runner(ctx, {"assistant_model": ctx.int8_draft(), "eas_config": self.eas})
+
+
+# ============================================================================ the registry
+register_method(Method("vanilla", "plain autoregressive generate", default=True))
+register_method(KernelReference("vanilla-onednn", "plain generate, every linear layer on oneDNN (kernel reference)"))
+register_method(PackedKernelReference("vanilla-packed", "plain generate, the decoder's layers packed and the LM head "
+                                      "on oneDNN (kernel reference)"))  # fmt: skip
+register_method(MeasuredKernels("vanilla-kernels", "plain generate with this machine's measured CPU kernels"))
+register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10},
+                       default=True))  # fmt: skip
+register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="medusa", entmtp=_default_tree))
+register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hydra", entmtp=_default_tree,
+                       default=True))  # fmt: skip
+register_method(Method("entmtp-static", "EntMTP*: the bank's static optimum", heads="hydra",
+                       entmtp=_bank_policy("static"), default=True))  # fmt: skip
+register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis"),
+                       default=True))  # fmt: skip
+register_method(PackedWeights("entmtp-static-packed", "EntMTP*, the decoder's layers packed for oneDNN", heads="hydra",
+                              entmtp=_bank_policy("static")))  # fmt: skip
+register_method(MeasuredKernels("entmtp-static-kernels", "EntMTP* with this machine's measured CPU kernels",
+                                heads="hydra", entmtp=_bank_policy("static")))  # fmt: skip
+register_method(Method("entmtp-value", "EntMTP-v: per step, the bank's value tree with the most path value",
+                       heads="hydra", entmtp=_bank_policy("value")))  # fmt: skip
+register_method(Method("entmtp-ladder", "EntMTP-l: threshold ladder", heads="hydra", entmtp=_bank_policy("ladder")))
+register_method(Method("entmtp-tau-retrieval", "EntMTPτ + a retrieval branch copied from earlier text", heads="hydra",
+                       entmtp=_bank_policy("hysteresis", retrieval=True)))  # fmt: skip
+register_method(Method("entmtp-tau-no-retrieval", "EntMTPτ without retrieval branches, whatever the bank's default",
+                       heads="hydra", entmtp=_bank_policy("hysteresis", retrieval=False)))  # fmt: skip
+# Entropy-adaptive speculation (EAS) on the Hydra head chain and its fixed-chain baselines.
+# Chains longer than the heads are skipped.
+register_method(Method("eas", "EAS: Hydra head chain halted by entropy", heads="hydra", entmtp=eas_bench_config))
+register_method(Method("eas-w16", "EAS with a 16-token warm-up (the default waits 100 tokens)", heads="hydra",
+                       entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, EASConfig(warmup_tokens=16))))
+register_method(Method("eas-calibrated", "EAS with the task's calibrated settings (--eas-config)", heads="hydra",
+                       entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, calibrated_eas(ctx, task))))
+for _k in (2, 4, 8, 12):  # short chains: verifying a few tokens costs about one forward where the cost is flat in N
+    register_method(Method(f"chain-{_k}", f"fixed Hydra head chain, k={_k}", heads="hydra", entmtp=fixed_chain_config(_k)))
+# The draft-model form of EAS against fixed chains, with the target's own int8 copy as the draft.
+register_method(DraftMethod("draft-eas", "int8 draft model, chain halted by EAS (k_max 12, 16-token warm-up)",
+                            eas=EASConfig(warmup_tokens=16)))  # fmt: skip
+for _k in (4, 8, 12):
+    register_method(DraftMethod(f"draft-chain-{_k}", f"int8 draft model, fixed chain k={_k}", eas=fixed_length(_k)))
