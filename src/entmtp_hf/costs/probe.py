@@ -117,9 +117,10 @@ def draft_fit(model, heads, *, repeats: int = 5) -> tuple[tuple[float, float, fl
     return (float(coef[0]), float(coef[1]), float(coef[2])), error
 
 
-def _greedy(model) -> GenerationConfig:
-    """Greedy decoding that runs to its token budget (no EOS: every probe decode has one length)."""
-    return GenerationConfig(**{**model.generation_config.to_dict(), "eos_token_id": None, "do_sample": False})
+def _greedy(model, tokens: int) -> GenerationConfig:
+    """Greedy decoding of exactly ``tokens`` tokens (no EOS: every probe decode has one length)."""
+    return GenerationConfig(**{**model.generation_config.to_dict(), "eos_token_id": None, "do_sample": False,
+                               "max_new_tokens": tokens, "return_dict_in_generate": True})  # fmt: skip
 
 
 def step_overhead(model, forward: dict[int, float], *, tokens: int = DECODE_TOKENS) -> tuple[tuple[float, float], float]:
@@ -128,11 +129,10 @@ def step_overhead(model, forward: dict[int, float], *, tokens: int = DECODE_TOKE
     g = torch.Generator().manual_seed(2)
     lm = model.get_output_embeddings().weight
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, 96), generator=g).to(lm.device)
-    config = _greedy(model)
     sync = _sync(lm.device)
 
     def plain(n: int) -> Callable[[], None]:
-        return lambda: model.generate(ids, generation_config=config, max_new_tokens=n)
+        return lambda: model.generate(ids, generation_config=_greedy(model, n))
 
     seconds = _medians({"one": plain(1), "many": plain(tokens + 1)}, 2, sync)
     plain_ms = 1e3 * (seconds["many"] - seconds["one"]) / tokens
@@ -140,8 +140,8 @@ def step_overhead(model, forward: dict[int, float], *, tokens: int = DECODE_TOKE
     per_step = {}
     for tree in (small, large):
         timer = PhaseTimer()
-        out = model.generate(ids, generation_config=config, max_new_tokens=tokens, return_dict_in_generate=True,
-                             entmtp_config=EntMTPConfig(tree=tree.choices), entmtp_observers=[timer])  # fmt: skip
+        out = model.generate(ids, generation_config=_greedy(model, tokens), entmtp_config=EntMTPConfig(tree=tree.choices),
+                             entmtp_observers=[timer])  # fmt: skip
         st = out.entmtp_stats
         decode_ms = 1e3 * (st["total_time"] - st["prefill_time"])
         per_step[tree.num_nodes] = (decode_ms - 1e3 * (timer.seconds["verify"] + timer.seconds["draft"])) / st["steps"]

@@ -154,12 +154,47 @@ class TopologyBank:
         root = next((k for k, t in enumerate(self._trees) if t.num_nodes == 1), None)
         return scheduler_for(self._scheduler, ranking, root), ranking
 
-    def with_machine(self, table: CostTable) -> "TopologyBank":
+    def with_frontier(self, trees: Sequence[Tree], accept: Sequence[float], info: Sequence[Mapping[str, Any]] = (),
+                      source: Mapping[str, Any] | None = None) -> "TopologyBank":
+        """A copy of this bank that carries the task's acceptance frontier ``trees`` with their
+        tokens per step ``accept`` (debiased), merged with the bank's own trees: a tree the bank
+        has keeps its figures and gets the frontier's; every index (scheduler, machines) follows
+        the merge. ``info``: more figures per frontier tree; ``source``: how they were measured.
+        Stored machine entries are dropped: they ranked the old trees."""
+        if len(accept) != len(trees) or (info and len(info) != len(trees)):
+            raise ValueError("give one accept length (and one info dict, if any) per frontier tree")
+        per_tree = [dict(d) for d in self._metadata.get("trees") or [{} for _ in self._trees]]
+        merged = list(zip(self._trees, per_tree, range(len(self._trees))))  # (tree, info, old index)
+        index = {t: k for k, t in enumerate(self._trees)}
+        frontier = []
+        for tree, tau, extra in zip(trees, accept, info or [{}] * len(trees)):
+            figures = {"num_nodes": tree.num_nodes, "mean_accept_length": float(tau), **extra}
+            if tree in index:
+                old = merged[index[tree]][1]
+                if "mean_accept_length" in old:  # what the search measured: kept beside the frontier's
+                    old.setdefault("measured_accept_length", old["mean_accept_length"])
+                old.update(figures)
+            else:
+                index[tree] = len(merged)
+                merged.append((tree, {"name": f"frontier-{tree.num_nodes}", **figures}, None))
+            frontier.append(tree)
+        merged.sort(key=lambda row: row[0].num_nodes)  # stable: equal sizes keep their order
+        new = {old: k for k, (_, _, old) in enumerate(merged) if old is not None}
+        meta = {k: v for k, v in self._metadata.items() if k != "machines"}
+        meta["trees"] = [i for _, i, _ in merged]
+        meta["scheduler"] = _remapped(self._scheduler.to_dict(), new)
+        position = {t: k for k, (t, _, _) in enumerate(merged)}
+        meta["frontier"] = {**(source or {}), "trees": [position[t] for t in frontier]}
+        return TopologyBank(self._task, [t for t, _, _ in merged], meta)
+
+    def with_machine(self, table: CostTable, scheduler: SchedulerDefaults | None = None) -> "TopologyBank":
         """A copy of this bank that also carries ``table``'s machine: its costs and the scheduler
-        they rank (an entry for the same machine, model and heads is replaced)."""
+        they rank, or ``scheduler`` when one was chosen there by timing (the search's accurate
+        path); an entry for the same machine, model and heads is replaced."""
         if not self.frontier:
             raise EntMTPError(f"the bank for task {self._task!r} carries no acceptance frontier to re-rank")
-        scheduler, ranking = self._ranked(table)
+        ranked, ranking = self._ranked(table)
+        scheduler = scheduler or ranked
         entry = {"costs": table.to_dict(), "scheduler": scheduler.to_dict(),
                  "speedups": {str(k): round(v, 4) for k, v in ranking.speedups.items()}}  # fmt: skip
         others = [m for m in self._metadata.get("machines", []) if CostTable.from_dict(m["costs"]).key != table.key]
@@ -289,6 +324,16 @@ class TopologyBank:
                 revision=revision,
                 create_pr=create_pr,
             )
+
+
+def _remapped(scheduler: dict[str, Any], new: dict[int, int]) -> dict[str, Any]:
+    """Scheduler defaults with every tree index moved to its new place (``new``: old -> new)."""
+    out = dict(scheduler)
+    for key in ("static", "conservative", "aggressive"):
+        out[key] = new[out[key]]
+    for key in ("ladder", "value"):
+        out[key] = [new[k] for k in out[key]]
+    return out
 
 
 def _tasks_or_unknown(

@@ -63,7 +63,7 @@ TASK_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 _RESERVED = ("format_version", "task", "num_trees")
 TEXT_KEYS = ("base_model", "heads", "hardware", "created_by")
 FIGURES = {"mean_accept_length": "mean accept length", "biased_accept_length": "biased accept length",
-           "tokens_per_s": "tokens/s"}  # fmt: skip
+           "measured_accept_length": "measured accept length", "tokens_per_s": "tokens/s"}  # fmt: skip
 _INT32_MAX = 2**31 - 1
 #: Ends of the paper's threshold grid (0.001 … 0.05), used for default ladder thresholds.
 _TAU_GRID_ENDS = (0.001, 0.05)

@@ -1,0 +1,221 @@
+"""``entmtp-hf calibrate``: a bank ranked for this machine in seconds, checked against the clock.
+
+* The probe (:mod:`entmtp_hf.costs.probe`) measures this machine's step costs for the model and
+  heads once (seconds; cached), every task of the bank is re-ranked on them, and the machine's
+  entry (costs and the scheduler they rank) is written into a local copy of the bank.
+* ``--frontier`` first (re)builds each task's acceptance frontier from greedy runs on its
+  calibration prompts (the search's first two stages; minutes per task, and the same on every
+  machine), so a bank without one can be re-ranked.
+* ``--check K`` times the ranking's best K trees and plain decoding end to end on the
+  calibration prompts, interleaved: the modelled speed-ups against the measured ones, and
+  whether the probe picked the fastest measured tree (or what it lost).
+
+The bank's stored figures from the machine it was searched on are kept; the search machine's
+costs are reconstructed from its timed runs (:func:`search_machine_costs`) so the report can
+say whether the cost model ranks as that search measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import EntMTPConfig
+from ..costs.cache import cost_table
+from ..costs.ranking import rank
+from ..costs.table import CostTable
+from ..trees.bank import TopologyBank, list_local_tasks
+from ..trees.tree import Tree
+from .checkpoint import json_safe, write_json
+from .machine import hardware_string, set_threads
+from .search.config import SearchConfig
+from .search.runner import TreeSearch
+from .search.trajectories import simulate_canonical
+
+
+# ============================================================================ the frontier
+def frontier_of(search: TreeSearch) -> tuple[list[Tree], list[float], list[dict], dict]:
+    """The task's acceptance frontier from the search's first two stages: trees, debiased tokens
+    per step (greedy steps simulated along the rank tuples, pooled over the prompts), the
+    frontier's own (biased) estimate per tree, and how they were measured."""
+    trajectories = search.trajectories()
+    points = search.frontier(trajectories)
+    accept, info = [], []
+    for p in points:
+        lengths = [a for t in trajectories for a in simulate_canonical(t, p.tree)]
+        accept.append(sum(lengths) / len(lengths))
+        info.append({"biased_accept_length": p.accept, "source": "greedy acceptance frontier"})
+    source = {"source": f"rank tuples of greedy runs: {len(trajectories)} calibration prompts x "
+                        f"{search.cfg.max_new_tokens} tokens", "prompt_ids": search.prompt_ids}  # fmt: skip
+    return [p.tree for p in points], accept, info, source
+
+
+# ============================================================================ the search machine
+def search_machine_costs(bank: TopologyBank) -> CostTable | None:
+    """The search machine's step costs reconstructed from its timed runs stored in the bank: a
+    plain token from its vanilla speed, ``F(N)`` from the relative forward costs, and drafting
+    plus overhead fitted to each timed tree's measured step time. None if the bank lacks them."""
+    meta, rows = bank.metadata, []
+    vanilla = (meta.get("calibration") or {}).get("vanilla_tokens_per_s")
+    measured = "measured_accept_length" if bank.frontier else "mean_accept_length"  # a frontier keeps it aside
+    for tree, info in zip(bank.trees, meta.get("trees") or []):
+        if all(k in info for k in ("tokens_per_s", "relative_forward_cost", measured)):
+            rows.append((tree, {**info, "measured_accept_length": info[measured]}))
+    if not vanilla or len(rows) < 3:
+        return None
+    plain = 1e3 / vanilla
+    forward = {t.num_nodes: plain * i["relative_forward_cost"] for t, i in rows}
+    forward.setdefault(1, plain)
+    x = torch.tensor([[1.0, t.depth, t.num_nodes - 1] for t, _ in rows], dtype=torch.float64)
+    extra = [1e3 * i["measured_accept_length"] / i["tokens_per_s"] - forward[t.num_nodes] for t, i in rows]
+    coef = torch.linalg.lstsq(x, torch.tensor(extra, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+    fingerprint = {"key": "search-machine", "processor": meta.get("hardware", "the search machine")}
+    return CostTable(fingerprint, "search", forward, (coef[0], coef[1], coef[2]), (0.0, 0.0), plain,
+                     notes={"reconstructed": "from the search's timed runs stored in the bank"})  # fmt: skip
+
+
+# ============================================================================ against the clock
+def check_against_clock(model, bank: TopologyBank, table: CostTable, prompts: Sequence[torch.Tensor],
+                        top: int, max_new_tokens: int = 64) -> dict[str, Any]:
+    """Time the ranking's best ``top`` trees and plain decoding on ``prompts``, interleaved."""
+    ranking = rank(bank.trees, bank.frontier, table)
+    best = sorted(ranking.speedups, key=ranking.speedups.get, reverse=True)[:top]
+    labels = ["plain", *(f"tree {k}" for k in best)]
+    configs = {"plain": None, **{f"tree {k}": EntMTPConfig(tree=bank.trees[k].choices, retrieval=False) for k in best}}
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    times: dict[str, list[float]] = {lab: [] for lab in labels}
+    for i, ids in enumerate(tqdm(prompts, desc=f"check {bank.task}", unit="prompt")):
+        for lab in labels[i % len(labels):] + labels[: i % len(labels)]:  # rotate who goes first
+            extra = {"entmtp_config": configs[lab]} if configs[lab] is not None else {}
+            t0 = time.perf_counter()
+            out = model.generate(ids, **greedy, **extra)
+            times[lab].append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
+    measured = {k: statistics.median(a / b for a, b in zip(times[f"tree {k}"], times["plain"])) for k in best}
+    fastest = max(measured, key=measured.get)
+    chosen = best[0]
+    return {"trees": {k: {"num_nodes": bank.trees[k].num_nodes, "modelled": ranking.speedups[k], "measured": measured[k]}
+                      for k in best},
+            "chosen": chosen, "fastest_measured": fastest, "same_tree": chosen == fastest,
+            "ratio_lost": measured[fastest] / measured[chosen], "prompts": len(prompts)}  # fmt: skip
+
+
+# ============================================================================ report
+def _task_lines(bank: TopologyBank, table: CostTable, top: int = 6) -> list[str]:
+    ranking = rank(bank.trees, bank.frontier, table)
+    chosen = bank.scheduler_for(table)
+    static = bank.trees[chosen.static]
+    verdict = ("plain decoding (no tree beats it here)" if static.num_nodes == 1 else
+               f"tree {chosen.static}: {static.num_nodes} nodes, depth {static.depth}, modelled "
+               f"{ranking.speedups[chosen.static]:.2f}x plain")  # fmt: skip
+    lines = [f"### Task `{bank.task}`", "", f"EntMTP* here: {verdict}.", "",
+             "| tree | nodes | depth | tokens/step | step ms | modelled speed-up |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for k in sorted(ranking.speedups, key=ranking.speedups.get, reverse=True)[:top]:
+        t = bank.trees[k]
+        lines.append(f"| {k} | {t.num_nodes} | {t.depth} | {bank.frontier[k]:.2f} | {table.step(t):.1f} | "
+                     f"{ranking.speedups[k]:.2f}x |")  # fmt: skip
+    search = search_machine_costs(bank)
+    if search is not None:
+        theirs = rank(bank.trees, bank.frontier, search)
+        stored = bank.scheduler.static
+        picked = "plain decoding (no tree by 5%)" if theirs.static is None else f"tree {theirs.static}"
+        agree = "the same tree" if theirs.static == stored else f"{picked} instead of tree {stored}"
+        lines += ["", f"On the search machine's figures ({search.fingerprint['processor']}) the cost model picks "
+                      f"{agree}, which that search chose by timing every frontier tree."]  # fmt: skip
+    return lines + [""]
+
+
+def _check_lines(check: dict[str, Any]) -> list[str]:
+    lines = [f"Against the clock ({check['prompts']} calibration prompts, interleaved, median of per-prompt ratios):",
+             "", "| tree | nodes | modelled | measured |", "|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {k} | {r['num_nodes']} | {r['modelled']:.2f}x | {r['measured']:.2f}x |" for k, r in check["trees"].items()]
+    same = "the fastest measured tree" if check["same_tree"] else (
+        f"tree {check['chosen']}, not the fastest measured (tree {check['fastest_measured']}): "
+        f"{check['ratio_lost']:.3f}x lost")
+    return lines + ["", f"The probe picked {same}.", ""]
+
+
+# ============================================================================ CLI
+def _calibration_inputs(tokenizer, task: str, n: int) -> tuple[list[list[int]], list[str]]:
+    from .data.tasks import calibration_prompts
+
+    prompts = calibration_prompts(task, n)
+    return [p.render(tokenizer) for p in prompts], [p.prompt_id for p in prompts]
+
+
+def calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    """Load the model and heads, probe, (re)build frontiers if asked, rank, check, write."""
+    from ..demo import DEMO_HEADS
+    from ..demo.model import load_base_model
+    from ..integration import HEADS_ATTR, enable_entmtp
+
+    set_threads(args.threads)
+    source, out = Path(args.bank), Path(args.out)
+    tasks = args.tasks or list_local_tasks(source)
+    model, tokenizer = load_base_model(args.model)
+    enable_entmtp(model, args.heads or str(DEMO_HEADS))
+    heads = getattr(model, HEADS_ATTR)
+    t0 = time.perf_counter()
+    table = cost_table(model, heads, refresh=args.refresh)
+    probe_s = time.perf_counter() - t0
+    report = {"machine": table.fingerprint, "hardware": hardware_string(), "probe_seconds": table.seconds,
+              "lookup_seconds": probe_s, "tasks": {}}  # fmt: skip
+    lines = ["# Calibration", "", f"Machine: {hardware_string()}; step costs measured in {table.seconds:.1f} s "
+             f"(this run: {probe_s:.1f} s, from the cache if lower).", ""]  # fmt: skip
+    for task in tasks:
+        bank = TopologyBank.from_pretrained(source, task=task)
+        if args.frontier:
+            searched = search_machine_costs(bank)  # read before the frontier moves the search's figures aside
+            cfg = SearchConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, budget=args.budget)
+            prompts, ids = _calibration_inputs(tokenizer, task, cfg.num_prompts)
+            search = TreeSearch(model, heads, prompts, Path(args.work) / task, cfg, task=task, prompt_ids=ids)
+            bank = bank.with_frontier(*frontier_of(search))
+            if searched is not None:  # the search machine, with the trees that search chose by timing
+                bank = bank.with_machine(searched, bank.scheduler)
+        bank = bank.with_machine(table)
+        bank.save_pretrained(out)
+        lines += _task_lines(bank, table)
+        entry = {"static": bank.scheduler_for(table).static, "speedups": bank.machines[-1]["speedups"]}
+        if args.check:
+            prompts, _ = _calibration_inputs(tokenizer, task, args.check_prompts)
+            entry["check"] = check_against_clock(model, bank, table, [torch.tensor([p]) for p in prompts], args.check)
+            lines += _check_lines(entry["check"])
+        report["tasks"][task] = entry
+    (out / f"calibration-{table.fingerprint.get('key', 'machine')}.md").write_text("\n".join(lines), encoding="utf-8")
+    write_json(out / f"calibration-{table.fingerprint.get('key', 'machine')}.json", json_safe(report))
+    print("\n".join(lines))
+    return report
+
+
+def add_subcommand(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="rank a bank's trees for this machine (seconds) and write a local copy that carries the ranking",
+        description="Measure this machine's step costs for the model and heads (cached), re-rank every task's "
+        "acceptance frontier on them, and write the bank with this machine's entry to --out.",
+    )
+    p.add_argument("bank", help="bank folder (e.g. a shipped bank: entmtp_hf/banks/smollm2-135m-cpu)")
+    p.add_argument("--tasks", nargs="+", default=None, help="tasks of the bank (default: all)")
+    p.add_argument("--out", required=True, help="folder for the calibrated copy of the bank and the report")
+    p.add_argument("--model", default=None, help="base model id or folder (default: the demo model)")
+    p.add_argument("--heads", default=None, help="heads folder or Hub id (default: the demo heads)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (the costs are per thread count)")
+    p.add_argument("--refresh", action="store_true", help="measure again even if this machine's costs are cached")
+    p.add_argument("--frontier", action="store_true", help="(re)build each task's acceptance frontier first (minutes)")
+    p.add_argument("--work", default="runs/calibrate", help="checkpoints of the frontier runs")
+    p.add_argument("--num-prompts", type=int, default=16, help="calibration prompts of the frontier")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per frontier run")
+    p.add_argument("--budget", type=int, default=64, help="largest frontier tree (nodes)")
+    p.add_argument("--check", type=int, default=0, metavar="K", help="time the K best trees end to end")
+    p.add_argument("--check-prompts", type=int, default=6, help="calibration prompts the check times")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    calibrate(args)
+    return 0

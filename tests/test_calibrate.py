@@ -1,0 +1,80 @@
+"""``entmtp-hf calibrate``'s pieces: a bank's frontier merged in, the search machine's costs, the clock check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entmtp_hf import TopologyBank, Tree
+from entmtp_hf.costs.table import CostTable
+from entmtp_hf.tools.calibrate import check_against_clock, frontier_of, search_machine_costs
+from entmtp_hf.tools.search.config import SearchConfig
+from entmtp_hf.tools.search.runner import TreeSearch
+from test_generation import enabled
+from tiny import VOCAB
+
+FAN4 = Tree.from_choices([[0], [1], [2]])
+
+
+def searched_bank() -> TopologyBank:
+    """A bank as a search writes it: timed trees with the search machine's figures, a value fan."""
+    trees = [Tree.root_only(), Tree.chain(1), FAN4, Tree.chain(3)]
+    per_tree = [{"num_nodes": 1, "mean_accept_length": 1.0, "tokens_per_s": 20.0, "relative_forward_cost": 1.0},
+                {"num_nodes": 2, "mean_accept_length": 1.5, "tokens_per_s": 27.0, "relative_forward_cost": 1.05},
+                {"num_nodes": 4, "name": "fan-4"},
+                {"num_nodes": 4, "mean_accept_length": 2.0, "tokens_per_s": 30.0, "relative_forward_cost": 1.2}]  # fmt: skip
+    scheduler = {"static": 3, "conservative": 1, "aggressive": 3, "policy": "static", "ladder": [0, 1, 3],
+                 "thresholds": [0.2, 0.4], "value": [1, 2], "value_costs": [1.05, 1.2]}  # fmt: skip
+    return TopologyBank("t", trees, {"trees": per_tree, "scheduler": scheduler,
+                                     "calibration": {"vanilla_tokens_per_s": 20.0}})  # fmt: skip
+
+
+def test_a_frontier_merges_in_and_every_index_follows():
+    bank = searched_bank()
+    frontier = [Tree.root_only(), Tree.chain(1), Tree.chain(2), Tree.chain(3)]
+    merged = bank.with_frontier(frontier, [1.0, 1.4, 1.8, 2.1], source={"source": "test"})
+    sizes = [t.num_nodes for t in merged.trees]
+    assert sizes == sorted(sizes) and len(merged.trees) == 5  # the chain of 3 nodes is new
+    by_tree = {t: k for k, t in enumerate(merged.trees)}
+    sched = merged.scheduler
+    assert merged.trees[sched.static] == Tree.chain(3) and merged.trees[sched.conservative] == Tree.chain(1)
+    assert [merged.trees[k] for k in sched.value] == [Tree.chain(1), FAN4]
+    assert merged.frontier == {by_tree[t]: a for t, a in zip(frontier, [1.0, 1.4, 1.8, 2.1])}
+    info = merged.metadata["trees"][by_tree[Tree.chain(1)]]
+    assert info["mean_accept_length"] == 1.4 and info["measured_accept_length"] == 1.5 and info["tokens_per_s"] == 27.0
+    assert merged.metadata["frontier"]["source"] == "test"
+    with pytest.raises(ValueError, match="one accept length"):
+        bank.with_frontier(frontier, [1.0])
+
+
+def test_the_search_machines_costs_come_back_from_its_timed_runs():
+    bank = searched_bank()
+    costs = search_machine_costs(bank)
+    assert costs.plain_ms == pytest.approx(50.0) and costs.forward(4) == pytest.approx(60.0)
+    for tree, tau, tps in ((Tree.chain(1), 1.5, 27.0), (Tree.chain(3), 2.0, 30.0)):  # the fit reproduces them
+        assert 1e3 * tau / costs.step(tree) == pytest.approx(tps, rel=0.05)
+    frontier = bank.with_frontier([Tree.root_only(), Tree.chain(1), Tree.chain(3)], [1.0, 1.5, 2.0])
+    assert search_machine_costs(frontier) is not None  # the measured figures are kept aside
+    assert search_machine_costs(TopologyBank("t", [Tree.chain(1)])) is None
+
+
+def test_frontier_of_the_first_two_search_stages(tiny_cache, tmp_path):
+    model = enabled(tiny_cache)
+    prompts = [torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
+    cfg = SearchConfig(num_prompts=3, max_new_tokens=12, budget=8)
+    search = TreeSearch(model, model.entmtp_heads, prompts, tmp_path, cfg, task="t", progress=False)
+    trees, accept, info, source = frontier_of(search)
+    assert [t.num_nodes for t in trees] == list(range(1, 9)) and accept[0] == 1.0
+    assert all(set(trees[k].paths) < set(trees[k + 1].paths) for k in range(7))  # nested: each adds one node
+    assert accept[-1] >= accept[1] > 1.0 and "3 calibration prompts" in source["source"]
+
+
+def test_the_check_times_the_best_trees_against_plain_decoding(tiny_cache):
+    model = enabled(tiny_cache)
+    bank = TopologyBank("t", [Tree.root_only(), Tree.chain(1), Tree.chain(2)], {
+        "trees": [{"mean_accept_length": a} for a in (1.0, 1.6, 2.0)], "frontier": {"trees": [0, 1, 2]}})
+    table = CostTable({"key": "m"}, "x", {1: 10.0, 3: 10.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 10.0)
+    prompts = [torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    check = check_against_clock(model, bank, table, prompts, top=2, max_new_tokens=8)
+    assert set(check["trees"]) == {1, 2} and check["chosen"] == 2 and check["prompts"] == 2
+    assert check["ratio_lost"] >= 1.0 and all(r["measured"] > 0 for r in check["trees"].values())
