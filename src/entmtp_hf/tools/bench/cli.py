@@ -53,6 +53,7 @@ def _bench(args: argparse.Namespace) -> int:
         ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
                            device=args.device)  # fmt: skip
         ctx.eas_config = args.eas_config
+        ctx.bank_tasks = _bank_tasks(args.bank_tasks or [])
         previous = read_results(out / "results.json") if args.resume and (out / "results.json").is_file() else None
         results = run_benchmark(ctx, settings, out_path=out / "results.json", resume=previous,
                                 progress=not args.no_progress)  # fmt: skip
@@ -107,6 +108,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--random-heads", action="store_true", help="use random heads where trained ones are missing (smoke runs)")
     p.add_argument("--eas-config", default=None,
                    help="EAS settings (JSON) of the eas-calibrated method; {task} is replaced by the task")  # fmt: skip
+    p.add_argument("--bank-tasks", nargs="+", default=None, metavar="FILE_STEM=TASK",
+                   help="decode a prompt file's prompts with another bank task (e.g. unseen-code=humaneval)")
     p.add_argument("--bank", default=None,
                    help="tree bank folder (default: the shipped smollm2-135m-cpu bank, else published-defaults)")
     p.add_argument("--device", default="cpu")
@@ -134,6 +137,13 @@ def _add_bench_report(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", default=None, help="output folder (default: next to RESULTS; required to merge)")
     r.add_argument("--results-md", default=None, help="also write the docs/results.md page to this path")
     r.set_defaults(func=_bench_report)
+
+
+def _bank_tasks(pairs: list[str]) -> dict[str, str]:
+    bad = [p for p in pairs if p.count("=") != 1 or not all(p.split("="))]
+    if bad:
+        raise ValueError(f"--bank-tasks takes FILE_STEM=TASK pairs, got {bad}")
+    return dict(p.split("=") for p in pairs)
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:

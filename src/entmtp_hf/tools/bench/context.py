@@ -51,6 +51,8 @@ class BenchContext:
     heads_sources: dict[str, str] = field(default_factory=dict)
     missing_heads: dict[str, str] = field(default_factory=dict)  # family -> why absent
     bank_folder: Path | None = None
+    #: a prompt file's stem -> the bank task it is decoded with (``--bank-tasks unseen-code=humaneval``)
+    bank_tasks: dict[str, str] = field(default_factory=dict)
     model_name: str = ""
     eas_config: str | None = None  # EAS settings file of ``eas-calibrated`` ({task} is replaced)
     _banks: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -98,11 +100,12 @@ class BenchContext:
             if self.bank_folder is None:
                 raise ValueError("no tree bank folder given")
             tasks = TopologyBank.list_tasks(self.bank_folder)
-            name = task if task in tasks else "default" if "default" in tasks else None
+            wanted = self.bank_tasks.get(Path(task).stem, task)
+            name = wanted if wanted in tasks else "default" if "default" in tasks else None
             if name is None:
                 raise ValueError(f"bank {self.bank_folder} has neither task {task!r} nor 'default' (has {tasks})")
-            if name != task:
-                log.info("bank %s has no task %r: using its 'default' trees", self.bank_folder, task)
+            if name != wanted:
+                log.info("bank %s has no task %r: using its 'default' trees", self.bank_folder, wanted)
             self._banks[task] = TopologyBank.from_pretrained(self.bank_folder, task=name)
         return self._banks[task]
 

@@ -244,14 +244,19 @@ register_method(Method("pld", "prompt lookup decoding (transformers)", generate_
 register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="medusa", entmtp=_default_tree))
 register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hydra", entmtp=_default_tree,
                        default=True))  # fmt: skip
-register_method(Method("entmtp-static", "EntMTP*: the bank's static optimum", heads="hydra",
+register_method(Method("entmtp-static", "EntMTP*: the bank's static optimum for this machine (its frontier re-ranked "
+                       "by this machine's step costs where the bank carries one)", heads="hydra",
                        entmtp=_bank_policy("static"), default=True))  # fmt: skip
+register_method(Method("entmtp-static-stored", "EntMTP*: the tree the bank stores (chosen on the machine it was "
+                       "searched on), not re-ranked", heads="hydra", entmtp=_bank_policy("static", adapt=False)))
 register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis"),
                        default=True))  # fmt: skip
 register_method(PackedWeights("entmtp-static-packed", "EntMTP*, the decoder's layers packed for oneDNN", heads="hydra",
                               entmtp=_bank_policy("static")))  # fmt: skip
 register_method(MeasuredKernels("entmtp-static-kernels", "EntMTP* with this machine's measured CPU kernels",
                                 heads="hydra", entmtp=_bank_policy("static")))  # fmt: skip
+register_method(MeasuredKernels("entmtp-static-stored-kernels", "the bank's stored EntMTP* with this machine's "
+                                "measured CPU kernels", heads="hydra", entmtp=_bank_policy("static", adapt=False)))
 register_method(Method("entmtp-value", "EntMTP-v: per step, the bank's value tree with the most path value",
                        heads="hydra", entmtp=_bank_policy("value")))  # fmt: skip
 register_method(Method("entmtp-ladder", "EntMTP-l: threshold ladder", heads="hydra", entmtp=_bank_policy("ladder")))
