@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Sequence
 
 from .plots import make_plots
-from .results import merge_results, read_results, write_results
+from ..checkpoint import write_json
+from .results import merge_results, portable, read_results, summary_of, write_results
 from .summary import bootstrap_interval, geomean, paired_ratios, ran_methods, summarize
 
 DASH = "–"
@@ -185,7 +186,7 @@ def machine_line(env: dict) -> str:
 
 def table_markdown(results: dict) -> str:
     """``table.md``: Table 1 layout, details, mismatches and skips of one run."""
-    env, ctx = results["environment"], results.get("context", {})
+    env, ctx = results["environment"], portable(results.get("context", {}))
     parts = [
         "# Benchmark", "",
         f"Machine: {machine_line(env)}.", "",
@@ -285,6 +286,7 @@ def write_report(
     if len(parts) > 1:
         paths["results"] = write_results(results, out_dir / "results.json")
     paths["table"].write_text(table_markdown(results), encoding="utf-8")
+    paths["summary"] = write_json(out_dir / "summary.json", summary_of(results))
     plots = make_plots(results, out_dir)
     paths.update(plots)
     if results_md is not None:

@@ -33,6 +33,29 @@ def write_results(results: dict, path: str | os.PathLike) -> Path:
     return write_json(path, json_safe(results), indent=None)
 
 
+def portable(value: Any) -> Any:
+    """``value`` with absolute paths cut to their last two parts (a summary travels between machines)."""
+    if isinstance(value, str) and os.path.isabs(value):
+        return "/".join(Path(value).parts[-2:])
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    return value
+
+
+def summary_of(results: dict) -> dict:
+    """What a results folder keeps for the record: the settings, the environment, the per-task
+    per-method summary and every prompt's speed-up over vanilla, without token ids or records."""
+    speedups: dict[str, dict[str, list]] = {}
+    for r in results["records"]:
+        speedups.setdefault(r["task"], {}).setdefault(r["method"], []).append(r.get("speedup"))
+    keep = ("format", "format_version", "settings", "environment", "context", "skipped")
+    return portable(json_safe({**{k: results[k] for k in keep if k in results},
+                                "prompt_ids": {t: [p["prompt_id"] for p in ps] for t, ps in results["prompts"].items()},
+                                "summary": summarize(results), "speedups": speedups}))  # fmt: skip
+
+
 def read_results(path: str | os.PathLike) -> dict:
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     if data.get("format") != FORMAT:
