@@ -24,8 +24,6 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .assisted import ACTIVE_EAS_CALL, EASCall, build_candidate_generator
 from .config import EntMTPConfig
 from .costs.cache import cost_table
-from .costs.fingerprint import machine_fingerprint, model_key
-from .costs.table import CostTable
 from .cpu_kernels import CPUKernels
 from .decoding.attention import restore_attention, use_tree_attention
 from .decoding.loop import EntMTPGenerateOutput, entmtp_decode
@@ -62,7 +60,8 @@ class EntMTPGenerationMixin:
         if heads is None:
             raise EntMTPError("this model has no draft heads: call enable_entmtp(model, heads) first")
         check_supported_call(args, kwargs)
-        costs = machine_costs(self, heads, entmtp_config.load_bank()) if entmtp_config.adapts else None
+        # this machine's step costs: the bank's entry for it, else the disk cache, else measured now (logged)
+        costs = cost_table(self, heads, known=entmtp_config.load_bank().machine_tables()) if entmtp_config.adapts else None
         plan = entmtp_config.resolve(heads.num_heads, heads.config.draft_vocab_rows, costs)  # before the prefill
         if costs is not None and plan.plain:  # this machine's ranking: nothing beats plain decoding here
             return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
@@ -113,18 +112,6 @@ def _as_entmtp_output(out, args: tuple, kwargs: dict):
              "tree_sizes": [1] * steps, "features": [None] * steps, "steps": steps, "new_tokens": steps + 1,
              "mean_accept_length": 1.0 if steps else 0.0, "drafted_tokens": 0, "accepted_draft_tokens": 0}  # fmt: skip
     return EntMTPGenerateOutput(**dict(out.items()), entmtp_stats=stats)
-
-
-def machine_costs(model, heads, bank) -> CostTable:
-    """This machine's step costs for ``model`` and ``heads``: the bank's stored entry for this
-    machine if it has one, else the on-disk cache, else measured now (logged, a few seconds)."""
-    lm = model.get_output_embeddings().weight
-    key = f"{machine_fingerprint(lm.device, lm.dtype).key()}-{model_key(model, heads)}"
-    for entry in bank.machines:
-        table = CostTable.from_dict(entry["costs"])
-        if table.key == key:
-            return table
-    return cost_table(model, heads)
 
 
 def check_supported_call(args: tuple, kwargs: dict) -> None:

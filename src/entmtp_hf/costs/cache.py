@@ -12,6 +12,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterable
 
 from ..errors import FileFormatError
 from ..files import read_json_object
@@ -52,10 +53,15 @@ def write_table(table: CostTable, path: Path) -> Path:
     return path
 
 
-def cost_table(model, heads, *, refresh: bool = False, folder: Path | None = None) -> CostTable:
-    """This machine's table for ``model`` and ``heads``: from the cache, else probed now (logged) and cached."""
+def cost_table(model, heads, *, known: Iterable[CostTable] = (), refresh: bool = False,
+               folder: Path | None = None) -> CostTable:
+    """This machine's table for ``model`` and ``heads``: one of ``known`` (a bank's machine entries)
+    filed under this machine, else the cache, else probed now (logged) and cached."""
     lm = model.get_output_embeddings().weight
     key = f"{machine_fingerprint(lm.device, lm.dtype).key()}-{model_key(model, heads)}"
+    found = next((t for t in known if t.key == key), None)
+    if found is not None and not refresh:
+        return found
     path = table_path(key, folder)
     table = None if refresh else read_table(path)
     if table is None:

@@ -138,14 +138,18 @@ class TopologyBank:
         """The machines this bank was ranked on: their cost tables and schedulers (copies)."""
         return copy.deepcopy(self._metadata.get("machines", []))
 
+    def machine_tables(self) -> list[CostTable]:
+        """The cost tables of the machines this bank carries entries for."""
+        return [CostTable.from_dict(entry["costs"]) for entry in self._metadata.get("machines", [])]
+
     def scheduler_for(self, table: CostTable | None) -> SchedulerDefaults:
         """The scheduler for the machine ``table`` was measured on: its stored entry if the bank
         has one, else the frontier re-ranked by ``table``; the stored defaults without a
         frontier or a table."""
         if table is None or not self.frontier:
             return self._scheduler
-        for entry in self._metadata.get("machines", []):
-            if CostTable.from_dict(entry["costs"]).key == table.key:
+        for entry, known in zip(self._metadata.get("machines", []), self.machine_tables()):
+            if known.key == table.key:
                 return SchedulerDefaults.from_metadata(entry["scheduler"], len(self._trees))
         return self._ranked(table)[0]
 
@@ -197,7 +201,7 @@ class TopologyBank:
         scheduler = scheduler or ranked
         entry = {"costs": table.to_dict(), "scheduler": scheduler.to_dict(),
                  "speedups": {str(k): round(v, 4) for k, v in ranking.speedups.items()}}  # fmt: skip
-        others = [m for m in self._metadata.get("machines", []) if CostTable.from_dict(m["costs"]).key != table.key]
+        others = [m for m, known in zip(self._metadata.get("machines", []), self.machine_tables()) if known.key != table.key]
         return TopologyBank(self._task, self._trees, {**self._metadata, "machines": [*others, entry]})
 
     def __len__(self) -> int:
