@@ -64,8 +64,7 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None)
 
     Inverse CDF: a uniform draw scaled to the row's total, located in the running sum. It draws
     from the same distribution as ``torch.multinomial`` (both to fp32 rounding: a token's
-    interval in the running sum is its probability to ~1e-7) at a fraction of its CPU cost,
-    ~0.07 ms against ~1.7 ms per 49k-token row here (docs/performance.md, session 8).
+    interval in the running sum is its probability to ~1e-7) at a fraction of its CPU cost.
     Zero-probability tokens are never drawn. A row that is not a distribution (NaN or inf
     somewhere, or all zero) gives -1, for the caller to reject as ``multinomial`` would.
     """
