@@ -74,7 +74,10 @@ def grouped_tree_attention(
     """``sdpa`` attention that keeps grouped key/value heads grouped for a verified tree on CPU."""
     groups = getattr(module, "num_key_value_groups", 1)
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and dropout == 0.0
-    tree = _VERIFYING.get() and attention_mask is not None and query.device.type == "cpu" and query.shape[2] > 1
+    # a compiled call runs only verification forwards here (the prefill stays eager), and the
+    # context variable is not traceable: checked only outside compiled code
+    verifying_now = torch.compiler.is_compiling() or _VERIFYING.get()
+    tree = verifying_now and attention_mask is not None and query.device.type == "cpu" and query.shape[2] > 1
     if groups > 1 and plain and tree:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True

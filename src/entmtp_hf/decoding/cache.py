@@ -7,14 +7,20 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 
-def prepare_cache(model, model_kwargs: dict, max_length: int, max_nodes: int):
-    """The cache to decode with: the prepared one, or one large enough for the last tree."""
+#: a static cache's length is rounded up to a multiple of this: a compiled verification graph
+#: is specialised to the cache's shape, so prompts of nearby lengths share graphs
+STATIC_BUCKET = 256
+
+
+def prepare_cache(model, model_kwargs: dict, max_length: int, max_nodes: int, max_cache_len: int | None = None):
+    """The cache to decode with: the prepared one, or a static one with room for the last tree
+    (at least ``max_cache_len``, generation config's worst case across calls, when given)."""
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
         cache = DynamicCache(config=model.config)
     if isinstance(cache, StaticCache):
-        needed = max_length + max_nodes
-        if cache.get_max_length() < needed or int(cache.get_seq_length()) > 0:
+        needed = max(-(-(max_length + max_nodes) // STATIC_BUCKET) * STATIC_BUCKET, max_cache_len or 0)
+        if cache.get_max_length() < max_length + max_nodes or int(cache.get_seq_length()) > 0:
             cache = StaticCache(config=model.config, max_cache_len=needed)
     for layer in cache.layers:
         if type(layer) not in (DynamicLayer, StaticLayer):

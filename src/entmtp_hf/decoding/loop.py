@@ -19,6 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..drafting.candidates import EntMTPCandidateGenerator
 from ..errors import EntMTPError
 from ..trees.plan import DecodePlan
+from ..trees.tree import Tree
 from .acceptance import greedy_picks, sample_picks
 from .cache import prepare_cache
 from .stats import DecodeObserver, DecodeStats
@@ -45,6 +46,23 @@ def acceptance_rule(config, generation_config) -> Rule:
     return Rule(name, pick, config.posterior_threshold, config.posterior_alpha)
 
 
+def precompile(session: DecodeSession, plan: DecodePlan) -> dict[int, float]:
+    """Compile the verification graph of every tree size the plan can verify that this compiled
+    call has not run yet: a throwaway forward per size on the root's token, its keys and values
+    cropped again. Returns the seconds each new size took (mostly compiling)."""
+    done = vars(session.forward).setdefault("_entmtp_tree_sizes", set())  # on the model's compiled call
+    seconds, prefix_len = {}, int(session.cache.get_seq_length())
+    root = session.input_ids[0, -1:]
+    for n in sorted(plan.node_counts - done):
+        buffers = Tree.chain(n - 1).buffers(session.device, session.dtype)  # a size's graph fits every shape
+        t0 = time.perf_counter()
+        session.tree_forward(root.repeat(n), buffers, prefix_len)  # contiguous, like a drafted tree
+        session.cache.crop(-n)
+        seconds[n] = time.perf_counter() - t0
+        done.add(n)
+    return seconds
+
+
 def entmtp_decode(
     model,
     input_ids: torch.LongTensor,
@@ -69,14 +87,19 @@ def entmtp_decode(
     temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
     drafter = EntMTPCandidateGenerator(model, heads, plan, feature_window=entmtp_config.feature_window,
                                        temperature=temperature)  # fmt: skip
-    cache = prepare_cache(model, model_kwargs, generation_config.max_length, plan.max_nodes)
+    cache = prepare_cache(model, model_kwargs, generation_config.max_length, plan.max_nodes,
+                          getattr(generation_config, "max_cache_len", None))  # fmt: skip
+    compiled = model._valid_auto_compile_criteria({"cache": cache}, generation_config)
+    forward = model.get_compiled_call(generation_config.compile_config) if compiled else None
     session = DecodeSession(model, drafter, rule, cache, input_ids, model_kwargs.get("attention_mask"),
-                            logits_processor, stopping_criteria, streamer)  # fmt: skip
+                            logits_processor, stopping_criteria, streamer, verify_forward=forward)  # fmt: skip
     stats = DecodeStats()
     watchers = (stats, *observers)
     for obs in watchers:
         obs.on_start(session)
     session.prefill()
+    if compiled:  # every tree size's graph before the first step: no compilation while decoding
+        stats.compile_seconds = precompile(session, plan)
     prefill = time.perf_counter() - t_start
     for obs in watchers:
         obs.on_prefill(prefill)

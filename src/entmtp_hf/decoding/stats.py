@@ -54,6 +54,7 @@ class DecodeStats:
     eas: dict | None = None  # EAS statistics (policy ``entropy`` only)
     retrieval_steps: int = 0  # steps whose tree carried a retrieval branch
     retrieval_accepted: int = 0  # drafted tokens accepted from retrieval branches
+    compile_seconds: dict[int, float] | None = None  # compiled verification: seconds per tree size compiled
 
     def on_start(self, session: Any) -> None:
         self._session = session
@@ -79,7 +80,8 @@ class DecodeStats:
 
     def as_dict(self) -> dict:
         steps = len(self.accept_lengths)
-        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and not (k == "eas" and v is None)}
+        d = {k: v for k, v in self.__dict__.items()
+             if not k.startswith("_") and not (k in ("eas", "compile_seconds") and v is None)}
         d["steps"] = steps
         d["new_tokens"] = sum(self.accept_lengths) + 1  # the prefill emits the first token
         d["mean_accept_length"] = sum(self.accept_lengths) / steps if steps else 0.0

@@ -55,8 +55,11 @@ class DecodeSession:
     """The state of one EntMTP ``generate`` call (built by :func:`~entmtp_hf.decoding.loop.entmtp_decode`)."""
 
     def __init__(self, model, drafter: EntMTPCandidateGenerator, rule: Rule, cache, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor | None, logits_processor, stopping_criteria, streamer=None) -> None:
+                 attention_mask: torch.Tensor | None, logits_processor, stopping_criteria, streamer=None,
+                 verify_forward: Callable | None = None) -> None:
         self.model, self.drafter, self.rule, self.cache = model, drafter, rule, cache
+        #: the verification forward: the model's own, or its compiled call (one graph per tree size)
+        self.forward = verify_forward or model
         self.input_ids = input_ids
         self.device = input_ids.device
         self.dtype = model.get_output_embeddings().weight.dtype
@@ -102,21 +105,24 @@ class DecodeSession:
 
     def verify(self, draft: Draft) -> Verified:
         prefix_len = int(self.cache.get_seq_length())
-        n = draft.buffers.num_nodes
-        kv_len = self.cache.get_max_length() if isinstance(self.cache, StaticCache) else prefix_len + n
+        out = self.tree_forward(draft.tokens, draft.buffers, prefix_len)
+        return Verified(out.logits[0], out.hidden_states[-1][0], prefix_len)
+
+    def tree_forward(self, tokens: torch.Tensor, buffers, prefix_len: int):
+        """One forward of a tree's nodes appended after the first ``prefix_len`` cached positions."""
+        kv_len = self.cache.get_max_length() if isinstance(self.cache, StaticCache) else prefix_len + buffers.num_nodes
         if self._prefix_row.shape[0] < prefix_len:  # generated tokens are never padding
             grow = self._prefix_row.new_zeros(prefix_len - self._prefix_row.shape[0])
             self._prefix_row = torch.cat([self._prefix_row, grow])
         with verifying():
-            out = self.model(
-                input_ids=draft.tokens[None],
-                attention_mask=tree_attention_mask(draft.buffers, self._prefix_row[:prefix_len], kv_len),
-                position_ids=(draft.buffers.position_ids + self.next_pos)[None],
+            return self.forward(
+                input_ids=tokens[None],
+                attention_mask=tree_attention_mask(buffers, self._prefix_row[:prefix_len], kv_len),
+                position_ids=(buffers.position_ids + self.next_pos)[None],
                 cache=self.cache,
                 use_cache=True,
                 output_hidden_states=-1,
             )
-        return Verified(out.logits[0], out.hidden_states[-1][0], prefix_len)
 
     def accept(self, draft: Draft, verified: Verified) -> tuple[torch.Tensor, list[int], int]:
         """Processed scores of every node, the accepted path (root first) and the next token."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from transformers import CompileConfig
 
 from ...config import EntMTPConfig
 from ...cpu_kernels import onednn_linears, packed_linears
@@ -128,6 +129,20 @@ def chosen_methods(names: Sequence[str] = ()) -> list[Method]:
     return [METHODS[n] for n in names or default_method_names()]
 
 
+# ============================================================================ compiled decoding
+#: the static cache's fixed length in the compiled methods: the basket's longest prompt and answer fit, so
+#: one graph per tree size (and plain decoding's one) serves every prompt
+COMPILED_CACHE_LEN = 2048
+
+
+def compiled_kwargs() -> dict[str, Any]:
+    """``generate`` kwargs of the compiled methods: a static cache and transformers' own compile switch
+    (``compile_config``; on a CPU it needs ``_compile_all_devices``, CUDA compiles by itself)."""
+    config = CompileConfig(fullgraph=False, dynamic=False, backend="inductor", mode="default")
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config, "max_cache_len": COMPILED_CACHE_LEN}
+
+
 # ============================================================================ EntMTP configs
 def _default_tree(ctx: BenchContext, task: str, acc: dict) -> EntMTPConfig:
     return EntMTPConfig(tree=MC_SIM_7B_63, **acc)
@@ -239,6 +254,10 @@ register_method(KernelReference("vanilla-onednn", "plain generate, every linear 
 register_method(PackedKernelReference("vanilla-packed", "plain generate, the decoder's layers packed and the LM head "
                                       "on oneDNN (kernel reference)"))  # fmt: skip
 register_method(MeasuredKernels("vanilla-kernels", "plain generate with this machine's measured CPU kernels"))
+register_method(Method("vanilla-compiled", "plain generate, static cache and the forward compiled (inductor)",
+                       generate_kwargs=compiled_kwargs()))
+register_method(Method("entmtp-static-compiled", "EntMTP*, static cache and the verification compiled (one graph per "
+                       "tree size)", heads="hydra", entmtp=_bank_policy("static"), generate_kwargs=compiled_kwargs()))
 register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10},
                        default=True))  # fmt: skip
 register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="medusa", entmtp=_default_tree))

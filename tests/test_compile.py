@@ -1,0 +1,54 @@
+"""Compiled verification: one graph per tree size, compiled before the first step, never while decoding.
+
+transformers compiles the forward of plain decoding with a static cache when the device calls
+for it (CUDA) or ``compile_config`` asks for it on any device; EntMTP then verifies with the
+same compiled call. On this CPU with inductor, a tiny model's graph takes seconds to compile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+from transformers import CompileConfig
+
+from entmtp_hf import EntMTPConfig, enable_entmtp
+from entmtp_hf.trees.tree import Tree
+from tiny import VOCAB
+
+#: two trees of different sizes and thresholds the tiny model's confidence crosses both ways
+TREES = [Tree.chain(1).choices, Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices]
+
+
+def compile_config() -> CompileConfig:
+    config = CompileConfig(fullgraph=False, dynamic=False, backend="inductor", mode="default")
+    config._compile_all_devices = True  # transformers compiles on CUDA by itself; on a CPU when asked
+    return config
+
+
+def _graphs() -> int:
+    return dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+def test_compiled_verification_is_lossless_and_never_recompiles_while_decoding(tiny_cache):
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    enable_entmtp(model, heads)
+    config = EntMTPConfig(trees=TREES, tau_on=0.1, tau_off=0.09, feature="base_top1")
+    prompts = [torch.randint(0, VOCAB, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    static = dict(max_new_tokens=24, do_sample=False, cache_implementation="static")
+    compiled_kwargs = dict(static, compile_config=compile_config(), entmtp_config=config, return_dict_in_generate=True)
+
+    first = model.generate(prompts[0], **compiled_kwargs)
+    sizes = {len(t) + 1 for t in TREES}
+    assert set(first.entmtp_stats["compile_seconds"]) == sizes  # every tree size compiled up front
+    after_warm_up, used = _graphs(), set()
+    for ids in prompts:
+        out = model.generate(ids, **compiled_kwargs)
+        eager = model.generate(ids, **static, entmtp_config=config)
+        plain = model.generate(ids, max_new_tokens=24, do_sample=False)
+        assert torch.equal(out.sequences, eager) and torch.equal(out.sequences, plain)
+        used |= set(out.entmtp_stats["tree_sizes"])
+        assert out.entmtp_stats["compile_seconds"] == {}  # nothing left to compile
+    assert used == sizes  # the hysteresis switched between both trees
+    assert _graphs() == after_warm_up  # zero recompiles after the warm-up, across the switches
