@@ -14,17 +14,21 @@ from .settings import BenchSettings
 log = logging.getLogger("entmtp_hf.tools.bench")
 
 
-def postprocess(ctx: BenchContext, records: list[dict], prompts: list[dict], settings: BenchSettings) -> None:
-    """Speedups over vanilla, greedy mismatch checks and response perplexity, in place."""
-    vanilla = {r["prompt_index"]: r for r in records if r["method"] == "vanilla"}
+def postprocess(ctx: BenchContext, records: list[dict], prompts: list[dict], settings: BenchSettings,
+                references: dict[str, str] | None = None) -> None:
+    """Speedups over vanilla, greedy mismatch checks (each method against its ``references``
+    entry, vanilla by default) and response perplexity, in place."""
+    references = references or {}
+    by_method = {(r["method"], r["prompt_index"]): r for r in records}
     for r in records:
-        base = vanilla.get(r["prompt_index"])
+        base = by_method.get(("vanilla", r["prompt_index"]))
         ok = base is not None and base["tokens_per_s"] and r["tokens_per_s"] is not None
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if ok else None
         r["mismatch"] = None
-        if settings.mode == "greedy" and base is not None and r is not base:
+        ref = by_method.get((references.get(r["method"], "vanilla"), r["prompt_index"]))
+        if settings.mode == "greedy" and ref is not None and r is not ref:
             prompt_ids = prompts[r["prompt_index"]]["input_ids"]
-            r["mismatch"] = find_mismatch(base["output_ids"], r["output_ids"], ctx.model, prompt_ids)
+            r["mismatch"] = find_mismatch(ref["output_ids"], r["output_ids"], ctx.model, prompt_ids)
             if r["mismatch"] is not None:
                 log.warning("%s %s prompt %d: output differs from vanilla: %s",
                             r["task"], r["method"], r["prompt_index"], r["mismatch"])  # fmt: skip

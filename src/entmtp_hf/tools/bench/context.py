@@ -59,6 +59,7 @@ class BenchContext:
     _configs: dict[tuple, EntMTPConfig] = field(default_factory=dict, repr=False)
     _int8_draft: Any = field(default=None, repr=False)
     _kernels: dict[str | None, CPUKernels] = field(default_factory=dict, repr=False)
+    _copies: dict[torch.dtype, tuple[Any, dict[str, Any]]] = field(default_factory=dict, repr=False)
     #: what a method's :meth:`~.methods.Method.prepare` set up for its timed call (packed weights,
     #: installed kernels), undone by :meth:`release` right after that call: outside the clock both ways
     _held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
@@ -79,6 +80,14 @@ class BenchContext:
         if self._int8_draft is None:
             self._int8_draft = quantized_draft(self.model)
         return self._int8_draft
+
+    def in_dtype(self, dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
+        """A copy of the model and of every heads family in ``dtype``, made once: methods in another
+        dtype run interleaved with the others on the same prompts."""
+        if dtype not in self._copies:
+            heads = {family: copy.deepcopy(h).to(dtype) for family, h in self.heads.items()}
+            self._copies[dtype] = (copy.deepcopy(self.model).to(dtype), heads)
+        return self._copies[dtype]
 
     def cpu_kernels(self, family: str | None = None) -> CPUKernels:
         """The model's measured CPU kernels (with the ``family`` heads' drafting products),

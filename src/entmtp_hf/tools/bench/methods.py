@@ -56,6 +56,8 @@ class Method:
     entmtp: ConfigFactory | None = None
     generate_kwargs: Mapping[str, Any] = field(default_factory=dict)
     default: bool = False  # part of the default method list
+    #: the method whose greedy output this one must equal token for token (another dtype: its own plain run)
+    reference: str = "vanilla"
 
     def unavailable(self, ctx: BenchContext, task: str, mode: str) -> str | None:
         """Why this method cannot run on ``task`` (None when it can)."""
@@ -85,14 +87,16 @@ class Method:
         return generate_runner(ctx, kwargs)
 
 
-def generate_runner(ctx: BenchContext, kwargs: dict) -> Run:
-    """The timed callable: ``generate`` with the method's ``kwargs`` on top of the basket's."""
+def generate_runner(ctx: BenchContext, kwargs: dict, model=None) -> Run:
+    """The timed callable: ``generate`` (of ``model``, else the context's) with the method's
+    ``kwargs`` on top of the basket's."""
     assisted = any(kwargs.get(k) is not None for k in ("assistant_model", "prompt_lookup_num_tokens"))
+    model = model if model is not None else ctx.model
 
     def run(input_ids: torch.Tensor, gen_kwargs: dict) -> Generation:
         timer = PhaseTimer()
         observe = {"entmtp_observers": [timer]} if kwargs.get("entmtp_config") is not None else {}
-        out = ctx.model.generate(input_ids, return_dict_in_generate=True, **gen_kwargs, **kwargs, **observe)
+        out = model.generate(input_ids, return_dict_in_generate=True, **gen_kwargs, **kwargs, **observe)
         new_ids = out.sequences[0, input_ids.shape[1] :].tolist()
         stats = getattr(out, "entmtp_stats", None)
         if observe:  # drafting against everything else a step does (verification, acceptance, commit)
@@ -127,6 +131,24 @@ def chosen_methods(names: Sequence[str] = ()) -> list[Method]:
     if unknown:
         raise ValueError(f"unknown methods {unknown}; registered: {list(METHODS)}")
     return [METHODS[n] for n in names or default_method_names()]
+
+
+@dataclass(frozen=True)
+class InDtype(Method):
+    """The method run on a copy of the model and heads in another dtype (``BenchContext.in_dtype``),
+    interleaved with the others; its greedy output is checked against plain decoding in that dtype."""
+
+    dtype: torch.dtype = torch.bfloat16
+
+    def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
+        from ...integration import enable_entmtp
+
+        model, heads = ctx.in_dtype(self.dtype)
+        kwargs = dict(self.generate_kwargs)
+        if self.entmtp is not None:
+            enable_entmtp(model, heads[self.heads])
+            kwargs["entmtp_config"] = self._config(ctx, task, mode)
+        return generate_runner(ctx, kwargs, model)
 
 
 # ============================================================================ compiled decoding
@@ -254,6 +276,9 @@ register_method(KernelReference("vanilla-onednn", "plain generate, every linear 
 register_method(PackedKernelReference("vanilla-packed", "plain generate, the decoder's layers packed and the LM head "
                                       "on oneDNN (kernel reference)"))  # fmt: skip
 register_method(MeasuredKernels("vanilla-kernels", "plain generate with this machine's measured CPU kernels"))
+register_method(InDtype("vanilla-bf16", "plain generate on a bfloat16 copy of the model"))
+register_method(InDtype("entmtp-static-bf16", "EntMTP* on a bfloat16 copy of the model and heads", heads="hydra",
+                        entmtp=_bank_policy("static"), reference="vanilla-bf16"))
 register_method(Method("vanilla-compiled", "plain generate, static cache and the forward compiled (inductor)",
                        generate_kwargs=compiled_kwargs()))
 register_method(Method("entmtp-static-compiled", "EntMTP*, static cache and the verification compiled (one graph per "
