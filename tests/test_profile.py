@@ -5,10 +5,10 @@ import torch
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
+from entmtp_hf.costs.table import interpolate
 from entmtp_hf.tools.profile import (
     analytic_bound,
     forward_costs,
-    interpolate_cost,
     kernel_reference,
     linear_costs,
     relative_cost,
@@ -28,10 +28,10 @@ def test_relative_cost_interpolates_between_timed_sizes():
     assert relative_cost(costs, 1) == 1.0 and relative_cost(costs, 4) == pytest.approx(2.0)
     assert relative_cost(costs, 6) == pytest.approx(3.0)  # halfway between 2 and 4
     assert relative_cost(costs, 12) == pytest.approx(6.0)  # beyond the last size: the last two sizes' slope
-    with pytest.raises(ValueError, match="tree of 0 nodes"):
+    with pytest.raises(ValueError, match="for 0 nodes"):
         relative_cost(costs, 0)
     with pytest.raises(ValueError, match=r"measured: \[1\]"):
-        interpolate_cost({1: 1.0}, 2)
+        interpolate({1: 1.0}, 2)
 
 
 def test_linear_costs_time_every_weight_shape(tiny_cache):

@@ -39,8 +39,9 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def _medians(runs: dict, repeats: int, sync: Callable[[], None]) -> dict:
-    """Median seconds of each ``runs[key]()`` over ``repeats`` interleaved rounds after a warm-up round."""
+def _medians(runs: dict, repeats: int, sync: Callable[[], None], on_round: Callable[[], None] | None = None) -> dict:
+    """Median seconds of each ``runs[key]()`` over ``repeats`` interleaved rounds after a warm-up
+    round (``on_round`` is called after each round: a progress bar's)."""
     times: dict = {k: [] for k in runs}
     for r in range(repeats + 1):
         for key, run in runs.items():
@@ -50,6 +51,8 @@ def _medians(runs: dict, repeats: int, sync: Callable[[], None]) -> dict:
             sync()
             if r:
                 times[key].append(time.perf_counter() - t0)
+        if on_round is not None:
+            on_round()
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -62,9 +65,10 @@ def _prefix(model, length: int, generator: torch.Generator) -> tuple[torch.Tenso
     return ids, cache, out.hidden_states[-1][0]
 
 
-def forward_ms(model, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: int = PREFIX_LEN, repeats: int = 5
-               ) -> dict[int, float]:
-    """Median ms of the verification forward of ``N`` chained nodes after ``prefix_len`` cached tokens."""
+def forward_ms(model, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: int = PREFIX_LEN, repeats: int = 5,
+               on_round: Callable[[], None] | None = None) -> dict[int, float]:
+    """Median ms of the verification forward of ``N`` chained nodes after ``prefix_len`` cached tokens,
+    the sizes timed round-robin so drift hits every size alike."""
     lm = model.get_output_embeddings().weight
     g = torch.Generator().manual_seed(0)
     _, cache, _ = _prefix(model, prefix_len, g)
@@ -84,7 +88,7 @@ def forward_ms(model, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: int = P
         return forward
 
     with verifying():
-        seconds = _medians({n: run(n) for n in sizes}, repeats, _sync(lm.device))
+        seconds = _medians({n: run(n) for n in sizes}, repeats, _sync(lm.device), on_round)
     return {n: 1e3 * s for n, s in seconds.items()}
 
 

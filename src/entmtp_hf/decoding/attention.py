@@ -103,16 +103,15 @@ def verifying() -> Iterator[None]:
 
 
 def use_tree_attention(model) -> bool:
-    """Select :func:`grouped_tree_attention` for a model that uses ``sdpa``; True if it was switched."""
-    config = model.config.get_text_config()
-    if config._attn_implementation != "sdpa":
+    """Select :func:`grouped_tree_attention` (transformers' ``set_attn_implementation``) for a model
+    that uses ``sdpa``; True if it was switched."""
+    if model.config.get_text_config()._attn_implementation != "sdpa":
         return False
-    config._attn_implementation = ATTENTION_NAME
+    model.set_attn_implementation(ATTENTION_NAME)
     return True
 
 
 def restore_attention(model) -> None:
     """Undo :func:`use_tree_attention`."""
-    config = model.config.get_text_config()
-    if config._attn_implementation == ATTENTION_NAME:
-        config._attn_implementation = "sdpa"
+    if model.config.get_text_config()._attn_implementation == ATTENTION_NAME:
+        model.set_attn_implementation("sdpa")

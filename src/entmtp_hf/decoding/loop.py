@@ -89,6 +89,7 @@ def entmtp_decode(
                                        temperature=temperature)  # fmt: skip
     cache = prepare_cache(model, model_kwargs, generation_config.max_length, plan.max_nodes,
                           getattr(generation_config, "max_cache_len", None))  # fmt: skip
+    # exactly when transformers' own generate would compile its forward (a static cache, and CUDA or compile_config)
     compiled = model._valid_auto_compile_criteria({"cache": cache}, generation_config)
     forward = model.get_compiled_call(generation_config.compile_config) if compiled else None
     session = DecodeSession(model, drafter, rule, cache, input_ids, model_kwargs.get("attention_mask"),

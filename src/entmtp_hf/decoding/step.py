@@ -17,6 +17,7 @@ is stored on the model. :meth:`DecodeSession.step` is the method:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -79,7 +80,7 @@ class DecodeSession:
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         else:
             positions = torch.arange(ids.shape[1], device=self.device)[None]
-        keep = {"logits_to_keep": 1} if self.model._supports_logits_to_keep() else {}
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
                          use_cache=True, output_hidden_states=-1, **keep)  # fmt: skip
         self.next_pos = int(positions[0, -1]) + 1

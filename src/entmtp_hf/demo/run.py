@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import TextStreamer
 
+from ..costs.cache import cost_table
 from ..cpu_kernels import CPUKernels
 from ..integration import HEADS_ATTR
 from ..scheduling.policies import POLICIES
@@ -52,6 +53,21 @@ def _installed(kernels: CPUKernels | None):
         return nullcontext()
     kernels.install()
     return kernels
+
+
+def _rank_banks(model, configs: dict) -> None:
+    """The banks re-rank their trees for this machine from its step costs: measured here, up front
+    and said so (the first time on a machine; read from the cache after), not inside a generate call."""
+    print("The banks pick their trees for this machine from its step costs (measured once per machine, "
+          "then cached) ...", flush=True)  # fmt: skip
+    heads = getattr(model, HEADS_ATTR)
+    table = cost_table(model, heads)
+    chosen = []
+    for task, config in configs.items():
+        bank = config.load_bank()
+        tree = bank.trees[bank.scheduler_for(table).static]
+        chosen.append(f"{task}: {tree.num_nodes} nodes" if tree.num_nodes > 1 else f"{task}: plain decoding")
+    print(f"  measured in {table.seconds:.1f} s; the trees EntMTP* verifies here: {', '.join(chosen)}\n")
 
 
 def _stream(model, tokenizer, inputs, configs, greedy: dict) -> None:
@@ -125,6 +141,7 @@ def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = N
     greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
     configs = {task: config_for(bank_dir, task, policy) for task, _ in DEMO_PROMPTS}
     inputs = [(task, _encode(tokenizer, text), text) for task, text in DEMO_PROMPTS]
+    _rank_banks(model, configs)
     _stream(model, tokenizer, inputs, configs, greedy)
 
     print("Measuring on this machine. First, the CPU kernel opt-in measures which kernel multiplies fastest "

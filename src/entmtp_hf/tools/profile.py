@@ -31,10 +31,10 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from ..config import EntMTPConfig
+from ..costs.probe import forward_ms
+from ..costs.table import interpolate
 from ..cpu_kernels import onednn_linears
-from ..decoding.attention import tree_attention_mask, verifying
 from ..decoding.stats import PhaseTimer
-from ..trees.tree import Tree
 from .bench.settings import SAMPLING
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -52,38 +52,12 @@ def _prefilled_cache(model, prefix_len: int, g: torch.Generator) -> DynamicCache
 def forward_costs(
     model, sizes: Sequence[int] = SIZES, *, prefix_len: int = 256, repeats: int = 7, progress: bool = False
 ) -> dict[int, float]:
-    """Median seconds of one forward over ``N`` chained tokens after a ``prefix_len`` cache.
-
-    Sizes are timed round-robin ``repeats`` times, so drift hits every size alike
-    (``progress``: a bar over the rounds). The forward is the decode loop's verification
-    forward (with the CPU kernels an EntMTP model was enabled with, if any).
-    """
-    device = model.get_output_embeddings().weight.device
-    dtype = model.get_output_embeddings().weight.dtype
-    g = torch.Generator().manual_seed(0)
-    vocab = model.config.get_text_config().vocab_size
-    with torch.inference_mode():
-        cache = _prefilled_cache(model, prefix_len, g)
-        row = torch.zeros(prefix_len, dtype=dtype, device=device)
-        inputs = {}
-        for n in sizes:
-            b = Tree.chain(n - 1).buffers(device, dtype)
-            inputs[n] = dict(
-                input_ids=torch.randint(0, vocab, (1, n), generator=g).to(device),
-                attention_mask=tree_attention_mask(b, row, prefix_len + n),
-                position_ids=(b.position_ids + prefix_len)[None],
-            )
-        times: dict[int, list[float]] = {n: [] for n in sizes}
-        with verifying():  # the attention the decode loop verifies with
-            for r in tqdm(range(repeats + 1), desc="forward costs", unit="round", disable=not progress):
-                for n in sizes:
-                    t0 = time.perf_counter()
-                    model(**inputs[n], cache=cache, use_cache=True, output_hidden_states=-1)
-                    elapsed = time.perf_counter() - t0
-                    cache.crop(-n)
-                    if r:  # the first round warms up
-                        times[n].append(elapsed)
-    return {n: statistics.median(v) for n, v in times.items()}
+    """Median seconds of one verification forward over ``N`` chained tokens after a ``prefix_len``
+    cache: the cost probe's timing (:func:`entmtp_hf.costs.probe.forward_ms`; ``progress``: a bar
+    over the rounds), with the CPU kernels an EntMTP model was enabled with, if any."""
+    with torch.inference_mode(), tqdm(total=repeats + 1, desc="forward costs", unit="round", disable=not progress) as bar:
+        ms = forward_ms(model, sizes, prefix_len=prefix_len, repeats=repeats, on_round=bar.update)
+    return {n: v / 1e3 for n, v in ms.items()}
 
 
 def kernel_reference(model, *, prefix_len: int = 256, repeats: int = 7, progress: bool = False) -> dict[str, float]:
@@ -145,23 +119,9 @@ def step_breakdown(
     return result
 
 
-def interpolate_cost(costs: dict[int, float], n: int) -> float:
-    """The cost of ``n`` tokens from the timed sizes: exact where timed, else linear between the
-    nearest sizes around ``n`` (along the last two beyond the largest). Retrieval branches and
-    bank trees make sizes the timing skipped; between nearby sizes the cost is close to linear."""
-    if n in costs:
-        return costs[n]
-    sizes = sorted(costs)
-    if len(sizes) < 2 or n < sizes[0]:
-        raise ValueError(f"no forward cost for a tree of {n} nodes (measured: {sizes})")
-    above = [m for m in sizes if m > n]
-    lo, hi = (sizes[-2], sizes[-1]) if not above else (max(m for m in sizes if m < n), above[0])
-    return costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
-
-
 def relative_cost(costs: dict[int, float], n: int) -> float:
     """``c(n)``: forward time for ``n`` tokens over one token's."""
-    return interpolate_cost(costs, n) / costs[1]
+    return interpolate(costs, n) / costs[1]
 
 
 def linear_costs(

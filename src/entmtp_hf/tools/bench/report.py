@@ -236,7 +236,6 @@ def _command_lines(env: dict) -> list[str]:
 def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
     """The ``docs/results.md`` page for one run; ``plots`` maps a caption to a relative path."""
     env = results["environment"]
-    wall = env.get("wall_time_s")
     parts = [
         "# Results", "",
         "The latest benchmark run of `entmtp-hf bench` (regenerate this page with "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ...trees.tree import Tree
-from ..profile import interpolate_cost
+from ...costs.table import interpolate
 
 #: the widest fan the value policy is offered (drafted nodes + root): small trees are where two
 #: shapes cost the same forward and the per-step choice between them is free
@@ -117,4 +117,4 @@ def value_sets(trees: dict[str, Tree], choice: Choice, labels: list[str]) -> dic
 
 def value_costs(trees: Sequence[Tree], costs: dict[int, float] | None) -> list[float]:
     """The value policy's weights: each tree's c(N) relative to one token (equal without costs)."""
-    return [interpolate_cost(costs, t.num_nodes) if costs else 1.0 for t in trees]
+    return [interpolate(costs, t.num_nodes) if costs else 1.0 for t in trees]

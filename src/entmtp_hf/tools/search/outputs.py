@@ -10,7 +10,7 @@ from typing import Any
 from ...trees.bank import TopologyBank
 from ..checkpoint import json_safe, write_json
 from ..machine import hardware_string, versions
-from ..profile import interpolate_cost
+from ...costs.table import interpolate
 from .plots import PLOTS, plot_acceptance, plot_throughput
 from .report import report_markdown
 from .result import SearchResult, finite, nodes_text
@@ -23,7 +23,7 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
     per_tree: list[dict] = [{} for _ in trees]
     for k, tree in enumerate(trees):
         if k not in at:
-            cost = interpolate_cost(result.costs, tree.num_nodes) if result.costs else None
+            cost = interpolate(result.costs, tree.num_nodes) if result.costs else None
             per_tree[k] = {"num_nodes": tree.num_nodes, "name": f"fan-{tree.num_nodes}",
                            "source": "value policy: same size, depth 1",
                            **({"relative_forward_cost": cost} if finite(cost) else {})}  # fmt: skip

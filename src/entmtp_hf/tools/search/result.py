@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from ...drafting.retrieval import RetrievalConfig
 from ...trees.bank import default_thresholds
 from ...trees.tree import MC_SIM_7B_63, Tree
-from ..profile import interpolate_cost
+from ...costs.table import interpolate
 from .choose import Choice, choose_trees, value_costs, value_sets
 from .config import REFERENCE, RETRIEVAL_RUNS, VANILLA, SearchConfig
 from .frontier import FrontierPoint
@@ -66,7 +66,7 @@ def modelled_speed(run: dict, costs: dict[int, float]) -> float | None:
     sizes, forward, decode = run.get("tree_sizes"), run.get("forward_seconds"), run.get("decode_seconds")
     if not sizes or not forward or decode is None:
         return None
-    work = sum(interpolate_cost(costs, n) for n in sizes)
+    work = sum(interpolate(costs, n) for n in sizes)
     return sum(run["accept_lengths"]) / (work * (1.0 + max(decode - forward, 0.0) / forward))
 
 
@@ -125,7 +125,7 @@ class SearchResult:
         per-step switching among the timed trees with every accept length known in advance
         (:func:`~entmtp_hf.tools.search.replay.foresight_rate`): the most any scheduler could win here."""
         trees = [self.timed[lab]["tree"] for lab in self.labels]
-        costs = [interpolate_cost(self.costs, t.num_nodes) for t in trees]
+        costs = [interpolate(self.costs, t.num_nodes) for t in trees]
         tables = [accept_table(t, trees) for t in trajectories if t.tuples]
         if not tables:
             return self
@@ -169,7 +169,7 @@ class SearchResult:
         ``static (replayed)``."""
 
         def rate(run: dict) -> float:
-            return sum(run["accept_lengths"]) / sum(interpolate_cost(self.costs, n) for n in run["tree_sizes"])
+            return sum(run["accept_lengths"]) / sum(interpolate(self.costs, n) for n in run["tree_sizes"])
 
         ref = rate(runs["static"])
         for lab, run in runs.items():
@@ -329,7 +329,7 @@ def summarise(
                      **_run_figures(runs.get(lab, {}), vanilla, costs)}  # fmt: skip
     labels = list(rows)
     rank_key = "modelled" if costs is not None else "tokens_per_s"
-    tree_costs = [interpolate_cost(costs, rows[lab]["num_nodes"]) for lab in labels] if costs is not None else None
+    tree_costs = [interpolate(costs, rows[lab]["num_nodes"]) for lab in labels] if costs is not None else None
     choice = choose_trees([rows[lab]["num_nodes"] for lab in labels], [rows[lab][rank_key] for lab in labels],
                           tree_costs)  # fmt: skip
     reference = None
