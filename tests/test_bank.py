@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -30,6 +26,7 @@ from entmtp_hf.trees.bank import (
     shipped_bank_path,
 )
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
+from hub_standin import MiniHubServer, fake_cache
 
 META = {
     "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -215,27 +212,10 @@ def test_missing_file_and_missing_task(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 # ---------------------------------------------------------------- Hub cache, offline
-def _fake_cache(cache: Path, source: Path, repo: str = "org/name") -> str:
-    """The layout huggingface_hub writes: refs/main → commit, snapshot links → blobs."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    root = cache / f"models--{repo.replace('/', '--')}"
-    (root / "refs").mkdir(parents=True)
-    (root / "refs" / "main").write_text(commit)
-    (root / "blobs").mkdir()
-    snap = root / "snapshots" / commit
-    snap.mkdir(parents=True)
-    for f in source.iterdir():
-        data = f.read_bytes()
-        blob = hashlib.sha256(data).hexdigest()
-        (root / "blobs" / blob).write_bytes(data)
-        (snap / f.name).symlink_to(Path("..", "..", "blobs", blob))
-    return commit
-
-
 def test_hub_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     small_bank("gsm8k").save_pretrained(tmp_path / "src")
     published_defaults_bank().save_pretrained(tmp_path / "src")
-    commit = _fake_cache(tmp_path / "hub", tmp_path / "src")
+    commit = fake_cache(tmp_path / "hub", tmp_path / "src")
     # huggingface_hub reads these env vars at import time: patch the constants it consults.
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
@@ -253,7 +233,7 @@ def test_hub_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_hub_cache_offline_through_env_vars(tmp_path: Path) -> None:
     """Same, configured the way users do it: environment variables in a fresh process."""
     small_bank("gsm8k").save_pretrained(tmp_path / "src")
-    _fake_cache(tmp_path / "hub", tmp_path / "src")
+    fake_cache(tmp_path / "hub", tmp_path / "src")
     code = ("from entmtp_hf.trees.bank import TopologyBank as B; "
             "print(B.list_tasks('org/name'), B.from_pretrained('org/name', 'gsm8k').metadata['heads'])")  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path)}
@@ -262,80 +242,8 @@ def test_hub_cache_offline_through_env_vars(tmp_path: Path) -> None:
     assert out.stdout.strip() == "['gsm8k'] hydra-mlp"
 
 
-# ---------------------------------------------------------------- upload to a stand-in Hub
-class _MiniHub(BaseHTTPRequestHandler):
-    """Just the Hub endpoints that create_repo, list_repo_files, hf_hub_download and
-    upload_folder (regular, non-LFS files) call; every file lives in ``self.server.files``."""
-
-    commit = "c" * 40
-
-    def log_message(self, *args) -> None:  # keep pytest output quiet
-        pass
-
-    def _send(self, code: int, body: bytes = b"", headers: dict | None = None) -> None:
-        self.send_response(code)
-        for key, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
-            self.send_header(key, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _json(self, obj: object) -> None:
-        self._send(200, json.dumps(obj).encode(), {"Content-Type": "application/json"})
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        base, files = f"http://127.0.0.1:{self.server.server_port}", self.server.files
-        if self.path == "/api/repos/create":
-            return self._json({"url": f"{base}/org/name"})
-        if self.path == "/api/validate-yaml":
-            return self._json({})
-        if "/preupload/" in self.path:
-            paths = [f["path"] for f in json.loads(body)["files"]]
-            return self._json({"files": [{"path": p, "uploadMode": "regular", "shouldIgnore": False} for p in paths]})
-        if "/commit/" in self.path:
-            for item in map(json.loads, body.splitlines()):
-                if item["key"] == "file":
-                    files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
-            return self._json({"commitUrl": f"{base}/org/name/commit/{self.commit}", "commitOid": self.commit})
-        self._send(404)
-
-    def do_GET(self) -> None:
-        files = self.server.files
-        if "/nosuch" in self.path:  # the one revision this Hub does not have
-            return self._send(404, headers={"X-Error-Code": "RevisionNotFound"})
-        if self.path.startswith("/api/models/org/name/tree/"):
-            return self._json([{"type": "file", "path": p, "size": len(b), "oid": "0" * 40} for p, b in files.items()])
-        if self.path.startswith("/org/name/resolve/"):
-            name = self.path.split("/", 5)[5]
-            if name not in files:
-                return self._send(404, headers={"X-Error-Code": "EntryNotFound"})
-            etag = hashlib.sha1(files[name]).hexdigest()
-            return self._send(200, files[name], {"X-Repo-Commit": self.commit, "ETag": f'"{etag}"'})
-        self._send(404)
-
-    do_HEAD = do_GET
-
-
-@pytest.fixture
-def mini_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _MiniHub)
-    server.files = {}
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_port}"
-    monkeypatch.setattr(hf_constants, "ENDPOINT", endpoint)
-    # HfApi reads ENDPOINT at call time, but file URLs come from a template built at import.
-    template = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
-    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
-def test_a_revision_the_hub_does_not_have_is_named_as_such(mini_hub: ThreadingHTTPServer) -> None:
+# ---------------------------------------------------------------- upload to the Hub stand-in
+def test_a_revision_the_hub_does_not_have_is_named_as_such(mini_hub: MiniHubServer) -> None:
     published_defaults_bank().push_to_hub("org/name", token="hf_test")
     assert TopologyBank.from_pretrained("org/name", task="default") == published_defaults_bank()
     with pytest.raises(EntMTPError, match="has no revision 'nosuch'"):
@@ -344,9 +252,9 @@ def test_a_revision_the_hub_does_not_have_is_named_as_such(mini_hub: ThreadingHT
         TopologyBank.from_pretrained("org/name", task="math")
 
 
-def test_push_to_hub_adds_tasks_and_card(mini_hub: ThreadingHTTPServer) -> None:
+def test_push_to_hub_adds_tasks_and_card(mini_hub: MiniHubServer) -> None:
     info = published_defaults_bank().push_to_hub("org/name", token="hf_test")
-    assert info.oid == _MiniHub.commit and info.commit_message.endswith("task default")
+    assert info.oid == mini_hub.refs["main"] and info.commit_message.endswith("task default")
     small_bank("gsm8k").push_to_hub("org/name", token="hf_test", commit_message="add gsm8k")
     assert sorted(mini_hub.files) == ["README.md", "default.safetensors", "gsm8k.safetensors"]
     card = mini_hub.files["README.md"].decode()
