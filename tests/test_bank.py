@@ -14,6 +14,7 @@ from huggingface_hub import constants as hf_constants
 from safetensors.torch import save_file
 
 import entmtp_hf.trees.bank_format as bank_format
+from entmtp_hf.costs.table import CostTable
 from entmtp_hf.errors import EntMTPError
 from entmtp_hf.trees.bank import (
     BankFormatError,
@@ -80,6 +81,47 @@ def test_shipped_bank_matches_its_builder() -> None:
     assert (folder / "README.md").read_text() == model_card(folder)
     with pytest.raises(ValueError, match="no shipped bank 'nope'"):
         shipped_bank_path("nope")
+
+
+def _machine(processor: str, forward: dict[int, float], **fingerprint) -> CostTable:
+    return CostTable({"key": processor, "processor": processor, **fingerprint}, "m", forward, (0.0, 0.0, 0.0),
+                     (0.0, 0.0), forward[1])  # fmt: skip
+
+
+def searched_bank() -> TopologyBank:
+    """A bank as a search leaves it: a frontier with timed speed-ups, then two machines' entries."""
+    trees = [Tree.root_only(), Tree.chain(1), Tree.chain(2)]
+    per_tree = [{"mean_accept_length": 1.0, "speedup_vs_plain": 0.96},
+                {"mean_accept_length": 1.5, "speedup_vs_plain": 1.31, "tokens_per_s": 26.2},
+                {"mean_accept_length": 1.8, "speedup_vs_plain": 1.12}]  # fmt: skip
+    bank = TopologyBank("chat", trees, {"hardware": "AMD EPYC, 2 cores", "trees": per_tree,
+                                        "frontier": {"trees": [0, 1, 2]}, "calibration": {"vanilla_tokens_per_s": 20.0},
+                                        "scheduler": {"static": 1, "policy": "static"}})  # fmt: skip
+    fast = _machine("Fast CPU", {1: 10.0, 2: 10.5, 3: 11.0}, device="cpu", threads=2, dtype="float32", torch="2.13")
+    slow = _machine("Slow CPU", {1: 10.0, 2: 20.0, 3: 30.0})
+    return bank.with_machine(fast).with_machine(slow)
+
+
+def test_the_card_shows_measured_and_modelled_speed_ups_and_how_to_use_the_bank(tmp_path: Path) -> None:
+    searched_bank().save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert 'entmtp_config=EntMTPConfig(bank="<this repo id or folder>", task="chat")' in card
+    assert "from entmtp_hf import EntMTPConfig, enable_entmtp" in card
+    assert "| 1 | 2 | 1 | 1 | 1.5 | 26.2 | 1.31 |" in card  # the trees' table has the speed-up column
+    assert ("Measured on AMD EPYC, 2 cores (plain `generate`: 20 tokens/s) by the search that wrote this bank: "
+            r"EntMTP\* = tree 1 (2 nodes) at ×1.31 the speed of plain decoding; the fastest timed tree: tree 1 "
+            "(2 nodes) at ×1.31.") in card  # fmt: skip
+    assert "| Fast CPU (cpu, 2 threads, float32, torch 2.13) | tree 2 (3 nodes) | ×1.64 | ×1.64, tree 2 (3 nodes) |" in card
+    assert "| Slow CPU | plain decoding (the root alone) | ×1 | ×0.75, tree 1 (2 nodes) |" in card
+
+
+def test_a_machine_entrys_speed_ups_are_checked() -> None:
+    entry = searched_bank().machines[0]
+    for speedups, message in [([1.2], "must map tree indices"), ({"7": 1.2}, "names tree '7'"),
+                              ({"1": "fast"}, "finite number")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            TopologyBank("t", [Tree.root_only(), Tree.chain(1), Tree.chain(2)],
+                         {"machines": [{**entry, "speedups": speedups}]})
 
 
 # ---------------------------------------------------------------- construction checks
