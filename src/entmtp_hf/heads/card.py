@@ -16,11 +16,10 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Callable, Sequence
 
 from huggingface_hub import ModelCardData
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 
 from ..errors import ConfigError
 from ..files import brief_repr
+from ..hub import hub_repo_id
 from .config import HeadsConfig
 from .files import HeadsLoadError, read_json
 
@@ -193,17 +192,6 @@ def read_card(path: str, num_heads: int) -> HeadsCard:
 
 
 # ------------------------------------------------------------------ the README
-def _hub_id(name: str | None) -> str | None:
-    """``name`` if it is a Hub repo id (the card's ``base_model`` must be one), else None."""
-    if not name or name.startswith((".", "~")):
-        return None
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return None
-    return name
-
-
 def _cell(value: object) -> str:
     text = f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
@@ -273,7 +261,7 @@ def model_card(config: HeadsConfig, card: HeadsCard, dtype: str, nbytes: int) ->
     """The README.md of a heads folder: YAML front matter, what the heads are, how to use them,
     and what ``card`` records (sections for unknown figures are left out)."""
     family_tags = [*TAGS, config.family]
-    front = ModelCardData(library_name="entmtp-hf", base_model=_hub_id(config.base_model_name_or_path),
+    front = ModelCardData(library_name="entmtp-hf", base_model=hub_repo_id(config.base_model_name_or_path),
                           tags=family_tags).to_yaml()  # fmt: skip
     body = _about(config, dtype, nbytes) + _training(card) + _figures(card)
     if card.empty:
