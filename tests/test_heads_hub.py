@@ -15,8 +15,16 @@ from transformers import LlamaConfig
 
 from entmtp_hf import enable_entmtp
 from entmtp_hf.errors import ConfigError, FileFormatError
-from entmtp_hf.heads import DraftHeads, HeadsLoadError, HydraHeads, MedusaHeads, load_heads
-from entmtp_hf.heads.card import DataSource, HeadsCard, TokensPerStep
+from entmtp_hf.heads import (
+    DataSource,
+    DraftHeads,
+    HeadsCard,
+    HeadsLoadError,
+    HydraHeads,
+    MedusaHeads,
+    TokensPerStep,
+    load_heads,
+)
 from entmtp_hf.trees.bank import published_defaults_bank
 from hub_standin import MiniHubServer, fake_cache
 from tiny import tiny_model

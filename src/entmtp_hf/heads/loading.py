@@ -15,7 +15,7 @@ from .base import FORMAT_KEY, WEIGHTS_NAME, DraftHeads, check_draft_vocab
 from .card import CARD_NAME, HeadsCard, read_card
 from .config import FORMAT_VERSION, HeadsConfig
 from .files import HeadsLoadError, open_safetensors
-from .registry import Resolver, build_checked, detect_format, load_from_source, register_format
+from .registry import Resolver, build_checked, detect_format, register_format
 
 __all__ = ["convert_heads", "detect_format", "load_heads", "load_own_format"]
 
