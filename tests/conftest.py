@@ -1,11 +1,14 @@
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants as hf_constants
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from hub_standin import MiniHubServer  # noqa: E402
 from tiny import fitted_heads, tiny_model  # noqa: E402
 
 # tiny models gain nothing from a second thread; the demo-model tests set their own
@@ -25,6 +28,23 @@ def tiny_cache():
         return store[key]
 
     return get
+
+
+@pytest.fixture
+def mini_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The local Hub stand-in (:mod:`hub_standin`), with huggingface_hub pointed at it and a fresh cache."""
+    server = MiniHubServer()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    monkeypatch.setattr(hf_constants, "ENDPOINT", server.endpoint)
+    # HfApi reads ENDPOINT at call time, but file URLs come from a template built at import.
+    template = server.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    yield server
+    server.shutdown()
+    server.server_close()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -18,6 +14,7 @@ from huggingface_hub import constants as hf_constants
 from safetensors.torch import save_file
 
 import entmtp_hf.trees.bank_format as bank_format
+from entmtp_hf.costs.table import CostTable
 from entmtp_hf.errors import EntMTPError
 from entmtp_hf.trees.bank import (
     BankFormatError,
@@ -30,6 +27,7 @@ from entmtp_hf.trees.bank import (
     shipped_bank_path,
 )
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
+from hub_standin import MiniHubServer, fake_cache
 
 META = {
     "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -83,6 +81,47 @@ def test_shipped_bank_matches_its_builder() -> None:
     assert (folder / "README.md").read_text() == model_card(folder)
     with pytest.raises(ValueError, match="no shipped bank 'nope'"):
         shipped_bank_path("nope")
+
+
+def _machine(processor: str, forward: dict[int, float], **fingerprint) -> CostTable:
+    return CostTable({"key": processor, "processor": processor, **fingerprint}, "m", forward, (0.0, 0.0, 0.0),
+                     (0.0, 0.0), forward[1])  # fmt: skip
+
+
+def searched_bank() -> TopologyBank:
+    """A bank as a search leaves it: a frontier with timed speed-ups, then two machines' entries."""
+    trees = [Tree.root_only(), Tree.chain(1), Tree.chain(2)]
+    per_tree = [{"mean_accept_length": 1.0, "speedup_vs_plain": 0.96},
+                {"mean_accept_length": 1.5, "speedup_vs_plain": 1.31, "tokens_per_s": 26.2},
+                {"mean_accept_length": 1.8, "speedup_vs_plain": 1.12}]  # fmt: skip
+    bank = TopologyBank("chat", trees, {"hardware": "AMD EPYC, 2 cores", "trees": per_tree,
+                                        "frontier": {"trees": [0, 1, 2]}, "calibration": {"vanilla_tokens_per_s": 20.0},
+                                        "scheduler": {"static": 1, "policy": "static"}})  # fmt: skip
+    fast = _machine("Fast CPU", {1: 10.0, 2: 10.5, 3: 11.0}, device="cpu", threads=2, dtype="float32", torch="2.13")
+    slow = _machine("Slow CPU", {1: 10.0, 2: 20.0, 3: 30.0})
+    return bank.with_machine(fast).with_machine(slow)
+
+
+def test_the_card_shows_measured_and_modelled_speed_ups_and_how_to_use_the_bank(tmp_path: Path) -> None:
+    searched_bank().save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert 'entmtp_config=EntMTPConfig(bank="<this repo id or folder>", task="chat")' in card
+    assert "from entmtp_hf import EntMTPConfig, enable_entmtp" in card
+    assert "| 1 | 2 | 1 | 1 | 1.5 | 26.2 | 1.31 |" in card  # the trees' table has the speed-up column
+    assert ("Measured on AMD EPYC, 2 cores (plain `generate`: 20 tokens/s) by the search that wrote this bank: "
+            r"EntMTP\* = tree 1 (2 nodes) at ×1.31 the speed of plain decoding; the fastest timed tree: tree 1 "
+            "(2 nodes) at ×1.31.") in card  # fmt: skip
+    assert "| Fast CPU (cpu, 2 threads, float32, torch 2.13) | tree 2 (3 nodes) | ×1.64 | ×1.64, tree 2 (3 nodes) |" in card
+    assert "| Slow CPU | plain decoding (the root alone) | ×1 | ×0.75, tree 1 (2 nodes) |" in card
+
+
+def test_a_machine_entrys_speed_ups_are_checked() -> None:
+    entry = searched_bank().machines[0]
+    for speedups, message in [([1.2], "must map tree indices"), ({"7": 1.2}, "names tree '7'"),
+                              ({"1": "fast"}, "finite number")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            TopologyBank("t", [Tree.root_only(), Tree.chain(1), Tree.chain(2)],
+                         {"machines": [{**entry, "speedups": speedups}]})
 
 
 # ---------------------------------------------------------------- construction checks
@@ -215,27 +254,10 @@ def test_missing_file_and_missing_task(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 # ---------------------------------------------------------------- Hub cache, offline
-def _fake_cache(cache: Path, source: Path, repo: str = "org/name") -> str:
-    """The layout huggingface_hub writes: refs/main → commit, snapshot links → blobs."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    root = cache / f"models--{repo.replace('/', '--')}"
-    (root / "refs").mkdir(parents=True)
-    (root / "refs" / "main").write_text(commit)
-    (root / "blobs").mkdir()
-    snap = root / "snapshots" / commit
-    snap.mkdir(parents=True)
-    for f in source.iterdir():
-        data = f.read_bytes()
-        blob = hashlib.sha256(data).hexdigest()
-        (root / "blobs" / blob).write_bytes(data)
-        (snap / f.name).symlink_to(Path("..", "..", "blobs", blob))
-    return commit
-
-
 def test_hub_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     small_bank("gsm8k").save_pretrained(tmp_path / "src")
     published_defaults_bank().save_pretrained(tmp_path / "src")
-    commit = _fake_cache(tmp_path / "hub", tmp_path / "src")
+    commit = fake_cache(tmp_path / "hub", tmp_path / "src")
     # huggingface_hub reads these env vars at import time: patch the constants it consults.
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
@@ -253,7 +275,7 @@ def test_hub_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_hub_cache_offline_through_env_vars(tmp_path: Path) -> None:
     """Same, configured the way users do it: environment variables in a fresh process."""
     small_bank("gsm8k").save_pretrained(tmp_path / "src")
-    _fake_cache(tmp_path / "hub", tmp_path / "src")
+    fake_cache(tmp_path / "hub", tmp_path / "src")
     code = ("from entmtp_hf.trees.bank import TopologyBank as B; "
             "print(B.list_tasks('org/name'), B.from_pretrained('org/name', 'gsm8k').metadata['heads'])")  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path)}
@@ -262,80 +284,8 @@ def test_hub_cache_offline_through_env_vars(tmp_path: Path) -> None:
     assert out.stdout.strip() == "['gsm8k'] hydra-mlp"
 
 
-# ---------------------------------------------------------------- upload to a stand-in Hub
-class _MiniHub(BaseHTTPRequestHandler):
-    """Just the Hub endpoints that create_repo, list_repo_files, hf_hub_download and
-    upload_folder (regular, non-LFS files) call; every file lives in ``self.server.files``."""
-
-    commit = "c" * 40
-
-    def log_message(self, *args) -> None:  # keep pytest output quiet
-        pass
-
-    def _send(self, code: int, body: bytes = b"", headers: dict | None = None) -> None:
-        self.send_response(code)
-        for key, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
-            self.send_header(key, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _json(self, obj: object) -> None:
-        self._send(200, json.dumps(obj).encode(), {"Content-Type": "application/json"})
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        base, files = f"http://127.0.0.1:{self.server.server_port}", self.server.files
-        if self.path == "/api/repos/create":
-            return self._json({"url": f"{base}/org/name"})
-        if self.path == "/api/validate-yaml":
-            return self._json({})
-        if "/preupload/" in self.path:
-            paths = [f["path"] for f in json.loads(body)["files"]]
-            return self._json({"files": [{"path": p, "uploadMode": "regular", "shouldIgnore": False} for p in paths]})
-        if "/commit/" in self.path:
-            for item in map(json.loads, body.splitlines()):
-                if item["key"] == "file":
-                    files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
-            return self._json({"commitUrl": f"{base}/org/name/commit/{self.commit}", "commitOid": self.commit})
-        self._send(404)
-
-    def do_GET(self) -> None:
-        files = self.server.files
-        if "/nosuch" in self.path:  # the one revision this Hub does not have
-            return self._send(404, headers={"X-Error-Code": "RevisionNotFound"})
-        if self.path.startswith("/api/models/org/name/tree/"):
-            return self._json([{"type": "file", "path": p, "size": len(b), "oid": "0" * 40} for p, b in files.items()])
-        if self.path.startswith("/org/name/resolve/"):
-            name = self.path.split("/", 5)[5]
-            if name not in files:
-                return self._send(404, headers={"X-Error-Code": "EntryNotFound"})
-            etag = hashlib.sha1(files[name]).hexdigest()
-            return self._send(200, files[name], {"X-Repo-Commit": self.commit, "ETag": f'"{etag}"'})
-        self._send(404)
-
-    do_HEAD = do_GET
-
-
-@pytest.fixture
-def mini_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _MiniHub)
-    server.files = {}
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_port}"
-    monkeypatch.setattr(hf_constants, "ENDPOINT", endpoint)
-    # HfApi reads ENDPOINT at call time, but file URLs come from a template built at import.
-    template = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
-    monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
-def test_a_revision_the_hub_does_not_have_is_named_as_such(mini_hub: ThreadingHTTPServer) -> None:
+# ---------------------------------------------------------------- upload to the Hub stand-in
+def test_a_revision_the_hub_does_not_have_is_named_as_such(mini_hub: MiniHubServer) -> None:
     published_defaults_bank().push_to_hub("org/name", token="hf_test")
     assert TopologyBank.from_pretrained("org/name", task="default") == published_defaults_bank()
     with pytest.raises(EntMTPError, match="has no revision 'nosuch'"):
@@ -344,9 +294,9 @@ def test_a_revision_the_hub_does_not_have_is_named_as_such(mini_hub: ThreadingHT
         TopologyBank.from_pretrained("org/name", task="math")
 
 
-def test_push_to_hub_adds_tasks_and_card(mini_hub: ThreadingHTTPServer) -> None:
+def test_push_to_hub_adds_tasks_and_card(mini_hub: MiniHubServer) -> None:
     info = published_defaults_bank().push_to_hub("org/name", token="hf_test")
-    assert info.oid == _MiniHub.commit and info.commit_message.endswith("task default")
+    assert info.oid == mini_hub.refs["main"] and info.commit_message.endswith("task default")
     small_bank("gsm8k").push_to_hub("org/name", token="hf_test", commit_message="add gsm8k")
     assert sorted(mini_hub.files) == ["README.md", "default.safetensors", "gsm8k.safetensors"]
     card = mini_hub.files["README.md"].decode()

@@ -32,6 +32,8 @@ TREES = [[[0]], [[0], [0, 0], [1]]]
         (dict(trees=TREES * 2, policy="ladder", thresholds=[0.1, math.nan, 0.3]), r"thresholds\[1\]"),
         (dict(tree=[[0]], posterior_alpha=math.nan), "posterior_alpha"),
         (dict(tree=[[0]], posterior_threshold=0.0), "posterior_threshold"),
+        (dict(tree=[[0]], acceptance="typical", typical_rule="medusa"), "typical_rule"),
+        (dict(tree=[[0]], typical_rule="reference"), "typical_rule"),  # needs acceptance="typical"
         (dict(trees=TREES, tau_on=-0.1), "tau_on"),
         (dict(trees=TREES, tau_on=5), "tau_on"),
         (dict(trees=TREES, tau_on=math.inf), "tau_on"),

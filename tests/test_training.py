@@ -145,6 +145,11 @@ def test_a_few_steps_reduce_the_loss(tmp_path, model, family, arch):
     heads = DraftHeads.from_pretrained(tmp_path / cfg.run_name / "final")
     assert heads.family == family and heads.config.use_base_lm_head and heads.draft_vocab.numel() == 48
     assert len(summary["validation"]["top1"]) == 3
+    card = heads.card  # what the run measured is kept with the heads, and their README says it
+    assert card.validation_top1 == tuple(round(x, 4) for x in summary["validation"]["top1"])
+    assert card.hardware and "Distillation from the frozen base model" in card.recipe and card.training_data
+    readme = (tmp_path / cfg.run_name / "final" / "README.md").read_text()
+    assert "## Validation" in readme and f"| 0 | t+2 | {round(card.validation_top1[0], 3):.4g} |" in readme
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, model):

@@ -25,6 +25,8 @@ from .trees.plan import DecodePlan, build_plan
 from .trees.tree import Tree
 
 ACCEPTANCE_RULES = ("auto", "greedy", "exact", "typical")
+#: typical acceptance: this project's rule, or the published Hydra/Medusa code's (see ``typical_rule``)
+TYPICAL_RULES = ("project", "reference")
 #: the scheduler's policies plus ``entropy`` (EAS: truncate the tree where the heads are unsure)
 DECODE_POLICIES = (*POLICIES, "entropy")
 MAX_FEATURE_WINDOW = 4096
@@ -80,7 +82,11 @@ class EntMTPConfig:
     ``costs`` (each tree's relative forward cost; equal when not given, the bank's with one).
     ``acceptance="auto"`` means greedy without sampling and exact (lossless) sampling with
     ``do_sample=True``; ``typical`` is Medusa/Hydra's typical acceptance with
-    ``posterior_threshold`` (ε) and ``posterior_alpha`` (α).
+    ``posterior_threshold`` (ε) and ``posterior_alpha`` (α). ``typical_rule="project"`` (default)
+    tests the processed scores with the exact entropy and samples the verifier's own token;
+    ``"reference"`` computes it as the published code does, to reproduce its figures: on
+    ``softmax(raw logits / temperature)`` with the entropy ``-Σ p·log(p + 1e-5)``, the
+    verifier's own token by argmax even when sampling.
 
     ``policy="entropy"`` (implied by ``eas=EASConfig(...)``) is entropy-adaptive speculation on
     one tree (``tree=``, or the bank's static optimum): every step verifies the tree truncated
@@ -113,6 +119,7 @@ class EntMTPConfig:
     acceptance: str = "auto"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
+    typical_rule: str = "project"
     revision: str | None = None
     eas: EASConfig | None = None
     retrieval: RetrievalConfig | bool | None = None
@@ -212,6 +219,10 @@ class EntMTPConfig:
         _choice("acceptance", self.acceptance, ACCEPTANCE_RULES)
         self.posterior_threshold = _number("posterior_threshold", self.posterior_threshold, 0.0, 1.0, open_low=True)
         self.posterior_alpha = _number("posterior_alpha", self.posterior_alpha, 0.0, open_low=True)
+        _choice("typical_rule", self.typical_rule, TYPICAL_RULES)
+        if self.typical_rule == "reference" and self.acceptance != "typical":
+            raise ConfigError(_name("typical_rule"), f"'reference' is a typical-acceptance rule: it needs "
+                              f"acceptance='typical', got acceptance={self.acceptance!r}")  # fmt: skip
 
     def _check_policy_fits(self) -> None:
         if self.policy == "entropy" and self.trees is not None:

@@ -1,4 +1,5 @@
-"""What is missing when a Hub download of a bank or heads file fails: the revision, or the file.
+"""What is missing when a Hub download of a bank or heads file fails: the revision, or the file;
+and whether a name is a Hub repo id (what a model card's ``base_model`` must be).
 
 ``hf_hub_download`` reports a revision the repo does not have, or (offline) one the local cache
 does not hold, the same way as a missing file in some cases. Banks and heads name a missing
@@ -13,7 +14,19 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 from huggingface_hub import constants as hf_constants
-from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.errors import HFValidationError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.utils import validate_repo_id
+
+
+def hub_repo_id(name: str | None) -> str | None:
+    """``name`` if it is a valid Hub repo id, else None (a local path, say)."""
+    if not name or name.startswith((".", "~")):
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
 
 
 def _cached_revisions(repo_id: str, cache_dir: str | os.PathLike | None) -> list[str] | None:

@@ -7,7 +7,8 @@ preparation (generation config, logits processors, stopping criteria, cache) and
 to :func:`~entmtp_hf.decoding.loop.entmtp_decode` through ``custom_generate``. Without
 ``entmtp_config`` the model generates exactly as before. ``generate(..., assistant_model=draft,
 eas_config=EASConfig())`` instead runs transformers' assisted decoding with the entropy-adaptive
-draft-model candidate generator (:mod:`entmtp_hf.assisted`).
+draft-model candidate generator (:mod:`entmtp_hf.assisted`). A ``custom_generate`` repo or
+folder (``entmtp-hf export-generate``) receives the call with its EntMTP arguments unchanged.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class EntMTPGenerationMixin:
         self, *args, entmtp_config: EntMTPConfig | None = None, eas_config: EASConfig | None = None,
         entmtp_observers: Sequence[DecodeObserver] = (), **kwargs,
     ):
+        if isinstance(kwargs.get("custom_generate"), (str, os.PathLike)) and eas_config is None:
+            # a repo's decoding method (such as the one `entmtp-hf export-generate` writes) gets the call as it is
+            given = {"entmtp_config": entmtp_config, "entmtp_observers": tuple(entmtp_observers)}
+            return super().generate(*args, **{k: v for k, v in given.items() if v}, **kwargs)
         if eas_config is not None:
             if entmtp_config is not None:
                 raise EntMTPError(
@@ -55,7 +60,7 @@ class EntMTPGenerationMixin:
         if not isinstance(entmtp_config, EntMTPConfig):
             raise EntMTPError(f"entmtp_config must be an EntMTPConfig, got {type(entmtp_config).__name__}")
         if kwargs.get("custom_generate") is not None:
-            raise EntMTPError("entmtp_config cannot be combined with custom_generate")
+            raise EntMTPError("entmtp_config cannot be combined with a custom_generate callable")
         heads = getattr(self, HEADS_ATTR, None)
         if heads is None:
             raise EntMTPError("this model has no draft heads: call enable_entmtp(model, heads) first")
@@ -102,11 +107,19 @@ class EntMTPGenerationMixin:
         return build_candidate_generator(call, bound.arguments)
 
 
+def _prompt(args: tuple, kwargs: dict) -> Any:
+    """The prompt of a ``generate`` call: positional, ``inputs=`` or ``input_ids=`` (a ``custom_generate``
+    hand-over passes ``inputs=None`` beside ``input_ids``)."""
+    if args:
+        return args[0]
+    return kwargs["inputs"] if kwargs.get("inputs") is not None else kwargs.get("input_ids")
+
+
 def _as_entmtp_output(out, args: tuple, kwargs: dict):
     """Plain decoding's output with the statistics an EntMTP call returns (one token per step)."""
     if not isinstance(out, GenerateDecoderOnlyOutput):
         return out
-    prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    prompt = _prompt(args, kwargs)
     steps = out.sequences.shape[1] - prompt.shape[1] - 1
     stats = {"plain_decoding": True, "accept_lengths": [1] * steps, "tree_indices": [0] * steps,
              "tree_sizes": [1] * steps, "features": [None] * steps, "steps": steps, "new_tokens": steps + 1,
@@ -116,7 +129,7 @@ def _as_entmtp_output(out, args: tuple, kwargs: dict):
 
 def check_supported_call(args: tuple, kwargs: dict) -> None:
     """Refuse modes tree decoding does not support, before any compute."""
-    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    inputs = _prompt(args, kwargs)
     if kwargs.get("inputs_embeds") is not None:
         raise EntMTPError("EntMTP decoding needs input_ids, not inputs_embeds")
     if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[0] != 1:

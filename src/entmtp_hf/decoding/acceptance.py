@@ -8,7 +8,11 @@ at node ``j``; the root is the base model's own token and is always kept):
   ``y`` and stop. Every emitted token is a draw from the target conditional, so the output
   distribution is exactly that of plain sampling;
 * typical - keep a child ``x`` of ``j`` iff ``p_j(x) > min(eps, alpha * exp(-H(p_j)))``, take
-  the longest kept path (ties: larger sum of ``log p``). Not distribution-preserving.
+  the longest kept path (ties: larger sum of ``log p``). Not distribution-preserving. Two
+  variants: this project's (:func:`typical_accept_flags`: ``p_j`` the processed scores, the
+  exact entropy) and the published Hydra/Medusa code's (:func:`reference_typical_flags`:
+  ``p_j = softmax(raw logits / T)``, entropy ``-sum p log(p + 1e-5)``), which reproduces their
+  results.
 
 Each rule returns the accepted path (node indices, root first) and the next token.
 """
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+#: what the published typical rule adds to ``p`` inside the logarithm of its entropy
+REFERENCE_ENTROPY_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -27,8 +33,6 @@ class Acceptance:
 
     path: list[int]
     next_token: int
-
-
 
 
 def walk_tree(children: tuple[tuple[int, ...], ...], tokens: list[int], picks: list[int]) -> Acceptance:
@@ -101,6 +105,27 @@ def typical_accept_flags(
     passed = node_logp.exp() > threshold[par]
     passed[0] = True
     node_logp = node_logp.clone()
+    node_logp[0] = 0.0
+    return passed, node_logp
+
+
+def reference_typical_flags(
+    logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, temperature: float, epsilon: float, alpha: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`typical_accept_flags` as the published Hydra/Medusa code computes it, so their
+    figures can be reproduced: ``p_j = softmax(logits_j / temperature)`` on the raw logits (no
+    other processing), entropy ``-sum p log(p + 1e-5)``, node ``i`` passes iff
+    ``p_j(x_i) > min(epsilon, alpha * exp(-H(p_j)))``; log-probabilities are ``log p_j(x_i)``.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    probs = torch.softmax(logits.to(dtype) / temperature, dim=-1)  # [N, V]
+    entropy = -(probs * torch.log(probs + REFERENCE_ENTROPY_EPS)).sum(-1)  # [N]
+    threshold = torch.clamp(alpha * torch.exp(-entropy), max=epsilon)
+    par = parents.clamp(min=0)
+    node_p = probs[par, tokens]  # [N]
+    passed = node_p > threshold[par]
+    passed[0] = True
+    node_logp = torch.log(node_p)
     node_logp[0] = 0.0
     return passed, node_logp
 

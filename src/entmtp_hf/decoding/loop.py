@@ -33,8 +33,10 @@ class EntMTPGenerateOutput(GenerateDecoderOnlyOutput):
     entmtp_stats: dict | None = None
 
 
-def acceptance_rule(config, generation_config) -> Rule:
-    """The call's rule: ``auto`` is greedy without sampling and exact (lossless) with it."""
+def acceptance_rule(config, generation_config, temperature: float = 1.0) -> Rule:
+    """The call's rule: ``auto`` is greedy without sampling and exact (lossless) with it. The
+    reference typical rule takes the verifier's own token by argmax even when sampling, as the
+    published code does."""
     name = config.acceptance
     if name == "auto":
         name = "exact" if generation_config.do_sample else "greedy"
@@ -42,8 +44,9 @@ def acceptance_rule(config, generation_config) -> Rule:
         raise EntMTPError(f"acceptance={name!r} samples: pass do_sample=True (or use acceptance='greedy')")
     if name == "greedy" and generation_config.do_sample:
         raise EntMTPError("acceptance='greedy' with do_sample=True would not sample: use 'exact' or 'typical'")
-    pick = sample_picks if generation_config.do_sample else greedy_picks
-    return Rule(name, pick, config.posterior_threshold, config.posterior_alpha)
+    reference = name == "typical" and config.typical_rule == "reference"
+    pick = sample_picks if generation_config.do_sample and not reference else greedy_picks
+    return Rule(name, pick, config.posterior_threshold, config.posterior_alpha, reference, temperature)
 
 
 def precompile(session: DecodeSession, plan: DecodePlan) -> dict[int, float]:
@@ -83,8 +86,8 @@ def entmtp_decode(
     if (generation_config.num_beams or 1) > 1:
         raise EntMTPError("EntMTP decoding does not support beam search")
     t_start = time.perf_counter()
-    rule = acceptance_rule(entmtp_config, generation_config)
     temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
+    rule = acceptance_rule(entmtp_config, generation_config, temperature)
     drafter = EntMTPCandidateGenerator(model, heads, plan, feature_window=entmtp_config.feature_window,
                                        temperature=temperature)  # fmt: skip
     cache = prepare_cache(model, model_kwargs, generation_config.max_length, plan.max_nodes,

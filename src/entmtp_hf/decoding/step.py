@@ -9,7 +9,8 @@ is stored on the model. :meth:`DecodeSession.step` is the method:
 2. **verify** - one base-model forward over the tree's nodes appended to the cache (4D float
    mask: each node sees the prefix and its ancestors; positions = prefix length + depth);
 3. **accept** - the logits processors on every node with its own path as context, then the
-   greedy / exact / typical rule: the accepted path and the verifier's next token;
+   greedy / exact / typical rule: the accepted path and the verifier's next token (the
+   reference typical rule reads the raw logits instead, as the published code does);
 4. **commit** - the cache keeps the accepted path's keys and values, the heads see its hidden
    states, and the accepted tokens plus the next one are emitted one by one (stopping
    criteria and streamer as in plain ``generate``).
@@ -25,7 +26,7 @@ import torch
 from transformers import StaticCache
 
 from ..drafting.candidates import Draft, EntMTPCandidateGenerator
-from .acceptance import check_pick, typical_accept_flags, typical_best_path, walk_tree
+from .acceptance import check_pick, reference_typical_flags, typical_accept_flags, typical_best_path, walk_tree
 from .attention import tree_attention_mask, verifying
 from .cache import keep_accepted
 from .processors import process_tree_scores, row_wise
@@ -40,6 +41,9 @@ class Rule:
     pick: Callable[[torch.Tensor], torch.Tensor]  # scores [N, V] -> one token per row
     epsilon: float = 0.09
     alpha: float = 0.3
+    #: typical only: the published formula on softmax(raw logits / temperature) instead of the processed scores
+    reference: bool = False
+    temperature: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -131,13 +135,21 @@ class DecodeSession:
         scores = process_tree_scores(self.logits_processor, self.input_ids, tokens, buffers, verified.logits,
                                      row_wise=self.row_wise)  # fmt: skip
         if self.rule.name == "typical":
-            passed, node_logp = typical_accept_flags(scores, tokens, buffers.parents, self.rule.epsilon,
-                                                     self.rule.alpha)  # fmt: skip
-            path = typical_best_path(passed, node_logp, buffers.retrieve_indices)
+            path = self._typical_path(draft, verified, scores)
             return scores, path, check_pick(int(self.rule.pick(scores[path[-1] : path[-1] + 1])[0]))
         host = torch.stack([tokens, self.rule.pick(scores)]).tolist()
         acc = walk_tree(buffers.children, host[0], host[1])
         return scores, acc.path, check_pick(acc.next_token)
+
+    def _typical_path(self, draft: Draft, verified: Verified, scores: torch.Tensor) -> list[int]:
+        """The longest typical path: this project's test on the processed scores, or the reference one."""
+        rule, buffers = self.rule, draft.buffers
+        if rule.reference:
+            passed, node_logp = reference_typical_flags(verified.logits, draft.tokens, buffers.parents,
+                                                        rule.temperature, rule.epsilon, rule.alpha)  # fmt: skip
+        else:
+            passed, node_logp = typical_accept_flags(scores, draft.tokens, buffers.parents, rule.epsilon, rule.alpha)
+        return typical_best_path(passed, node_logp, buffers.retrieve_indices)
 
     def commit(self, draft: Draft, verified: Verified, scores: torch.Tensor, path: list[int],
                next_token: int) -> StepRecord:

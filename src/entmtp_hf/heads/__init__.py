@@ -5,6 +5,8 @@ Public API:
 * :class:`DraftHeads` (base), :class:`HydraHeads`, :class:`MedusaHeads`, registered by
   family name in :data:`HEADS_REGISTRY`;
 * :class:`HeadsConfig`, :class:`DraftState`, :class:`Proposal`;
+* :class:`HeadsCard` (with :class:`DataSource`, :class:`TokensPerStep`): what the heads'
+  model card reports, saved as ``card.json``;
 * :func:`load_heads` / :meth:`DraftHeads.from_pretrained` (own format, published Hydra and
   Medusa checkpoints, local folders or Hub repos) and :func:`convert_heads`;
 * :meth:`DraftHeads.check_fits` and the errors :class:`HeadsLoadError` (a file) and
@@ -12,6 +14,7 @@ Public API:
 """
 
 from .base import DraftHeads, DraftState, HeadsMismatchError, Proposal
+from .card import DataSource, HeadsCard, TokensPerStep
 from .config import FORMAT_VERSION, HeadsConfig
 from .files import HeadsLoadError
 from .hydra import HydraHeads
@@ -26,14 +29,17 @@ from .registry import HEADS_REGISTRY, detect_format, register_format, register_h
 __all__ = [
     "FORMAT_VERSION",
     "HEADS_REGISTRY",
+    "DataSource",
     "DraftHeads",
     "DraftState",
+    "HeadsCard",
     "HeadsConfig",
     "HeadsLoadError",
     "HeadsMismatchError",
     "HydraHeads",
     "MedusaHeads",
     "Proposal",
+    "TokensPerStep",
     "convert_heads",
     "detect_format",
     "load_heads",

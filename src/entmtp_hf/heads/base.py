@@ -8,25 +8,33 @@ Conventions (shared with the generation loop):
   prediction is the root. :meth:`DraftHeads.observe` receives those states for every
   newly accepted position; :meth:`DraftHeads.propose` drafts a whole tree from them.
 * All per-``generate`` state lives in a :class:`DraftState`; the heads object holds only
-  weights, so one set of heads can serve concurrent or successive calls.
+  weights (and what describes them: the card, where they were loaded from), so one set of
+  heads can serve concurrent or successive calls.
+
+Heads are Hub artefacts through huggingface_hub's :class:`~huggingface_hub.ModelHubMixin`:
+``save_pretrained`` writes ``config.json``, ``model.safetensors`` (safetensors only),
+``card.json`` and a generated ``README.md``; ``push_to_hub`` uploads that folder;
+``from_pretrained`` reads this project's format and the published ones, validated.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import ModelCard, ModelHubMixin
 from torch import Tensor, nn
 
 from ..cpu_kernels import project
 from ..scheduling.features import entropy_from_logp
 from ..errors import EntMTPError
 from ..trees.tree import DepthStep, TreeBuffers
+from .card import CARD_NAME, HeadsCard, model_card
 from .config import FORMAT_VERSION, HeadsConfig
 from .registry import CONFIG_NAME, load_from_source
 
@@ -111,8 +119,12 @@ def check_draft_vocab(draft_vocab: Tensor | list[int] | None, vocab_size: int) -
     return dv
 
 
-class DraftHeads(nn.Module):
-    """Base class of draft heads; subclasses implement ``_build``, ``propose``, ``forward_train``."""
+class DraftHeads(nn.Module, ModelHubMixin):
+    """Base class of draft heads; subclasses implement ``_build_mlps``, ``propose``, ``forward_train``.
+
+    ``card`` (a :class:`~entmtp_hf.heads.card.HeadsCard`) is what the model card reports beyond
+    the config; ``name_or_path`` the folder or repo id the heads were loaded from (None if built).
+    """
 
     family: ClassVar[str] = ""
     lm_head_bias: ClassVar[bool] = True  # whether per-head LM heads carry a bias
@@ -125,6 +137,8 @@ class DraftHeads(nn.Module):
         if config.family != self.family:
             raise ValueError(f"{type(self).__name__} needs a config of family {self.family!r}, got {config.family!r}")
         self.config = config
+        self.card = HeadsCard()
+        self.name_or_path: str | None = None
         rows = config.draft_vocab_rows
         self.register_buffer("draft_vocab", torch.arange(rows) if config.draft_vocab_size else None)
         self.mlps = self._build_mlps()
@@ -373,88 +387,50 @@ class DraftHeads(nn.Module):
         return tokens, top_logp[rows, step.child_rank].exp(), entropy[rows]
 
     # ------------------------------------------------------------------ persistence
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write ``config.json``, ``model.safetensors`` and a model card ``README.md``."""
+    def _save_pretrained(self, save_directory: Path) -> None:
+        """``config.json``, ``model.safetensors``, ``card.json`` and the generated ``README.md``
+        (what :meth:`save_pretrained` and :meth:`push_to_hub` of the mixin call)."""
         from safetensors.torch import save_file
 
         if self.draft_vocab is not None:
             check_draft_vocab(self.draft_vocab, self.config.vocab_size)
-        os.makedirs(save_directory, exist_ok=True)
+        self.card.check_heads(self.num_heads)
         config = {FORMAT_KEY: FORMAT_VERSION, **self.config.to_dict()}
-        with open(os.path.join(save_directory, CONFIG_NAME), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        (save_directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, os.path.join(save_directory, WEIGHTS_NAME), metadata={"format": "pt"})
-        with open(os.path.join(save_directory, "README.md"), "w", encoding="utf-8") as f:
-            f.write(model_card(self.config))
+        save_file(state, str(save_directory / WEIGHTS_NAME), metadata={"format": "pt"})
+        card = json.dumps(self.card.to_dict(), indent=2, sort_keys=True)
+        (save_directory / CARD_NAME).write_text(card, encoding="utf-8")
+        self.generate_model_card().save(save_directory / "README.md")
+
+    def generate_model_card(self, *args: Any, **kwargs: Any) -> ModelCard:
+        """The README of these heads (:func:`~entmtp_hf.heads.card.model_card`), as a ``ModelCard``."""
+        nbytes = sum(t.numel() * t.element_size() for t in self.state_dict().values())
+        return ModelCard(model_card(self.config, self.card, str(self._dtype).removeprefix("torch."), nbytes))
 
     @classmethod
     def from_pretrained(
         cls,
-        path_or_repo_id: str | os.PathLike,
+        pretrained_model_name_or_path: str | os.PathLike,
         revision: str | None = None,
         *,
         base_config: Any = None,
         cache_dir: str | os.PathLike | None = None,
         token: str | bool | None = None,
+        force_download: bool = False,
+        local_files_only: bool = False,
     ) -> "DraftHeads":
         """Load heads from a folder or Hub repo, in this project's or a published format.
 
-        The format and class are chosen from the checkpoint through the registries
-        (:mod:`.registry`); calling it on a subclass additionally checks the family.
-        ``base_config`` (the base model's config) is only needed for published prefix-mlp
-        Hydra heads whose base model config cannot be fetched.
+        ``revision`` pins a Hub branch, tag or commit. The format and class are chosen from the
+        checkpoint through the registries (:mod:`.registry`); calling it on a subclass
+        additionally checks the family. ``base_config`` (the base model's config) is only needed
+        for published prefix-mlp Hydra heads whose base model config cannot be fetched.
         """
         heads = load_from_source(
-            path_or_repo_id, revision=revision, base_config=base_config, cache_dir=cache_dir, token=token
-        )
+            pretrained_model_name_or_path, revision=revision, base_config=base_config, cache_dir=cache_dir,
+            token=token, force_download=force_download, local_files_only=local_files_only,
+        )  # fmt: skip
         if cls.family and not isinstance(heads, cls):
-            raise HeadsMismatchError(f"{path_or_repo_id} holds {heads.family!r} heads, not {cls.family!r}")
+            raise HeadsMismatchError(f"{pretrained_model_name_or_path} holds {heads.family!r} heads, not {cls.family!r}")
         return heads
-
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        commit_message: str = "Upload EntMTP draft heads",
-        private: bool | None = None,
-        token: str | None = None,
-        revision: str | None = None,
-        create_pr: bool = False,
-    ) -> Any:
-        """Save to a temporary folder and upload it to a (created if needed) Hub model repo."""
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp)
-            return api.upload_folder(
-                repo_id=repo_id, folder_path=tmp, commit_message=commit_message, revision=revision, create_pr=create_pr
-            )
-
-
-def model_card(config: HeadsConfig) -> str:
-    """A short model card so a Hub repo of heads says what it is and how to load it."""
-    base = config.base_model_name_or_path
-    front = ["---", "library_name: entmtp-hf", "tags:", "- speculative-decoding", f"- {config.family}"]
-    if base:
-        front.append(f"base_model: {base}")
-    front.append("---")
-    vocab = f"{config.draft_vocab_size} drafting tokens" if config.draft_vocab_size else "the full vocabulary"
-    body = [
-        f"# {config.family.capitalize()} draft heads",
-        "",
-        f"{config.num_heads} {config.family} heads ({config.head_arch}, {config.num_layers} block(s) each, "
-        f"hidden size {config.hidden_size}) drafting over {vocab}"
-        + (f" for `{base}`." if base else "."),
-        "They propose token trees for tree speculative decoding with entmtp-hf; the base model "
-        "verifies every draft, so outputs are unchanged.",
-        "",
-        "```python",
-        "from entmtp_hf.heads import DraftHeads",
-        'heads = DraftHeads.from_pretrained("<this repo>")',
-        "```",
-        "",
-    ]
-    return "\n".join(front + [""] + body)

@@ -29,6 +29,7 @@ from huggingface_hub.errors import (
 from ..errors import FileFormatError
 from ..hub import missing_revision
 from ..files import brief_list, check_relative_name, read_json_object, resolve_inside
+from ..trees.bank_format import METADATA_KEY as BANK_METADATA_KEY
 
 #: ``config.json`` of heads: a few kB (the prefix layer's config included); multimodal base
 #: configs reach ~100 kB. Shard indexes of the largest models are well under 1 MiB.
@@ -63,6 +64,8 @@ def resolve_file(
     revision: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     token: str | bool | None = None,
+    force_download: bool = False,
+    local_files_only: bool = False,
     required: bool = True,
     named_by: str | None = None,
 ) -> str | None:
@@ -86,7 +89,8 @@ def resolve_file(
         raise HeadsLoadError(source, "expected a folder (or Hub repo id) holding the heads, got a file")
     _relative(filename, where)
     try:
-        return hf_hub_download(source, filename, revision=revision, cache_dir=cache_dir, token=token)
+        return hf_hub_download(source, filename, revision=revision, cache_dir=cache_dir, token=token,
+                               force_download=force_download, local_files_only=local_files_only)  # fmt: skip
     except RevisionNotFoundError as e:
         raise HeadsLoadError(source, f"the Hub repo has no revision {revision!r} (a branch, tag or commit)") from e
     except EntryNotFoundError as e:  # LocalEntryNotFoundError included: offline and not cached
@@ -154,9 +158,13 @@ def open_safetensors(path: str, keys_with_prefix: str | None = None) -> Weights:
 
     try:
         handle = safe_open(path, framework="pt", device="cpu")  # kept open by the readers below
+        if BANK_METADATA_KEY in (handle.metadata() or {}):
+            raise HeadsLoadError(path, "this is an entmtp-hf topology bank (a file of trees), not draft-head weights")
         names = [k for k in handle.keys() if keys_with_prefix is None or k.startswith(keys_with_prefix)]
         slices = {k: handle.get_slice(k) for k in names}
         specs = {k: (torch.Size(s.get_shape()), _SAFETENSORS_DTYPES.get(s.get_dtype())) for k, s in slices.items()}
+    except HeadsLoadError:
+        raise
     except Exception as e:  # safetensors raises its own error types for truncation/corruption
         raise HeadsLoadError(path, f"not a readable safetensors file ({type(e).__name__}: {e})") from e
 
@@ -276,6 +284,9 @@ def check_weights(
     stored tensors under module names, still unread.
     """
     present = {k for k in weights.tensors if not k.endswith(ignore)} if ignore else set(weights.tensors)
+    if expected and not present & set(expected):
+        raise HeadsLoadError(weights.path, f"holds none of the heads' tensors (it has {brief_list(sorted(present))}): "
+                             "not weights of these heads")  # fmt: skip
     missing = sorted(set(expected) - present)
     unexpected = sorted(present - set(expected))
     problems = []

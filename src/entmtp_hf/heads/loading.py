@@ -1,7 +1,8 @@
 """This project's own heads format, and loading heads of any registered format.
 
-Importing this module registers the own format (``config.json`` with ``entmtp_heads_format``
-and a ``model.safetensors``); :mod:`.published` registers the Hydra and Medusa layouts.
+Importing this module registers the own format (``config.json`` with ``entmtp_heads_format``,
+a ``model.safetensors`` and an optional ``card.json``); :mod:`.published` registers the Hydra
+and Medusa layouts.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Any
 
 from ..files import brief_repr
 from .base import FORMAT_KEY, WEIGHTS_NAME, DraftHeads, check_draft_vocab
+from .card import CARD_NAME, HeadsCard, read_card
 from .config import FORMAT_VERSION, HeadsConfig
 from .files import HeadsLoadError, open_safetensors
-from .registry import Resolver, build_checked, detect_format, load_from_source, register_format
+from .registry import Resolver, build_checked, detect_format, register_format
 
 __all__ = ["convert_heads", "detect_format", "load_heads", "load_own_format"]
 
@@ -32,11 +34,14 @@ def _own_config(cfg: dict[str, Any], cfg_path: str) -> HeadsConfig:
 
 
 def load_own_format(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, base_config: Any = None) -> DraftHeads:
-    """Heads saved by :meth:`DraftHeads.save_pretrained` (strict keys, shapes, dtypes and ids).
+    """Heads saved by :meth:`DraftHeads.save_pretrained` (strict keys, shapes, dtypes and ids),
+    with their card (``card.json``; heads saved before cards existed have none).
 
     ``base_config`` is not needed: the prefix layer's config is saved with the heads.
     """
     config = _own_config(cfg, cfg_path)
+    card_path = resolve(CARD_NAME, required=False)
+    card = read_card(card_path, config.num_heads) if card_path is not None else HeadsCard()
     weights = open_safetensors(resolve(WEIGHTS_NAME, required=True))
     # the module stays float32: load_state_dict casts half-precision weights up, and
     # non-persistent buffers (a prefix layer's RoPE inv_freq) keep full precision
@@ -46,6 +51,7 @@ def load_own_format(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, base_
             check_draft_vocab(heads.draft_vocab, config.vocab_size)
         except ValueError as e:
             raise HeadsLoadError(weights.path, str(e)) from e
+    heads.card = card
     return heads
 
 
@@ -59,13 +65,16 @@ def load_heads(
     base_config: Any = None,
     cache_dir: str | os.PathLike | None = None,
     token: str | bool | None = None,
+    force_download: bool = False,
+    local_files_only: bool = False,
 ) -> DraftHeads:
     """Heads from an object (returned as is), a local folder or a Hub repo id; format auto-detected."""
     if isinstance(source, DraftHeads):
         return source
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_heads takes DraftHeads, a folder or a repo id, got {type(source).__name__}")
-    return load_from_source(source, revision=revision, base_config=base_config, cache_dir=cache_dir, token=token)
+    return DraftHeads.from_pretrained(source, revision, base_config=base_config, cache_dir=cache_dir, token=token,
+                                      force_download=force_download, local_files_only=local_files_only)  # fmt: skip
 
 
 def convert_heads(

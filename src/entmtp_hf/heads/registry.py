@@ -74,16 +74,29 @@ def load_from_source(
     base_config: Any = None,
     cache_dir: str | os.PathLike | None = None,
     token: str | bool | None = None,
+    force_download: bool = False,
+    local_files_only: bool = False,
 ) -> nn.Module:
-    """Load heads of any registered format from a local folder or a Hub repo id."""
-    resolve = functools.partial(resolve_file, source, revision=revision, cache_dir=cache_dir, token=token)
+    """Load heads of any registered format from a local folder or a Hub repo id; the heads
+    remember ``source`` as their ``name_or_path``."""
+    resolve = functools.partial(resolve_file, source, revision=revision, cache_dir=cache_dir, token=token,
+                                force_download=force_download, local_files_only=local_files_only)  # fmt: skip
     cfg_path = resolve(CONFIG_NAME, required=True)
     cfg = read_json(cfg_path)
     kind = detect_format(cfg)
     if not kind:
         markers = ", ".join(repr(f.marker) for f in FORMATS.values())
-        raise HeadsLoadError(cfg_path, f"not a draft-heads config (none of the fields {markers})")
-    return FORMATS[kind].load(cfg, cfg_path, resolve, base_config)
+        raise HeadsLoadError(cfg_path, f"not a draft-heads config (none of the fields {markers}){_foreign(cfg)}")
+    heads = FORMATS[kind].load(cfg, cfg_path, resolve, base_config)
+    heads.name_or_path = os.fspath(source)
+    return heads
+
+
+def _foreign(cfg: dict[str, Any]) -> str:
+    """What a ``config.json`` that holds no heads seems to be instead, for the refusal."""
+    if isinstance(cfg.get("model_type"), str) or "architectures" in cfg:
+        return f"; it looks like the config of a transformers model (model_type {cfg.get('model_type')!r}), not heads"
+    return ""
 
 
 def _same(name: str) -> str:

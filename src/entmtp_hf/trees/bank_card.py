@@ -1,7 +1,9 @@
 """The model card (``README.md``) of a bank folder, regenerated on every save.
 
 It reads every bank file of the folder through the same bounded reader as loading, so an
-unreadable neighbour becomes one line of the card instead of failing the save.
+unreadable neighbour becomes one line of the card instead of failing the save. Per task it
+shows the trees with their figures, the scheduler defaults and the speed-ups: measured on the
+machine the bank was searched on, and modelled on every machine the bank carries costs for.
 """
 
 from __future__ import annotations
@@ -9,9 +11,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..drafting.retrieval import RetrievalConfig
-from .bank_format import FIGURES, SUFFIX, TEXT_KEYS, BankContents, BankFormatError, list_local_tasks, load_bank_contents
+from .bank_format import (
+    FIGURES,
+    SUFFIX,
+    TEXT_KEYS,
+    BankContents,
+    BankFormatError,
+    SchedulerDefaults,
+    list_local_tasks,
+    load_bank_contents,
+)
 
 CARD_NAME = "README.md"
+#: EntMTP*, the static policy's tree, written so that Markdown does not read the star as emphasis
+STATIC = r"EntMTP\*"
 _CARD_KEYS = (*TEXT_KEYS, "description")
 
 
@@ -39,6 +52,65 @@ def _scheduler_text(bank: BankContents) -> str:
     )
 
 
+def _tree_text(bank: BankContents, k: int) -> str:
+    tree = bank.trees[k]
+    return "plain decoding (the root alone)" if tree.num_nodes == 1 else f"tree {k} ({tree.num_nodes} nodes)"
+
+
+def _times(value: object) -> str:
+    return f"×{value:.3g}" if isinstance(value, (int, float)) else "not recorded"
+
+
+def _machine_name(fingerprint: dict) -> str:
+    """A machine entry's fingerprint in words: processor, then device, threads, dtype, torch."""
+    details = [str(fingerprint[k]) for k in ("device", "dtype") if k in fingerprint]
+    if "threads" in fingerprint:
+        details.insert(1, f"{fingerprint['threads']} threads")
+    if "torch" in fingerprint:
+        details.append(f"torch {fingerprint['torch']}")
+    name = str(fingerprint.get("processor", "unknown machine"))
+    return f"{name} ({', '.join(details)})" if details else name
+
+
+def _machine_rows(bank: BankContents) -> list[list[str]]:
+    rows = []
+    for entry in bank.metadata.get("machines", []):
+        costs, chosen = entry["costs"], SchedulerDefaults.from_metadata(entry["scheduler"], len(bank.trees)).static
+        speedups = entry.get("speedups", {})
+        best = max(speedups, key=speedups.get, default=None)
+        reconstructed = " (costs reconstructed from the search's timed runs)" if (costs.get("notes") or {}).get(
+            "reconstructed") else ""  # fmt: skip
+        modelled = 1.0 if bank.trees[chosen].num_nodes == 1 else speedups.get(str(chosen))
+        rows.append([_cell(_machine_name(costs["fingerprint"]) + reconstructed), _tree_text(bank, chosen),
+                     _times(modelled), f"{_times(speedups[best])}, {_tree_text(bank, int(best))}" if best else ""])
+    return rows
+
+
+def _speedup_section(bank: BankContents) -> list[str]:
+    """What the task's trees gained over plain decoding: measured where the bank was searched,
+    modelled from measured step costs on every machine it carries an entry for."""
+    meta, static = bank.metadata, bank.scheduler.static
+    per_tree = meta.get("trees") or [{} for _ in bank.trees]
+    timed = {k: info["speedup_vs_plain"] for k, info in enumerate(per_tree)
+             if "speedup_vs_plain" in info and bank.trees[k].num_nodes > 1}  # fmt: skip
+    lines = []
+    if timed:
+        best = max(timed, key=timed.get)
+        plain = (meta.get("calibration") or {}).get("vanilla_tokens_per_s")
+        plain_text = f" (plain `generate`: {plain:.4g} tokens/s)" if isinstance(plain, (int, float)) else ""
+        lines += [f"Measured on {_cell(meta.get('hardware', 'hardware not recorded'))}{plain_text} by the search "
+                  f"that wrote this bank: {STATIC} = {_tree_text(bank, static)} at {_times(timed.get(static))} the "
+                  f"speed of plain decoding; the fastest timed tree: {_tree_text(bank, best)} at "
+                  f"{_times(timed[best])}.", ""]  # fmt: skip
+    rows = _machine_rows(bank)
+    if rows:
+        header = ["machine", f"{STATIC} there", "its modelled speed-up", "best modelled"]
+        lines += ["Modelled from each machine's measured step costs (`entmtp-hf calibrate`; another machine re-ranks "
+                  "the frontier at its first `generate`):", "", "| " + " | ".join(header) + " |",
+                  "|" + "---|" * len(header), *("| " + " | ".join(row) + " |" for row in rows), ""]  # fmt: skip
+    return ["### Speed-ups", "", *lines] if lines else []
+
+
 def _task_section(bank: BankContents) -> list[str]:
     meta = bank.metadata
     per_tree = meta.get("trees") or [{} for _ in bank.trees]
@@ -53,7 +125,7 @@ def _task_section(bank: BankContents) -> list[str]:
         cells = [str(k), str(tree.num_nodes), str(tree.depth), per_depth]
         cells += [_cell(info[f]) if f in info else "" for f in figures]
         lines.append("| " + " | ".join(cells) + " |")
-    return lines + ["", _scheduler_text(bank), ""]
+    return lines + ["", _scheduler_text(bank), "", *_speedup_section(bank)]
 
 
 def model_card(folder: Path) -> str:
@@ -65,12 +137,16 @@ def model_card(folder: Path) -> str:
         "# entmtp-hf topology banks",
         "",
         "Draft-tree banks for tree speculative decoding with entmtp-hf: one `<task>.safetensors` "
-        "file per task, K trees smallest first (format: `docs/banks.md` of entmtp-hf). Load one with",
+        "file per task, K trees smallest first (format: `docs/banks.md` of entmtp-hf). Use one with",
         "",
         "```python",
-        "from entmtp_hf.bank import TopologyBank",
-        f'bank = TopologyBank.from_pretrained("<this folder or repo id>", task="{tasks[0] if tasks else "default"}")',
+        "from entmtp_hf import EntMTPConfig, enable_entmtp",
+        'enable_entmtp(model, "<heads>")   # the draft heads a task below names',
+        f'out = model.generate(**inputs, entmtp_config=EntMTPConfig(bank="<this repo id or folder>", '
+        f'task="{tasks[0] if tasks else "default"}"))',
         "```",
+        "",
+        '`TopologyBank.from_pretrained("<this repo id or folder>", task=...)` reads one task\'s trees and figures.',
         "",
     ]
     for task in tasks:

@@ -63,7 +63,8 @@ TASK_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 _RESERVED = ("format_version", "task", "num_trees")
 TEXT_KEYS = ("base_model", "heads", "hardware", "created_by")
 FIGURES = {"mean_accept_length": "mean accept length", "biased_accept_length": "biased accept length",
-           "measured_accept_length": "measured accept length", "tokens_per_s": "tokens/s"}  # fmt: skip
+           "measured_accept_length": "measured accept length", "tokens_per_s": "tokens/s",
+           "speedup_vs_plain": "speed-up vs plain"}  # fmt: skip
 _INT32_MAX = 2**31 - 1
 #: Ends of the paper's threshold grid (0.001 … 0.05), used for default ladder thresholds.
 _TAU_GRID_ENDS = (0.001, 0.05)
@@ -362,8 +363,19 @@ def _check_machines(meta: dict[str, Any], num_trees: int) -> None:
         try:
             CostTable.from_dict(entry.get("costs"))
             SchedulerDefaults.from_metadata(entry.get("scheduler"), num_trees)
+            _check_speedups(entry.get("speedups", {}), num_trees)
         except (ValueError, FileFormatError) as e:
             raise ValueError(f"metadata['machines'][{m}]: {e}") from None
+
+
+def _check_speedups(speedups: object, num_trees: int) -> None:
+    """A machine's modelled speed-ups: tree index (as a string, JSON keys) -> a finite number."""
+    if not isinstance(speedups, dict):
+        raise ValueError(f"'speedups' must map tree indices to speed-ups, got {brief_repr(speedups)}")
+    for key, value in speedups.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < num_trees):
+            raise ValueError(f"'speedups' names tree {brief_repr(key)}, but the bank has {num_trees} trees")
+        _as_number(value, f"'speedups'[{key!r}]")
 
 
 @dataclass(frozen=True, eq=False)

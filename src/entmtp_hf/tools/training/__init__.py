@@ -30,13 +30,13 @@ records, point ``--work-dir`` at a fresh folder.
 
 Modules: :mod:`.config` (:class:`TrainConfig`, shared constants), :mod:`.teacher` (data, teacher
 cache, drafting vocabulary), :mod:`.objective` (loss, validation, tau), :mod:`.loop` (training,
-checkpoints, finalising), :mod:`.card` (model card), :mod:`.cli` (``train-heads`` command).
+checkpoints, finalising), :mod:`.card` (the heads' card), :mod:`.cli` (``train-heads`` command).
 Every public name is re-exported here.
 """
 
 from __future__ import annotations
 
-from .card import model_card
+from .card import heads_card
 from .cli import add_subcommand
 from .config import DEMO_HUB_ID, SOURCES, SPLIT_TRAIN, SPLIT_VAL, TrainConfig
 from .loop import (
@@ -106,12 +106,12 @@ __all__ = [
     "finalize",
     "half_copy",
     "head_targets",
+    "heads_card",
     "held_out",
     "init_heads_from",
     "load_checkpoint",
     "lr_factor",
     "measure_tau",
-    "model_card",
     "pack",
     "prepare_teacher_cache",
     "read_distill",

@@ -1,6 +1,6 @@
 """The training run itself: warm start, learning-rate schedule, the :mod:`accelerate`
 loop with exact resume (checkpoints of heads, optimiser, scheduler, data cursor and RNG),
-and finalising (shipped half-precision heads, validation, tau, summary, model card).
+and finalising (shipped half-precision heads, validation, tau, summary, the heads' card).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ...heads import HEADS_REGISTRY, DraftHeads
 from .. import require
-from .card import model_card
+from .card import heads_card
 from .config import DEMO_HUB_ID, SOURCES, SPLIT_TRAIN, SPLIT_VAL, TrainConfig
 from .objective import HeadsObjective, evaluate_heads, measure_tau, tau_prompts
 from .teacher import (
@@ -397,9 +397,10 @@ def half_copy(heads: DraftHeads, dtype: str) -> DraftHeads:
 
 def finalize(cfg: TrainConfig, model, tokenizer, heads: DraftHeads, cache: TeacherCache, cursor: Cursor, total: int,
              cov: float, run: Path, log, *, measure: bool = True, command: str | None = None) -> dict[str, Any]:
-    """Validate, measure tau, save the shipped (half-precision) heads with a model card."""
+    """Validate, measure tau, save the shipped (half-precision) heads with their card."""
     out = Path(cfg.output) if cfg.output else run / "final"
-    half_copy(heads, cfg.save_dtype).save_pretrained(out)
+    shipping = half_copy(heads, cfg.save_dtype)
+    shipping.save_pretrained(out)
     # validate what ships, loaded back from disk as a user would (then run in float32)
     shipped = DraftHeads.from_pretrained(out).float()
     metrics = evaluate_heads(shipped, *_base_io(model), cache)
@@ -419,7 +420,8 @@ def finalize(cfg: TrainConfig, model, tokenizer, heads: DraftHeads, cache: Teach
     if measure and cfg.tau_prompts > 0 and tokenizer is not None:
         prompts = tau_prompts(cache, tokenizer, cfg.tau_prompts, cfg.seed, cfg.val_fraction)
         summary["tau_mc_sim_7b_63"] = measure_tau(model, shipped, prompts, cfg.tau_new_tokens)
-    (out / "README.md").write_text(model_card(summary, heads), encoding="utf-8")
+    shipping.card = heads_card(summary, shipping)  # the figures of what ships, measured above
+    shipping.save_pretrained(out)
     _write_json(run / "summary.json", summary)
     log(f"final: {json.dumps({k: summary[k] for k in ('steps', 'validation', 'weights_bytes')})}")
     if "tau_mc_sim_7b_63" in summary:
