@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from entmtp_hf import EntMTPConfig, enable_entmtp
+from entmtp_hf import EntMTPConfig, disable_entmtp, enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63
 from test_generation import prompts
 
@@ -17,7 +17,7 @@ accelerate = pytest.importorskip("accelerate")  # the [train] extra; installed b
 
 def test_an_offloaded_model_decodes_like_plain_generate(tiny_cache, tmp_path):
     model64, heads = tiny_cache("llama", "hydra", "mlp")
-    model = copy.deepcopy(model64)
+    model = disable_entmtp(copy.deepcopy(model64))  # a plain model, as from_pretrained(device_map=...) gives
     device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
                   "model.rotary_emb": "cpu", "lm_head": "cpu"}  # fmt: skip
     model = accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
