@@ -334,7 +334,7 @@ class DraftHeads(nn.Module, ModelHubMixin):
     # ------------------------------------------------------------------ shared maths
     def _head(self, i: int, x: Tensor, lm_weight: Tensor | None, lm_bias: Tensor | None, kernel: str = "linear") -> Tensor:
         """Logits of head ``i`` (over the drafting vocabulary) for head inputs ``x``; ``kernel``:
-        how the base LM rows multiply (:func:`~entmtp_hf.layouts.project`)."""
+        how the base LM rows multiply (:func:`~entmtp_hf.cpu_kernels.project`)."""
         for block in self.mlps[i]:
             x = block(x)
         if self.lm_heads is not None:

@@ -359,7 +359,7 @@ def published_defaults_bank() -> TopologyBank:
         "default",
         [Tree.root_only(), Tree.chain(4), Tree.from_choices(MC_SIM_7B_63)],
         metadata={
-            "created_by": "entmtp_hf.bank.published_defaults_bank",
+            "created_by": "entmtp_hf.trees.bank.published_defaults_bank",
             "heads": "any Medusa or Hydra heads",
             "hardware": "any (not measured)",
             "description": "Published default trees, uncalibrated; thresholds come from the paper's τ grid.",
@@ -384,7 +384,7 @@ def shipped_bank_path(name: str) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m entmtp_hf.bank [FOLDER]``: (re)write the published-defaults bank."""
+    """``python -m entmtp_hf.trees.bank [FOLDER]``: (re)write the published-defaults bank."""
     args = list(sys.argv[1:] if argv is None else argv)
     folder = Path(args[0]) if args else SHIPPED_DIR / "published-defaults"
     print(published_defaults_bank().save_pretrained(folder))
