@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import entmtp_hf.costs.cache as cache_module
-from entmtp_hf import EntMTPConfig, FileFormatError, TopologyBank, Tree, enable_entmtp
+from entmtp_hf import EntMTPConfig, FileFormatError, TopologyBank, Tree
 from entmtp_hf.costs.fingerprint import machine_fingerprint, model_key
 from entmtp_hf.costs.probe import probe
 from entmtp_hf.costs.ranking import MARGIN, rank

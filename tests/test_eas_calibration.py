@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.scheduling.eas import EASConfig, fixed_length

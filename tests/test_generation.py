@@ -1,7 +1,6 @@
 """EntMTP inside ``model.generate``: losslessness, HF features, statistics and bad input."""
 
 import random
-from pathlib import Path
 from threading import Thread
 
 import pytest
