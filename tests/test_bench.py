@@ -242,6 +242,27 @@ def test_find_mismatch_logit_gap():
     assert find_mismatch(ref, ref[:3])["position"] == 3
 
 
+def test_mismatch_gap_is_read_from_the_methods_own_model():
+    """A method on a bf16 copy diverges at bf16's ties: its gap must come from that copy, not the fp32 model."""
+    from types import SimpleNamespace
+
+    from entmtp_hf.tools.bench.checks import postprocess
+
+    fp32, other_model = tiny_llama(seed=3), tiny_llama(seed=4)
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        ref = fp32.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
+    out = ref[:1] + [(ref[1] + 7) % V] + ref[2:]
+    records = [{"task": "t", "method": m, "prompt_index": 0, "tokens_per_s": 1.0, "output_ids": ids}
+               for m, ids in (("vanilla", ref), ("low", out))]  # fmt: skip
+    ctx, settings = SimpleNamespace(model=fp32), SimpleNamespace(mode="greedy", perplexity=False)
+    postprocess(ctx, records, [{"input_ids": prompt}], settings, {}, {"low": other_model})
+    with torch.no_grad():
+        logits = other_model(torch.tensor([prompt + ref[:1]])).logits[0, -1]
+    assert records[1]["mismatch"]["logit_gap"] == pytest.approx(float(logits[ref[1]] - logits[out[1]]))
+    assert records[0]["mismatch"] is None
+
+
 def test_unavailable_methods_are_skipped_with_reason(tmp_path):
     model, tok = tiny_llama(), tiny_tokenizer()
     ctx = BenchContext(model, tok, bank_folder=DEFAULTS, missing_heads={"medusa": "no medusa heads here"})

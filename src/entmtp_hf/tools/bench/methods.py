@@ -70,6 +70,10 @@ class Method:
                 return str(e)
         return None
 
+    def model(self, ctx: BenchContext) -> Any:
+        """The model this method decodes with: a divergence's logit gap is read from its logits."""
+        return ctx.model
+
     def _config(self, ctx: BenchContext, task: str, mode: str) -> EntMTPConfig:
         key = (self.name, task, mode)
         if key not in ctx._configs:  # one config per (method, task): its plan is resolved once
@@ -139,6 +143,9 @@ class InDtype(Method):
     interleaved with the others; its greedy output is checked against plain decoding in that dtype."""
 
     dtype: torch.dtype = torch.bfloat16
+
+    def model(self, ctx: BenchContext) -> Any:
+        return ctx.in_dtype(self.dtype)[0]
 
     def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
         from ...integration import enable_entmtp

@@ -225,7 +225,8 @@ class _Run:
             records.append(rec)
             self.bar.update(1)
         mine = [r for r in records if r["task"] == label and r["prompt_index"] == i]
-        postprocess(self.ctx, mine, self.results["prompts"][label], s, {m.name: m.reference for m in self.methods})
+        postprocess(self.ctx, mine, self.results["prompts"][label], s,
+                    {m.name: m.reference for m in self.methods}, {m.name: m.model(self.ctx) for m in self.methods})
         if self.out_path is not None:  # a long run leaves complete per-prompt results behind
             write_results(self.results, self.out_path)
 
