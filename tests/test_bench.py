@@ -572,3 +572,28 @@ def test_the_kernel_reference_gets_its_own_prompt_by_prompt_table():
     md = pairwise_markdown(results, KERNEL_REFERENCE)
     assert "| t | entmtp-static | 4 | 1.200× |" in md and "2.000×" in md and "| vanilla |" not in md
     assert KERNEL_REFERENCE not in pairwise_markdown(results).split("|---|")[-1]  # not a row against EntMTP*
+
+
+# ----------------------------------------------------------------------------- batched
+def test_batched_bench_groups_interleaves_and_checks_every_row(tmp_path):
+    from entmtp_hf.tools.bench.batched import batched_plot, batched_table, run_batched
+
+    tasks = (write_task(tmp_path, "alpha", 1),)
+    model, tok = tiny_llama(), tiny_tokenizer()
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, model_name="tiny")
+    ctx.heads["hydra"] = random_heads(model, "hydra", seed=0)
+    settings = BenchSettings(tasks=tasks, num_prompts=5, max_new_tokens=8, preset="test",
+                             methods=("vanilla", "hydra-default", "pld"), warmup_tokens=2)  # fmt: skip
+    results = run_batched(ctx, settings, [1, 2], progress=False, out_path=tmp_path / "results.json")
+    assert results["skipped"] == {"pld": "transformers' assisted decoding takes one prompt"}
+    recs = results["records"]
+    by_b = {b: [r for r in recs if r["batch_size"] == b] for b in (1, 2)}
+    assert len(by_b[1]) == 5 * 2 and len(by_b[2]) == 2 * 2  # the incomplete group of 1 is left out at B = 2
+    assert all(len(r["rows"]) == r["batch_size"] for r in recs)
+    orders = [[r["method"] for r in by_b[2] if r["group"] == g] for g in (0, 1)]
+    assert orders == [["vanilla", "hydra-default"], ["hydra-default", "vanilla"]]  # rotated per group
+    task = recs[0]["task"]
+    for b in ("1", "2"):
+        s = results["summary"][task][b]["hydra-default"]
+        assert s["rows_identical"] == s["rows"] and s["median_ratio_to_vanilla"] > 0
+    assert "| 2 |" in batched_table(results) and batched_plot(results, tmp_path / "p.png").is_file()

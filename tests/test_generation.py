@@ -423,7 +423,6 @@ def forward_counter(tiny_cache):
 @pytest.mark.parametrize(
     "make_kwargs, message",
     [
-        (lambda ids: dict(inputs=ids.repeat(2, 1)), "batch size 1"),
         (lambda ids: dict(num_beams=2), "num_beams"),
         (lambda ids: dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
         (lambda ids: dict(entmtp_config=EntMTPConfig(tree=CHAIN + [[0, 0, 0, 0, 0]])), "depth 5"),

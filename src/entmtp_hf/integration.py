@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
@@ -24,7 +24,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .assisted import ACTIVE_EAS_CALL, EASCall, build_candidate_generator
 from .config import EntMTPConfig
-from .costs.cache import cost_table
+from .costs.cache import batch_bucket, cost_table
 from .cpu_kernels import CPUKernels
 from .decoding.attention import restore_attention, use_tree_attention
 from .decoding.loop import EntMTPGenerateOutput, entmtp_decode
@@ -32,6 +32,7 @@ from .decoding.stats import DecodeObserver
 from .errors import EntMTPError
 from .heads import DraftHeads, load_heads
 from .scheduling.eas import EASConfig
+from .trees.plan import DecodePlan
 
 HEADS_ATTR = "entmtp_heads"
 KERNELS_ATTR = "_entmtp_cpu_kernels"
@@ -65,14 +66,14 @@ class EntMTPGenerationMixin:
         if heads is None:
             raise EntMTPError("this model has no draft heads: call enable_entmtp(model, heads) first")
         check_supported_call(args, kwargs)
-        # this machine's step costs: the bank's entry for it, else the disk cache, else measured now (logged)
-        costs = cost_table(self, heads, known=entmtp_config.load_bank().machine_tables()) if entmtp_config.adapts else None
-        plan = entmtp_config.resolve(heads.num_heads, heads.config.draft_vocab_rows, costs)  # before the prefill
-        if costs is not None and plan.plain:  # this machine's ranking: nothing beats plain decoding here
+        plan_for = _plans_by_batch_size(self, heads, entmtp_config, _batch_size(args, kwargs))  # before the prefill
+        plan = plan_for(_batch_size(args, kwargs))
+        if entmtp_config.adapts and plan.plain:  # this machine's ranking: nothing beats plain decoding here
             return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
         _stop_strings_by_hand(self, kwargs)
         loop = functools.partial(entmtp_decode, entmtp_config=entmtp_config, plan=plan, heads=heads,
-                                 streamer=kwargs.get("streamer"), observers=tuple(entmtp_observers))  # fmt: skip
+                                 streamer=kwargs.get("streamer"), observers=tuple(entmtp_observers),
+                                 plan_for=plan_for)  # fmt: skip
         return super().generate(*args, custom_generate=loop, **kwargs)
 
     def _eas_generate(self, args: tuple, kwargs: dict, eas_config: EASConfig):
@@ -115,6 +116,26 @@ def _prompt(args: tuple, kwargs: dict) -> Any:
     return kwargs["inputs"] if kwargs.get("inputs") is not None else kwargs.get("input_ids")
 
 
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    prompt = _prompt(args, kwargs)
+    return int(prompt.shape[0]) if isinstance(prompt, torch.Tensor) and prompt.ndim == 2 else 1
+
+
+def _plans_by_batch_size(model, heads, config: EntMTPConfig, batch_size: int) -> Callable[[int], DecodePlan]:
+    """The plan for every live batch size up to ``batch_size``. A bank that adapts ranks its frontier
+    with this machine's step costs at each size's bucket (:func:`~entmtp_hf.costs.cache.batch_bucket`):
+    the bank's entry for the machine, else the disk cache, else measured now (logged)."""
+    rows = heads.config.draft_vocab_rows
+    if not config.adapts:
+        plan = config.resolve(heads.num_heads, rows)
+        return lambda b: plan
+    known = config.load_bank().machine_tables()
+    buckets = sorted({batch_bucket(b) for b in range(1, batch_size + 1)})
+    plans = {k: config.resolve(heads.num_heads, rows, cost_table(model, heads, known=known, batch_size=k))
+             for k in buckets}  # fmt: skip
+    return lambda b: plans[batch_bucket(b)]
+
+
 def _as_entmtp_output(out, args: tuple, kwargs: dict):
     """Plain decoding's output with the statistics an EntMTP call returns (one token per step)."""
     if not isinstance(out, GenerateDecoderOnlyOutput):
@@ -132,14 +153,29 @@ def check_supported_call(args: tuple, kwargs: dict) -> None:
     inputs = _prompt(args, kwargs)
     if kwargs.get("inputs_embeds") is not None:
         raise EntMTPError("EntMTP decoding needs input_ids, not inputs_embeds")
-    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[0] != 1:
-        raise EntMTPError(f"EntMTP decoding supports batch size 1 only, got a batch of {inputs.shape[0]}")
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[0] > 1:
+        _check_batch(inputs, kwargs)
     for name in ("num_beams", "num_return_sequences", "num_beam_groups"):
         if (kwargs.get(name) or 1) > 1:
             raise EntMTPError(f"EntMTP decoding does not support {name}={kwargs[name]}")
     for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
         if kwargs.get(name) is not None:
             raise EntMTPError(f"EntMTP decoding cannot be combined with {name}")
+
+
+def _check_batch(inputs: torch.Tensor, kwargs: dict) -> None:
+    """A batch is left-padded (decoder-only batches are, in transformers) and streams nothing."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        if tuple(mask.shape) != tuple(inputs.shape):
+            raise EntMTPError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(inputs.shape)}")
+        if bool((mask[:, -1] == 0).any()):
+            raise EntMTPError(
+                "EntMTP decodes a batch of left-padded prompts; this attention_mask pads on the right "
+                "(set tokenizer.padding_side = 'left')"
+            )
+    if kwargs.get("streamer") is not None:
+        raise EntMTPError("streamers take one sequence (transformers' streamers refuse a batch too): pass one prompt")
 
 
 def _stop_strings_by_hand(model, kwargs: dict) -> None:

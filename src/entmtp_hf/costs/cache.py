@@ -18,7 +18,7 @@ from ..errors import FileFormatError
 from ..files import read_json_object
 from ..paths import cache_dir
 from .fingerprint import machine_fingerprint, model_key
-from .probe import probe
+from .probe import probe, probe_batch
 from .table import CostTable
 
 log = logging.getLogger(__name__)
@@ -54,18 +54,33 @@ def write_table(table: CostTable, path: Path) -> Path:
 
 
 def cost_table(model, heads, *, known: Iterable[CostTable] = (), refresh: bool = False,
-               folder: Path | None = None) -> CostTable:
-    """This machine's table for ``model`` and ``heads``: one of ``known`` (a bank's machine entries)
-    filed under this machine, else the cache, else probed now (logged) and cached."""
+               folder: Path | None = None, batch_size: int = 1) -> CostTable:
+    """This machine's table for ``model`` and ``heads`` at ``batch_size`` rows: one of ``known`` (a
+    bank's machine entries) filed under this machine, else the cache, else probed now (logged) and
+    cached. A batch size's table builds on the batch-size-1 one (found or probed the same way)."""
+    known = tuple(known)
     lm = model.get_output_embeddings().weight
     key = f"{machine_fingerprint(lm.device, lm.dtype).key()}-{model_key(model, heads)}"
+    if batch_size > 1:
+        key += f"-b{batch_size}"
     found = next((t for t in known if t.key == key), None)
     if found is not None and not refresh:
         return found
     path = table_path(key, folder)
     table = None if refresh else read_table(path)
     if table is None:
-        log.info("entmtp-hf: measuring this machine's step costs for the bank's re-ranking (once; cached in %s)", path)
-        table = probe(model, heads)
+        log.info("entmtp-hf: measuring this machine's step costs for the bank's re-ranking%s (once; cached in %s)",
+                 f" at batch size {batch_size}" if batch_size > 1 else "", path)  # fmt: skip
+        if batch_size > 1:
+            base = cost_table(model, heads, known=known, refresh=refresh, folder=folder)
+            table = probe_batch(model, base, batch_size)
+        else:
+            table = probe(model, heads)
         write_table(table, path)
     return table
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The batch size whose costs rank the trees of ``batch_size`` live rows: the largest power of
+    two not above it (a shrinking batch re-ranks at 8, 4, 2, 1 rows, not at every size)."""
+    return 1 << (max(batch_size, 1).bit_length() - 1)

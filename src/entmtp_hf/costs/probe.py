@@ -56,30 +56,32 @@ def _medians(runs: dict, repeats: int, sync: Callable[[], None], on_round: Calla
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _prefix(model, length: int, generator: torch.Generator) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
-    """Random prompt ids [1, L], the cache after them and their last hidden states [L, H]."""
+def _prefix(model, length: int, generator: torch.Generator, batch_size: int = 1
+            ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+    """Random prompt ids [B, L], the cache after them and the first row's last hidden states [L, H]."""
     lm = model.get_output_embeddings().weight
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, length), generator=generator).to(lm.device)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (batch_size, length), generator=generator).to(lm.device)
     cache = DynamicCache(config=model.config)
     out = model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=-1)
     return ids, cache, out.hidden_states[-1][0]
 
 
 def forward_ms(model, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: int = PREFIX_LEN, repeats: int = 5,
-               on_round: Callable[[], None] | None = None) -> dict[int, float]:
-    """Median ms of the verification forward of ``N`` chained nodes after ``prefix_len`` cached tokens,
-    the sizes timed round-robin so drift hits every size alike."""
+               on_round: Callable[[], None] | None = None, batch_size: int = 1) -> dict[int, float]:
+    """Median ms of the verification forward of ``N`` chained nodes (in each of ``batch_size`` rows)
+    after ``prefix_len`` cached tokens, the sizes timed round-robin so drift hits every size alike."""
     lm = model.get_output_embeddings().weight
     g = torch.Generator().manual_seed(0)
-    _, cache, _ = _prefix(model, prefix_len, g)
+    _, cache, _ = _prefix(model, prefix_len, g, batch_size)
     row = torch.zeros(prefix_len, dtype=lm.dtype, device=lm.device)
     vocab = model.config.get_text_config().vocab_size
 
     def run(n: int) -> Callable[[], None]:
         b = Tree.chain(n - 1).buffers(lm.device, lm.dtype)
-        inputs = dict(input_ids=torch.randint(0, vocab, (1, n), generator=g).to(lm.device),
-                      attention_mask=tree_attention_mask(b, row, prefix_len + n),
-                      position_ids=(b.position_ids + prefix_len)[None])  # fmt: skip
+        mask = tree_attention_mask(b, row, prefix_len + n).expand(batch_size, -1, -1, -1)
+        inputs = dict(input_ids=torch.randint(0, vocab, (batch_size, n), generator=g).to(lm.device),
+                      attention_mask=mask, position_ids=(b.position_ids + prefix_len)[None].expand(batch_size, -1))  # fmt: skip
 
         def forward() -> None:
             model(**inputs, cache=cache, use_cache=True, output_hidden_states=-1)
@@ -152,6 +154,31 @@ def step_overhead(model, forward: dict[int, float], *, tokens: int = DECODE_TOKE
     (n1, o1), (n2, o2) = sorted(per_step.items())
     p = (o2 - o1) / (n2 - n1)
     return (o1 - p * n1, p), plain_ms
+
+
+def plain_batch_ms(model, batch_size: int, *, tokens: int = DECODE_TOKENS) -> float:
+    """Plain batched ``generate``'s ms per step (``batch_size`` tokens) after the prefill."""
+    g = torch.Generator().manual_seed(3)
+    lm = model.get_output_embeddings().weight
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch_size, 96), generator=g).to(lm.device)
+    runs = {n: (lambda n=n: model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_greedy(model, n)))
+            for n in (1, tokens + 1)}  # fmt: skip
+    seconds = _medians(runs, 2, _sync(lm.device))
+    return 1e3 * (seconds[tokens + 1] - seconds[1]) / tokens
+
+
+@torch.no_grad()
+def probe_batch(model, base: CostTable, batch_size: int, *, sizes: Sequence[int] = PROBE_SIZES,
+                repeats: int = 5) -> CostTable:
+    """``base`` (this machine's batch-size-1 table) at ``batch_size`` rows: the verification forward
+    and plain batched decoding measured anew; drafting and the overhead stay per row."""
+    t0 = time.perf_counter()
+    forward = forward_ms(model, sizes, repeats=repeats, batch_size=batch_size)
+    plain = plain_batch_ms(model, batch_size)
+    seconds = time.perf_counter() - t0
+    log.info("entmtp-hf: measured this machine's step costs at batch size %d in %.1f s", batch_size, seconds)
+    return CostTable(base.fingerprint, base.model, forward, base.draft_ms, base.overhead_ms, plain, seconds,
+                     notes=dict(base.notes), batch_size=batch_size)  # fmt: skip
 
 
 @torch.no_grad()

@@ -11,6 +11,11 @@ update, the heads' conditioning on the accepted tokens, the loop). With ``τ(T)`
 step and plain ``generate`` at ``P`` ms per token, the modelled speed-up is ``τ(T)·P / step(T)``.
 A :class:`CostTable` holds these measurements for one (machine, model, heads) and is plain
 JSON, so it is cached on disk and stored in banks.
+
+**Batches.** A table measured at batch size ``B > 1`` holds ``F(N)`` for ``B`` rows of ``N``
+nodes each and ``P`` as plain batched ``generate``'s ms per step (``B`` tokens); drafting and the
+overhead stay per row (each row drafts and accepts on its own), so a step costs
+``F(N) + B·(draft(T) + overhead(N))`` and the modelled speed-up is the ratio of total tokens/s.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from ..trees.tree import Tree
 #: the most forward sizes a table may hold (a probe measures about fifteen)
 MAX_SIZES = 256
 FORMAT_VERSION = 1
+MAX_BATCH = 1024
 
 
 def interpolate(values: dict[int, float], n: int) -> float:
@@ -53,11 +59,13 @@ class CostTable:
     seconds: float = 0.0  # how long measuring took
     format_version: int = FORMAT_VERSION
     notes: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 1  # rows per forward the figures were measured at
 
     @property
     def key(self) -> str:
-        """The machine's fingerprint key and the model key: what a bank's entry is filed under."""
-        return f"{self.fingerprint.get('key', '')}-{self.model}"
+        """The machine's fingerprint key and the model key (and the batch size beyond 1): what a
+        bank's entry is filed under."""
+        return f"{self.fingerprint.get('key', '')}-{self.model}" + (f"-b{self.batch_size}" if self.batch_size > 1 else "")
 
     def forward(self, nodes: int) -> float:
         return interpolate(self.forward_ms, nodes)
@@ -69,7 +77,7 @@ class CostTable:
     def step(self, tree: Tree) -> float:
         """Milliseconds of one EntMTP step that verifies ``tree``."""
         o, p = self.overhead_ms
-        return self.forward(tree.num_nodes) + self.drafting(tree) + max(o + p * tree.num_nodes, 0.0)
+        return self.forward(tree.num_nodes) + self.batch_size * (self.drafting(tree) + max(o + p * tree.num_nodes, 0.0))
 
     def speedup(self, tree: Tree, tokens_per_step: float) -> float:
         """Modelled speed-up over plain ``generate`` of verifying ``tree`` every step."""
@@ -109,8 +117,12 @@ class CostTable:
             raise ValueError("draft_ms needs 3 numbers and overhead_ms 2")
         if not isinstance(data["fingerprint"], dict) or not isinstance(data["model"], str):
             raise ValueError("fingerprint must be an object and model a string")
+        batch = data.get("batch_size", 1)
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
+            raise ValueError(f"batch_size must be an integer in 1..{MAX_BATCH}, got {batch!r}")
         return cls(dict(data["fingerprint"]), data["model"], sizes, draft, overhead, _ms(data["plain_ms"], "plain_ms"),
-                   _finite(data.get("seconds", 0.0), "seconds"), FORMAT_VERSION, dict(data.get("notes") or {}))  # fmt: skip
+                   _finite(data.get("seconds", 0.0), "seconds"), FORMAT_VERSION, dict(data.get("notes") or {}),
+                   batch)  # fmt: skip
 
 
 def _finite(value: Any, name: str) -> float:

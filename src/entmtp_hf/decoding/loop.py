@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+from transformers import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..drafting.candidates import EntMTPCandidateGenerator
@@ -21,6 +22,7 @@ from ..errors import EntMTPError
 from ..trees.plan import DecodePlan
 from ..trees.tree import Tree
 from .acceptance import greedy_picks, sample_picks
+from .batch import BatchDecodeSession
 from .cache import prepare_cache
 from .stats import DecodeObserver, DecodeStats
 from .step import DecodeSession, Rule
@@ -78,16 +80,19 @@ def entmtp_decode(
     heads,
     streamer=None,
     observers: Sequence[DecodeObserver] = (),
+    plan_for: Callable[[int], DecodePlan] | None = None,
     **model_kwargs,
 ):
-    """Tree speculative decoding of one prompt (see the module docstring)."""
-    if input_ids.shape[0] != 1:
-        raise EntMTPError(f"EntMTP decoding supports batch size 1 only, got a batch of {input_ids.shape[0]}")
+    """Tree speculative decoding of one prompt or a batch (see the module docstring); ``plan_for(b)``
+    is the plan for ``b`` live rows (default: ``plan`` for every batch size)."""
     if (generation_config.num_beams or 1) > 1:
         raise EntMTPError("EntMTP decoding does not support beam search")
     t_start = time.perf_counter()
     temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
     rule = acceptance_rule(entmtp_config, generation_config, temperature)
+    if input_ids.shape[0] > 1:
+        return _decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, rule,
+                             entmtp_config, plan_for or (lambda b: plan), heads, observers, model_kwargs, t_start)  # fmt: skip
     drafter = EntMTPCandidateGenerator(model, heads, plan, feature_window=entmtp_config.feature_window,
                                        temperature=temperature)  # fmt: skip
     cache = prepare_cache(model, model_kwargs, generation_config.max_length, plan.max_nodes,
@@ -119,3 +124,50 @@ def entmtp_decode(
     if generation_config.return_dict_in_generate:
         return EntMTPGenerateOutput(sequences=session.input_ids, cache=cache, entmtp_stats=stats.as_dict())
     return session.input_ids
+
+
+def _decode_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, rule: Rule,
+                  entmtp_config, plan_for: Callable[[int], DecodePlan], heads, observers: Sequence[DecodeObserver],
+                  model_kwargs: dict, t_start: float):  # fmt: skip
+    """:func:`entmtp_decode` for a batch: a :class:`~entmtp_hf.decoding.batch.BatchDecodeSession`."""
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and not isinstance(cache, DynamicCache):
+        raise EntMTPError(
+            f"EntMTP decodes a batch with a dynamic cache (rows accept different lengths); got a {type(cache).__name__}: "
+            "leave cache_implementation unset"
+        )
+    cache = prepare_cache(model, model_kwargs, generation_config.max_length, 1)
+    temperature = rule.temperature
+
+    def new_drafter(plan: DecodePlan, state) -> EntMTPCandidateGenerator:
+        return EntMTPCandidateGenerator(model, heads, plan, feature_window=entmtp_config.feature_window,
+                                        temperature=temperature, state=state)  # fmt: skip
+
+    pad = generation_config._pad_token_tensor
+    session = BatchDecodeSession(model, plan_for, new_drafter, rule, cache, input_ids,
+                                 model_kwargs.get("attention_mask"), logits_processor, stopping_criteria,
+                                 pad_token_id=int(pad) if pad is not None else 0)  # fmt: skip
+    sizes: list[int] = []
+    for obs in observers:
+        obs.on_start(session)
+    session.prefill()
+    prefill = time.perf_counter() - t_start
+    for obs in observers:
+        obs.on_prefill(prefill)
+    while not session.finished:
+        sizes.append(len(session.live))
+        record = session.step()
+        for obs in observers:
+            obs.on_step(record)
+    total = time.perf_counter() - t_start
+    for obs in observers:
+        obs.on_end(total)
+    for row in session.rows:
+        row.stats.prefill_time, row.stats.total_time = prefill, total
+    sequences = session.sequences()
+    if generation_config.return_dict_in_generate:
+        rows = [row.stats.as_dict() for row in session.rows]
+        stats = {"rows": rows, "steps": len(sizes), "live_batch_sizes": sizes, "total_time": total,
+                 "new_tokens": sum(r["new_tokens"] for r in rows)}  # fmt: skip
+        return EntMTPGenerateOutput(sequences=sequences, cache=cache, entmtp_stats=stats)
+    return sequences

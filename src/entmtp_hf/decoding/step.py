@@ -131,25 +131,7 @@ class DecodeSession:
 
     def accept(self, draft: Draft, verified: Verified) -> tuple[torch.Tensor, list[int], int]:
         """Processed scores of every node, the accepted path (root first) and the next token."""
-        buffers, tokens = draft.buffers, draft.tokens
-        scores = process_tree_scores(self.logits_processor, self.input_ids, tokens, buffers, verified.logits,
-                                     row_wise=self.row_wise)  # fmt: skip
-        if self.rule.name == "typical":
-            path = self._typical_path(draft, verified, scores)
-            return scores, path, check_pick(int(self.rule.pick(scores[path[-1] : path[-1] + 1])[0]))
-        host = torch.stack([tokens, self.rule.pick(scores)]).tolist()
-        acc = walk_tree(buffers.children, host[0], host[1])
-        return scores, acc.path, check_pick(acc.next_token)
-
-    def _typical_path(self, draft: Draft, verified: Verified, scores: torch.Tensor) -> list[int]:
-        """The longest typical path: this project's test on the processed scores, or the reference one."""
-        rule, buffers = self.rule, draft.buffers
-        if rule.reference:
-            passed, node_logp = reference_typical_flags(verified.logits, draft.tokens, buffers.parents,
-                                                        rule.temperature, rule.epsilon, rule.alpha)  # fmt: skip
-        else:
-            passed, node_logp = typical_accept_flags(scores, draft.tokens, buffers.parents, rule.epsilon, rule.alpha)
-        return typical_best_path(passed, node_logp, buffers.retrieve_indices)
+        return accept_tree(self.rule, self.logits_processor, self.row_wise, self.input_ids, draft, verified.logits)
 
     def commit(self, draft: Draft, verified: Verified, scores: torch.Tensor, path: list[int],
                next_token: int) -> StepRecord:
@@ -162,22 +144,44 @@ class DecodeSession:
 
     # ------------------------------------------------------------------ emitting
     def _emit(self, new_tokens: list[int], scores: torch.Tensor) -> int:
-        """Append tokens one at a time, stopping exactly where a stopping criterion fires.
-
-        ``scores[i]`` are the processed scores the ``i``-th token was chosen from, handed to the
-        stopping criteria as ``generate`` does. Returns how many tokens were appended.
-        """
-        ids, emitted = self.input_ids, []
-        for i, tok in enumerate(new_tokens):
-            ids = torch.cat([ids, ids.new_tensor([[tok]])], dim=-1)
-            emitted.append(tok)
-            if bool(self.stopping_criteria(ids, scores[i : i + 1]).any()):
-                self.finished = True
-                break
-        self.input_ids = ids
+        """Append tokens one at a time, stopping exactly where a stopping criterion fires;
+        returns how many tokens were appended."""
+        self.input_ids, emitted, self.finished = emit_tokens(self.input_ids, new_tokens, scores, self.stopping_criteria)
         if self.streamer is not None and emitted:
-            self.streamer.put(torch.tensor(emitted))
-        return len(emitted)
+            self.streamer.put(torch.tensor(new_tokens[:emitted]))
+        return emitted
+
+def accept_tree(rule: Rule, logits_processor, row_wise: bool, input_ids: torch.Tensor, draft: Draft,
+                logits: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
+    """One verified tree's processed scores [N, V], accepted path (root first) and next token.
+
+    ``input_ids`` [1, L] is the text up to and including the root, ``logits`` [N, V] the raw
+    logits of the tree's nodes."""
+    buffers, tokens = draft.buffers, draft.tokens
+    scores = process_tree_scores(logits_processor, input_ids, tokens, buffers, logits, row_wise=row_wise)
+    if rule.name == "typical":
+        if rule.reference:  # the published formula, on the raw logits
+            passed, node_logp = reference_typical_flags(logits, tokens, buffers.parents, rule.temperature,
+                                                        rule.epsilon, rule.alpha)  # fmt: skip
+        else:
+            passed, node_logp = typical_accept_flags(scores, tokens, buffers.parents, rule.epsilon, rule.alpha)
+        path = typical_best_path(passed, node_logp, buffers.retrieve_indices)
+        return scores, path, check_pick(int(rule.pick(scores[path[-1] : path[-1] + 1])[0]))
+    host = torch.stack([tokens, rule.pick(scores)]).tolist()
+    acc = walk_tree(buffers.children, host[0], host[1])
+    return scores, acc.path, check_pick(acc.next_token)
+
+
+def emit_tokens(ids: torch.Tensor, new_tokens: list[int], scores: torch.Tensor,
+                stopping_criteria) -> tuple[torch.Tensor, int, bool]:
+    """``ids`` [1, L] with ``new_tokens`` appended one at a time up to where a stopping criterion
+    fires: (the new ids, how many were appended, whether one fired). ``scores[i]`` are the processed
+    scores the ``i``-th token was chosen from, handed to the criteria as ``generate`` does."""
+    for i, tok in enumerate(new_tokens):
+        ids = torch.cat([ids, ids.new_tensor([[tok]])], dim=-1)
+        if bool(stopping_criteria(ids, scores[i : i + 1]).any()):
+            return ids, i + 1, True
+    return ids, len(new_tokens), False
 
 
 def _prefix_row(attention_mask: torch.Tensor | None, length: int, device, dtype) -> torch.Tensor:

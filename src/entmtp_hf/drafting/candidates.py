@@ -67,13 +67,14 @@ class EntMTPCandidateGenerator(CandidateGenerator):
     """Owns the heads' per-call state, the scheduler and the compiled trees of one call."""
 
     def __init__(
-        self, model, heads, plan: DecodePlan, *, feature_window: int = 8, temperature: float = 1.0
+        self, model, heads, plan: DecodePlan, *, feature_window: int = 8, temperature: float = 1.0, state=None
     ) -> None:
+        """``state``: the heads' state to continue from (a batch row moving to another plan), else a fresh one."""
         self.heads, self.plan = heads, plan
         self.scheduler: Scheduler = plan.new_scheduler()
         self.eas = EASController(plan.eas, k_max=len(plan.trees) - 1) if plan.eas is not None else None
         self.feature = FeatureTracker(plan.feature, feature_window)
-        self.state = heads.new_state(model)
+        self.state = state if state is not None else heads.new_state(model)
         lm = model.get_output_embeddings().weight
         device, dtype = lm.device, lm.dtype
         heads_device = next(heads.parameters()).device

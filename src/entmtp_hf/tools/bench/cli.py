@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import importlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -49,6 +50,8 @@ def _bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/bench-{settings.mode}-{stamp}")
     heads = {"hydra": args.hydra_heads, "medusa": args.medusa_heads}
     t0 = time.perf_counter()
+    if args.batch_size:
+        return _bench_batched(args, settings, out, heads, t0)
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it
         ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
                            device=args.device)  # fmt: skip
@@ -65,6 +68,30 @@ def _bench(args: argparse.Namespace) -> int:
         from ..regime import analyse_results
 
         analyse_results(results, ctx, out, progress=not args.no_progress)
+    print(f"results: {out / 'results.json'}; wall time {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path, heads: dict, t0: float) -> int:
+    """``--batch-size``: :mod:`~entmtp_hf.tools.bench.batched` instead of the per-prompt runner."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from .batched import batched_plot, batched_table, run_batched, write_batched
+
+    if any(b < 1 for b in args.batch_size):
+        raise SystemExit(f"--batch-size: batch sizes must be positive, got {args.batch_size}")
+    with logging_redirect_tqdm():
+        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
+                           device=args.device)  # fmt: skip
+        results = run_batched(ctx, settings, sorted(set(args.batch_size)), progress=not args.no_progress,
+                              out_path=out / "results.json")  # fmt: skip
+    results["environment"]["wall_time_s"] = time.perf_counter() - t0
+    write_batched(results, out / "results.json")
+    table = batched_table(results)
+    (out / "table.md").write_text(table, encoding="utf-8")
+    batched_plot(results, out / "throughput_by_batch_size.png")
+    (out / "summary.json").write_text(json.dumps(results["summary"], indent=1), encoding="utf-8")
+    print(table)
     print(f"results: {out / 'results.json'}; wall time {time.perf_counter() - t0:.0f} s")
     return 0
 
@@ -124,6 +151,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--regime", action="store_true", help="also run the regime analysis on the EntMTP records")
     p.add_argument("--plugin", nargs="+", default=None, help="modules to import first (they may register methods)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--batch-size", nargs="+", type=int, default=None, metavar="B",
+                   help="batched decoding instead: total tokens/s per method and batch size (default methods: "
+                        "vanilla hydra-default entmtp-static entmtp-tau)")  # fmt: skip
     p.add_argument("--out", default=None, help="output folder (default runs/bench-<mode>-<utc time>)")
     p.set_defaults(func=_bench)
 

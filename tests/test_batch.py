@@ -1,0 +1,252 @@
+"""Batches: every row of a left-padded batch decodes exactly as its prompt would alone."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.decoding.batch import batch_tree_inputs, keep_accepted_rows
+from entmtp_hf.integration import enable_entmtp
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
+from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, target_joint
+from tiny import VOCAB
+
+PAD = 0
+LENGTHS = (3, 6, 4, 9)
+
+
+def enabled(tiny_cache, arch="llama"):
+    model, heads = tiny_cache(arch, "hydra", "mlp")
+    return enable_entmtp(model, heads)
+
+
+def generate(model, ids, **kwargs):
+    """``model.generate`` with the batch's pad id (the shared tiny models have none set)."""
+    return model.generate(ids, pad_token_id=PAD, **kwargs)
+
+
+def batch_of(lengths=LENGTHS, seed=5):
+    """Prompts of different lengths (no pad token inside) and their left-padded batch."""
+    g = torch.Generator().manual_seed(seed)
+    singles = [torch.randint(1, VOCAB, (1, n), generator=g) for n in lengths]
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(singles):
+        ids[i, width - p.shape[1] :], mask[i, width - p.shape[1] :] = p[0], 1
+    return singles, ids, mask
+
+
+def eos_ending_rows_apart(model, singles, new_tokens):
+    """Two EOS ids that end the prompts' greedy continuations at different steps."""
+    conts = [generate(model, p, max_new_tokens=new_tokens, do_sample=False)[0, p.shape[1] :].tolist() for p in singles]
+    seen = [t for t in conts[0][4:] if t != PAD]
+    for a in seen:
+        for b in seen:
+            if a != b:
+                ends = [next((i for i, t in enumerate(c) if t in (a, b)), len(c)) for c in conts]
+                if len(set(ends)) >= 3:
+                    return [a, b]
+    raise AssertionError("no EOS pair ends the rows apart")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_row_equals_its_prompt_alone(tiny_cache, arch, name):
+    model = enabled(tiny_cache, arch)
+    singles, ids, mask = batch_of()
+    eos = eos_ending_rows_apart(model, singles, 30)
+    config = CONFIGS[name]()
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                         entmtp_config=config, return_dict_in_generate=True)  # fmt: skip
+    plain = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    assert torch.equal(out.sequences, plain)
+    generated = []
+    for i, p in enumerate(singles):
+        alone = generate(model, p, max_new_tokens=30, do_sample=False, eos_token_id=eos)[0, p.shape[1] :]
+        row = out.sequences[i, ids.shape[1] :]
+        assert torch.equal(row[: alone.shape[0]], alone)
+        assert bool((row[alone.shape[0] :] == PAD).all())
+        generated.append(out.entmtp_stats["rows"][i]["new_tokens"])
+        assert generated[-1] == alone.shape[0]
+    assert len(set(generated)) >= 3, "rows should end on EOS at different steps"
+    assert max(max(r["accept_lengths"], default=0) for r in out.entmtp_stats["rows"]) >= 2
+
+
+def test_random_trees_in_a_batch(tiny_cache):
+    from test_generation import random_choices
+
+    model = enabled(tiny_cache)
+    singles, ids, mask = batch_of(seed=7)
+    for seed in range(3):
+        config = EntMTPConfig(tree=random_choices(seed))
+        out = generate(model, ids, attention_mask=mask, max_new_tokens=25, do_sample=False, entmtp_config=config)
+        assert torch.equal(out, generate(model, ids, attention_mask=mask, max_new_tokens=25, do_sample=False))
+
+
+def test_finished_rows_leave_the_forward(tiny_cache):
+    model = enabled(tiny_cache)
+    singles, ids, mask = batch_of()
+    eos = eos_ending_rows_apart(model, singles, 30)
+    sizes = []
+    handle = model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                             entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), return_dict_in_generate=True)  # fmt: skip
+    finally:
+        handle.remove()
+    live = out.entmtp_stats["live_batch_sizes"]
+    assert sizes[1:] == live  # the prefill, then one forward per step over the live rows only
+    assert live == sorted(live, reverse=True) and live[-1] < len(LENGTHS)
+
+
+def test_a_new_live_batch_size_switches_the_plan(tiny_cache, monkeypatch):
+    """``plan_for``: each live batch size verifies its own trees; rows keep their heads' state."""
+    from entmtp_hf import integration
+
+    model = enabled(tiny_cache)
+    singles, ids, mask = batch_of()
+    eos = eos_ending_rows_apart(model, singles, 30)
+    big, small = EntMTPConfig(tree=MC_SIM_7B_63), EntMTPConfig(tree=[[0]])
+    heads = model.entmtp_heads
+    plans = {b: (big if b >= 3 else small).resolve(heads.num_heads, heads.config.draft_vocab_rows) for b in range(1, 5)}
+    real = integration.entmtp_decode
+    monkeypatch.setattr(integration, "entmtp_decode", lambda *a, **k: real(*a, **{**k, "plan_for": plans.__getitem__}))
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                         entmtp_config=big, return_dict_in_generate=True)  # fmt: skip
+    plain = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    assert torch.equal(out.sequences, plain)
+    sizes = out.entmtp_stats["live_batch_sizes"]
+    assert min(sizes) < 3 <= max(sizes)
+    longest = max(out.entmtp_stats["rows"], key=lambda r: r["steps"])["tree_sizes"]
+    assert {n for n, b in zip(longest, sizes) if b >= 3} == {Tree.from_choices(MC_SIM_7B_63).num_nodes}
+    assert {n for n, b in zip(longest, sizes) if b < 3} == {2}
+
+
+def test_batch_tree_inputs_pad_each_row_to_the_largest_tree():
+    chain, fan = Tree.chain(2), Tree.from_choices([[0], [1], [2], [3]])
+    drafts = []
+    for tree in (chain, fan):
+        b = tree.buffers(torch.device("cpu"), torch.float64)
+        drafts.append(type("D", (), {"buffers": b, "tokens": torch.arange(1, b.num_nodes + 1)})())
+    prefix = torch.zeros(2, 4, dtype=torch.float64)
+    prefix[0, 0] = torch.finfo(torch.float64).min  # a padded slot
+    tokens, positions, mask = batch_tree_inputs(drafts, [10, 20], prefix)
+    assert tokens.tolist() == [[1, 2, 3, 1, 1], [1, 2, 3, 4, 5]]
+    assert positions.tolist() == [[10, 11, 12, 10, 10], [20, 21, 21, 21, 21]]
+    visible = mask[:, 0] == 0
+    assert visible[0, :, 0].sum() == 0 and visible[1, :, 0].all()  # row 0's padding stays masked
+    assert visible[0, 3].tolist() == [False, True, True, True, False, False, False, True, False]  # a pad node: prefix + itself
+    assert visible[1, 2, 4:].tolist() == [True, False, True, False, False]  # fan node 2: root and itself
+
+
+def test_keep_accepted_rows_masks_the_slots_a_row_did_not_fill():
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    keys = torch.arange(2 * 7, dtype=torch.float64).reshape(2, 1, 7, 1)
+    cache.update(keys.clone(), keys.clone() + 100, 0)
+    prefix = torch.zeros(2, 3, dtype=torch.float64)
+    new = keep_accepted_rows(cache, prefix, 3, [[0, 2, 3], [0]])
+    assert cache.get_seq_length() == 6
+    assert cache.layers[0].keys[0, 0, 3:, 0].tolist() == [3, 5, 6]
+    assert cache.layers[0].keys[1, 0, 3, 0].item() == 10
+    assert (new[0] == 0).all() and (new[1, :4] == 0).all() and (new[1, 4:] < -1e300).all()
+
+
+# ----------------------------------------------------------------------------- sampling
+def test_exact_sampling_in_a_batch_preserves_every_rows_distribution(tiny_cache):
+    model = enabled(tiny_cache)
+    singles, ids, mask = batch_of(lengths=(3, 5), seed=3)
+    targets = [target_joint(model, p, temperature=0.7, top_k=4) for p in singles]
+    n = 800
+
+    def counts(config):
+        torch.manual_seed(99)
+        per_row = [{}, {}]
+        for _ in range(n):
+            out = generate(model, ids, attention_mask=mask, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=4,
+                                 entmtp_config=config)  # fmt: skip
+            for i in range(2):
+                key = tuple(out[i, ids.shape[1] :].tolist())
+                per_row[i][key] = per_row[i].get(key, 0) + 1
+        return per_row
+
+    exact = counts(EntMTPConfig(tree=SAMPLING_TREE))
+    for i in range(2):
+        assert chi_square_p(exact[i], targets[i], n) > 1e-3
+    # control: typical acceptance is not distribution-preserving, and the same test sees it in a batch
+    typical = counts(EntMTPConfig(tree=SAMPLING_TREE, acceptance="typical", posterior_threshold=0.3))
+    assert min(chi_square_p(typical[i], targets[i], n) for i in range(2)) < 1e-3
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "make_kwargs, message",
+    [
+        (lambda ids, mask: dict(attention_mask=mask.flip(-1)), "left-padded"),
+        (lambda ids, mask: dict(num_beams=2), "num_beams"),
+        (lambda ids, mask: dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+        (lambda ids, mask: dict(cache_implementation="static"), "dynamic cache"),
+        (lambda ids, mask: dict(streamer=object()), "streamers take one sequence"),
+    ],
+)
+def test_bad_batch_input_raises_before_any_forward(tiny_cache, make_kwargs, message):
+    model = enabled(tiny_cache)
+    _, ids, mask = batch_of()
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        kwargs = dict(attention_mask=mask, max_new_tokens=5, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+        kwargs.update(make_kwargs(ids, mask))
+        with pytest.raises(ValueError, match=message):
+            generate(model, ids, **kwargs)
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+# ----------------------------------------------------------------------------- trees by batch size
+def test_cost_tables_by_batch_size():
+    from entmtp_hf.costs.cache import batch_bucket
+    from entmtp_hf.costs.table import CostTable
+
+    one = CostTable({"key": "m"}, "x", {1: 10.0, 4: 14.0}, (1.0, 0.5, 0.1), (2.0, 0.25), 12.0)
+    four = dataclasses.replace(one, forward_ms={1: 12.0, 4: 30.0}, plain_ms=13.0, batch_size=4)
+    tree = Tree.chain(3)  # 4 nodes, depth 3
+    per_row = one.drafting(tree) + 2.0 + 0.25 * 4
+    assert one.step(tree) == pytest.approx(14.0 + per_row)
+    assert four.step(tree) == pytest.approx(30.0 + 4 * per_row)  # drafting and overhead per row
+    assert four.key == one.key + "-b4" and CostTable.from_dict(four.to_dict()) == four
+    with pytest.raises(ValueError, match="batch_size"):
+        CostTable.from_dict({**four.to_dict(), "batch_size": 0})
+    assert [batch_bucket(b) for b in range(1, 10)] == [1, 2, 2, 4, 4, 4, 4, 8, 8]
+
+
+def test_a_bank_verifies_the_trees_ranked_for_the_live_batch_size(tiny_cache):
+    from test_costs import _with_machine_costs, frontier_bank
+
+    model = enabled(tiny_cache)
+    heads = model.entmtp_heads
+    singles, ids, mask = batch_of()
+    eos = eos_ending_rows_apart(model, singles, 30)
+    bank = frontier_bank()  # chains of 1..4 nodes, tau 1.0 / 1.6 / 2.0 / 2.2
+    for b, forward in {1: {1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0},  # 4 nodes pay at one row,
+                       2: {1: 10.0, 2: 10.0, 3: 10.5, 4: 20.0},  # 3 at two,
+                       4: {1: 10.0, 2: 10.5, 3: 20.0, 4: 30.0}}.items():  # 2 at four  # fmt: skip
+        bank = bank.with_machine(dataclasses.replace(_with_machine_costs(model, heads, forward), batch_size=b))
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                   entmtp_config=EntMTPConfig(bank=bank, task="t"), return_dict_in_generate=True)  # fmt: skip
+    plain = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    assert torch.equal(out.sequences, plain)
+    sizes = out.entmtp_stats["live_batch_sizes"]
+    longest = max(out.entmtp_stats["rows"], key=lambda r: r["steps"])["tree_sizes"]
+    want = {4: 2, 3: 3, 2: 3, 1: 4}
+    assert [want[b] for b in sizes] == longest[: len(sizes)] and len(set(sizes)) >= 2
+    # where nothing beats plain decoding at the call's batch size, the call is plain batched generate
+    slow = bank.with_machine(dataclasses.replace(_with_machine_costs(model, heads, {1: 10.0, 2: 30.0, 4: 60.0}),
+                                                 batch_size=4))  # fmt: skip
+    root_only = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                         entmtp_config=EntMTPConfig(bank=slow, task="t"), return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(root_only.sequences, plain) and root_only.entmtp_stats["plain_decoding"]
