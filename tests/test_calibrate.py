@@ -78,3 +78,24 @@ def test_the_check_times_the_best_trees_against_plain_decoding(tiny_cache):
     check = check_against_clock(model, bank, table, prompts, top=2, max_new_tokens=8)
     assert set(check["trees"]) == {1, 2} and check["chosen"] == 2 and check["prompts"] == 2
     assert check["ratio_lost"] >= 1.0 and all(r["measured"] > 0 for r in check["trees"].values())
+
+
+def test_the_check_and_the_cost_table_at_a_batch_size(tiny_cache):
+    import dataclasses
+
+    from entmtp_hf.tools.bench.batched import batch_inputs
+    from entmtp_hf.tools.calibrate import forward_cost_lines
+
+    model = enabled(tiny_cache)
+    bank = TopologyBank("t", [Tree.root_only(), Tree.chain(1), Tree.chain(2)], {
+        "trees": [{"mean_accept_length": a} for a in (1.0, 1.6, 2.0)], "frontier": {"trees": [0, 1, 2]}})
+    one = CostTable({"key": "m"}, "x", {1: 10.0, 3: 10.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 10.0)
+    two = dataclasses.replace(one, forward_ms={1: 12.0, 3: 18.0}, plain_ms=12.0, batch_size=2)
+    g = torch.Generator().manual_seed(0)
+    groups = [batch_inputs([torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (4, 6)], 0, "cpu")
+              for _ in range(2)]
+    check = check_against_clock(model, bank, two, groups, top=2, max_new_tokens=8)
+    assert set(check["trees"]) == {1, 2} and check["prompts"] == 2
+    assert all(r["measured"] > 0 for r in check["trees"].values())
+    lines = forward_cost_lines([one, two])
+    assert "| 1 | 1.00 | 1.00 | 10.0 |" in lines and "| 2 | 1.00 | 1.50 | 12.0 |" in lines

@@ -81,21 +81,25 @@ def search_machine_costs(bank: TopologyBank) -> CostTable | None:
 
 
 # ============================================================================ against the clock
-def check_against_clock(model, bank: TopologyBank, table: CostTable, prompts: Sequence[torch.Tensor],
+def check_against_clock(model, bank: TopologyBank, table: CostTable, prompts: Sequence[torch.Tensor | tuple],
                         top: int, max_new_tokens: int = 64) -> dict[str, Any]:
-    """Time the ranking's best ``top`` trees and plain decoding on ``prompts``, interleaved."""
+    """Time the ranking's best ``top`` trees and plain decoding on ``prompts``, interleaved. A prompt
+    is ids [1, L], or ``(ids, attention_mask)`` of a left-padded batch (then ``table`` is that batch
+    size's and the figures are total tokens/s)."""
     ranking = rank(bank.trees, bank.frontier, table)
     best = sorted(ranking.speedups, key=ranking.speedups.get, reverse=True)[:top]
     labels = ["plain", *(f"tree {k}" for k in best)]
     configs = {"plain": None, **{f"tree {k}": EntMTPConfig(tree=bank.trees[k].choices, retrieval=False) for k in best}}
     greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
     times: dict[str, list[float]] = {lab: [] for lab in labels}
-    for i, ids in enumerate(tqdm(prompts, desc=f"check {bank.task}", unit="prompt")):
+    for i, prompt in enumerate(tqdm(prompts, desc=f"check {bank.task}", unit="prompt")):
+        ids, mask = prompt if isinstance(prompt, tuple) else (prompt, None)
+        masked = {"attention_mask": mask} if mask is not None else {}
         for lab in labels[i % len(labels):] + labels[: i % len(labels)]:  # rotate who goes first
             extra = {"entmtp_config": configs[lab]} if configs[lab] is not None else {}
             t0 = time.perf_counter()
-            out = model.generate(ids, **greedy, **extra)
-            times[lab].append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
+            out = model.generate(ids, **greedy, **masked, **extra)
+            times[lab].append(ids.shape[0] * (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
     measured = {k: statistics.median(a / b for a, b in zip(times[f"tree {k}"], times["plain"])) for k in best}
     fastest = max(measured, key=measured.get)
     chosen = best[0]
@@ -113,13 +117,14 @@ def _task_lines(bank: TopologyBank, table: CostTable, top: int = 6) -> list[str]
     verdict = ("plain decoding (no tree beats it here)" if static.num_nodes == 1 else
                f"tree {chosen.static}: {static.num_nodes} nodes, depth {static.depth}, modelled "
                f"{ranking.speedups[chosen.static]:.2f}x plain")  # fmt: skip
-    lines = [f"### Task `{bank.task}`", "", f"EntMTP* here: {verdict}.", "",
+    batch = f", batch size {table.batch_size}" if table.batch_size > 1 else ""
+    lines = [f"### Task `{bank.task}`{batch}", "", f"EntMTP* here: {verdict}.", "",
              "| tree | nodes | depth | tokens/step | step ms | modelled speed-up |", "|---|---|---|---|---|---|"]  # fmt: skip
     for k in sorted(ranking.speedups, key=ranking.speedups.get, reverse=True)[:top]:
         t = bank.trees[k]
         lines.append(f"| {k} | {t.num_nodes} | {t.depth} | {bank.frontier[k]:.2f} | {table.step(t):.1f} | "
                      f"{ranking.speedups[k]:.2f}x |")  # fmt: skip
-    search = search_machine_costs(bank)
+    search = search_machine_costs(bank) if table.batch_size == 1 else None
     if search is not None:
         theirs = rank(bank.trees, bank.frontier, search)
         stored = bank.scheduler.static
@@ -138,6 +143,24 @@ def _check_lines(check: dict[str, Any]) -> list[str]:
         f"tree {check['chosen']}, not the fastest measured (tree {check['fastest_measured']}): "
         f"{check['ratio_lost']:.3f}x lost")
     return lines + ["", f"The probe picked {same}.", ""]
+
+
+def forward_cost_lines(tables: Sequence[CostTable]) -> list[str]:
+    """c(N, B): the verification forward of B rows of N nodes over plain batched decoding's step."""
+    sizes = sorted(set.intersection(*(set(t.forward_ms) for t in tables)))
+    lines = ["c(N, B): a verification forward of B rows of N nodes each, over one step of plain batched "
+             "decoding at B rows (its ms per step in the last column).", "",
+             "| B | " + " | ".join(f"N={n}" for n in sizes) + " | plain ms/step |", "|---|" + "---|" * (len(sizes) + 1)]  # fmt: skip
+    for t in tables:
+        cells = " | ".join(f"{t.forward_ms[n] / t.plain_ms:.2f}" for n in sizes)
+        lines.append(f"| {t.batch_size} | {cells} | {t.plain_ms:.1f} |")
+    return lines + [""]
+
+
+def _batches(prompts: list[list[int]], b: int, pad: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from .bench.batched import batch_inputs
+
+    return [batch_inputs(prompts[i : i + b], pad, "cpu") for i in range(0, len(prompts) - b + 1, b)]
 
 
 # ============================================================================ CLI
@@ -161,12 +184,17 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     enable_entmtp(model, args.heads or str(DEMO_HEADS))
     heads = getattr(model, HEADS_ATTR)
     t0 = time.perf_counter()
-    table = cost_table(model, heads, refresh=args.refresh)
+    tables = [cost_table(model, heads, refresh=args.refresh, batch_size=b) for b in sorted(set(args.batch_sizes))]
+    table = tables[0]
     probe_s = time.perf_counter() - t0
     report = {"machine": table.fingerprint, "hardware": hardware_string(), "probe_seconds": table.seconds,
               "lookup_seconds": probe_s, "tasks": {}}  # fmt: skip
-    lines = ["# Calibration", "", f"Machine: {hardware_string()}; step costs measured in {table.seconds:.1f} s "
-             f"(this run: {probe_s:.1f} s, from the cache if lower).", ""]  # fmt: skip
+    lines = ["# Calibration", "", f"Machine: {hardware_string()}; step costs measured in "
+             f"{sum(t.seconds for t in tables):.1f} s (this run: {probe_s:.1f} s, from the cache if lower).", ""]  # fmt: skip
+    if len(tables) > 1 or table.batch_size > 1:
+        lines += forward_cost_lines(tables)
+        report["forward_cost"] = {t.batch_size: {"forward_ms": t.forward_ms, "plain_ms": t.plain_ms} for t in tables}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for task in tasks:
         bank = TopologyBank.from_pretrained(source, task=task)
         if args.frontier:
@@ -177,15 +205,20 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
             bank = bank.with_frontier(*frontier_of(search))
             if searched is not None:  # the search machine, with the trees that search chose by timing
                 bank = bank.with_machine(searched, bank.scheduler)
-        bank = bank.with_machine(table)
+        entries = {}
+        for t in tables:
+            bank = bank.with_machine(t)
+            lines += _task_lines(bank, t)
+            entry = {"static": bank.scheduler_for(t).static, "num_nodes": bank.trees[bank.scheduler_for(t).static].num_nodes,
+                     "speedups": bank.machines[-1]["speedups"]}  # fmt: skip
+            if args.check:
+                prompts, _ = _calibration_inputs(tokenizer, task, args.check_prompts * t.batch_size)
+                inputs = [torch.tensor([p]) for p in prompts] if t.batch_size == 1 else _batches(prompts, t.batch_size, pad)
+                entry["check"] = check_against_clock(model, bank, t, inputs, args.check)
+                lines += _check_lines(entry["check"])
+            entries[t.batch_size] = entry
         bank.save_pretrained(out)
-        lines += _task_lines(bank, table)
-        entry = {"static": bank.scheduler_for(table).static, "speedups": bank.machines[-1]["speedups"]}
-        if args.check:
-            prompts, _ = _calibration_inputs(tokenizer, task, args.check_prompts)
-            entry["check"] = check_against_clock(model, bank, table, [torch.tensor([p]) for p in prompts], args.check)
-            lines += _check_lines(entry["check"])
-        report["tasks"][task] = entry
+        report["tasks"][task] = entries if len(tables) > 1 else entries[table.batch_size]
     (out / f"calibration-{table.fingerprint.get('key', 'machine')}.md").write_text("\n".join(lines), encoding="utf-8")
     write_json(out / f"calibration-{table.fingerprint.get('key', 'machine')}.json", json_safe(report))
     print("\n".join(lines))
@@ -212,7 +245,10 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per frontier run")
     p.add_argument("--budget", type=int, default=64, help="largest frontier tree (nodes)")
     p.add_argument("--check", type=int, default=0, metavar="K", help="time the K best trees end to end")
-    p.add_argument("--check-prompts", type=int, default=6, help="calibration prompts the check times")
+    p.add_argument("--check-prompts", type=int, default=6,
+                   help="calibration prompts the check times (batches of them at each batch size)")
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1], metavar="B",
+                   help="also probe c(N, B) and rank the frontier at these batch sizes (an entry per size)")
     p.set_defaults(func=_run)
 
 
