@@ -250,3 +250,24 @@ def test_a_bank_verifies_the_trees_ranked_for_the_live_batch_size(tiny_cache):
     root_only = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
                          entmtp_config=EntMTPConfig(bank=slow, task="t"), return_dict_in_generate=True)  # fmt: skip
     assert torch.equal(root_only.sequences, plain) and root_only.entmtp_stats["plain_decoding"]
+
+
+@pytest.mark.parametrize("family,head_arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp")])
+def test_drafting_several_rows_at_once_equals_drafting_each(tiny_cache, family, head_arch):
+    model, heads = tiny_cache("llama", family, head_arch)
+    buffers = Tree.from_choices(MC_SIM_7B_63).buffers(torch.device("cpu"), torch.float64)
+    states, roots = [], []
+    g = torch.Generator().manual_seed(0)
+    for n in (3, 5, 8):
+        ids = torch.randint(0, VOCAB, (1, n), generator=g)
+        state = heads.new_state(model)
+        heads.observe(state, model(ids, output_hidden_states=-1).hidden_states[-1][0].detach())
+        states.append(state)
+        roots.append(ids[0, -1])
+    for temperature in (1.0, 0.7):
+        together = heads.propose_rows(states, roots, buffers, temperature=temperature)
+        for state, root, got in zip(states, roots, together):
+            alone = heads.propose(state, root, buffers, temperature=temperature)
+            assert torch.equal(got.tokens, alone.tokens)
+            torch.testing.assert_close(got.probs, alone.probs)
+            torch.testing.assert_close(got.entropy, alone.entropy)

@@ -128,6 +128,13 @@ class BatchDecodeSession:
         return self.commit(drafts, verified, accepted)
 
     def draft(self) -> list[Draft]:
+        union = [row for row in self.live if row.drafter.drafts_union]
+        if len(union) > 1:  # one head call per depth for all of them
+            first = union[0].drafter
+            proposals = first.heads.propose_rows([r.drafter.state for r in union], [r.ids[0, -1] for r in union],
+                                                 first.union_buffers, temperature=first.temperature)  # fmt: skip
+            for row, proposal in zip(union, proposals):
+                row.drafter.preset_union(proposal)
         drafts = []
         for row in self.live:
             row.drafter.get_candidates(row.ids)

@@ -108,6 +108,7 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         }  # fmt: skip
         self._choose = choosers[plan.policy]
         self.draft: Draft | None = None
+        self._preset = None  # the union's proposal, drafted for this row with the other rows of a batch
 
     def _value_members(self, device) -> torch.Tensor:
         """[K, N]: which non-root union nodes each tree of the value policy has."""
@@ -124,6 +125,7 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         if self.index is not None:
             self.index.extend(input_ids[0, len(self.index.tokens) :].tolist())
         self.draft = self._draft(input_ids[0, -1])
+        self._preset = None
         return torch.cat([input_ids, self.draft.tokens[1:].to(input_ids.device)[None]], dim=-1), None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
@@ -159,7 +161,23 @@ class EntMTPCandidateGenerator(CandidateGenerator):
             return Draft(k, tokens, self.branch_buffers[k][n], choice.feature, self.branch_nodes[k][n])
         return Draft(k, choice.tokens[self.node_maps[k]].to(self.device), self.buffers[k], choice.feature)
 
+    @property
+    def drafts_union(self) -> bool:
+        """Whether the next draft is the union's and needs nothing but the heads (so a batch can draft
+        it for several rows at once: :meth:`preset_union`)."""
+        if self.index is not None or self.eas is not None:
+            return False
+        policy = self.plan.policy
+        return policy in ("static", "value") or (policy in ("hysteresis", "ladder") and self.feature.reads_draft)
+
+    def preset_union(self, proposal) -> None:
+        """The union's proposal for the next draft, drafted already (at :attr:`temperature`)."""
+        self._preset = proposal
+
     def _propose_union(self, root: torch.Tensor, **kwargs):
+        if self._preset is not None:
+            proposal, self._preset = self._preset, None
+            return proposal
         return self.heads.propose(self.state, root, self.union_buffers, **kwargs)
 
     def _current(self, root: torch.Tensor, found: bool) -> _Choice:

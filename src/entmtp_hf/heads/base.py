@@ -326,6 +326,12 @@ class DraftHeads(nn.Module, ModelHubMixin):
         """
         raise NotImplementedError
 
+    def propose_rows(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers,
+                     temperature: float = 1.0) -> list[Proposal]:  # fmt: skip
+        """:meth:`propose` of one tree for several rows' states (a batch's drafting); families that
+        can draft the rows in one head call per depth override this loop."""
+        return [self.propose(s, r, buffers, temperature=temperature) for s, r in zip(states, roots)]
+
     def forward_train(
         self, hidden: Tensor, input_ids: Tensor, embed: nn.Module | None, lm_head: nn.Module | None = None
     ) -> list[Tensor]:
@@ -382,9 +388,9 @@ class DraftHeads(nn.Module, ModelHubMixin):
         top_logp, top_idx = logp.topk(step.topk, dim=-1)
         if temperature != 1.0:  # same ranking; the probabilities of those tokens at the temperature
             top_logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, top_idx)
-        idx = top_idx[rows, step.child_rank]
+        idx = top_idx[..., rows, step.child_rank]  # leading dims: the rows of a batch (propose_rows)
         tokens = self.draft_vocab[idx] if self.draft_vocab is not None else idx
-        return tokens, top_logp[rows, step.child_rank].exp(), entropy[rows]
+        return tokens, top_logp[..., rows, step.child_rank].exp(), entropy[..., rows]
 
     # ------------------------------------------------------------------ persistence
     def _save_pretrained(self, save_directory: Path) -> None:

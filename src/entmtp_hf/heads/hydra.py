@@ -171,6 +171,25 @@ class HydraHeads(DraftHeads):
             feats = torch.cat([parent_x[step.child_parent_row], embed(tok).to(dtype)], dim=-1)
         return Proposal(tokens=tokens, probs=probs, entropy=entropy)
 
+    @torch.no_grad()
+    def propose_rows(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers,
+                     temperature: float = 1.0) -> list[Proposal]:  # fmt: skip
+        """:meth:`propose` for several rows at once: one head call per depth over every row's parents."""
+        starts = [self._start(s, r, buffers) for s, r in zip(states, roots)]
+        tokens, probs, entropy = (torch.stack(t) for t in zip(*starts))  # [B, N] each
+        first, dtype = states[0], self._dtype
+        cond = torch.stack([s.cond for s in states])
+        feats = torch.cat([cond[:, None], first.embed(tokens[:, :1]).to(dtype)], dim=-1)  # depth 0: [B, 1, 2H]
+        slot = torch.zeros(buffers.num_nodes, dtype=torch.long, device=tokens.device)
+        for i, step in enumerate(buffers.depth_plan):
+            parent_x = feats[:, slot[step.parents]]
+            logits = self._head(i, parent_x, first.lm_weight, first.lm_bias, first.kernel)
+            tok, p, h = self._children(logits, step.child_parent_row, step, temperature)
+            tokens[:, step.children], probs[:, step.children], entropy[:, step.children] = tok, p, h
+            slot[step.children] = torch.arange(step.children.shape[0], device=slot.device)
+            feats = torch.cat([parent_x[:, step.child_parent_row], first.embed(tok).to(dtype)], dim=-1)
+        return [Proposal(tokens=tokens[b], probs=probs[b], entropy=entropy[b]) for b in range(len(states))]
+
     def forward_train(
         self, hidden: Tensor, input_ids: Tensor, embed: nn.Module | None, lm_head: nn.Module | None = None
     ) -> list[Tensor]:
