@@ -99,3 +99,34 @@ def test_the_check_and_the_cost_table_at_a_batch_size(tiny_cache):
     assert all(r["measured"] > 0 for r in check["trees"].values())
     lines = forward_cost_lines([one, two])
     assert "| 1 | 1.00 | 1.00 | 10.0 |" in lines and "| 2 | 1.00 | 1.50 | 12.0 |" in lines
+
+
+def test_the_clock_chooses_each_batch_sizes_tree(tiny_cache, tmp_path, monkeypatch):
+    import dataclasses
+
+    import entmtp_hf.tools.calibrate as calibrate_module
+    from entmtp_hf.tools.calibrate import time_batch_sizes, timed_choice
+
+    model = enabled(tiny_cache)
+    bank = TopologyBank("t", [Tree.root_only(), Tree.chain(1), Tree.chain(2)], {
+        "trees": [{"mean_accept_length": a} for a in (1.0, 1.6, 2.0)], "frontier": {"trees": [0, 1, 2]},
+        "scheduler": {"static": 2, "policy": "static"}})
+    one = CostTable({"key": "m"}, "x", {1: 10.0, 3: 10.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 10.0)
+    four = dataclasses.replace(one, batch_size=4)
+    slow = {"trees": {1: {"measured": 0.9}, 2: {"measured": 0.8}}, "fastest_measured": 1}
+    fast = {"trees": {1: {"measured": 1.3}, 2: {"measured": 1.1}}, "fastest_measured": 1}
+    chosen = timed_choice(timed_choice(bank, one, fast), four, slow)
+    assert chosen.scheduler_for(one).static == 1  # the fastest timed tree
+    assert chosen.scheduler_for(four).static == 0  # nothing beat plain batched decoding: the root alone
+    # end to end, on the tiny model with its prompts stubbed (the probe's tables injected)
+    bank.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(calibrate_module, "cost_table", lambda m, h, batch_size=1: dataclasses.replace(one, batch_size=batch_size))
+    monkeypatch.setattr(calibrate_module, "_calibration_inputs",
+                        lambda tok, task, n: ([torch.randint(1, VOCAB, (5,), generator=g).tolist() for _ in range(n)], []))
+    tok = type("Tok", (), {"pad_token_id": 0, "eos_token_id": None})()
+    timed = time_batch_sizes(model, model.entmtp_heads, tok, [tmp_path], "t", [1, 2], top=2, prompts_per_size=1,
+                             max_new_tokens=6)  # fmt: skip
+    assert set(timed) == {1, 2} and all(r["prompts"] == 1 for r in timed.values())
+    saved = TopologyBank.from_pretrained(tmp_path, task="t")
+    assert {t.batch_size for t in saved.machine_tables()} == {1, 2}

@@ -18,6 +18,7 @@ say whether the cost model ranks as that search measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -143,6 +144,38 @@ def _check_lines(check: dict[str, Any]) -> list[str]:
         f"tree {check['chosen']}, not the fastest measured (tree {check['fastest_measured']}): "
         f"{check['ratio_lost']:.3f}x lost")
     return lines + ["", f"The probe picked {same}.", ""]
+
+
+def timed_choice(bank: TopologyBank, table: CostTable, check: dict[str, Any]) -> TopologyBank:
+    """``bank`` with ``table``'s machine entry whose EntMTP* is the tree the clock found fastest
+    (plain decoding, when no timed tree beat it): the accurate path, per batch size."""
+    ranked = bank.with_machine(table).scheduler_for(table)
+    fastest = check["fastest_measured"]
+    root = next((k for k, t in enumerate(bank.trees) if t.num_nodes == 1), None)
+    static = root if check["trees"][fastest]["measured"] < 1.0 and root is not None else fastest
+    return bank.with_machine(table, dataclasses.replace(ranked, static=static))
+
+
+def time_batch_sizes(model, heads, tokenizer, bank_dirs: Sequence[Path], task: str, batch_sizes: Sequence[int],
+                     *, top: int = 4, prompts_per_size: int = 4, max_new_tokens: int = 64,
+                     prompt_source: str | None = None) -> dict[int, dict]:  # fmt: skip
+    """For every batch size: this machine's costs there, the ranking's best ``top`` trees timed against
+    plain batched decoding on batches of the task's calibration prompts, and the bank (in every
+    folder of ``bank_dirs``) given that batch size's entry with the tree the clock chose.
+    ``prompt_source``: where the calibration prompts come from (default: ``task``)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    bank = TopologyBank.from_pretrained(bank_dirs[0], task=task)
+    out = {}
+    for b in batch_sizes:
+        table = cost_table(model, heads, batch_size=b)
+        prompts, _ = _calibration_inputs(tokenizer, prompt_source or task, prompts_per_size * b)
+        inputs = [torch.tensor([p]) for p in prompts] if b == 1 else _batches(prompts, b, pad)
+        check = check_against_clock(model, bank.with_machine(table), table, inputs, top, max_new_tokens)
+        bank = timed_choice(bank, table, check)
+        out[b] = {**check, "static": bank.scheduler_for(table).static}
+    for folder in bank_dirs:
+        bank.save_pretrained(folder)
+    return out
 
 
 def forward_cost_lines(tables: Sequence[CostTable]) -> list[str]:

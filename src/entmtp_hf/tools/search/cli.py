@@ -68,6 +68,9 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
                    "steps; robust to a noisy machine) or by measured tokens/s")  # fmt: skip
     p.add_argument("--cost-repeats", type=int, default=d.cost_repeats, help="rounds of the forward-cost timing")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=None, metavar="B",
+                   help="then, per batch size: this machine's c(N, B), the best modelled trees timed end to end "
+                        "on batches of calibration prompts, and a bank entry with the fastest")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_cli)
 
@@ -136,4 +139,14 @@ def run_cli(args: argparse.Namespace) -> int:
         seconds = json.dumps({k: round(v) for k, v in result.elapsed.items()})
         nodes = result.timed[result.labels[result.choice.static]]["num_nodes"]
         print(f"{search.task}: EntMTP* = {nodes_text(nodes)}; stage seconds {seconds}; outputs in {out}", flush=True)
+        if args.batch_sizes:
+            from ..calibrate import time_batch_sizes
+
+            folders = [out / "bank", *([FsPath(args.bank_dir)] if args.bank_dir else [])]
+            timed = time_batch_sizes(model, getattr(model, HEADS_ATTR), tokenizer, folders, search.task,
+                                     sorted(set(args.batch_sizes)), prompt_source=task)  # fmt: skip
+            (out / "batch_sizes.json").write_text(json.dumps(timed, indent=1, default=str), encoding="utf-8")
+            for b, r in timed.items():
+                print(f"{search.task} B={b}: tree {r['static']} ({r['trees'].get(r['static'], {}).get('num_nodes', 1)} nodes)"
+                      f"; measured {json.dumps({k: round(v['measured'], 2) for k, v in r['trees'].items()})}", flush=True)
     return 0
