@@ -4,7 +4,9 @@ transformers' ``generate`` does all of its preparation (generation config, logit
 stopping criteria, the cache) and calls :func:`entmtp_decode` through ``custom_generate``.
 The loop builds the call's :class:`~entmtp_hf.decoding.step.DecodeSession`, runs the prefill
 and then :meth:`~entmtp_hf.decoding.step.DecodeSession.step` while the text is not finished,
-and tells its observers what happened; the step itself never times anything.
+and tells its observers what happened; the step itself never times anything. A batch of
+prompts runs a :class:`~entmtp_hf.decoding.batch.BatchDecodeSession` the same way (its plan
+for each live batch size from ``plan_for``); observers then get a ``BatchStepRecord`` per step.
 """
 
 from __future__ import annotations
