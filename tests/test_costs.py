@@ -93,6 +93,11 @@ def test_a_machine_where_nothing_pays_gets_plain_decoding_without_retrieval():
     slow = table({1: 10.0, 2: 20.0, 4: 40.0})
     chosen = bank.scheduler_for(slow)
     assert chosen.static == 0 and chosen.policy == "static" and chosen.retrieval is None
+    # a policy asked for by name still decodes plainly there (its thresholds are not read)
+    scheduled = frontier_bank(scheduler={"static": 3, "conservative": 2, "aggressive": 3, "policy": "hysteresis",
+                                         "feature": "accept_ema", "tau_on": 1.2, "tau_off": 1.1})  # fmt: skip
+    plan = EntMTPConfig(bank=scheduled.with_machine(slow), task="t", policy="hysteresis").resolve(4, costs=slow)
+    assert plan.plain and plan.policy == "static"
 
 
 def test_banks_with_machines_round_trip_and_old_banks_load(tmp_path):

@@ -128,8 +128,8 @@ def _from_trees(config: Any) -> tuple[tuple[Tree, ...], str, dict]:
 def _from_bank(config: Any, bank: "TopologyBank", d: "SchedulerDefaults") -> tuple[tuple[Tree, ...], str, dict]:
     trees = tuple(bank.trees)
     policy = config.policy or d.policy
-    if policy == "static":
-        return (trees[d.static],), policy, {}
+    if policy == "static" or trees[d.static].num_nodes == 1:  # the root alone: plain decoding pays most here
+        return (trees[d.static],), "static", {}
     if policy == "hysteresis":
         low, high = sorted((d.conservative, d.aggressive), key=lambda i: trees[i].num_nodes)
         return (trees[low], trees[high]), policy, {"low": 0, "high": 1, "tau_on": d.tau_on, "tau_off": d.tau_off}
