@@ -597,3 +597,7 @@ def test_batched_bench_groups_interleaves_and_checks_every_row(tmp_path):
         s = results["summary"][task][b]["hydra-default"]
         assert s["rows_identical"] == s["rows"] and s["median_ratio_to_vanilla"] > 0
     assert "| 2 |" in batched_table(results) and batched_plot(results, tmp_path / "p.png").is_file()
+    from entmtp_hf.tools.cli import main
+
+    assert main(["bench-report", str(tmp_path / "results.json"), "--out", str(tmp_path / "report")]) == 0
+    assert {p.name for p in (tmp_path / "report").iterdir()} == {"table.md", "summary.json", "throughput_by_batch_size.png"}

@@ -188,9 +188,18 @@ def write_batched(results: dict, path: Path) -> None:
 
 def batched_table(results: dict) -> str:
     """Markdown: one row per task and batch size, one column per method (tokens/s and ratio)."""
-    summary = results["summary"]
+    from .report import machine_line
+
+    summary, s = results["summary"], results["settings"]
     methods = list(dict.fromkeys(m for per_b in summary.values() for per in per_b.values() for m in per))
-    lines = ["| task | B | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    skipped = "; ".join(f"{m}: {why}" for m, why in results.get("skipped", {}).items()) or "none"
+    lines = ["# Batched benchmark", "", f"Machine: {machine_line(results['environment'])}.", "",
+             f"{s['num_prompts']} prompts per task x up to {s['max_new_tokens']} new tokens, mode `{s['mode']}`, "
+             f"in consecutive groups of B (an incomplete last group left out), left-padded; methods interleaved "
+             f"per group after a warm-up call per method and batch size. Cells: total tokens/s (new tokens of every "
+             f"row up to its EOS over the calls' wall time, prefill included) and the median over groups of each "
+             f"call's ratio to plain batched `generate`. Skipped: {skipped}.", "",
+             "| task | B | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]  # fmt: skip
     for task, per_b in summary.items():
         for b, per in sorted(per_b.items(), key=lambda kv: int(kv[0])):
             cells = []
@@ -203,6 +212,15 @@ def batched_table(results: dict) -> str:
                 same = "" if s["rows_identical"] == s["rows"] else f", {s['rows'] - s['rows_identical']} rows differ"
                 cells.append(f"{s['tokens_per_s']:.1f} tok/s ({ratio:.2f}x{same})")
             lines.append(f"| {task} | {b} | " + " | ".join(cells) + " |")
+    lines += ["", "Rows identical to plain batched `generate`, peak memory (MB, median over calls) and calls that "
+              "ran plain batched decoding because no tree paid at that batch size:", "",
+              "| task | B | method | rows identical | peak MB | plain calls |", "|---|---|---|---|---|---|"]
+    for task, per_b in summary.items():
+        for b, per in sorted(per_b.items(), key=lambda kv: int(kv[0])):
+            for m, v in per.items():
+                gap = "" if v["min_abs_logit_gap"] is None else f" (min gap {v['min_abs_logit_gap']:.3g})"
+                lines.append(f"| {task} | {b} | {m} | {v['rows_identical']}/{v['rows']}{gap} | {v['peak_memory_mb']:.0f} | "
+                             f"{v['plain_decoding_calls']}/{v['calls']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

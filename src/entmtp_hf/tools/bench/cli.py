@@ -72,11 +72,25 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def write_batched_report(results: dict, out: Path) -> str:
+    """``table.md``, ``summary.json`` and the throughput plot of a batched run; returns the table."""
+    from .batched import batched_plot, batched_table, summarize_batched
+
+    results["summary"] = summarize_batched(results)
+    table = batched_table(results)
+    (out / "table.md").write_text(table, encoding="utf-8")
+    batched_plot(results, out / "throughput_by_batch_size.png")
+    summary = {"settings": results["settings"], "environment": results["environment"], "skipped": results["skipped"],
+               "summary": results["summary"]}  # fmt: skip
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
+    return table
+
+
 def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path, heads: dict, t0: float) -> int:
     """``--batch-size``: :mod:`~entmtp_hf.tools.bench.batched` instead of the per-prompt runner."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from .batched import batched_plot, batched_table, run_batched, write_batched
+    from .batched import run_batched, write_batched
 
     if any(b < 1 for b in args.batch_size):
         raise SystemExit(f"--batch-size: batch sizes must be positive, got {args.batch_size}")
@@ -87,17 +101,21 @@ def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path,
                               out_path=out / "results.json")  # fmt: skip
     results["environment"]["wall_time_s"] = time.perf_counter() - t0
     write_batched(results, out / "results.json")
-    table = batched_table(results)
-    (out / "table.md").write_text(table, encoding="utf-8")
-    batched_plot(results, out / "throughput_by_batch_size.png")
-    (out / "summary.json").write_text(json.dumps(results["summary"], indent=1), encoding="utf-8")
-    print(table)
+    print(write_batched_report(results, out))
     print(f"results: {out / 'results.json'}; wall time {time.perf_counter() - t0:.0f} s")
     return 0
 
 
 def _bench_report(args: argparse.Namespace) -> int:
     from .report import write_report
+
+    first = Path(args.results[0] if isinstance(args.results, list) else args.results)
+    data = json.loads(first.read_text(encoding="utf-8"))
+    if data.get("format") == "entmtp-hf-batched-bench":  # `bench --batch-size`: its own table and plot
+        out = Path(args.out) if args.out else first.parent
+        out.mkdir(parents=True, exist_ok=True)
+        print(write_batched_report(data, out))
+        return 0
 
     paths = write_report(args.results, args.out, results_md=args.results_md)
     for kind, path in paths.items():
