@@ -75,13 +75,14 @@ def _bench(args: argparse.Namespace) -> int:
 def write_batched_report(results: dict, out: Path) -> str:
     """``table.md``, ``summary.json`` and the throughput plot of a batched run; returns the table."""
     from .batched import batched_plot, batched_table, summarize_batched
+    from .results import portable
 
     results["summary"] = summarize_batched(results)
     table = batched_table(results)
     (out / "table.md").write_text(table, encoding="utf-8")
     batched_plot(results, out / "throughput_by_batch_size.png")
-    summary = {"settings": results["settings"], "environment": results["environment"], "skipped": results["skipped"],
-               "summary": results["summary"]}  # fmt: skip
+    summary = portable({"settings": results["settings"], "environment": results["environment"],
+                        "skipped": results["skipped"], "summary": results["summary"]})  # a record: no machine paths
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
     return table
 
