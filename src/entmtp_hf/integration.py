@@ -66,8 +66,9 @@ class EntMTPGenerationMixin:
         if heads is None:
             raise EntMTPError("this model has no draft heads: call enable_entmtp(model, heads) first")
         check_supported_call(args, kwargs)
-        plan_for = _plans_by_batch_size(self, heads, entmtp_config, _batch_size(args, kwargs))  # before the prefill
-        plan = plan_for(_batch_size(args, kwargs))
+        batch_size = _batch_size(args, kwargs)
+        plan_for = _plans_by_batch_size(self, heads, entmtp_config, batch_size)  # before the prefill
+        plan = plan_for(batch_size)
         if entmtp_config.adapts and plan.plain:  # this machine's ranking: nothing beats plain decoding here
             return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
         _stop_strings_by_hand(self, kwargs)

@@ -19,7 +19,7 @@ from ..files import read_json_object
 from ..paths import cache_dir
 from .fingerprint import machine_fingerprint, model_key
 from .probe import probe, probe_batch
-from .table import CostTable
+from .table import CostTable, table_key
 
 log = logging.getLogger(__name__)
 MAX_BYTES = 1 << 20
@@ -60,9 +60,7 @@ def cost_table(model, heads, *, known: Iterable[CostTable] = (), refresh: bool =
     cached. A batch size's table builds on the batch-size-1 one (found or probed the same way)."""
     known = tuple(known)
     lm = model.get_output_embeddings().weight
-    key = f"{machine_fingerprint(lm.device, lm.dtype).key()}-{model_key(model, heads)}"
-    if batch_size > 1:
-        key += f"-b{batch_size}"
+    key = table_key(machine_fingerprint(lm.device, lm.dtype).key(), model_key(model, heads), batch_size)
     found = next((t for t in known if t.key == key), None)
     if found is not None and not refresh:
         return found

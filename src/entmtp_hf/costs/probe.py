@@ -135,13 +135,7 @@ def step_overhead(model, forward: dict[int, float], *, tokens: int = DECODE_TOKE
     g = torch.Generator().manual_seed(2)
     lm = model.get_output_embeddings().weight
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, 96), generator=g).to(lm.device)
-    sync = _sync(lm.device)
-
-    def plain(n: int) -> Callable[[], None]:
-        return lambda: model.generate(ids, generation_config=_greedy(model, n))
-
-    seconds = _medians({"one": plain(1), "many": plain(tokens + 1)}, 2, sync)
-    plain_ms = 1e3 * (seconds["many"] - seconds["one"]) / tokens
+    plain_ms = _plain_ms(model, ids, tokens)
     small, large = Tree.chain(1), Tree.chain(1).union(Tree.from_choices([[i] for i in range(8)]))
     per_step = {}
     for tree in (small, large):
@@ -156,15 +150,22 @@ def step_overhead(model, forward: dict[int, float], *, tokens: int = DECODE_TOKE
     return (o1 - p * n1, p), plain_ms
 
 
+def _plain_ms(model, ids: torch.Tensor, tokens: int) -> float:
+    """Plain greedy ``generate``'s ms per step on ``ids`` [B, L] after the prefill (a one-token call's
+    time subtracted)."""
+    mask = torch.ones_like(ids)
+    runs = {n: (lambda n=n: model.generate(ids, attention_mask=mask, generation_config=_greedy(model, n)))
+            for n in (1, tokens + 1)}  # fmt: skip
+    seconds = _medians(runs, 2, _sync(ids.device))
+    return 1e3 * (seconds[tokens + 1] - seconds[1]) / tokens
+
+
 def plain_batch_ms(model, batch_size: int, *, tokens: int = DECODE_TOKENS) -> float:
     """Plain batched ``generate``'s ms per step (``batch_size`` tokens) after the prefill."""
     g = torch.Generator().manual_seed(3)
     lm = model.get_output_embeddings().weight
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch_size, 96), generator=g).to(lm.device)
-    runs = {n: (lambda n=n: model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_greedy(model, n)))
-            for n in (1, tokens + 1)}  # fmt: skip
-    seconds = _medians(runs, 2, _sync(lm.device))
-    return 1e3 * (seconds[tokens + 1] - seconds[1]) / tokens
+    return _plain_ms(model, ids, tokens)
 
 
 @torch.no_grad()

@@ -33,6 +33,11 @@ FORMAT_VERSION = 1
 MAX_BATCH = 1024
 
 
+def table_key(machine: str, model: str, batch_size: int = 1) -> str:
+    """What a table is filed under: the machine's fingerprint key, the model key, and the batch size beyond 1."""
+    return f"{machine}-{model}" + (f"-b{batch_size}" if batch_size > 1 else "")
+
+
 def interpolate(values: dict[int, float], n: int) -> float:
     """``values[n]`` where measured, else linear between the nearest sizes around ``n`` (along
     the last two beyond the largest)."""
@@ -65,7 +70,7 @@ class CostTable:
     def key(self) -> str:
         """The machine's fingerprint key and the model key (and the batch size beyond 1): what a
         bank's entry is filed under."""
-        return f"{self.fingerprint.get('key', '')}-{self.model}" + (f"-b{self.batch_size}" if self.batch_size > 1 else "")
+        return table_key(self.fingerprint.get("key", ""), self.model, self.batch_size)
 
     def forward(self, nodes: int) -> float:
         return interpolate(self.forward_ms, nodes)

@@ -170,7 +170,7 @@ def time_batch_sizes(model, heads, tokenizer, bank_dirs: Sequence[Path], task: s
         table = cost_table(model, heads, batch_size=b)
         prompts, _ = _calibration_inputs(tokenizer, prompt_source or task, prompts_per_size * b)
         inputs = [torch.tensor([p]) for p in prompts] if b == 1 else _batches(prompts, b, pad)
-        check = check_against_clock(model, bank.with_machine(table), table, inputs, top, max_new_tokens)
+        check = check_against_clock(model, bank, table, inputs, top, max_new_tokens)
         bank = timed_choice(bank, table, check)
         out[b] = {**check, "static": bank.scheduler_for(table).static}
     for folder in bank_dirs:
@@ -242,8 +242,8 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         for t in tables:
             bank = bank.with_machine(t)
             lines += _task_lines(bank, t)
-            entry = {"static": bank.scheduler_for(t).static, "num_nodes": bank.trees[bank.scheduler_for(t).static].num_nodes,
-                     "speedups": bank.machines[-1]["speedups"]}  # fmt: skip
+            static = bank.scheduler_for(t).static
+            entry = {"static": static, "num_nodes": bank.trees[static].num_nodes, "speedups": bank.machines[-1]["speedups"]}
             if args.check:
                 prompts, _ = _calibration_inputs(tokenizer, task, args.check_prompts * t.batch_size)
                 inputs = [torch.tensor([p]) for p in prompts] if t.batch_size == 1 else _batches(prompts, t.batch_size, pad)

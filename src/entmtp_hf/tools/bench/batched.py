@@ -83,13 +83,15 @@ def _eos(ctx: BenchContext) -> set[int]:
 def run_batched(ctx: BenchContext, settings: BenchSettings, batch_sizes: Sequence[int], *, progress: bool = True,
                 out_path: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Every method on every task's groups of every batch size, interleaved; returns the result dict."""
-    methods = [m for m in chosen_methods(settings.methods or BATCH_METHODS)]
+    methods = chosen_methods(settings.methods or BATCH_METHODS)
     skipped = {m.name: why for m in methods if (why := _batch_capable(m))}
     methods = [m for m in methods if m.name not in skipped]
     if "vanilla" not in [m.name for m in methods]:
         raise ValueError("the batched bench compares with plain batched generate: include the 'vanilla' method")
     mode_kwargs = MODES[settings.mode][0]
     eos, memory = _eos(ctx), PeakMemory(ctx.device)
+    gen = _gen_kwargs(ctx, settings, settings.max_new_tokens)
+    pad = gen["pad_token_id"]
     results: dict[str, Any] = {"format": "entmtp-hf-batched-bench", "settings": {**settings.__dict__, "batch_sizes":
                                list(batch_sizes)}, "environment": environment(ctx.device, memory.source), "skipped": skipped, "records": []}  # fmt: skip
     baskets = {}
@@ -101,8 +103,6 @@ def run_batched(ctx: BenchContext, settings: BenchSettings, batch_sizes: Sequenc
     for label, (task, all_ids) in baskets.items():
         for b in batch_sizes:
             groups = [all_ids[i : i + b] for i in range(0, len(all_ids) - b + 1, b)]
-            gen = _gen_kwargs(ctx, settings, settings.max_new_tokens)
-            pad = gen["pad_token_id"]
             for m in methods:  # warm-up (and a bank's step costs at this batch size, measured once)
                 ids, mask = batch_inputs(groups[0], pad, ctx.device)
                 t0 = time.perf_counter()
