@@ -133,7 +133,7 @@ def test_bfloat16_teacher_is_close_to_float32_and_resumes_in_its_precision(tmp_p
 
 
 # ----------------------------------------------------------------------------- training
-@pytest.mark.parametrize("family,arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp")])
+@pytest.mark.parametrize("family,arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp"), ("eagle", "eagle")])
 def test_a_few_steps_reduce_the_loss(tmp_path, model, family, arch):
     cache = make_cache(tmp_path / "data", model)
     cfg = config(tmp_path, family=family, arch=arch)
@@ -167,6 +167,23 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, model):
     stored = load_file(tmp_path / "full" / "final" / "model.safetensors")
     assert next(iter(v for v in stored.values() if v.is_floating_point())).dtype == torch.float16
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_eagle_arch_implies_its_family():
+    assert TrainConfig(arch="eagle").family == "eagle" and TrainConfig().family == "hydra"
+
+
+def test_the_data_sources_build(tmp_path):
+    """Every real-text source reads through (they import the datasets module at call time)."""
+    from transformers import AutoTokenizer
+
+    from entmtp_hf.demo.model import demo_model_dir
+    from entmtp_hf.tools.training import build_sequences
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir())
+    seqs, manifest = build_sequences(tokenizer, TrainConfig(sources=("gsm8k",), max_tokens=4000,
+                                                                        work_dir=str(tmp_path)), log=lambda m: None)
+    assert seqs and manifest["sources"]["gsm8k"]["train"]["tokens"] > 0
 
 
 def test_cli_registers_train_heads():

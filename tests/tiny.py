@@ -19,7 +19,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from entmtp_hf.heads import HydraHeads, MedusaHeads
+from entmtp_hf.heads import HEADS_REGISTRY
 
 VOCAB = 24
 COMMON = dict(
@@ -57,15 +57,14 @@ def tiny_model(arch: str = "llama", seed: int = 0, sharpen: float = 4.0):
 
 def fitted_heads(model, family: str = "hydra", arch: str = "mlp", num_heads: int = 4, steps: int = 60, seed: int = 0):
     """Heads fitted briefly to the model's greedy continuations of random prompts."""
-    cls = {"hydra": HydraHeads, "medusa": MedusaHeads}[family]
     torch.manual_seed(seed)
-    heads = cls.for_model(model, num_heads=num_heads, arch=arch).double()
+    heads = HEADS_REGISTRY[family].for_model(model, num_heads=num_heads, arch=arch).double()
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, VOCAB, (8, 4), generator=g)
     with torch.no_grad():
         seqs = model.generate(prompts, max_new_tokens=40, do_sample=False)
-        out = model(seqs, output_hidden_states=-1)
-        hidden, targets = out.hidden_states[-1], out.logits.argmax(-1)
+        out = model(seqs, output_hidden_states=heads.hidden_states_request)
+        hidden, targets = heads.features(out.hidden_states), out.logits.argmax(-1)
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     opt = torch.optim.Adam(heads.parameters(), lr=3e-3)
     for _ in range(steps):

@@ -56,15 +56,17 @@ def _medians(runs: dict, repeats: int, sync: Callable[[], None], on_round: Calla
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _prefix(model, length: int, generator: torch.Generator, batch_size: int = 1
+def _prefix(model, length: int, generator: torch.Generator, batch_size: int = 1, heads=None
             ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
-    """Random prompt ids [B, L], the cache after them and the first row's last hidden states [L, H]."""
+    """Random prompt ids [B, L], the cache after them and the first row's features [L, F] (those
+    ``heads`` read; else the last hidden states)."""
     lm = model.get_output_embeddings().weight
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch_size, length), generator=generator).to(lm.device)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=-1)
-    return ids, cache, out.hidden_states[-1][0]
+    request = heads.hidden_states_request if heads is not None else -1
+    out = model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=request)
+    return ids, cache, (heads.features(out.hidden_states) if heads is not None else out.hidden_states[-1])[0]
 
 
 def forward_ms(model, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: int = PREFIX_LEN, repeats: int = 5,
@@ -109,9 +111,9 @@ def draft_fit(model, heads, *, repeats: int = 5) -> tuple[tuple[float, float, fl
     largest relative error over the probed shapes."""
     heads_device = next(heads.parameters()).device
     dtype = model.get_output_embeddings().weight.dtype
-    ids, _, hidden = _prefix(model, 64, torch.Generator().manual_seed(1))
+    ids, _, hidden = _prefix(model, 64, torch.Generator().manual_seed(1), heads=heads)
     state = heads.new_state(model)
-    heads.observe(state, hidden)
+    heads.observe(state, hidden, tokens=ids[0])
     root = ids[0, -1:].to(heads_device)
     trees = probe_trees(heads)
     runs = {i: (lambda b=t.buffers(heads_device, dtype): heads.propose(state, root, b)) for i, t in enumerate(trees)}

@@ -106,14 +106,15 @@ class BatchDecodeSession:
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                         use_cache=True, output_hidden_states=-1, **keep)  # fmt: skip
+                         use_cache=True, output_hidden_states=self.drafter.heads.hidden_states_request, **keep)  # fmt: skip
+        features = self.drafter.heads.features(out.hidden_states)
         minimum = torch.finfo(self.dtype).min
         self.prefix = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(mask == 0, minimum)
         last = out.logits[:, -1].float()
         for b, row in enumerate(self.rows):
             scores = self.logits_processor(row.ids, last[b : b + 1])
             root = check_pick(int(self.rule.pick(scores)[0]))
-            row.drafter.observe(out.hidden_states[-1][b][mask[b] == 1], last[b])
+            row.drafter.observe(features[b][mask[b] == 1], last[b], tokens=ids[b][mask[b] == 1])
             row.next_pos = int(positions[b, -1]) + 1
             self._emit(row, [root], scores)
         self._drop_finished()
@@ -146,8 +147,8 @@ class BatchDecodeSession:
         tokens, positions, mask = batch_tree_inputs(drafts, [r.next_pos for r in self.live], self.prefix)
         with verifying():
             out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
-                             use_cache=True, output_hidden_states=-1)  # fmt: skip
-        return BatchVerified(out.logits, out.hidden_states[-1], prefix_len)
+                             use_cache=True, output_hidden_states=self.drafter.heads.hidden_states_request)  # fmt: skip
+        return BatchVerified(out.logits, self.drafter.heads.features(out.hidden_states), prefix_len)
 
     def accept(self, drafts: list[Draft], verified: BatchVerified) -> list[tuple[Tensor, list[int], int]]:
         """Every live row's processed scores, accepted path and next token, each against its own text."""
@@ -162,7 +163,7 @@ class BatchDecodeSession:
         self.prefix = keep_accepted_rows(self.cache, self.prefix, verified.prefix_len, paths)
         records = []
         for b, (row, draft, (scores, path, next_token)) in enumerate(zip(self.live, drafts, accepted)):
-            row.drafter.observe(verified.hidden[b, path], verified.logits[b, path[-1]])
+            row.drafter.observe(verified.hidden[b, path], verified.logits[b, path[-1]], tokens=draft.tokens[path])
             row.next_pos += len(path)
             emitted = self._emit(row, draft.tokens[path[1:]].tolist() + [next_token], scores[path])
             row.drafter.update_candidate_strategy(row.ids, scores[path][None], len(path) - 1)

@@ -48,7 +48,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class Verified:
-    """One verification forward: raw logits [N, V] and last hidden states [N, H] of the tree's nodes,
+    """One verification forward: raw logits [N, V] and the heads' features [N, F] of the tree's nodes,
     which the cache holds after its first ``prefix_len`` positions."""
 
     logits: torch.Tensor
@@ -73,6 +73,8 @@ class DecodeSession:
         self.row_wise = row_wise(logits_processor)  # decided once: the processors do not change during the call
         self.finished = False
         self.next_pos = 0  # position id of the next root
+        self.features = drafter.heads.features  # the hidden states the heads read, from output_hidden_states
+        self.hidden_request = drafter.heads.hidden_states_request
         self._prefix_row = torch.zeros(0, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ prefill
@@ -86,12 +88,12 @@ class DecodeSession:
             positions = torch.arange(ids.shape[1], device=self.device)[None]
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                         use_cache=True, output_hidden_states=-1, **keep)  # fmt: skip
+                         use_cache=True, output_hidden_states=self.hidden_request, **keep)  # fmt: skip
         self.next_pos = int(positions[0, -1]) + 1
         last = out.logits[0, -1:].float()
         scores = self.logits_processor(ids, last)
         root = check_pick(int(self.rule.pick(scores)[0]))
-        self.drafter.observe(out.hidden_states[-1][0], last[0])
+        self.drafter.observe(self.features(out.hidden_states)[0], last[0], tokens=ids[0])
         self._prefix_row = _prefix_row(mask, ids.shape[1], self.device, self.dtype)
         self._emit([root], scores)
 
@@ -111,7 +113,7 @@ class DecodeSession:
     def verify(self, draft: Draft) -> Verified:
         prefix_len = int(self.cache.get_seq_length())
         out = self.tree_forward(draft.tokens, draft.buffers, prefix_len)
-        return Verified(out.logits[0], out.hidden_states[-1][0], prefix_len)
+        return Verified(out.logits[0], self.features(out.hidden_states)[0], prefix_len)
 
     def tree_forward(self, tokens: torch.Tensor, buffers, prefix_len: int):
         """One forward of a tree's nodes appended after the first ``prefix_len`` cached positions."""
@@ -126,7 +128,7 @@ class DecodeSession:
                 position_ids=(buffers.position_ids + self.next_pos)[None],
                 cache=self.cache,
                 use_cache=True,
-                output_hidden_states=-1,
+                output_hidden_states=self.hidden_request,
             )
 
     def accept(self, draft: Draft, verified: Verified) -> tuple[torch.Tensor, list[int], int]:
@@ -136,7 +138,7 @@ class DecodeSession:
     def commit(self, draft: Draft, verified: Verified, scores: torch.Tensor, path: list[int],
                next_token: int) -> StepRecord:
         keep_accepted(self.cache, verified.prefix_len, draft.buffers.num_nodes, path)
-        self.drafter.observe(verified.hidden[path], verified.logits[path[-1]])
+        self.drafter.observe(verified.hidden[path], verified.logits[path[-1]], tokens=draft.tokens[path])
         self.next_pos += len(path)
         emitted = self._emit(draft.tokens[path[1:]].tolist() + [next_token], scores[path])
         self.drafter.update_candidate_strategy(self.input_ids, scores[path][None], len(path) - 1)

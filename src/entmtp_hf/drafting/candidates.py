@@ -135,10 +135,10 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         if self.eas is not None:
             self.eas.observe_verified(self.draft.buffers.num_nodes - 1, int(num_matches), accept_length)
 
-    def observe(self, hidden: torch.Tensor, root_logits: torch.Tensor) -> None:
-        """Hidden states [T, H] of newly accepted positions (the heads condition on them) and the
-        verifier's logits [V] at the next root (what the confidence features read, when they do)."""
-        self.heads.observe(self.state, hidden)
+    def observe(self, hidden: torch.Tensor, root_logits: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+        """Features [T, F] of newly accepted positions (the heads condition on them), the ids at those
+        positions, and the verifier's logits [V] at the next root (what the confidence features read)."""
+        self.heads.observe(self.state, hidden, tokens)
         if self.reads_base:
             p0, entropy = top1_and_entropy(root_logits)
             self.p0, self.entropy = float(p0), float(entropy)

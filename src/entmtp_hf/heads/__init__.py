@@ -1,8 +1,9 @@
-"""Draft heads for tree speculative decoding: Hydra (path-dependent) and Medusa (independent).
+"""Draft heads for tree speculative decoding: Hydra (path-dependent), Medusa (independent) and
+EAGLE-style feature drafters.
 
 Public API:
 
-* :class:`DraftHeads` (base), :class:`HydraHeads`, :class:`MedusaHeads`, registered by
+* :class:`DraftHeads` (base), :class:`HydraHeads`, :class:`MedusaHeads`, :class:`EagleHeads`, registered by
   family name in :data:`HEADS_REGISTRY`;
 * :class:`HeadsConfig`, :class:`DraftState`, :class:`Proposal`;
 * :class:`HeadsCard` (with :class:`DataSource`, :class:`TokensPerStep`): what the heads'
@@ -17,6 +18,7 @@ from .base import DraftHeads, DraftState, HeadsMismatchError, Proposal
 from .card import DataSource, HeadsCard, TokensPerStep
 from .config import FORMAT_VERSION, HeadsConfig
 from .files import HeadsLoadError
+from .eagle import EagleHeads
 from .hydra import HydraHeads
 
 # The format modules register their readers on import, in this order: the own format first,
@@ -32,6 +34,7 @@ __all__ = [
     "DataSource",
     "DraftHeads",
     "DraftState",
+    "EagleHeads",
     "HeadsCard",
     "HeadsConfig",
     "HeadsLoadError",

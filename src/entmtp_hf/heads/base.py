@@ -35,7 +35,7 @@ from ..scheduling.features import entropy_from_logp
 from ..errors import EntMTPError
 from ..trees.tree import DepthStep, TreeBuffers
 from .card import CARD_NAME, HeadsCard, model_card
-from .config import FORMAT_VERSION, HeadsConfig
+from .config import FORMAT_VERSION, LAYER_ARCHS, HeadsConfig
 from .registry import CONFIG_NAME, load_from_source
 
 FORMAT_KEY = "entmtp_heads_format"
@@ -77,7 +77,7 @@ class DraftState:
     embed: nn.Module
     lm_weight: Tensor | None = None  # base LM head rows (restricted to draft_vocab) if used
     lm_bias: Tensor | None = None
-    prefix_cache: Any = None  # the prefix layer's KV cache (prefix-mlp only)
+    prefix_cache: Any = None  # the family's own per-call cache (a prefix layer's, an EAGLE drafter's)
     num_observed: int = 0  # accepted positions seen so far (prefix-layer positions)
     cond: Tensor | None = None  # [H] conditioning vector at the last accepted position
     #: how ``lm_weight`` multiplies (a :func:`~entmtp_hf.cpu_kernels.project` layout; see ``DraftHeads.lm_kernel``)
@@ -142,18 +142,45 @@ class DraftHeads(nn.Module, ModelHubMixin):
         rows = config.draft_vocab_rows
         self.register_buffer("draft_vocab", torch.arange(rows) if config.draft_vocab_size else None)
         self.mlps = self._build_mlps()
-        self.lm_heads = None
-        if not config.use_base_lm_head:
-            h, bias = config.hidden_size, self.lm_head_bias
-            self.lm_heads = nn.ModuleList(nn.Linear(h, rows, bias=bias) for _ in range(config.num_heads))
+        self.lm_heads = self._build_lm_heads()
 
     # ------------------------------------------------------------------ building
+    def _build_lm_heads(self) -> nn.ModuleList | None:
+        """One LM head per head over the drafting vocabulary, unless the base one is used."""
+        if self.config.use_base_lm_head:
+            return None
+        h, rows = self.config.hidden_size, self.config.draft_vocab_rows
+        return nn.ModuleList(nn.Linear(h, rows, bias=self.lm_head_bias) for _ in range(self.config.num_heads))
+
     def _build_mlps(self) -> nn.ModuleList:
         raise NotImplementedError
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The base hidden-state indices the heads read (``output_hidden_states`` of the verifier's
+        forwards), concatenated in this order: the last, after the final norm, unless a family says."""
+        return (-1,)
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the features :meth:`observe` takes: ``hidden_size`` per read hidden state."""
+        return self.config.hidden_size * len(self.feature_layers)
+
+    @property
+    def hidden_states_request(self) -> int | list[int]:
+        """What a forward's ``output_hidden_states`` must be for :meth:`features` (only those states are kept)."""
+        layers = self.feature_layers
+        return layers[0] if len(layers) == 1 else list(layers)
+
+    def features(self, hidden_states: tuple[Tensor, ...]) -> Tensor:
+        """The features [..., feature_size] of a forward run with ``output_hidden_states=hidden_states_request``
+        (transformers keeps the tuple's full length, the states not asked for being None)."""
+        states = [hidden_states[i] for i in self.feature_layers]
+        return states[0] if len(states) == 1 else torch.cat(states, dim=-1)
 
     @classmethod
     def for_model(
@@ -180,7 +207,8 @@ class DraftHeads(nn.Module, ModelHubMixin):
             use_base_lm_head=use_base_lm_head,
             draft_vocab_size=0 if dv is None else int(dv.numel()),
             base_model_name_or_path=getattr(model, "name_or_path", None) or None,
-            prefix_layer_config=cls._prefix_layer_config(base) if arch == "prefix-mlp" else None,
+            prefix_layer_config=cls._prefix_layer_config(base) if arch in LAYER_ARCHS else None,
+            feature_layers=cls._default_feature_layers(base, arch),
         )
         heads = cls(config)
         if dv is not None:
@@ -191,6 +219,10 @@ class DraftHeads(nn.Module, ModelHubMixin):
     @staticmethod
     def _prefix_layer_config(base_config: Any) -> dict[str, Any]:
         raise ValueError("this heads family has no prefix layer")
+
+    @staticmethod
+    def _default_feature_layers(base_config: Any, arch: str) -> list[int] | None:
+        return None
 
     @torch.no_grad()
     def init_lm_heads_from(self, model: nn.Module) -> "DraftHeads":
@@ -263,6 +295,10 @@ class DraftHeads(nn.Module, ModelHubMixin):
         model_h = getattr(text_config(getattr(model, "config", None)), "hidden_size", None)
         if isinstance(model_h, int) and model_h != h:
             yield f"heads hidden_size {h} != the model config's hidden_size {model_h}"
+        depth = getattr(text_config(getattr(model, "config", None)), "num_hidden_layers", None)
+        deepest = max(self.feature_layers)
+        if isinstance(depth, int) and deepest > depth:
+            yield f"the heads read hidden state {deepest}, but the model has {depth} layers (states 0..{depth})"
         prefix = self.config.prefix_layer_config
         if prefix is not None and isinstance(model_h, int) and prefix.get("hidden_size") != model_h:
             yield f"the prefix layer's hidden_size {prefix.get('hidden_size')} != the model's {model_h}"
@@ -298,8 +334,9 @@ class DraftHeads(nn.Module, ModelHubMixin):
         return hidden
 
     @torch.no_grad()
-    def observe(self, state: DraftState, hidden: Tensor) -> None:
-        """Feed the last hidden states [T, H] of newly accepted positions, in order."""
+    def observe(self, state: DraftState, hidden: Tensor, tokens: Tensor | None = None) -> None:
+        """Feed the last hidden states [T, H] of newly accepted positions, in order; ``tokens`` [T],
+        the ids at those positions, are read by families that pair features with tokens (EAGLE)."""
         if hidden.dim() == 3 and hidden.shape[0] == 1:
             hidden = hidden[0]
         if hidden.dim() != 2 or hidden.shape[-1] != self.config.hidden_size or hidden.shape[0] == 0:
@@ -352,7 +389,7 @@ class DraftHeads(nn.Module, ModelHubMixin):
         return project(x.reshape(-1, x.shape[-1]), lm_weight, lm_bias, kernel).reshape(*x.shape[:-1], -1)
 
     def _train_lm(self, lm_head: nn.Module | None) -> tuple[Tensor | None, Tensor | None]:
-        if self.lm_heads is not None:
+        if not self.config.use_base_lm_head:
             return None, None
         if lm_head is None:
             raise ValueError("these heads use the base LM head: pass lm_head=model.get_output_embeddings()")

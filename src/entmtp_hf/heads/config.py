@@ -18,13 +18,16 @@ from ..files import brief_list, brief_repr
 
 #: Version of the on-disk layout written by ``save_pretrained``; bump on breaking changes.
 FORMAT_VERSION = 1
-FAMILIES = ("hydra", "medusa")
-HEAD_ARCHS = {"hydra": ("mlp", "prefix-mlp"), "medusa": ("mlp",)}
+FAMILIES = ("hydra", "medusa", "eagle")
+HEAD_ARCHS = {"hydra": ("mlp", "prefix-mlp"), "medusa": ("mlp",), "eagle": ("eagle", "eagle3")}
+#: archs built on a one-layer copy of the base config (``prefix_layer_config``)
+LAYER_ARCHS = ("prefix-mlp", "eagle", "eagle3")
 #: Size limits, far above any published or trained heads (4-5 heads of 1-4 blocks, hidden
 #: sizes up to 8192, vocabularies up to ~256k) and low enough that a config cannot ask for
 #: an absurd module: every size is checked here before anything is built.
 MAX_HEADS = 64
 MAX_LAYERS = 64
+MAX_BASE_LAYERS = 4096  # a base model's depth, for the hidden-state indices an eagle3 drafter fuses
 MAX_HIDDEN_SIZE = 65536
 MAX_VOCAB_SIZE = 2**21
 #: The prefix layer's own sizes (attention heads, their width, the MLP width, positions).
@@ -137,17 +140,21 @@ def check_prefix_layer_config(cfg: Any, hidden_size: int) -> None:
 class HeadsConfig:
     """Shape and family of a set of draft heads (validated on construction)."""
 
-    family: str = field(metadata={"help": "'hydra' (path-dependent) or 'medusa' (independent)"})
-    num_heads: int = field(metadata={"help": "number of heads = maximum draft depth"})
+    family: str = field(metadata={"help": "'hydra' (path-dependent), 'medusa' (independent) or 'eagle' (feature drafter)"})
+    num_heads: int = field(metadata={"help": "number of heads = maximum draft depth (eagle: the depth it drafts to)"})
     hidden_size: int = field(metadata={"help": "hidden size H of the base model"})
     vocab_size: int = field(metadata={"help": "vocabulary size V of the base model"})
-    head_arch: str = field(default="mlp", metadata={"help": "'mlp' or (hydra only) 'prefix-mlp'"})
-    num_layers: int = field(default=1, metadata={"help": "residual blocks per head"})
+    head_arch: str = field(default="mlp", metadata={"help": "'mlp', (hydra) 'prefix-mlp', (eagle) 'eagle' or 'eagle3'"})
+    num_layers: int = field(default=1, metadata={"help": "residual blocks per head (eagle: decoder layers)"})
     use_base_lm_head: bool = field(default=False, metadata={"help": "project with the base LM head"})
     draft_vocab_size: int = field(default=0, metadata={"help": "V' of the drafting vocabulary; 0 = full"})
     base_model_name_or_path: str | None = field(default=None, metadata={"help": "base model the heads fit"})
     prefix_layer_config: dict[str, Any] | None = field(
-        default=None, metadata={"help": "base model config dict used to build the prefix layer (prefix-mlp)"}
+        default=None,
+        metadata={"help": "one-layer base model config dict the prefix layer (prefix-mlp) or drafter layers (eagle) are built from"},
+    )
+    feature_layers: list[int] | None = field(
+        default=None, metadata={"help": "eagle3: the base hidden-state indices fused into the drafter's feature"}
     )
     format_version: int = field(default=FORMAT_VERSION, metadata={"help": "on-disk layout version"})
 
@@ -172,10 +179,24 @@ class HeadsConfig:
             raise ConfigError(f"{_FIELD}.use_base_lm_head", f"must be a bool, got {brief_repr(self.use_base_lm_head)}")
         if self.base_model_name_or_path is not None and not isinstance(self.base_model_name_or_path, str):
             raise ConfigError(f"{_FIELD}.base_model_name_or_path", "must be a string or null")
-        if self.head_arch == "prefix-mlp":
+        if self.head_arch in LAYER_ARCHS:
             check_prefix_layer_config(self.prefix_layer_config, self.hidden_size)
         elif self.prefix_layer_config is not None:
-            raise ConfigError(_PREFIX, "is only used by head_arch='prefix-mlp'")
+            raise ConfigError(_PREFIX, f"is only used by head_arch in {LAYER_ARCHS}")
+        self._check_feature_layers()
+
+    def _check_feature_layers(self) -> None:
+        where, layers = f"{_FIELD}.feature_layers", self.feature_layers
+        if self.head_arch != "eagle3":
+            if layers is not None:
+                raise ConfigError(where, "is only used by head_arch='eagle3'")
+            return
+        if not isinstance(layers, list) or len(layers) != 3:
+            raise ConfigError(where, f"eagle3 fuses three base hidden states: a list of 3 indices, got {brief_repr(layers)}")
+        for index in layers:  # hidden-state indices: 0 is the embeddings' output (checked against a model in check_fits)
+            _check_int(where, index, 0, MAX_BASE_LAYERS)
+        if self.num_layers != 1:
+            raise ConfigError(f"{_FIELD}.num_layers", f"eagle3 has one decoder layer, got {self.num_layers}")
 
     @property
     def draft_vocab_rows(self) -> int:

@@ -148,7 +148,7 @@ class Weights:
     nbytes: int  # total size of the files, which bounds what loading them may allocate
 
 
-def _stored(tensor: torch.Tensor) -> StoredTensor:
+def stored_tensor(tensor: torch.Tensor) -> StoredTensor:
     return StoredTensor(tensor.shape, tensor.dtype, lambda: tensor)
 
 
@@ -232,7 +232,7 @@ def open_pickle(path: str, keys_with_prefix: str | None = None) -> Weights:
             f"(weights_only=True) and nothing in the file was executed ({type(e).__name__}: {e})",
         ) from e
     tensors = _check_tensors(data, path)
-    kept = {k.removeprefix(keys_with_prefix or ""): _stored(v) for k, v in tensors.items()
+    kept = {k.removeprefix(keys_with_prefix or ""): stored_tensor(v) for k, v in tensors.items()
             if keys_with_prefix is None or k.startswith(keys_with_prefix)}  # fmt: skip
     return Weights(path, kept, os.path.getsize(path))
 

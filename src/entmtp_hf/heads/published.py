@@ -1,4 +1,4 @@
-"""Reading the published Hydra and Medusa checkpoints into this project's heads.
+"""Reading the published Hydra, Medusa and EAGLE checkpoints into this project's heads.
 
 Facts about the layouts (key names, quirks) are in docs/DESIGN §2. In short:
 
@@ -11,6 +11,14 @@ Facts about the layouts (key names, quirks) are in docs/DESIGN §2. In short:
   ``{i}.{j}.linear.*`` and ``{i}.{L}.weight``; Medusa-2 full models prefix them with
   ``medusa_head.``. Head and layer counts come from the weights (the published 7B
   config understates the head count).
+* EAGLE-1/2 (SafeAILab/EAGLE ``cnets1.py``): a one-layer Llama ``config.json`` (no marker of its
+  own) and ``pytorch_model.bin`` with ``fc.weight`` [H, 2H] (``fc.bias`` unless the config says
+  ``"bias": false``), ``layers.0.*`` without ``input_layernorm``, and a copy of the base
+  embeddings (``embed_tokens.weight``, ignored: the base model's own are used); no final norm,
+  the base LM head. EAGLE-3 (``cnets.py``): ``fc.weight`` [H, 3H], ``midlayer.*`` (q/k/v read
+  2H), ``norm.weight``, its own ``lm_head.weight`` [V', H] and ``d2t`` (target id = draft id +
+  d2t[draft id]; ``t2d`` is its inverse, ignored); the fused states are the inputs of base
+  layers 2, L/2 and L-3, so the base config is needed (``base_config``).
 
 Importing this module registers both formats. Pickles are read weights-only and memory-mapped;
 shard names from an index are refused when they leave the folder or repo; every size read off
@@ -23,9 +31,12 @@ import re
 import warnings
 from typing import Any
 
+import torch
+
 from ..files import brief_list, brief_repr
 from .config import MAX_HEADS, MAX_LAYERS, HeadsConfig
-from .files import MAX_INDEX_BYTES, HeadsLoadError, Weights, merge_weights, open_weights, read_json
+from .files import MAX_INDEX_BYTES, HeadsLoadError, Weights, stored_tensor, merge_weights, open_weights, read_json
+from .eagle import EagleHeads
 from .hydra import HydraHeads, prefix_layer_config
 from .medusa import MedusaHeads
 from .registry import Resolver, build_checked, register_format
@@ -36,6 +47,12 @@ MEDUSA_WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 MEDUSA_FULL_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
 MEDUSA_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 MEDUSA2_PREFIX = "medusa_head."
+EAGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+EAGLE_IGNORED = ("embed_tokens.weight", "t2d", "rotary_emb.inv_freq")
+#: published EAGLE config keys that are not the layer's architecture
+EAGLE_CONFIG_KEYS = ("bias", "draft_vocab_size", "target_hidden_size", "qkv_bias")
+#: tree depth a published EAGLE drafter may draft to (its checkpoints do not say; EAGLE's own trees go to 5-8)
+EAGLE_MAX_DEPTH = 12
 _MISSING = object()
 
 
@@ -236,5 +253,96 @@ def load_published_medusa(
     return build_checked(config, weights, cfg_path, lambda k: medusa_published_name(k, num_layers))
 
 
+# --------------------------------------------------------------------------- EAGLE
+def is_eagle_config(cfg: dict[str, Any]) -> bool:
+    """A published EAGLE drafter's config: a one-layer Llama config (EAGLE-3's names its draft vocabulary)."""
+    return cfg.get("num_hidden_layers") == 1 and "hidden_size" in cfg and (
+        "draft_vocab_size" in cfg or cfg.get("model_type", "llama") == "llama"
+    )
+
+
+def eagle_published_name(own_key: str, arch: str) -> str:
+    """The published key of one of :class:`EagleHeads`' tensors (EAGLE-3 names its layer ``midlayer``)."""
+    if arch == "eagle3" and own_key.startswith("layers.0."):
+        return "midlayer." + own_key.removeprefix("layers.0.")
+    return own_key
+
+
+def _eagle_layer_config(cfg: dict[str, Any], cfg_path: str) -> dict[str, Any]:
+    """The drafter layer's architecture from a published EAGLE config (RoPE theta 10000 unless it says)."""
+    if cfg.get("qkv_bias"):
+        raise HeadsLoadError(cfg_path, "EAGLE drafters with qkv_bias=true are not supported")
+    layer = {k: v for k, v in cfg.items() if k not in EAGLE_CONFIG_KEYS and k not in ("architectures", "_name_or_path")}
+    layer.setdefault("model_type", "llama")
+    layer.setdefault("hidden_act", "silu")
+    if layer["model_type"] != "llama":
+        raise HeadsLoadError(cfg_path, f"EAGLE drafters are Llama layers; got model_type {brief_repr(layer['model_type'])}")
+    try:
+        from transformers import LlamaConfig
+
+        return prefix_layer_config(LlamaConfig.from_dict(layer))
+    except Exception as e:
+        raise HeadsLoadError(cfg_path, f"not a valid EAGLE drafter config ({type(e).__name__}: {e})") from e
+
+
+def load_published_eagle(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, base_config: Any = None) -> EagleHeads:
+    """An EAGLE-1/2 or EAGLE-3 drafter from its published checkpoint (``base_config``: the base
+    model's config, needed by EAGLE-3 for its fused layers)."""
+    path = _first_file(resolve, EAGLE_WEIGHT_FILES)
+    if path is None:
+        raise HeadsLoadError(cfg_path, f"no EAGLE weights next to it (looked for {', '.join(EAGLE_WEIGHT_FILES)})")
+    weights = open_weights(path)
+    tensors = dict(weights.tensors)
+    arch = "eagle3" if "midlayer.self_attn.q_proj.weight" in tensors else "eagle"
+    if "fc.weight" not in tensors:
+        raise HeadsLoadError(path, "no 'fc.weight': not an EAGLE drafter's weights")
+    hidden, fc_in = _shape(weights, "fc.weight", 2)
+    if fc_in != (3 if arch == "eagle3" else 2) * hidden:
+        raise HeadsLoadError(path, f"fc.weight has shape {(hidden, fc_in)}; {arch} expects [H, {3 if arch == 'eagle3' else 2}H]")
+    layer = _eagle_layer_config(cfg, cfg_path)
+    vocab = _field(cfg, "vocab_size", int, cfg_path)
+    fields: dict[str, Any] = dict(family="eagle", head_arch=arch, num_heads=EAGLE_MAX_DEPTH, num_layers=1,
+                                  hidden_size=hidden, vocab_size=vocab, prefix_layer_config=layer)  # fmt: skip
+    if arch == "eagle":
+        layers = {int(k.split(".")[1]) for k in tensors if re.fullmatch(r"layers\.\d{1,3}\..+", k)}
+        if layers != set(range(len(layers))) or not layers:
+            raise HeadsLoadError(path, f"EAGLE layers [{brief_list(sorted(layers))}] are not 0..n-1")
+        fields.update(num_layers=len(layers), use_base_lm_head=True)
+        if "fc.bias" not in tensors and cfg.get("bias", True) is False:  # the LLaMA-3 drafters' fc has no bias
+            tensors["fc.bias"] = stored_tensor(torch.zeros(hidden, dtype=tensors["fc.weight"].dtype or torch.float32))
+    else:
+        d2t = _check_d2t(weights, vocab)
+        fields.update(draft_vocab_size=int(d2t.numel()), feature_layers=_eagle3_layers(base_config, cfg_path))
+        tensors["draft_vocab"] = stored_tensor(torch.arange(d2t.numel()) + d2t)
+        del tensors["d2t"]
+    config = _sized_config(weights, cfg_path, **fields)
+    checked = Weights(weights.path, tensors, weights.nbytes + 8 * vocab + 4 * hidden)
+    return build_checked(config, checked, cfg_path, lambda k: eagle_published_name(k, arch), ignore=EAGLE_IGNORED)
+
+
+def _check_d2t(weights: Weights, vocab: int) -> torch.Tensor:
+    """EAGLE-3's draft-to-target offsets, read and checked: integer, every target id in range and distinct."""
+    (rows,) = _shape(weights, "d2t", 1)
+    d2t = weights.tensors["d2t"].read()
+    if d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise HeadsLoadError(weights.path, f"d2t must hold integer offsets, got {d2t.dtype}")
+    target = torch.arange(rows) + d2t.long()
+    if rows > vocab or int(target.min()) < 0 or int(target.max()) >= vocab or target.unique().numel() != rows:
+        raise HeadsLoadError(weights.path, f"d2t maps its {rows} draft ids outside [0, {vocab}) or onto repeated ids")
+    return d2t.long()
+
+
+def _eagle3_layers(base_config: Any, cfg_path: str) -> list[int]:
+    depth = getattr(getattr(base_config, "get_text_config", lambda **_: base_config)(decoder=True), "num_hidden_layers",
+                    None) if base_config is not None else None  # fmt: skip
+    if isinstance(base_config, dict):
+        depth = base_config.get("num_hidden_layers")
+    if not isinstance(depth, int) or depth < 1:
+        raise HeadsLoadError(cfg_path, "an EAGLE-3 drafter fuses base layers 2, L/2 and L-3: pass base_config= "
+                             "(the base model's config; enable_entmtp does)")  # fmt: skip
+    return EagleHeads._default_feature_layers(type("Base", (), {"num_hidden_layers": depth}), "eagle3")
+
+
 register_format("hydra", "hydra_num_heads", load_published_hydra)
 register_format("medusa", "medusa_num_heads", load_published_medusa)
+register_format("eagle", "", load_published_eagle, detect=is_eagle_config)

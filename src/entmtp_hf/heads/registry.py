@@ -46,25 +46,31 @@ def register_heads(family: str) -> Callable[[_H], _H]:
 
 @dataclass(frozen=True)
 class CheckpointFormat:
-    """A checkpoint layout: recognised by a key of its ``config.json``, read by ``load``."""
+    """A checkpoint layout: recognised by a key of its ``config.json`` (or ``detect``), read by ``load``."""
 
     name: str
-    marker: str  # the config.json key that identifies the format
+    marker: str  # the config.json key that identifies the format ('' when ``detect`` does)
     load: Loader
+    detect: Callable[[dict[str, Any]], bool] | None = None
+
+    def matches(self, cfg: dict[str, Any]) -> bool:
+        return (bool(self.marker) and self.marker in cfg) or (self.detect is not None and self.detect(cfg))
 
 
 #: formats in registration order, which is the order they are tried in
 FORMATS: dict[str, CheckpointFormat] = {}
 
 
-def register_format(name: str, marker: str, load: Loader) -> None:
-    """Add a checkpoint format recognised by ``marker`` in ``config.json`` and read by ``load``."""
-    FORMATS[name] = CheckpointFormat(name, marker, load)
+def register_format(name: str, marker: str, load: Loader,
+                    detect: Callable[[dict[str, Any]], bool] | None = None) -> None:  # fmt: skip
+    """Add a checkpoint format recognised by ``marker`` in ``config.json`` (or by ``detect(cfg)``,
+    for layouts without a key of their own) and read by ``load``."""
+    FORMATS[name] = CheckpointFormat(name, marker, load, detect)
 
 
 def detect_format(cfg: dict[str, Any]) -> str:
-    """The name of the first registered format whose marker key ``cfg`` holds ('' if none)."""
-    return next((f.name for f in FORMATS.values() if f.marker in cfg), "")
+    """The name of the first registered format that recognises ``cfg`` ('' if none)."""
+    return next((f.name for f in FORMATS.values() if f.matches(cfg)), "")
 
 
 def load_from_source(
@@ -85,8 +91,8 @@ def load_from_source(
     cfg = read_json(cfg_path)
     kind = detect_format(cfg)
     if not kind:
-        markers = ", ".join(repr(f.marker) for f in FORMATS.values())
-        raise HeadsLoadError(cfg_path, f"not a draft-heads config (none of the fields {markers}){_foreign(cfg)}")
+        markers = ", ".join(repr(f.marker) for f in FORMATS.values() if f.marker)
+        raise HeadsLoadError(cfg_path, f"not a draft-heads config (none of the fields {markers}, nor a one-layer EAGLE config){_foreign(cfg)}")
     heads = FORMATS[kind].load(cfg, cfg_path, resolve, base_config)
     heads.name_or_path = os.fspath(source)
     return heads

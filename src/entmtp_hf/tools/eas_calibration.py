@@ -70,11 +70,12 @@ def replay_chains(model, heads, tokens: Sequence[int], prompt_len: int) -> Chain
     if not 0 < prompt_len < len(tokens):
         raise ValueError(f"prompt_len {prompt_len} must be within the {len(tokens)} tokens")
     device = model.get_output_embeddings().weight.device
-    hidden = model(input_ids=torch.tensor([list(tokens)], device=device), output_hidden_states=True).hidden_states[-1][0]
+    ids = torch.tensor([list(tokens)], device=device)
+    hidden = heads.features(model(input_ids=ids, output_hidden_states=heads.hidden_states_request).hidden_states)[0]
     depth = heads.num_heads
     buffers = Tree.chain(depth).buffers(next(heads.parameters()).device, hidden.dtype)
     state = heads.new_state(model)
-    heads.observe(state, hidden[:prompt_len])
+    heads.observe(state, hidden[:prompt_len], tokens=ids[0, :prompt_len])
     entropies, matches = [], []
     for r in range(prompt_len, len(tokens)):
         prop = heads.propose(state, torch.tensor(tokens[r], device=device), buffers)
@@ -85,7 +86,7 @@ def replay_chains(model, heads, tokens: Sequence[int], prompt_len: int) -> Chain
             m += 1
         entropies.append([round(float(h), 5) for h in prop.entropy[1:].tolist()])
         matches.append(m)
-        heads.observe(state, hidden[r : r + 1])
+        heads.observe(state, hidden[r : r + 1], tokens=ids[0, r : r + 1])
     return ChainReplay(prompt_len, list(map(int, tokens)), entropies, matches)
 
 
@@ -200,9 +201,9 @@ def drafting_costs(model, heads, repeats: int = 30, prefix_len: int = 128, progr
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, prefix_len), generator=g).to(device)
     with torch.no_grad():
-        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
+        hidden = heads.features(model(input_ids=ids, output_hidden_states=heads.hidden_states_request).hidden_states)[0]
         state = heads.new_state(model)
-        heads.observe(state, hidden)
+        heads.observe(state, hidden, tokens=ids[0])
         root = ids[0, -1]
         times: dict[int, list[float]] = {d: [] for d in range(1, depth + 1)}
         for r in tqdm(range(repeats + 1), desc="drafting costs", unit="round", disable=not progress):
@@ -367,8 +368,8 @@ def measure_overhead(model=None, heads=None, repeats: int = 200, tree=None) -> d
     state = heads.new_state(model)
     ids = torch.randint(0, model.config.vocab_size, (1, 300))
     with torch.no_grad():
-        out = model(ids, output_hidden_states=-1, use_cache=True)
-        heads.observe(state, out.hidden_states[-1][0])
+        out = model(ids, output_hidden_states=heads.hidden_states_request, use_cache=True)
+        heads.observe(state, heads.features(out.hidden_states)[0], tokens=ids[0])
         cache = out.cache if hasattr(out, "cache") else out.past_key_values
         root = out.logits[0, -1].argmax()
 

@@ -91,12 +91,13 @@ def trace_generation(model, heads, prompt_ids: Sequence[int], output_ids: Sequen
     device = next(model.parameters()).device
     seq = list(prompt_ids) + list(output_ids)
     start = len(prompt_ids)
-    out = model(input_ids=torch.tensor([seq], device=device), output_hidden_states=-1)
+    seq_ids = torch.tensor([seq], device=device)
+    out = model(input_ids=seq_ids, output_hidden_states=heads.hidden_states_request)
     top1, entropy = (x.tolist() for x in top1_and_entropy(out.logits[0].float()))
-    hidden = out.hidden_states[-1][0]
+    hidden = heads.features(out.hidden_states)[0]
     chain_buffers = Tree.chain(heads.num_heads).buffers(next(heads.parameters()).device, hidden.dtype)
     state = heads.new_state(model)
-    heads.observe(state, hidden[:start])
+    heads.observe(state, hidden[:start], tokens=seq_ids[0, :start])
     rows, targets, emas = [], [], {w: None for w in ENTROPY_WINDOWS}
     prev, r = None, start
     for k, a in enumerate(accept_lengths[:-1]):  # the last step may be cut by stopping
@@ -114,7 +115,7 @@ def trace_generation(model, heads, prompt_ids: Sequence[int], output_ids: Sequen
         targets.append(a)
         prev = (r, chain)
         nxt = min(r + a, len(seq))
-        heads.observe(state, hidden[r:nxt])
+        heads.observe(state, hidden[r:nxt], tokens=seq_ids[0, r:nxt])
         r = nxt
     return np.asarray(rows, dtype=np.float64).reshape(-1, len(FEATURES)), np.asarray(targets, dtype=np.float64)
 

@@ -54,13 +54,13 @@ def _deepest_reached(b, reached: torch.Tensor, allowed: torch.Tensor, logp: torc
     return int(torch.where(reached & allowed, key, torch.full_like(key, -1e18)).argmax())
 
 
-def _verify(model, cache, b, tokens: torch.Tensor, next_pos: int):
+def _verify(model, heads, cache, b, tokens: torch.Tensor, next_pos: int):
     """One base-model forward over a drafted tree appended to the cache."""
     prefix_len = int(cache.get_seq_length())
     dtype = b.attn_mask.dtype
     mask = tree_attention_mask(b, torch.zeros(prefix_len, dtype=dtype, device=tokens.device), prefix_len + b.num_nodes)
     return model(input_ids=tokens[None], attention_mask=mask, position_ids=(b.position_ids + next_pos)[None],
-                 cache=cache, use_cache=True, output_hidden_states=-1)  # fmt: skip
+                 cache=cache, use_cache=True, output_hidden_states=heads.hidden_states_request)  # fmt: skip
 
 
 @torch.no_grad()
@@ -93,13 +93,13 @@ def joint_rollout(
         return sample_picks(scores, generator)
 
     state, cache = heads.new_state(model), DynamicCache(config=model.config)
-    out = model(input_ids=torch.tensor([list(prompt)], device=device), cache=cache, use_cache=True,
-                output_hidden_states=-1)  # fmt: skip
-    heads.observe(state, out.hidden_states[-1][0])
+    prompt_ids = torch.tensor([list(prompt)], device=device)
+    out = model(input_ids=prompt_ids, cache=cache, use_cache=True, output_hidden_states=heads.hidden_states_request)
+    heads.observe(state, heads.features(out.hidden_states)[0], tokens=prompt_ids[0])
     root, emitted, next_pos, counts = int(pick(out.logits[0, -1:])[0]), 1, len(prompt), RolloutCounts()
     while emitted < max_new_tokens and root not in eos:
         tokens = heads.propose(state, torch.tensor(root, device=device), b).tokens.to(device)
-        out = _verify(model, cache, b, tokens, next_pos)
+        out = _verify(model, heads, cache, b, tokens, next_pos)
         picks = pick(out.logits[0])
         ok, logp = _node_checks(rule, out.logits[0].float() * scale, tokens, b, picks, epsilon, alpha)
         reached = (ok[b.ancestors.clamp(min=0)] | (b.ancestors < 0)).all(-1)
@@ -116,7 +116,7 @@ def joint_rollout(
         )
         path = b.ancestors[last][: depth[last] + 1].tolist()
         keep_accepted(cache, int(cache.get_seq_length()) - joint.num_nodes, joint.num_nodes, path)
-        heads.observe(state, out.hidden_states[-1][0, path])
+        heads.observe(state, heads.features(out.hidden_states)[0, path], tokens=tokens[path])
         root = (tokens[path[1:]].tolist() + [int(picks[last])])[n_tree - 1]
         emitted, next_pos = emitted + n_tree, next_pos + len(path)
     return counts

@@ -54,8 +54,8 @@ def step_table(
     :data:`~entmtp_hf.tools.search.replay.SIGNALS` there, from one teacher-forced pass."""
     device = model.get_output_embeddings().weight.device
     ids = torch.tensor([list(tokens)], device=device)
-    out = model(input_ids=ids, output_hidden_states=-1)
-    logits = heads.forward_train(out.hidden_states[-1], ids, model.get_input_embeddings(),
+    out = model(input_ids=ids, output_hidden_states=heads.hidden_states_request)
+    logits = heads.forward_train(heads.features(out.hidden_states), ids, model.get_input_embeddings(),
                                  model.get_output_embeddings())  # fmt: skip
     length = len(tokens)
     starts = torch.arange(prompt_len - 1, length - 2, device=device)  # t = P-1 .. L-3

@@ -16,7 +16,8 @@ from .teacher import prepare_teacher_cache
 
 _HELP = {
     "model": "base model (Hub id or folder); default: the demo model SmolLM2-135M-Instruct",
-    "family": "heads family: hydra or medusa", "arch": "head architecture: mlp or (hydra) prefix-mlp",
+    "family": "heads family: hydra, medusa or eagle (default: eagle for the eagle archs, else hydra)",
+    "arch": "head architecture: mlp, (hydra) prefix-mlp, (eagle) eagle (EAGLE-1/2 layout) or eagle3",
     "work_dir": "folder of the teacher cache (WORK/data) and runs (WORK/RUN); keep it out of git",
     "run_name": "run folder name under WORK (default FAMILY-ARCH)",
     "output": "folder for the final heads (default WORK/RUN/final)",

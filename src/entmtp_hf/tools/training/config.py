@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...heads import HEADS_REGISTRY
+from ...heads.config import HEAD_ARCHS
 
 DEMO_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SOURCES = ("distill", "gsm8k", "stdlib")
@@ -20,7 +21,7 @@ class TrainConfig:
     """Everything a heads-training run depends on (saved with every checkpoint)."""
 
     model: str | None = field(default=None, metadata={"help": "base model id/folder; None = demo model"})
-    family: str = "hydra"
+    family: str = ""  # "": the arch's family (eagle for the eagle archs, else hydra)
     arch: str = "mlp"
     num_heads: int = 4
     num_layers: int = 1
@@ -59,6 +60,10 @@ class TrainConfig:
     tau_new_tokens: int = 64
 
     def __post_init__(self) -> None:
+        self.family = self.family or ("eagle" if self.arch in HEAD_ARCHS["eagle"] else "hydra")
+        if self.arch == "eagle3":
+            raise ValueError("arch 'eagle3' fuses three base layers' states, which the teacher cache does not store "
+                             "(it keeps the last one): train arch 'eagle'")  # fmt: skip
         if self.family not in HEADS_REGISTRY:
             raise ValueError(f"family must be one of {sorted(HEADS_REGISTRY)}, got {self.family!r}")
         if self.schedule not in ("cosine", "linear"):

@@ -47,8 +47,18 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
 @torch.no_grad()
 def warm_start(heads: DraftHeads, hidden_rms: float = 1.0) -> DraftHeads:
     """Start every head as "base LM head on c_t": zero block linears, identity on the c_t slice
-    of Hydra's first-block projection; a prefix layer starts as (scaled) identity."""
+    of Hydra's first-block projection; a prefix layer starts as (scaled) identity. An EAGLE
+    drafter starts as the identity on the feature (``fc`` passes f_j through, every layer's
+    output projections are zero), so it first predicts what the base model's own head would."""
     h = heads.config.hidden_size
+    fc = getattr(heads, "fc", None)
+    if isinstance(fc, nn.Linear) and fc.in_features == 2 * h:  # EAGLE-1/2: fc(cat(E(x), f))
+        fc.weight[:, h:] = torch.eye(h, dtype=fc.weight.dtype, device=fc.weight.device)
+        fc.weight[:, :h].mul_(0.1)
+        fc.bias.zero_()
+    for name, p in heads.named_parameters():
+        if name.startswith("layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            p.zero_()
     for blocks in heads.mlps:
         for block in blocks:
             nn.init.zeros_(block.linear.weight)

@@ -113,7 +113,7 @@ def evaluate_heads(heads: DraftHeads, embed: nn.Module, lm_head: nn.Module, cach
 
 def tau_prompts(cache: TeacherCache, tokenizer, count: int, seed: int, val_fraction: float) -> list[list[int]]:
     """Held-out chat prompts: half from held-out distilled records, the rest held-out GSM8K train questions."""
-    from ... import data as D
+    from ..data import datasets as D
 
     ks = [k for k in cache.split(SPLIT_VAL) if cache.seqs[k, 4] == SOURCES.index("distill")]
     out = [cache.ids(k)[: cache.seqs[k, 2] + 1].tolist() for k in ks[: (count + 1) // 2]]

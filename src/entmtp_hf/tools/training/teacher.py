@@ -81,7 +81,7 @@ def _take(items: Iterable[TokenSeq], budget: int) -> list[TokenSeq]:
 
 def build_sequences(tokenizer, cfg: TrainConfig, log=print) -> tuple[list[TokenSeq], dict]:
     """The run's documents under the token budget, and a manifest describing them."""
-    from ... import data as D
+    from ..data import datasets as D
 
     rng = np.random.default_rng(cfg.seed)
     vf, budget = cfg.val_fraction, cfg.max_tokens

@@ -1,0 +1,395 @@
+"""EAGLE-style feature drafters: a small decoder that predicts the base model's next feature.
+
+Two architectures (their published layouts: docs/heads.md):
+
+* ``eagle`` (EAGLE-1/2): ``fc`` maps concat[E(x_{j+1}), f_j] (2H) to H, then decoder layer(s)
+  of the base architecture (the first without its input norm); no final norm, and the output
+  goes to the base LM head (rows restricted to the drafting vocabulary). The committed feature
+  f_j is the base model's last hidden state after the final norm.
+* ``eagle3`` (EAGLE-3): the committed feature is ``fc`` of the base model's low, middle and high
+  layer states (3H -> H); one layer whose attention reads concat[norm(E(x)), norm(f)] (2H)
+  with f as the residual; a final norm and its own LM head over a drafting vocabulary.
+
+How it drafts. The drafter runs over *pairs* (f_j, x_{j+1}), the feature at position j and the
+token after it; its output at pair j stands for f_{j+1} and scores token x_{j+2}. For drafted
+nodes the feature is the drafter's own output at the node's parent. ``observe(state, hidden,
+tokens)`` queues the pairs it can complete (the last feature waits for its token: the root,
+which ``propose`` brings); ``propose`` runs the queued pairs into the drafter's cache (they are
+committed text), then drafts the tree depth by depth, one call per depth over that depth's
+expanded nodes, each attending to the committed cache and to its own ancestors (a tree mask).
+The drafted keys and values live only inside ``propose``; the committed cache never holds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..trees.tree import TreeBuffers
+from .base import DraftHeads, DraftState, Proposal, StopFn
+from .hydra import _architecture_classes, build_prefix_config, prefix_layer_config
+from .registry import register_heads
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on ``x`` [..., T, d] with ``cos`` / ``sin`` [T, d] (the rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)``, computed in float32 or wider (the base layers' float32 norm, exact in float64)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class DraftAttention(nn.Module):
+    """Grouped-query attention with RoPE over a plain key/value cache, under an additive mask."""
+
+    def __init__(self, config: Any, in_features: int) -> None:
+        super().__init__()
+        h, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or h // self.num_heads
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+
+    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (rotated) and values [kv_heads, Q, d] of inputs ``x`` [Q, in]."""
+        q_len = x.shape[0]
+        k = self.k_proj(x).view(q_len, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(q_len, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        return rotate(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """Queries from ``x`` [Q, in] over ``keys`` / ``values`` [kv_heads, K, d] (the queries' own
+        included) under ``mask`` [Q, K] (additive)."""
+        q_len = x.shape[0]
+        q = rotate(self.q_proj(x).view(q_len, self.num_heads, self.head_dim).transpose(0, 1), cos, sin)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
+                                             enable_gqa=self.num_heads != self.num_kv_heads)  # fmt: skip
+        return self.o_proj(out[0].transpose(0, 1).reshape(q_len, -1))
+
+
+class DraftMLP(nn.Module):
+    """The base architecture's gated MLP: ``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        h, i, bias = config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """One drafter decoder layer. ``fused`` (EAGLE-3): attention reads concat[norm(emb), norm(x)]
+    (2H) and ``x`` is the residual; else a base-style layer on ``x`` whose input norm is absent
+    in the first layer (EAGLE-1/2: ``fc``'s output enters attention unnormalised)."""
+
+    def __init__(self, config: Any, fused: bool, input_norm: bool) -> None:
+        super().__init__()
+        h, eps, norm_cls = config.hidden_size, config.rms_norm_eps, RMSNorm
+        self.fused = fused
+        self.self_attn = DraftAttention(config, 2 * h if fused else h)
+        self.mlp = DraftMLP(config)
+        self.input_layernorm = norm_cls(h, eps=eps) if input_norm or fused else None
+        self.hidden_norm = norm_cls(h, eps=eps) if fused else None
+        self.post_attention_layernorm = norm_cls(h, eps=eps)
+
+    def attention_input(self, x: Tensor, emb: Tensor | None) -> Tensor:
+        if self.fused:
+            return torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], dim=-1)
+        return self.input_layernorm(x) if self.input_layernorm is not None else x
+
+    def finish(self, x: Tensor, attn: Tensor) -> Tensor:
+        """Residual around attention, then the MLP block."""
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class EagleCache:
+    """The drafter's per-call state: its committed keys and values (one pair per committed
+    position), the pairs waiting to be run, and the output at the last committed pair."""
+
+    keys: list[Tensor] = field(default_factory=list)  # per layer [kv_heads, L, d]
+    values: list[Tensor] = field(default_factory=list)
+    length: int = 0
+    queued_feats: list[Tensor] = field(default_factory=list)
+    queued_tokens: list[Tensor] = field(default_factory=list)
+    waiting: Tensor | None = None  # the last observed feature; its token is the next root
+    last_out: Tensor | None = None  # [H] output at the last committed pair (predicts depth 1)
+    last_root: Tensor | None = None
+
+
+@register_heads("eagle")
+class EagleHeads(DraftHeads):
+    """EAGLE-style drafter (archs ``eagle``: EAGLE-1/2, ``eagle3``: EAGLE-3). ``num_heads`` is the
+    deepest tree it drafts (and the training unroll); ``num_layers`` its decoder layers."""
+
+    lm_head_bias = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        layer_config = build_prefix_config(config.prefix_layer_config)
+        rope_cls = _architecture_classes(layer_config)[2]
+        h, fused = config.hidden_size, config.head_arch == "eagle3"
+        self.fused = fused
+        self.fc = nn.Linear((3 if fused else 2) * h, h, bias=not fused)
+        self.layers = nn.ModuleList(
+            DraftLayer(layer_config, fused, input_norm=i > 0) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(h, eps=layer_config.rms_norm_eps) if fused else None
+        self.lm_head = None if config.use_base_lm_head else nn.Linear(h, config.draft_vocab_rows, bias=False)
+        self.rotary_emb = rope_cls(config=layer_config)  # buffers are non-persistent: not saved
+
+    def _build_mlps(self) -> nn.ModuleList:
+        return nn.ModuleList()
+
+    def _build_lm_heads(self) -> None:
+        return None  # one LM head for every depth (``self.lm_head``), or the base one
+
+    @staticmethod
+    def _prefix_layer_config(base_config: Any) -> dict[str, Any]:
+        return prefix_layer_config(base_config)
+
+    @staticmethod
+    def _default_feature_layers(base_config: Any, arch: str) -> list[int] | None:
+        """EAGLE-3's choice: the inputs of base layers 2, L/2 and L-3 (hidden-state indices; 0 = embeddings)."""
+        if arch != "eagle3":
+            return None
+        n = base_config.num_hidden_layers
+        return [min(2, n), n // 2, max(n - 3, 0)]
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.feature_layers) if self.config.feature_layers else (-1,)
+
+    def _new_prefix_cache(self) -> Any:
+        return EagleCache()
+
+    # ------------------------------------------------------------------ the drafter's maths
+    def _rope(self, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.rotary_emb(like, positions[None])
+        return cos[0].to(like.dtype), sin[0].to(like.dtype)
+
+    def committed_feature(self, hidden: Tensor) -> Tensor:
+        """The drafter's input feature of committed positions: the base state, or (EAGLE-3) ``fc`` of the fused states."""
+        return self.fc(hidden) if self.fused else hidden
+
+    def _layer_input(self, feat: Tensor, emb: Tensor) -> Tensor:
+        return feat if self.fused else self.fc(torch.cat([emb, feat], dim=-1))
+
+    def run(self, feat: Tensor, emb: Tensor, positions: Tensor, past: tuple[list[Tensor], list[Tensor]],
+            mask: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
+        """Outputs [Q, H] of pairs (``feat``, ``emb``) [Q, H] at ``positions`` over the keys in ``past``
+        (per layer, [kv_heads, K, d]) and their own, under ``mask`` [Q, K + Q]; with their keys and values."""
+        cos, sin = self._rope(positions, feat)
+        x = self._layer_input(feat, emb)
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            a_in = layer.attention_input(x, emb)
+            k, v = layer.self_attn.project_kv(a_in, cos, sin)
+            keys = torch.cat([past[0][i], k], dim=1) if past[0] else k
+            values = torch.cat([past[1][i], v], dim=1) if past[1] else v
+            x = layer.finish(x, layer.self_attn(a_in, cos, sin, keys, values, mask))
+            new_keys.append(k)
+            new_values.append(v)
+        return x, new_keys, new_values
+
+    def logits(self, out: Tensor, lm_weight: Tensor | None, lm_bias: Tensor | None, kernel: str = "linear") -> Tensor:
+        """Scores over the drafting vocabulary of outputs ``out`` [..., H]."""
+        x = self.norm(out) if self.norm is not None else out
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        if lm_weight is None:
+            raise ValueError("this drafter uses the base LM head: pass it (new_state(model) / lm_head=...)")
+        return F.linear(x, lm_weight, lm_bias)
+
+    # ------------------------------------------------------------------ drafting
+    @torch.no_grad()
+    def observe(self, state: DraftState, hidden: Tensor, tokens: Tensor | None = None) -> None:
+        """Queue the pairs (feature, next token) that ``hidden`` [T, F] and ``tokens`` [T] (the ids at
+        those positions) complete; the last feature waits for the next root."""
+        if hidden.dim() == 3 and hidden.shape[0] == 1:
+            hidden = hidden[0]
+        if hidden.dim() != 2 or hidden.shape[-1] != self.feature_size or hidden.shape[0] == 0:
+            raise ValueError(f"observe expects features [T>0, {self.feature_size}] (batch size 1), got {tuple(hidden.shape)}")
+        if tokens is None or tokens.reshape(-1).shape[0] != hidden.shape[0]:
+            raise ValueError("an EAGLE drafter pairs each feature with the next token: pass tokens=[T] (the ids at "
+                             "the hidden states' positions)")  # fmt: skip
+        cache: EagleCache = state.prefix_cache
+        hidden, tokens = hidden.to(self._dtype), tokens.reshape(-1).to(hidden.device)
+        if cache.waiting is not None:
+            cache.queued_feats.append(cache.waiting[None])
+            cache.queued_tokens.append(tokens[:1])
+        if hidden.shape[0] > 1:
+            cache.queued_feats.append(hidden[:-1])
+            cache.queued_tokens.append(tokens[1:])
+        cache.waiting = hidden[-1]
+        state.num_observed += hidden.shape[0]
+        state.cond = hidden[-1]
+
+    def _commit(self, state: DraftState, root: Tensor) -> EagleCache:
+        """Run the queued pairs, the last one completed by ``root``, into the committed cache."""
+        cache: EagleCache = state.prefix_cache
+        if cache.waiting is None:
+            if cache.last_out is None:
+                raise ValueError("observe() the prompt's hidden states before propose()")
+            if not torch.equal(cache.last_root, root):
+                raise ValueError("propose() again with another root and nothing observed in between")
+            return cache
+        feats = torch.cat([*cache.queued_feats, cache.waiting[None]])
+        tokens = torch.cat([*cache.queued_tokens, root])
+        cache.queued_feats, cache.queued_tokens, cache.waiting, cache.last_root = [], [], None, root.clone()
+        n, past, dtype = feats.shape[0], cache.length, feats.dtype
+        positions = torch.arange(past, past + n, device=feats.device)
+        keys = torch.arange(past + n, device=feats.device)
+        mask = torch.zeros(n, past + n, dtype=dtype, device=feats.device)
+        mask.masked_fill_(keys[None, :] > positions[:, None], torch.finfo(dtype).min)
+        emb = state.embed(tokens).to(dtype)
+        out, k, v = self.run(self.committed_feature(feats), emb, positions, (cache.keys, cache.values), mask)
+        cache.keys = [torch.cat([a, b], dim=1) for a, b in zip(cache.keys, k)] if cache.keys else k
+        cache.values = [torch.cat([a, b], dim=1) for a, b in zip(cache.values, v)] if cache.values else v
+        cache.length += n
+        cache.last_out = out[-1]
+        return cache
+
+    @torch.no_grad()
+    def propose(
+        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None,
+        temperature: float = 1.0,
+    ) -> Proposal:
+        """Draft the tree depth by depth, one drafter call per depth over its expanded nodes
+        (``until``, ``temperature``: see the base class).
+
+        ``outs[n]`` is the drafter's output at node n's pair (node 0: the last committed pair);
+        a node's children come from its output's scores, and the pair of an expanded node at
+        depth d is (its parent's output, its token) at position root + d.
+        """
+        tokens, probs, entropy = self._start(state, root_token, buffers)
+        cache = self._commit(state, tokens[:1])
+        dtype, device, n = cache.last_out.dtype, tokens.device, buffers.num_nodes
+        outs = cache.last_out.new_empty(n, cache.last_out.shape[0])
+        outs[0] = cache.last_out
+        row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # a drafted pair's row in the scratch keys
+        keys, values = list(cache.keys), list(cache.values)
+        drafted = 0
+        for i, step in enumerate(buffers.depth_plan):
+            if i > 0:  # step.parents sit at depth i: run their pairs
+                parents = step.parents
+                row_of[parents] = torch.arange(drafted, drafted + parents.shape[0], device=device)
+                mask = self._tree_mask(buffers, parents, row_of, cache.length, drafted, dtype)
+                positions = torch.full((parents.shape[0],), cache.length - 1 + i, dtype=torch.long, device=device)
+                emb = state.embed(tokens[parents]).to(dtype)
+                out, k, v = self.run(outs[buffers.parents[parents]], emb, positions, (keys, values), mask)
+                keys = [torch.cat([a, b], dim=1) for a, b in zip(keys, k)]
+                values = [torch.cat([a, b], dim=1) for a, b in zip(values, v)]
+                outs[parents] = out
+                drafted += parents.shape[0]
+            logits = self.logits(outs[step.parents], state.lm_weight, state.lm_bias, state.kernel)
+            tok, p, h = self._children(logits, step.child_parent_row, step, temperature)
+            tokens[step.children], probs[step.children], entropy[step.children] = tok, p, h
+            if until is not None and until(i + 1, entropy):
+                return Proposal(tokens=tokens, probs=probs, entropy=entropy, depth=i + 1)
+        return Proposal(tokens=tokens, probs=probs, entropy=entropy)
+
+    @staticmethod
+    def _tree_mask(buffers: TreeBuffers, parents: Tensor, row_of: Tensor, committed: int, drafted: int,
+                   dtype: torch.dtype) -> Tensor:  # fmt: skip
+        """[P, committed + drafted + P] additive: every committed key, and the drafted pairs of each
+        query's own path (its ancestors below the root and itself)."""
+        q = parents.shape[0]
+        mask = torch.full((q, committed + drafted + q), torch.finfo(dtype).min, dtype=dtype, device=parents.device)
+        mask[:, :committed] = 0
+        path = buffers.ancestors[parents]  # [P, D+1] root -> node, -1 padded
+        rows = torch.where(path > 0, row_of[path.clamp(min=0)], -1)
+        hit = rows >= 0
+        mask[torch.nonzero(hit)[:, 0], committed + rows[hit]] = 0
+        return mask
+
+    # ------------------------------------------------------------------ training
+    def forward_train(
+        self, hidden: Tensor, input_ids: Tensor, embed: nn.Module | None, lm_head: nn.Module | None = None
+    ) -> list[Tensor]:
+        """Teacher-forced logits with the drafting unrolled ``num_heads`` steps ("training-time test").
+
+        Element s is [B, T-s-1, V']: row j is depth s+1 drafted after root pair j, i.e. it predicts
+        token j+s+2. Step 0 runs the pairs (f_j, x_{j+1}) causally; step s >= 1 runs (its own step
+        s-1 output at j, x_{j+s+1}) attending to step 0's keys up to j and to steps 1..s at j
+        exactly as a drafted path attends at decode time. Right padding only.
+        """
+        if embed is None:
+            raise ValueError("EAGLE drafters need the base model's input embeddings (embed=model.get_input_embeddings())")
+        batch, seq, _ = hidden.shape
+        dtype = self._dtype
+        lm_weight, lm_bias = self._train_lm(lm_head)
+        emb = embed(input_ids).to(dtype)
+        feat = self.committed_feature(hidden.to(dtype))[:, : seq - 1]
+        past_k: list[list[Tensor]] = [[] for _ in self.layers]  # per layer: step 0's keys, then each step's
+        past_v: list[list[Tensor]] = [[] for _ in self.layers]
+        out_list = []
+        for s in range(min(self.num_heads, seq - 1)):
+            n = seq - s - 1
+            positions = torch.arange(s, s + n, device=hidden.device)
+            cos, sin = self._rope(positions, feat)
+            x = self._layer_input(feat[:, :n], emb[:, s + 1 : s + 1 + n])
+            for i, layer in enumerate(self.layers):
+                a_in = layer.attention_input(x, emb[:, s + 1 : s + 1 + n])
+                att = layer.self_attn
+                q = rotate(att.q_proj(a_in).view(batch, n, att.num_heads, att.head_dim).transpose(1, 2), cos, sin)
+                k = rotate(att.k_proj(a_in).view(batch, n, att.num_kv_heads, att.head_dim).transpose(1, 2), cos, sin)
+                v = att.v_proj(a_in).view(batch, n, att.num_kv_heads, att.head_dim).transpose(1, 2)
+                past_k[i].append(k)
+                past_v[i].append(v)
+                attn = unrolled_attention(q, past_k[i], past_v[i], att.num_heads // att.num_kv_heads)
+                x = layer.finish(x, att.o_proj(attn.transpose(1, 2).reshape(batch, n, -1)))
+            out_list.append(self.logits(x, lm_weight, lm_bias))
+            feat = x
+        return out_list
+
+
+def unrolled_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], groups: int) -> Tensor:
+    """Attention of unroll step s = len(keys) - 1: query j [B, h, n, d] sees step 0's keys 0..j
+    (causal) and the keys of steps 1..s at j (their own path); keys[r] has >= n rows."""
+    n, scale = q.shape[2], q.shape[-1] ** -0.5
+    k0 = keys[0][:, :, :n].repeat_interleave(groups, 1)
+    v0 = values[0][:, :, :n].repeat_interleave(groups, 1)
+    scores = [torch.matmul(q, k0.transpose(-1, -2)) * scale]  # [B, h, n, n]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores[0] = scores[0].masked_fill(~causal, torch.finfo(scores[0].dtype).min)
+    diag_v = []
+    for k, v in zip(keys[1:], values[1:]):
+        k, v = k[:, :, :n].repeat_interleave(groups, 1), v[:, :, :n].repeat_interleave(groups, 1)
+        scores.append(((q * k).sum(-1) * scale)[..., None])  # [B, h, n, 1]
+        diag_v.append(v)
+    scores = torch.cat(scores, dim=-1)
+    weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+    out = torch.matmul(weights[..., :n], v0)
+    for r, v in enumerate(diag_v):
+        out = out + weights[..., n + r : n + r + 1] * v
+    return out
+
