@@ -108,6 +108,23 @@ def test_rank_tuples_exact_for_other_heads(cls, arch):
     assert run["accept_lengths"] == simulate_canonical(traj, Tree.from_choices(MC_SIM_7B_63))
 
 
+@pytest.mark.parametrize("arch", ["eagle", "eagle3"])
+def test_rank_tuples_and_rollouts_exact_for_an_eagle_drafter(tiny_cache, arch):
+    """The search's teacher-forced table (the drafter's unrolled training forward) and its rollout
+    (the drafter's tree drafting) both reproduce real generate with an EAGLE-style drafter."""
+    model, heads = tiny_cache("llama", "eagle", arch)
+    enable_entmtp(model, heads)
+    measure = generate_measure(model, SearchConfig(max_new_tokens=NEW))
+    prompt = [3, 1, 4, 1, 5]
+    tokens = prompt + measure("plain", None, prompt)["tokens"]
+    traj = Trajectory(len(prompt), tokens, rank_tuples(model, heads, tokens, len(prompt), 4, 64))
+    tree = Tree.from_choices(MC_SIM_7B_63)
+    run = measure("mc_sim", EntMTPConfig(tree=MC_SIM_7B_63), prompt)
+    assert run["accept_lengths"] == simulate_canonical(traj, tree)
+    assert joint_rollout(model, heads, prompt, tree, [], NEW).tree == simulate_canonical(traj, tree)
+    assert max(run["accept_lengths"]) >= 3  # the fitted drafter drafts deep enough for this to test depth
+
+
 def test_joint_rollout_single_candidate_equals_rank_tuple_score(setup):
     """From the root-only tree F = {[0]}: the joint rollout visits every step start, so its
     score of [0] is exactly the rank-tuple score (both average over all starts)."""

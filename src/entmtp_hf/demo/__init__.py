@@ -20,7 +20,9 @@ from .model import load_base_model
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEMO_HEADS = ASSETS / "smollm2-135m-hydra"
 DEMO_MEDUSA_HEADS = ASSETS / "smollm2-135m-medusa"
+DEMO_EAGLE_HEADS = ASSETS / "smollm2-135m-eagle"
 DEMO_BANK = "smollm2-135m-cpu"
+DEMO_EAGLE_BANK = "smollm2-135m-cpu-eagle"  # searched with the EAGLE-style drafter
 FALLBACK_BANK = "published-defaults"
 
 DEMO_PROMPTS = (
@@ -32,9 +34,13 @@ DEMO_PROMPTS = (
 )
 
 
-def demo_bank_dir() -> Path:
-    """The demo model's calibrated banks if shipped, else the published defaults."""
-    for name in (DEMO_BANK, FALLBACK_BANK):
+#: the shipped drafters by name, with the banks searched for each
+DEMO_DRAFTERS = {"hydra": (DEMO_HEADS, DEMO_BANK), "eagle": (DEMO_EAGLE_HEADS, DEMO_EAGLE_BANK)}
+
+
+def demo_bank_dir(drafter: str = "hydra") -> Path:
+    """The demo model's calibrated banks for ``drafter`` if shipped, else the published defaults."""
+    for name in (DEMO_DRAFTERS[drafter][1], FALLBACK_BANK):
         try:
             return Path(shipped_bank_path(name))
         except (FileNotFoundError, ValueError):
@@ -43,15 +49,19 @@ def demo_bank_dir() -> Path:
 
 
 def load_demo(heads: str | Path | None = None, *, cache_dir: str | Path | None = None):
-    """``(model, tokenizer, bank_dir)``: the demo model with shipped heads enabled."""
-    heads = Path(heads) if heads is not None else DEMO_HEADS
+    """``(model, tokenizer, bank_dir)``: the demo model with shipped heads enabled.
+
+    ``heads``: ``"hydra"`` (the default) or ``"eagle"`` (the EAGLE-style drafter), each with the
+    banks searched for it, or a heads folder (with the Hydra heads' banks)."""
+    drafter = heads if isinstance(heads, str) and heads in DEMO_DRAFTERS else "hydra" if heads is None else None
+    heads = DEMO_DRAFTERS[drafter][0] if drafter is not None else Path(heads)
     if not (heads / "config.json").exists():
         raise FileNotFoundError(
             f"no draft heads at {heads}: train them with `entmtp-hf train-heads` (see docs/training.md)"
         )
     model, tokenizer = load_base_model(cache_dir=cache_dir)
     enable_entmtp(model, str(heads))
-    return model, tokenizer, demo_bank_dir()
+    return model, tokenizer, demo_bank_dir(drafter or "hydra")
 
 
 def config_for(bank_dir: Path, task: str, policy: str | None = None) -> EntMTPConfig:

@@ -208,13 +208,23 @@ def _about(config: HeadsConfig, dtype: str, nbytes: int) -> list[str]:
              else "the full vocabulary")  # fmt: skip
     lm = "the base model's own LM head rows" if config.use_base_lm_head else "an LM head of their own each"
     reads = " and the embeddings of the tokens drafted on its path" if config.family == "hydra" else ""
+    if config.family == "eagle":
+        title = "EAGLE-style drafter"
+        lm = lm if config.use_base_lm_head else "its own LM head"
+        what = (f"An EAGLE-style drafter (`{config.head_arch}`, {config.num_layers} decoder layer(s), hidden size "
+                f"{config.hidden_size}, trees up to depth {config.num_heads}) drafting over {vocab} with {lm}; "
+                f"stored in {dtype} ({nbytes / 1e6:.1f} MB). At depth d it predicts the base model's feature from "
+                "its own output at depth d-1 and the token drafted there, so it drafts token t+d+1.")  # fmt: skip
+    else:
+        title = f"{config.family.capitalize()} draft heads"
+        what = (f"{config.num_heads} {config.family} heads (`{config.head_arch}`, {config.num_layers} block(s) each, "
+                f"hidden size {config.hidden_size}) drafting over {vocab} with {lm}; stored in {dtype} "
+                f"({nbytes / 1e6:.1f} MB). Head i drafts token t+i+2 from the base model's last hidden state at "
+                f"t{reads}.")  # fmt: skip
     return [
-        f"# {config.family.capitalize()} draft heads" + (f" for `{base}`" if base else ""),
+        f"# {title}" + (f" for `{base}`" if base else ""),
         "",
-        f"{config.num_heads} {config.family} heads (`{config.head_arch}`, {config.num_layers} block(s) each, hidden "
-        f"size {config.hidden_size}) drafting over {vocab} with {lm}; stored in {dtype} ({nbytes / 1e6:.1f} MB). "
-        f"Head i drafts token t+i+2 from the base model's last hidden state at t{reads}. They draft token trees "
-        "for tree speculative decoding with "
+        f"{what} They draft token trees for tree speculative decoding with "
         "[entmtp-hf](https://pypi.org/project/entmtp-hf/); the base model verifies every drafted token, so greedy "
         "output is the base model's own.",
         "",

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..cpu_kernels import project
 from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, StopFn
 from .hydra import _architecture_classes, build_prefix_config, prefix_layer_config
@@ -221,13 +222,16 @@ class EagleHeads(DraftHeads):
         return x, new_keys, new_values
 
     def logits(self, out: Tensor, lm_weight: Tensor | None, lm_bias: Tensor | None, kernel: str = "linear") -> Tensor:
-        """Scores over the drafting vocabulary of outputs ``out`` [..., H]."""
+        """Scores over the drafting vocabulary of outputs ``out`` [..., H]; ``kernel``: how the base
+        LM rows multiply (:func:`~entmtp_hf.cpu_kernels.project`)."""
         x = self.norm(out) if self.norm is not None else out
         if self.lm_head is not None:
             return self.lm_head(x)
         if lm_weight is None:
             raise ValueError("this drafter uses the base LM head: pass it (new_state(model) / lm_head=...)")
-        return F.linear(x, lm_weight, lm_bias)
+        if kernel == "linear":
+            return F.linear(x, lm_weight, lm_bias)
+        return project(x.reshape(-1, x.shape[-1]), lm_weight, lm_bias, kernel).reshape(*x.shape[:-1], -1)
 
     # ------------------------------------------------------------------ drafting
     @torch.no_grad()

@@ -26,7 +26,7 @@ def _convert_heads(args: argparse.Namespace) -> int:
 def _add_convert_heads(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert-heads",
-        help="rewrite a published Hydra/Medusa checkpoint into the entmtp-hf heads format",
+        help="rewrite a published Hydra, Medusa or EAGLE checkpoint into the entmtp-hf heads format",
         description="Load draft heads from SRC (folder or Hub repo; published Hydra/Medusa or entmtp-hf format) "
         "and save them to the folder DST as config.json + model.safetensors + README.md.",
     )

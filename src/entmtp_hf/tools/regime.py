@@ -315,7 +315,7 @@ def _regime(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     results = read_results(args.results)
     random_heads = any(str(v).startswith("random") for v in results.get("context", {}).get("heads", {}).values())
-    ctx = load_context(args.model, heads={"hydra": args.hydra_heads, "medusa": args.medusa_heads},
+    ctx = load_context(args.model, heads={"hydra": args.hydra_heads, "medusa": args.medusa_heads, "eagle": args.eagle_heads},
                        random_missing=random_heads or args.random_heads, device=args.device)  # fmt: skip
     out = Path(args.out) if args.out else Path(args.results).parent
     doc = analyse_results(results, ctx, out, tuple(args.methods), seed=args.seed, progress=True)
@@ -334,6 +334,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="base model (default: the demo model)")
     p.add_argument("--hydra-heads", default=None)
     p.add_argument("--medusa-heads", default=None)
+    p.add_argument("--eagle-heads", default=None)
     p.add_argument("--random-heads", action="store_true", help="random heads where trained ones are missing")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")

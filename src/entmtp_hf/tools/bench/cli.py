@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..data.tasks import BUILTIN_TASKS
 from ..machine import set_threads
-from .context import DEFAULT_HEADS, load_context
+from .context import DEFAULT_FAMILY_BANKS, DEFAULT_HEADS, load_context
 from .methods import METHODS, chosen_methods, default_method_names
 from .settings import DEFAULT_PRESET, PRESETS, BenchSettings
 
@@ -48,12 +48,12 @@ def _bench(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/bench-{settings.mode}-{stamp}")
-    heads = {"hydra": args.hydra_heads, "medusa": args.medusa_heads}
+    heads = {"hydra": args.hydra_heads, "medusa": args.medusa_heads, "eagle": args.eagle_heads}
     t0 = time.perf_counter()
     if args.batch_size:
         return _bench_batched(args, settings, out, heads, t0)
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it
-        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
+        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank, family_banks={"eagle": args.eagle_bank},
                            device=args.device)  # fmt: skip
         ctx.eas_config = args.eas_config
         ctx.bank_tasks = _bank_tasks(args.bank_tasks or [])
@@ -96,7 +96,7 @@ def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path,
     if any(b < 1 for b in args.batch_size):
         raise SystemExit(f"--batch-size: batch sizes must be positive, got {args.batch_size}")
     with logging_redirect_tqdm():
-        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
+        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank, family_banks={"eagle": args.eagle_bank},
                            device=args.device)  # fmt: skip
         results = run_batched(ctx, settings, sorted(set(args.batch_size)), progress=not args.no_progress,
                               out_path=out / "results.json")  # fmt: skip
@@ -151,6 +151,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="base model id or folder (default: the demo SmolLM2-135M-Instruct)")
     p.add_argument("--hydra-heads", default=None, help=f"Hydra heads (default {DEFAULT_HEADS['hydra']})")
     p.add_argument("--medusa-heads", default=None, help=f"Medusa heads (default {DEFAULT_HEADS['medusa']})")
+    p.add_argument("--eagle-heads", default=None, help=f"EAGLE-style drafter (default {DEFAULT_HEADS['eagle']})")
+    p.add_argument("--eagle-bank", default=None,
+                   help=f"bank of the eagle-* methods, searched with the drafter (default {DEFAULT_FAMILY_BANKS['eagle']})")
     p.add_argument("--random-heads", action="store_true", help="use random heads where trained ones are missing (smoke runs)")
     p.add_argument("--eas-config", default=None,
                    help="EAS settings (JSON) of the eas-calibrated method; {task} is replaced by the task")  # fmt: skip

@@ -20,12 +20,14 @@ import torch
 
 from ...config import EntMTPConfig
 from ...cpu_kernels import CPUKernels
-from ...demo import DEMO_HEADS, DEMO_MEDUSA_HEADS
+from ...demo import DEMO_EAGLE_BANK, DEMO_EAGLE_HEADS, DEMO_HEADS, DEMO_MEDUSA_HEADS
 from ...trees.bank import SHIPPED_DIR, TopologyBank
 
 log = logging.getLogger("entmtp_hf.tools.bench")
 
-DEFAULT_HEADS = {"hydra": DEMO_HEADS, "medusa": DEMO_MEDUSA_HEADS}
+DEFAULT_HEADS = {"hydra": DEMO_HEADS, "medusa": DEMO_MEDUSA_HEADS, "eagle": DEMO_EAGLE_HEADS}
+#: banks searched for a family's own heads (methods on other families use the run's ``--bank``)
+DEFAULT_FAMILY_BANKS = {"eagle": SHIPPED_DIR / DEMO_EAGLE_BANK}
 DEFAULT_BANKS = (SHIPPED_DIR / "smollm2-135m-cpu", SHIPPED_DIR / "published-defaults")
 RANDOM_HEADS_VOCAB = 4096  # random smoke-test heads draft from the first ids only (cheap on CPU)
 
@@ -51,6 +53,8 @@ class BenchContext:
     heads_sources: dict[str, str] = field(default_factory=dict)
     missing_heads: dict[str, str] = field(default_factory=dict)  # family -> why absent
     bank_folder: Path | None = None
+    #: family -> the bank folder of the methods on that family's heads (searched with them), else ``bank_folder``
+    family_banks: dict[str, Path] = field(default_factory=dict)
     #: a prompt file's stem -> the bank task it is decoded with (``--bank-tasks unseen-code=humaneval``)
     bank_tasks: dict[str, str] = field(default_factory=dict)
     model_name: str = ""
@@ -103,30 +107,36 @@ class BenchContext:
         """What each measured set of CPU kernels chose (for the result's environment)."""
         return {family or "model": k.describe() for family, k in self._kernels.items()}
 
-    def bank(self, task: str) -> TopologyBank:
-        """The bank of ``task``, falling back to the folder's ``default`` task (logged)."""
-        if task not in self._banks:
-            if self.bank_folder is None:
+    def bank(self, task: str, family: str = "hydra") -> TopologyBank:
+        """The bank of ``task`` for methods on ``family``'s heads, falling back to the folder's
+        ``default`` task (logged)."""
+        key = (family, task)
+        if key not in self._banks:
+            folder = self.family_banks.get(family, self.bank_folder)
+            if folder is None:
                 raise ValueError("no tree bank folder given")
-            tasks = TopologyBank.list_tasks(self.bank_folder)
+            if not Path(folder).is_dir():
+                raise ValueError(f"no {family} bank at {folder} (search one with `entmtp-hf search --heads ...`)")
+            tasks = TopologyBank.list_tasks(folder)
             wanted = self.bank_tasks.get(Path(task).stem, task)
             name = wanted if wanted in tasks else "default" if "default" in tasks else None
             if name is None:
-                raise ValueError(f"bank {self.bank_folder} has neither task {task!r} nor 'default' (has {tasks})")
+                raise ValueError(f"bank {folder} has neither task {task!r} nor 'default' (has {tasks})")
             if name != wanted:
-                log.info("bank %s has no task %r: using its 'default' trees", self.bank_folder, wanted)
-            self._banks[task] = TopologyBank.from_pretrained(self.bank_folder, task=name)
-        return self._banks[task]
+                log.info("bank %s has no task %r: using its 'default' trees", folder, wanted)
+            self._banks[key] = TopologyBank.from_pretrained(folder, task=name)
+        return self._banks[key]
 
 
 def random_heads(model, family: str, seed: int = 0):
     """Random (untrained) heads for smoke runs; deterministic for a given seed."""
-    from ...heads import HydraHeads, MedusaHeads
+    from ...heads import HEADS_REGISTRY
 
-    cls = {"hydra": HydraHeads, "medusa": MedusaHeads}[family]
     vocab = model.get_output_embeddings().weight.shape[0]
     torch.manual_seed(seed)
-    heads = cls.for_model(model, num_heads=4, draft_vocab=torch.arange(min(vocab, RANDOM_HEADS_VOCAB)))
+    arch = "eagle" if family == "eagle" else "mlp"
+    heads = HEADS_REGISTRY[family].for_model(model, num_heads=4, arch=arch,
+                                             draft_vocab=torch.arange(min(vocab, RANDOM_HEADS_VOCAB)))  # fmt: skip
     return heads.to(dtype=model.get_output_embeddings().weight.dtype).eval()
 
 
@@ -171,6 +181,7 @@ def load_context(
     heads: Mapping[str, str | os.PathLike | None] | None = None,
     random_missing: bool = False,
     bank: str | os.PathLike | None = None,
+    family_banks: Mapping[str, str | os.PathLike | None] | None = None,
     device: str = "cpu",
     seed: int = 0,
 ) -> BenchContext:
@@ -184,6 +195,7 @@ def load_context(
         given = (heads or {}).get(family)
         _load_family(ctx, family, given or default, bool(given), random_missing, seed)
     ctx.bank_folder = Path(bank) if bank is not None else default_bank_folder()
+    ctx.family_banks = {f: Path((family_banks or {}).get(f) or folder) for f, folder in DEFAULT_FAMILY_BANKS.items()}
     if bank is None and ctx.bank_folder != DEFAULT_BANKS[0]:
         log.info("no bank at %s (run the tree search for this machine): using %s", DEFAULT_BANKS[0], ctx.bank_folder)
     log.info("heads: %s; bank: %s", ctx.heads_sources or "none", ctx.bank_folder)

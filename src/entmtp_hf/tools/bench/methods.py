@@ -119,7 +119,9 @@ def register_method(method: Method, *, replace: bool = False) -> Method:
     """Add a method to :data:`METHODS` (e.g. ``eas``, the entropy-adaptive method)."""
     if method.name in METHODS and not replace:
         raise ValueError(f"method {method.name!r} is already registered (pass replace=True)")
-    if method.heads is not None and method.heads not in ("hydra", "medusa"):
+    from ...heads import HEADS_REGISTRY
+
+    if method.heads is not None and method.heads not in HEADS_REGISTRY:
         raise ValueError(f"method {method.name!r}: unknown heads family {method.heads!r}")
     METHODS[method.name] = method
     return method
@@ -177,9 +179,9 @@ def _default_tree(ctx: BenchContext, task: str, acc: dict) -> EntMTPConfig:
     return EntMTPConfig(tree=MC_SIM_7B_63, **acc)
 
 
-def _bank_policy(policy: str, **extra: Any) -> ConfigFactory:
+def _bank_policy(policy: str, family: str = "hydra", **extra: Any) -> ConfigFactory:
     def make(ctx: BenchContext, task: str, acc: dict) -> EntMTPConfig:
-        bank = ctx.bank(task)
+        bank = ctx.bank(task, family)
         return EntMTPConfig(bank=bank, task=bank.task, policy=policy, **acc, **extra)
 
     return make
@@ -298,6 +300,11 @@ register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hyd
 register_method(Method("entmtp-static", "EntMTP*: the bank's static optimum for this machine (its frontier re-ranked "
                        "by this machine's step costs where the bank carries one)", heads="hydra",
                        entmtp=_bank_policy("static"), default=True))  # fmt: skip
+register_method(Method("eagle-default", "the EAGLE-style drafter + mc_sim_7b_63", heads="eagle", entmtp=_default_tree))
+register_method(Method("eagle-static", "EntMTP* with the EAGLE-style drafter and the bank searched with it",
+                       heads="eagle", entmtp=_bank_policy("static", "eagle")))  # fmt: skip
+register_method(Method("eagle-tau", "EntMTPτ (hysteresis) with the EAGLE-style drafter and its bank", heads="eagle",
+                       entmtp=_bank_policy("hysteresis", "eagle")))  # fmt: skip
 register_method(Method("entmtp-static-stored", "EntMTP*: the tree the bank stores (chosen on the machine it was "
                        "searched on), not re-ranked", heads="hydra", entmtp=_bank_policy("static", adapt=False)))
 register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis"),

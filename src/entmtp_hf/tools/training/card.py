@@ -26,6 +26,8 @@ TAU_PROMPTS = "greedy; held-out distilled prompts, then held-out GSM8K-train que
 def _start(s: dict[str, Any], heads: DraftHeads) -> str:
     c, n = s["config"], heads.num_heads
     if not c.get("init_from"):
+        if heads.family == "eagle":
+            return "Training started from the warm start (the drafter passing the feature through to the base LM head)."
         return "Training started from the warm start (every head = base LM head on c_t)."
     vocab = ("its drafting vocabulary chosen anew from this run's data" if c.get("init_vocab") == "data"
              else "same drafting vocabulary")  # fmt: skip
@@ -40,8 +42,10 @@ def recipe(s: dict[str, Any], heads: DraftHeads) -> str:
     c, hc = s["config"], heads.config
     teacher = (" The teacher cache (hidden states and greedy tokens) was filled under bfloat16 autocast "
                "(`--teacher-dtype bfloat16`; weights float32)." if s["extract"].get("dtype") == "bfloat16" else "")
+    unit = ("the drafter, unrolled on its own features, at depth i+1 after row t" if heads.family == "eagle"
+            else "head i at row t")  # fmt: skip
     return (
-        "Distillation from the frozen base model with `entmtp-hf train-heads`: head i at row t learns the base "
+        f"Distillation from the frozen base model with `entmtp-hf train-heads`: {unit} learns the base "
         "model's next-token distribution at position t+i+1, restricted to the drafting vocabulary and renormalised, "
         f"with KL(teacher || head) (CE weight {c['ce_weight']}, head weights {c['head_decay']}^i).{teacher} "
         f"{_start(s, heads)} AdamW lr {c['lr']}, {c['schedule']} schedule with {c['warmup_steps']} warm-up steps, "

@@ -75,7 +75,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     """Register ``entmtp-hf train-heads``."""
     p = sub.add_parser(
         "train-heads",
-        help="train Hydra/Medusa draft heads by distillation from the frozen base model",
+        help="train Hydra/Medusa heads or an EAGLE-style drafter by distillation from the frozen base model",
         description="Build a data set (self-distilled records + real text, no evaluation sets), cache the base "
         "model's hidden states once, and train draft heads on the base model's own next-token distributions. "
         "Runs unchanged under `accelerate launch`.",
