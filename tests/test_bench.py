@@ -31,7 +31,7 @@ DEFAULTS = shipped_bank_path("published-defaults")
 WORDS = ["<s>", "</s>", "[UNK]"] + [f"w{i}" for i in range(45)]
 V = len(WORDS)
 N_PROMPTS, NEW_TOKENS = 2, 8
-BROAD = ("vanilla-onednn", "medusa-default", "entmtp-ladder", "entmtp-tau-retrieval")
+BROAD = ("vanilla-onednn", "medusa-default", "entmtp-ladder", "entmtp-tau-retrieval", "eagle-default", "eagle-static")
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -91,8 +91,8 @@ def bench_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     tasks = (write_task(folder, "alpha", 1), write_task(folder, "beta", 2))
     model, tok = tiny_llama(), tiny_tokenizer()
-    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, model_name="tiny")
-    for family in ("hydra", "medusa"):
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, model_name="tiny", family_banks={"eagle": Path(DEFAULTS)})
+    for family in ("hydra", "medusa", "eagle"):
         ctx.heads[family] = random_heads(model, family, seed=0)
     clock = CountingClock()
     with pytest.MonkeyPatch.context() as mp:
@@ -140,6 +140,17 @@ def test_methods_are_interleaved_and_rotated(bench_run):
             assert [r["order"] for r in block] == list(range(block[0]["order"], block[0]["order"] + len(names)))
     first = {r["method"] for r in records if r["rotation_position"] == 0}
     assert len(first) > 1
+
+
+def test_a_family_bank_that_is_missing_is_named(bench_run):
+    ctx = bench_run[4]
+    saved = dict(ctx.family_banks)
+    ctx.family_banks["eagle"] = Path("/nonexistent/eagle-bank")
+    try:
+        reason = METHODS["eagle-static"].unavailable(ctx, "gamma", "greedy")
+    finally:
+        ctx.family_banks.update(saved)
+    assert "no eagle bank at /nonexistent/eagle-bank" in reason
 
 
 def test_value_method_needs_a_bank_with_value_trees(bench_run):

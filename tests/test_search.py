@@ -428,7 +428,7 @@ def test_checkpointed_runs_are_remeasured_when_their_label_gets_another_config(s
 
 
 def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
-    """accept_ema is swept in tokens per step (1 + t * depth of T-, or of the heads for the ladder)."""
+    """accept_ema is swept in tokens per step (1 + t * depth of T-, or of the ladder's deepest tree)."""
     model, heads, prompts, _, _ = setup
     cfg = small_config(features=("head_confidence", "accept_ema"), tau_grid=(0.25, 0.5, 0.75))
     search = TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", progress=False)
@@ -443,9 +443,17 @@ def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
                      and lab.endswith(f":{lo}-{hi}"))
         d = max(trees[f"t{lo + 1}"].depth, 1)
         assert got == [1.0 + d * t for t in (0.25, 0.5, 0.75)] and max(got) <= trees[f"t{lo + 1}"].depth + 1
+    assert max(t.depth for t in trees.values()) == DEPTH  # the ladder's deepest tree
     ladder = runs[f"ladder:accept_ema:{1 + DEPTH * 0.25:g},{1 + DEPTH * 0.5:g}"]
     plan = ladder.resolve(DEPTH)
     assert plan.feature == "accept_ema" and tuple(plan.scheduler_args["thresholds"]) == (1 + DEPTH * 0.25, 1 + DEPTH * 0.5)
+    shallow = search.sweep_runs({"t1": Tree.chain(1), "t2": Tree.chain(2)}, Choice(1, 0, 1, [0, 1], [0, 1]), ["t1", "t2"])
+    assert not any(lab.startswith("ladder:") for lab in shallow)  # two trees: hysteresis covers it
+    three = {f"t{n}": Tree.chain(n) for n in (1, 2)} | {"t2b": Tree.from_choices([[0], [1]])}
+    runs = search.sweep_runs(three, Choice(1, 0, 2, [0, 1, 2], [0, 1, 2]), list(three))
+    ladders = [conf for lab, conf in runs.items() if lab.startswith("ladder:accept_ema:")]
+    assert ladders  # shallower than the heads: thresholds stay within the trees' reach (depth 2 + 1)
+    assert all(max(conf.thresholds) <= 3.0 and conf.resolve(DEPTH) is not None for conf in ladders)
 
 
 # ----------------------------------------------------------------------------- modelled ranking

@@ -316,8 +316,11 @@ class TreeSearch:
         ladder = [trees[labels[i]] for i in choice.ladder]
         grid = sorted(set(self.cfg.tau_grid))
         cuts = [grid[i : i + len(ladder) - 1] for i in range(len(grid) - len(ladder) + 2)] if len(ladder) > 2 else []
+        # accept_ema on a ladder never exceeds its deepest tree's depth + 1: a grid scaled to the heads' depth
+        # (deeper than the ladder's trees) would put thresholds nothing reaches, which the config refuses
+        deepest = max((t.depth for t in ladder), default=1)
         for f in self.cfg.features if self.cfg.ladder else ():
-            for th in ([threshold(f, t, self.heads.num_heads) for t in cut] for cut in cuts):
+            for th in ([threshold(f, t, deepest) for t in cut] for cut in cuts):
                 runs[f"ladder:{f}:{','.join(f'{t:g}' for t in th)}"] = self._tree_config(
                     None, trees=[t.choices for t in ladder], policy="ladder", thresholds=list(th), feature=f, **switch
                 )
