@@ -98,3 +98,32 @@ def test_eas_calibrate_cli_on_the_demo_model(tmp_path):
     assert result["new_tokens"] == 11 and "Fastest adaptive setting" in (folder / "report.md").read_text()
     # the replays are resumed, but never from other settings
     assert main([*args[:6], "16", *args[7:]]) == 2
+
+
+def test_shipped_eagle_drafter_is_lossless_and_drafts(demo):
+    """The EAGLE-style drafter shipped with the demo, with the banks searched for it."""
+    from entmtp_hf.demo import DEMO_EAGLE_HEADS, demo_bank_dir
+    from entmtp_hf.heads import EagleHeads
+    from entmtp_hf.integration import HEADS_ATTR, enable_entmtp
+
+    model, tokenizer, _ = demo
+    assert demo_bank_dir("eagle").name == "smollm2-135m-cpu-eagle"
+    enable_entmtp(model, str(DEMO_EAGLE_HEADS))
+    try:
+        assert isinstance(getattr(model, HEADS_ATTR), EagleHeads)
+        steps = added = 0
+        for task, text in PROMPTS:
+            ids = encode(tokenizer, text)
+            ref = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+            for cfg in (EntMTPConfig(tree=MC_SIM_7B_63), config_for(demo_bank_dir("eagle"), task)):
+                out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, entmtp_config=cfg,
+                                     return_dict_in_generate=True)  # fmt: skip
+                if not torch.equal(out.sequences, ref):
+                    gap = first_divergence_gap(model, ids, ref, out.sequences)
+                    assert gap < NEAR_TIE, f"[{task}] the drafter's output diverged at a logit gap of {gap:.2e}"
+                if cfg.tree is not None:
+                    steps += len(out.entmtp_stats["accept_lengths"])
+                    added += sum(out.entmtp_stats["accept_lengths"])
+        assert added / steps > 1.5
+    finally:
+        enable_entmtp(model, str(DEMO_HEADS))  # the module's other tests run on the Hydra heads
