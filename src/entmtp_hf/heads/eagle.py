@@ -151,8 +151,6 @@ class EagleHeads(DraftHeads):
     """EAGLE-style drafter (archs ``eagle``: EAGLE-1/2, ``eagle3``: EAGLE-3). ``num_heads`` is the
     deepest tree it drafts (and the training unroll); ``num_layers`` its decoder layers."""
 
-    lm_head_bias = False
-
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         layer_config = build_prefix_config(config.prefix_layer_config)
