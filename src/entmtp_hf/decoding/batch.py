@@ -89,6 +89,8 @@ class BatchDecodeSession:
         self.plan = plan_for(input_ids.shape[0])
         self.rows = [BatchRow(i, input_ids[i : i + 1], new_drafter(self.plan, None)) for i in range(input_ids.shape[0])]
         self.live = list(self.rows)  # row b of the cache is live[b]
+        heads = self.rows[0].drafter.heads  # one set of heads for every row
+        self.features, self.hidden_request = heads.features, heads.hidden_states_request
         #: additive mask [B_live, S] over the cached slots: user padding and other rows' holes are masked
         self.prefix = torch.zeros(0)
         self.finished = False
@@ -106,8 +108,8 @@ class BatchDecodeSession:
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                         use_cache=True, output_hidden_states=self.drafter.heads.hidden_states_request, **keep)  # fmt: skip
-        features = self.drafter.heads.features(out.hidden_states)
+                         use_cache=True, output_hidden_states=self.hidden_request, **keep)  # fmt: skip
+        features = self.features(out.hidden_states)
         minimum = torch.finfo(self.dtype).min
         self.prefix = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(mask == 0, minimum)
         last = out.logits[:, -1].float()
@@ -147,8 +149,8 @@ class BatchDecodeSession:
         tokens, positions, mask = batch_tree_inputs(drafts, [r.next_pos for r in self.live], self.prefix)
         with verifying():
             out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
-                             use_cache=True, output_hidden_states=self.drafter.heads.hidden_states_request)  # fmt: skip
-        return BatchVerified(out.logits, self.drafter.heads.features(out.hidden_states), prefix_len)
+                             use_cache=True, output_hidden_states=self.hidden_request)  # fmt: skip
+        return BatchVerified(out.logits, self.features(out.hidden_states), prefix_len)
 
     def accept(self, drafts: list[Draft], verified: BatchVerified) -> list[tuple[Tensor, list[int], int]]:
         """Every live row's processed scores, accepted path and next token, each against its own text."""

@@ -333,17 +333,21 @@ class DraftHeads(nn.Module, ModelHubMixin):
         """Conditioning vectors [T, H] for newly accepted states (identity unless prefix-mlp)."""
         return hidden
 
+    def _observed(self, hidden: Tensor) -> Tensor:
+        """``observe``'s features as [T, feature_size], checked (a leading batch of one is dropped)."""
+        if hidden.dim() == 3 and hidden.shape[0] == 1:
+            hidden = hidden[0]
+        if hidden.dim() != 2 or hidden.shape[-1] != self.feature_size or hidden.shape[0] == 0:
+            raise ValueError(
+                f"observe expects hidden states [T>0, {self.feature_size}] (batch size 1), got {tuple(hidden.shape)}"
+            )
+        return hidden
+
     @torch.no_grad()
     def observe(self, state: DraftState, hidden: Tensor, tokens: Tensor | None = None) -> None:
         """Feed the last hidden states [T, H] of newly accepted positions, in order; ``tokens`` [T],
         the ids at those positions, are read by families that pair features with tokens (EAGLE)."""
-        if hidden.dim() == 3 and hidden.shape[0] == 1:
-            hidden = hidden[0]
-        if hidden.dim() != 2 or hidden.shape[-1] != self.config.hidden_size or hidden.shape[0] == 0:
-            raise ValueError(
-                f"observe expects hidden states [T>0, {self.config.hidden_size}] (batch size 1), "
-                f"got {tuple(hidden.shape)}"
-            )
+        hidden = self._observed(hidden)
         cond = self._condition(state, hidden.to(self._dtype))
         state.num_observed += hidden.shape[0]
         state.cond = cond[-1]

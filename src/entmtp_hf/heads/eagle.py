@@ -32,8 +32,13 @@ from torch import Tensor, nn
 from ..cpu_kernels import project
 from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, StopFn
-from .hydra import _architecture_classes, build_prefix_config, prefix_layer_config
+from .hydra import _architecture_classes, build_prefix_config, causal_mask, prefix_layer_config
 from .registry import register_heads
+
+
+def eagle3_feature_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's fused states: the inputs of base layers 2, L/2 and L-3 (hidden-state indices; 0 = embeddings)."""
+    return [min(2, num_layers), num_layers // 2, max(num_layers - 3, 0)]
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -71,21 +76,30 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
 
+    def _split(self, y: Tensor, heads: int) -> Tensor:
+        """[..., Q, heads * d] -> [..., heads, Q, d]."""
+        return y.unflatten(-1, (heads, self.head_dim)).transpose(-2, -3)
+
+    def queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotated queries [..., heads, Q, d] of inputs ``x`` [..., Q, in]."""
+        return rotate(self._split(self.q_proj(x), self.num_heads), cos, sin)
+
     def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys (rotated) and values [kv_heads, Q, d] of inputs ``x`` [Q, in]."""
-        q_len = x.shape[0]
-        k = self.k_proj(x).view(q_len, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(q_len, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        """Keys (rotated) and values [..., kv_heads, Q, d] of inputs ``x`` [..., Q, in]."""
+        k, v = self._split(self.k_proj(x), self.num_kv_heads), self._split(self.v_proj(x), self.num_kv_heads)
         return rotate(k, cos, sin), v
+
+    def merge(self, out: Tensor) -> Tensor:
+        """The output projection of per-head results [..., heads, Q, d]."""
+        return self.o_proj(out.transpose(-2, -3).flatten(-2))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """Queries from ``x`` [Q, in] over ``keys`` / ``values`` [kv_heads, K, d] (the queries' own
         included) under ``mask`` [Q, K] (additive)."""
-        q_len = x.shape[0]
-        q = rotate(self.q_proj(x).view(q_len, self.num_heads, self.head_dim).transpose(0, 1), cos, sin)
+        q = self.queries(x, cos, sin)
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
                                              enable_gqa=self.num_heads != self.num_kv_heads)  # fmt: skip
-        return self.o_proj(out[0].transpose(0, 1).reshape(q_len, -1))
+        return self.merge(out[0])
 
 
 class DraftMLP(nn.Module):
@@ -112,13 +126,13 @@ class DraftLayer(nn.Module):
 
     def __init__(self, config: Any, fused: bool, input_norm: bool) -> None:
         super().__init__()
-        h, eps, norm_cls = config.hidden_size, config.rms_norm_eps, RMSNorm
+        h, eps = config.hidden_size, config.rms_norm_eps
         self.fused = fused
         self.self_attn = DraftAttention(config, 2 * h if fused else h)
         self.mlp = DraftMLP(config)
-        self.input_layernorm = norm_cls(h, eps=eps) if input_norm or fused else None
-        self.hidden_norm = norm_cls(h, eps=eps) if fused else None
-        self.post_attention_layernorm = norm_cls(h, eps=eps)
+        self.input_layernorm = RMSNorm(h, eps=eps) if input_norm or fused else None
+        self.hidden_norm = RMSNorm(h, eps=eps) if fused else None
+        self.post_attention_layernorm = RMSNorm(h, eps=eps)
 
     def attention_input(self, x: Tensor, emb: Tensor | None) -> Tensor:
         if self.fused:
@@ -138,12 +152,16 @@ class EagleCache:
 
     keys: list[Tensor] = field(default_factory=list)  # per layer [kv_heads, L, d]
     values: list[Tensor] = field(default_factory=list)
-    length: int = 0
     queued_feats: list[Tensor] = field(default_factory=list)
     queued_tokens: list[Tensor] = field(default_factory=list)
     waiting: Tensor | None = None  # the last observed feature; its token is the next root
     last_out: Tensor | None = None  # [H] output at the last committed pair (predicts depth 1)
     last_root: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Committed pairs in the cache."""
+        return self.keys[0].shape[1] if self.keys else 0
 
 
 @register_heads("eagle")
@@ -177,11 +195,7 @@ class EagleHeads(DraftHeads):
 
     @staticmethod
     def _default_feature_layers(base_config: Any, arch: str) -> list[int] | None:
-        """EAGLE-3's choice: the inputs of base layers 2, L/2 and L-3 (hidden-state indices; 0 = embeddings)."""
-        if arch != "eagle3":
-            return None
-        n = base_config.num_hidden_layers
-        return [min(2, n), n // 2, max(n - 3, 0)]
+        return eagle3_feature_layers(base_config.num_hidden_layers) if arch == "eagle3" else None
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -205,19 +219,20 @@ class EagleHeads(DraftHeads):
     def run(self, feat: Tensor, emb: Tensor, positions: Tensor, past: tuple[list[Tensor], list[Tensor]],
             mask: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
         """Outputs [Q, H] of pairs (``feat``, ``emb``) [Q, H] at ``positions`` over the keys in ``past``
-        (per layer, [kv_heads, K, d]) and their own, under ``mask`` [Q, K + Q]; with their keys and values."""
+        (per layer, [kv_heads, K, d]; empty lists: none) and their own, under ``mask`` [Q, K + Q]; with
+        the keys and values extended by theirs."""
         cos, sin = self._rope(positions, feat)
         x = self._layer_input(feat, emb)
-        new_keys, new_values = [], []
+        all_keys, all_values = [], []
         for i, layer in enumerate(self.layers):
             a_in = layer.attention_input(x, emb)
             k, v = layer.self_attn.project_kv(a_in, cos, sin)
             keys = torch.cat([past[0][i], k], dim=1) if past[0] else k
             values = torch.cat([past[1][i], v], dim=1) if past[1] else v
             x = layer.finish(x, layer.self_attn(a_in, cos, sin, keys, values, mask))
-            new_keys.append(k)
-            new_values.append(v)
-        return x, new_keys, new_values
+            all_keys.append(keys)
+            all_values.append(values)
+        return x, all_keys, all_values
 
     def logits(self, out: Tensor, lm_weight: Tensor | None, lm_bias: Tensor | None, kernel: str = "linear") -> Tensor:
         """Scores over the drafting vocabulary of outputs ``out`` [..., H]; ``kernel``: how the base
@@ -236,10 +251,7 @@ class EagleHeads(DraftHeads):
     def observe(self, state: DraftState, hidden: Tensor, tokens: Tensor | None = None) -> None:
         """Queue the pairs (feature, next token) that ``hidden`` [T, F] and ``tokens`` [T] (the ids at
         those positions) complete; the last feature waits for the next root."""
-        if hidden.dim() == 3 and hidden.shape[0] == 1:
-            hidden = hidden[0]
-        if hidden.dim() != 2 or hidden.shape[-1] != self.feature_size or hidden.shape[0] == 0:
-            raise ValueError(f"observe expects features [T>0, {self.feature_size}] (batch size 1), got {tuple(hidden.shape)}")
+        hidden = self._observed(hidden)
         if tokens is None or tokens.reshape(-1).shape[0] != hidden.shape[0]:
             raise ValueError("an EAGLE drafter pairs each feature with the next token: pass tokens=[T] (the ids at "
                              "the hidden states' positions)")  # fmt: skip
@@ -269,14 +281,10 @@ class EagleHeads(DraftHeads):
         cache.queued_feats, cache.queued_tokens, cache.waiting, cache.last_root = [], [], None, root.clone()
         n, past, dtype = feats.shape[0], cache.length, feats.dtype
         positions = torch.arange(past, past + n, device=feats.device)
-        keys = torch.arange(past + n, device=feats.device)
-        mask = torch.zeros(n, past + n, dtype=dtype, device=feats.device)
-        mask.masked_fill_(keys[None, :] > positions[:, None], torch.finfo(dtype).min)
+        mask = causal_mask(n, past, dtype, feats.device)[0, 0]
         emb = state.embed(tokens).to(dtype)
-        out, k, v = self.run(self.committed_feature(feats), emb, positions, (cache.keys, cache.values), mask)
-        cache.keys = [torch.cat([a, b], dim=1) for a, b in zip(cache.keys, k)] if cache.keys else k
-        cache.values = [torch.cat([a, b], dim=1) for a, b in zip(cache.values, v)] if cache.values else v
-        cache.length += n
+        out, cache.keys, cache.values = self.run(self.committed_feature(feats), emb, positions,
+                                                 (cache.keys, cache.values), mask)  # fmt: skip
         cache.last_out = out[-1]
         return cache
 
@@ -298,19 +306,17 @@ class EagleHeads(DraftHeads):
         outs = cache.last_out.new_empty(n, cache.last_out.shape[0])
         outs[0] = cache.last_out
         row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # a drafted pair's row in the scratch keys
-        keys, values = list(cache.keys), list(cache.values)
-        drafted = 0
+        keys, values = cache.keys, cache.values  # run() extends copies: the committed lists stay as they are
+        committed, drafted = cache.length, 0
         for i, step in enumerate(buffers.depth_plan):
             if i > 0:  # step.parents sit at depth i: run their pairs
                 parents = step.parents
                 row_of[parents] = torch.arange(drafted, drafted + parents.shape[0], device=device)
-                mask = self._tree_mask(buffers, parents, row_of, cache.length, drafted, dtype)
-                positions = torch.full((parents.shape[0],), cache.length - 1 + i, dtype=torch.long, device=device)
+                mask = self._tree_mask(buffers, parents, row_of, committed, drafted, dtype)
+                positions = torch.full((parents.shape[0],), committed - 1 + i, dtype=torch.long, device=device)
                 emb = state.embed(tokens[parents]).to(dtype)
-                out, k, v = self.run(outs[buffers.parents[parents]], emb, positions, (keys, values), mask)
-                keys = [torch.cat([a, b], dim=1) for a, b in zip(keys, k)]
-                values = [torch.cat([a, b], dim=1) for a, b in zip(values, v)]
-                outs[parents] = out
+                outs[parents], keys, values = self.run(outs[buffers.parents[parents]], emb, positions,
+                                                       (keys, values), mask)  # fmt: skip
                 drafted += parents.shape[0]
             logits = self.logits(outs[step.parents], state.lm_weight, state.lm_bias, state.kernel)
             tok, p, h = self._children(logits, step.child_parent_row, step, temperature)
@@ -346,8 +352,7 @@ class EagleHeads(DraftHeads):
         """
         if embed is None:
             raise ValueError("EAGLE drafters need the base model's input embeddings (embed=model.get_input_embeddings())")
-        batch, seq, _ = hidden.shape
-        dtype = self._dtype
+        seq, dtype = hidden.shape[1], self._dtype
         lm_weight, lm_bias = self._train_lm(lm_head)
         emb = embed(input_ids).to(dtype)
         feat = self.committed_feature(hidden.to(dtype))[:, : seq - 1]
@@ -362,13 +367,12 @@ class EagleHeads(DraftHeads):
             for i, layer in enumerate(self.layers):
                 a_in = layer.attention_input(x, emb[:, s + 1 : s + 1 + n])
                 att = layer.self_attn
-                q = rotate(att.q_proj(a_in).view(batch, n, att.num_heads, att.head_dim).transpose(1, 2), cos, sin)
-                k = rotate(att.k_proj(a_in).view(batch, n, att.num_kv_heads, att.head_dim).transpose(1, 2), cos, sin)
-                v = att.v_proj(a_in).view(batch, n, att.num_kv_heads, att.head_dim).transpose(1, 2)
+                k, v = att.project_kv(a_in, cos, sin)
                 past_k[i].append(k)
                 past_v[i].append(v)
-                attn = unrolled_attention(q, past_k[i], past_v[i], att.num_heads // att.num_kv_heads)
-                x = layer.finish(x, att.o_proj(attn.transpose(1, 2).reshape(batch, n, -1)))
+                attn = unrolled_attention(att.queries(a_in, cos, sin), past_k[i], past_v[i],
+                                          att.num_heads // att.num_kv_heads)  # fmt: skip
+                x = layer.finish(x, att.merge(attn))
             out_list.append(self.logits(x, lm_weight, lm_bias))
             feat = x
         return out_list

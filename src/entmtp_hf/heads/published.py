@@ -36,7 +36,8 @@ import torch
 from ..files import brief_list, brief_repr
 from .config import MAX_HEADS, MAX_LAYERS, HeadsConfig
 from .files import MAX_INDEX_BYTES, HeadsLoadError, Weights, stored_tensor, merge_weights, open_weights, read_json
-from .eagle import EagleHeads
+from .base import text_config
+from .eagle import EagleHeads, eagle3_feature_layers
 from .hydra import HydraHeads, prefix_layer_config
 from .medusa import MedusaHeads
 from .registry import Resolver, build_checked, register_format
@@ -333,14 +334,15 @@ def _check_d2t(weights: Weights, vocab: int) -> torch.Tensor:
 
 
 def _eagle3_layers(base_config: Any, cfg_path: str) -> list[int]:
-    depth = getattr(getattr(base_config, "get_text_config", lambda **_: base_config)(decoder=True), "num_hidden_layers",
-                    None) if base_config is not None else None  # fmt: skip
+    """The fused layers of an EAGLE-3 drafter for the base model of ``base_config`` (a config or its dict)."""
     if isinstance(base_config, dict):
         depth = base_config.get("num_hidden_layers")
-    if not isinstance(depth, int) or depth < 1:
+    else:
+        depth = getattr(text_config(base_config), "num_hidden_layers", None) if base_config is not None else None
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise HeadsLoadError(cfg_path, "an EAGLE-3 drafter fuses base layers 2, L/2 and L-3: pass base_config= "
                              "(the base model's config; enable_entmtp does)")  # fmt: skip
-    return EagleHeads._default_feature_layers(type("Base", (), {"num_hidden_layers": depth}), "eagle3")
+    return eagle3_feature_layers(depth)
 
 
 register_format("hydra", "hydra_num_heads", load_published_hydra)

@@ -49,12 +49,13 @@ def _bench(args: argparse.Namespace) -> int:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/bench-{settings.mode}-{stamp}")
     heads = {"hydra": args.hydra_heads, "medusa": args.medusa_heads, "eagle": args.eagle_heads}
+    banks = {"eagle": args.eagle_bank}
     t0 = time.perf_counter()
     if args.batch_size:
-        return _bench_batched(args, settings, out, heads, t0)
+        return _bench_batched(args, settings, out, heads, banks, t0)
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it
-        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank, family_banks={"eagle": args.eagle_bank},
-                           device=args.device)  # fmt: skip
+        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
+                           family_banks=banks, device=args.device)  # fmt: skip
         ctx.eas_config = args.eas_config
         ctx.bank_tasks = _bank_tasks(args.bank_tasks or [])
         previous = read_results(out / "results.json") if args.resume and (out / "results.json").is_file() else None
@@ -87,7 +88,8 @@ def write_batched_report(results: dict, out: Path) -> str:
     return table
 
 
-def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path, heads: dict, t0: float) -> int:
+def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path, heads: dict, banks: dict,
+                   t0: float) -> int:  # fmt: skip
     """``--batch-size``: :mod:`~entmtp_hf.tools.bench.batched` instead of the per-prompt runner."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -96,8 +98,8 @@ def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path,
     if any(b < 1 for b in args.batch_size):
         raise SystemExit(f"--batch-size: batch sizes must be positive, got {args.batch_size}")
     with logging_redirect_tqdm():
-        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank, family_banks={"eagle": args.eagle_bank},
-                           device=args.device)  # fmt: skip
+        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
+                           family_banks=banks, device=args.device)  # fmt: skip
         results = run_batched(ctx, settings, sorted(set(args.batch_size)), progress=not args.no_progress,
                               out_path=out / "results.json")  # fmt: skip
     results["environment"]["wall_time_s"] = time.perf_counter() - t0
