@@ -271,3 +271,56 @@ def test_drafting_several_rows_at_once_equals_drafting_each(tiny_cache, family, 
             assert torch.equal(got.tokens, alone.tokens)
             torch.testing.assert_close(got.probs, alone.probs)
             torch.testing.assert_close(got.entropy, alone.entropy)
+
+
+@pytest.mark.parametrize("mode", ["append", "replace"])
+def test_retrieval_rows_are_drafted_together_and_stay_lossless(tiny_cache, monkeypatch, mode):
+    from entmtp_hf.drafting.retrieval import RetrievalConfig
+
+    model = enabled(tiny_cache)
+    _, ids, mask = batch_of(lengths=(5, 9, 7, 12), seed=11)
+    ids = torch.cat([ids, ids], dim=1)  # every prompt repeats: the retrieval index finds continuations
+    mask = torch.cat([mask, mask], dim=1)
+    calls = []
+    cls = type(tiny_cache("llama", "hydra", "mlp")[1])
+    original = cls.propose_rows
+
+    def spy(self, states, roots, buffers, temperature=1.0):
+        calls.append(len(states))
+        return original(self, states, roots, buffers, temperature=temperature)
+
+    monkeypatch.setattr(cls, "propose_rows", spy)
+    config = EntMTPConfig(tree=MC_SIM_7B_63, retrieval=RetrievalConfig(num_tokens=3, mode=mode))
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, entmtp_config=config)
+    plain = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    assert torch.equal(out, plain)
+    assert calls and max(calls) >= 2, "rows with a retrieval index should be drafted in one head call"
+
+
+@pytest.mark.parametrize("family,head_arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("eagle", "eagle")])
+def test_observing_several_rows_at_once_equals_observing_each(tiny_cache, family, head_arch):
+    """A batch's commit conditions every row's heads in one call: the same states as one call per row."""
+    model, heads = tiny_cache("llama", family, head_arch)
+    buffers = Tree.from_choices(MC_SIM_7B_63).buffers(torch.device("cpu"), torch.float64)
+    g = torch.Generator().manual_seed(0)
+    together, alone, steps = [], [], []
+    for n in (3, 5, 8):
+        ids = torch.randint(0, VOCAB, (1, n + 3), generator=g)
+        feats = heads.features(model(ids, output_hidden_states=heads.hidden_states_request).hidden_states)[0]
+        a, b = heads.new_state(model), heads.new_state(model)
+        heads.observe(a, feats[:n], tokens=ids[0, :n])
+        heads.observe(b, feats[:n], tokens=ids[0, :n])
+        together.append(a), alone.append(b)
+        steps.append((feats[n:], ids[0, n:]))
+    for k in (1, 3):  # rows accepting different lengths: 1, 2 and 3 new positions
+        hiddens = [h[: min(k, i + 1)] for i, (h, _) in enumerate(steps)]
+        tokens = [t[: min(k, i + 1)] for i, (_, t) in enumerate(steps)]
+        heads.observe_rows(together, hiddens, tokens)
+        for state, h, t in zip(alone, hiddens, tokens):
+            heads.observe(state, h, t)
+    for a, b, (_, t) in zip(together, alone, steps):
+        assert a.num_observed == b.num_observed
+        torch.testing.assert_close(a.cond, b.cond)
+        pa, pb = heads.propose(a, t[-1], buffers), heads.propose(b, t[-1], buffers)
+        assert torch.equal(pa.tokens, pb.tokens)
+        torch.testing.assert_close(pa.probs, pb.probs)

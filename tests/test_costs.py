@@ -10,7 +10,7 @@ import torch
 import entmtp_hf.costs.cache as cache_module
 from entmtp_hf import EntMTPConfig, FileFormatError, TopologyBank, Tree
 from entmtp_hf.costs.fingerprint import machine_fingerprint, model_key
-from entmtp_hf.costs.probe import probe
+from entmtp_hf.costs.probe import probe, probe_batch
 from entmtp_hf.costs.ranking import MARGIN, rank
 from entmtp_hf.costs.table import CostTable, interpolate
 from entmtp_hf.trees.bank import published_defaults_bank
@@ -162,6 +162,19 @@ def test_the_probe_measures_a_valid_table_on_a_tiny_model(tiny_cache):
     t = probe(model, model.entmtp_heads, sizes=(1, 2, 4), repeats=1)
     assert set(t.forward_ms) == {1, 2, 4} and all(v > 0 for v in t.forward_ms.values()) and t.plain_ms > 0
     assert t.seconds > 0 and t.step(Tree.chain(2)) > 0
+    assert CostTable.from_dict(t.to_dict()) == t
+
+
+def test_the_batch_probe_measures_per_row_costs_at_its_batch_size(tiny_cache):
+    model = enabled(tiny_cache)
+    base = probe(model, model.entmtp_heads, sizes=(1, 2, 4), repeats=1)
+    t = probe_batch(model, base, 4, sizes=(1, 2, 4), repeats=1)
+    assert t.batch_size == 4 and t.key.endswith("-b4") and t.plain_ms > 0
+    assert set(t.forward_ms) == {1, 2, 4} and all(v > 0 for v in t.forward_ms.values())
+    # drafting keeps the batch-size-1 fit's shape, scaled by what the batch measured
+    scale = t.draft_ms[1] / base.draft_ms[1]
+    assert scale > 0 and t.draft_ms == pytest.approx(tuple(scale * x for x in base.draft_ms))
+    assert t.overhead_ms != base.overhead_ms and t.step(Tree.chain(2)) > 0
     assert CostTable.from_dict(t.to_dict()) == t
 
 

@@ -72,10 +72,17 @@ def machine_fingerprint(device: torch.device, dtype: torch.dtype) -> Fingerprint
                        torch.__version__)  # fmt: skip
 
 
+#: the decode step's implementation: a change that moves its costs (the cache's layout, rows
+#: drafted together) bumps this, so tables measured before are measured again
+STEP_VERSION = 2
+
+
 def model_key(model, heads) -> str:
-    """The shapes a step's cost depends on: the base model's architecture and size, the heads'."""
+    """The shapes a step's cost depends on: the base model's architecture and size, the heads',
+    and the decode step's implementation (:data:`STEP_VERSION`)."""
     config = model.config.get_text_config()
     shape = {
+        "step": STEP_VERSION,
         "model_type": getattr(config, "model_type", type(model).__name__),
         "parameters": sum(p.numel() for p in model.parameters()),
         "hidden_size": getattr(config, "hidden_size", None),

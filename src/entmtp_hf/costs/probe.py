@@ -5,7 +5,8 @@ It times the real pieces of a decode step on the loaded model (short, interleave
 1. the verification forward of ``N`` nodes after a cached prefix, for a grid of sizes;
 2. the heads drafting a few tree shapes (chains and fans), fitted by depth and size;
 3. two short EntMTP decodes and a short plain ``generate``: the rest of a step (acceptance,
-   cache, the heads' conditioning) and plain decoding's time per token.
+   cache, the heads' conditioning) and plain decoding's time per token; at a batch size, the
+   same decodes on a batch give the per-row drafting and overhead (rows draft together).
 
 The result is a :class:`~entmtp_hf.costs.table.CostTable` (see there for the model).
 """
@@ -22,6 +23,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from ..config import EntMTPConfig
 from ..decoding.attention import tree_attention_mask, verifying
+from ..decoding.cache import preallocate
 from ..decoding.stats import PhaseTimer
 from ..trees.tree import Tree
 from .fingerprint import machine_fingerprint, model_key
@@ -63,7 +65,7 @@ def _prefix(model, length: int, generator: torch.Generator, batch_size: int = 1,
     lm = model.get_output_embeddings().weight
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch_size, length), generator=generator).to(lm.device)
-    cache = DynamicCache(config=model.config)
+    cache = preallocate(DynamicCache(config=model.config), length + max(PROBE_SIZES))  # as decoding's
     request = heads.hidden_states_request if heads is not None else -1
     out = model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=request)
     return ids, cache, (heads.features(out.hidden_states) if heads is not None else out.hidden_states[-1])[0]
@@ -131,25 +133,57 @@ def _greedy(model, tokens: int) -> GenerationConfig:
                                "max_new_tokens": tokens, "return_dict_in_generate": True})  # fmt: skip
 
 
+#: the two trees whose short decodes split a step's time (2 and 10 nodes)
+OVERHEAD_TREES = (Tree.chain(1), Tree.chain(1).union(Tree.from_choices([[i] for i in range(8)])))
+
+
+def _decode_phases(model, ids: torch.Tensor, tree: Tree, tokens: int) -> tuple[float, float]:
+    """A short EntMTP decode of ``ids`` [B, L] verifying ``tree`` every step: ms per row-step of
+    drafting, and of everything outside the forward and drafting (prefill excluded)."""
+    timer = PhaseTimer()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_greedy(model, tokens),
+                         entmtp_config=EntMTPConfig(tree=tree.choices), entmtp_observers=[timer])  # fmt: skip
+    st = out.entmtp_stats
+    if ids.shape[0] > 1:  # rows reach the length at different steps: count the steps of live rows
+        prefill, row_steps = st["rows"][0]["prefill_time"], sum(st["live_batch_sizes"])
+    else:
+        prefill, row_steps = st["prefill_time"], st["steps"]
+    rest = st["total_time"] - prefill - timer.seconds["verify"] - timer.seconds["draft"]
+    return 1e3 * timer.seconds["draft"] / row_steps, 1e3 * rest / row_steps
+
+
+def _overhead_fit(rest: dict[int, float]) -> tuple[float, float]:
+    """``(o, p)`` of o + p·nodes through the overhead trees' two measurements."""
+    (n1, o1), (n2, o2) = sorted(rest.items())
+    p = (o2 - o1) / (n2 - n1)
+    return o1 - p * n1, p
+
+
+def _random_prompts(model, batch_size: int, seed: int) -> torch.Tensor:
+    lm = model.get_output_embeddings().weight
+    vocab = model.config.get_text_config().vocab_size
+    return torch.randint(0, vocab, (batch_size, 96), generator=torch.Generator().manual_seed(seed)).to(lm.device)
+
+
 def step_overhead(model, forward: dict[int, float], *, tokens: int = DECODE_TOKENS) -> tuple[tuple[float, float], float]:
     """``(o, p)`` of a step's ms outside the forward and drafting (o + p·nodes, from two tree sizes),
     and plain ``generate``'s ms per token (prefill excluded), from short decodes of one prompt."""
-    g = torch.Generator().manual_seed(2)
-    lm = model.get_output_embeddings().weight
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, 96), generator=g).to(lm.device)
+    ids = _random_prompts(model, 1, 2)
     plain_ms = _plain_ms(model, ids, tokens)
-    small, large = Tree.chain(1), Tree.chain(1).union(Tree.from_choices([[i] for i in range(8)]))
-    per_step = {}
-    for tree in (small, large):
-        timer = PhaseTimer()
-        out = model.generate(ids, generation_config=_greedy(model, tokens), entmtp_config=EntMTPConfig(tree=tree.choices),
-                             entmtp_observers=[timer])  # fmt: skip
-        st = out.entmtp_stats
-        decode_ms = 1e3 * (st["total_time"] - st["prefill_time"])
-        per_step[tree.num_nodes] = (decode_ms - 1e3 * (timer.seconds["verify"] + timer.seconds["draft"])) / st["steps"]
-    (n1, o1), (n2, o2) = sorted(per_step.items())
-    p = (o2 - o1) / (n2 - n1)
-    return (o1 - p * n1, p), plain_ms
+    rest = {tree.num_nodes: _decode_phases(model, ids, tree, tokens)[1] for tree in OVERHEAD_TREES}
+    return _overhead_fit(rest), plain_ms
+
+
+def batch_step_costs(model, base: CostTable, batch_size: int, *, tokens: int = DECODE_TOKENS
+                     ) -> tuple[tuple[float, float, float], tuple[float, float]]:  # fmt: skip
+    """Per-row drafting and overhead at ``batch_size`` rows, from short batched decodes: a batch
+    drafts rows together and conditions their heads in one call, so a row costs less than alone.
+    Drafting keeps ``base``'s shape (by depth and size), scaled to what the batch measured."""
+    ids = _random_prompts(model, batch_size, 2)
+    phases = {tree.num_nodes: _decode_phases(model, ids, tree, tokens) for tree in OVERHEAD_TREES}
+    modelled = sum(base.drafting(tree) for tree in OVERHEAD_TREES)
+    scale = sum(d for d, _ in phases.values()) / modelled if modelled > 0 else 1.0
+    return tuple(scale * x for x in base.draft_ms), _overhead_fit({n: r for n, (_, r) in phases.items()})
 
 
 def _plain_ms(model, ids: torch.Tensor, tokens: int) -> float:
@@ -164,23 +198,21 @@ def _plain_ms(model, ids: torch.Tensor, tokens: int) -> float:
 
 def plain_batch_ms(model, batch_size: int, *, tokens: int = DECODE_TOKENS) -> float:
     """Plain batched ``generate``'s ms per step (``batch_size`` tokens) after the prefill."""
-    g = torch.Generator().manual_seed(3)
-    lm = model.get_output_embeddings().weight
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch_size, 96), generator=g).to(lm.device)
-    return _plain_ms(model, ids, tokens)
+    return _plain_ms(model, _random_prompts(model, batch_size, 3), tokens)
 
 
 @torch.no_grad()
 def probe_batch(model, base: CostTable, batch_size: int, *, sizes: Sequence[int] = PROBE_SIZES,
                 repeats: int = 5) -> CostTable:
-    """``base`` (this machine's batch-size-1 table) at ``batch_size`` rows: the verification forward
-    and plain batched decoding measured anew; drafting and the overhead stay per row."""
+    """``base`` (this machine's batch-size-1 table) at ``batch_size`` rows: the verification forward,
+    plain batched decoding and the per-row drafting and overhead measured anew."""
     t0 = time.perf_counter()
     forward = forward_ms(model, sizes, repeats=repeats, batch_size=batch_size)
     plain = plain_batch_ms(model, batch_size)
+    draft, overhead = batch_step_costs(model, base, batch_size)
     seconds = time.perf_counter() - t0
     log.info("entmtp-hf: measured this machine's step costs at batch size %d in %.1f s", batch_size, seconds)
-    return CostTable(base.fingerprint, base.model, forward, base.draft_ms, base.overhead_ms, plain, seconds,
+    return CostTable(base.fingerprint, base.model, forward, draft, overhead, plain, seconds,
                      notes=dict(base.notes), batch_size=batch_size)  # fmt: skip
 
 

@@ -14,8 +14,9 @@ JSON, so it is cached on disk and stored in banks.
 
 **Batches.** A table measured at batch size ``B > 1`` holds ``F(N)`` for ``B`` rows of ``N``
 nodes each and ``P`` as plain batched ``generate``'s ms per step (``B`` tokens); drafting and the
-overhead stay per row (each row drafts and accepts on its own), so a step costs
-``F(N) + B·(draft(T) + overhead(N))`` and the modelled speed-up is the ratio of total tokens/s.
+overhead are per row, measured at that batch size (rows draft and condition their heads together,
+so a row of a batch costs less than a row alone), so a step costs ``F(N) + B·(draft(T) + overhead(N))``
+and the modelled speed-up is the ratio of total tokens/s.
 """
 
 from __future__ import annotations

@@ -131,11 +131,11 @@ class BatchDecodeSession:
         return self.commit(drafts, verified, accepted)
 
     def draft(self) -> list[Draft]:
-        union = [row for row in self.live if row.drafter.drafts_union]
+        union = [row for row in self.live if row.drafter.drafts_union(row.ids)]
         if len(union) > 1:  # one head call per depth for all of them
             first = union[0].drafter
             proposals = first.heads.propose_rows([r.drafter.state for r in union], [r.ids[0, -1] for r in union],
-                                                 first.union_buffers, temperature=first.temperature)  # fmt: skip
+                                                 first.union_buffers, temperature=first.union_temperature)  # fmt: skip
             for row, proposal in zip(union, proposals):
                 row.drafter.preset_union(proposal)
         drafts = []
@@ -163,9 +163,12 @@ class BatchDecodeSession:
                accepted: list[tuple[Tensor, list[int], int]]) -> BatchStepRecord:  # fmt: skip
         paths = [path for _, path, _ in accepted]
         self.prefix = keep_accepted_rows(self.cache, self.prefix, verified.prefix_len, paths)
+        EntMTPCandidateGenerator.observe_rows(
+            [row.drafter for row in self.live], [verified.hidden[b, p] for b, p in enumerate(paths)],
+            [verified.logits[b, p[-1]] for b, p in enumerate(paths)], [d.tokens[p] for d, p in zip(drafts, paths)],
+        )
         records = []
-        for b, (row, draft, (scores, path, next_token)) in enumerate(zip(self.live, drafts, accepted)):
-            row.drafter.observe(verified.hidden[b, path], verified.logits[b, path[-1]], tokens=draft.tokens[path])
+        for row, draft, (scores, path, next_token) in zip(self.live, drafts, accepted):
             row.next_pos += len(path)
             emitted = self._emit(row, draft.tokens[path[1:]].tolist() + [next_token], scores[path])
             row.drafter.update_candidate_strategy(row.ids, scores[path][None], len(path) - 1)

@@ -1,4 +1,13 @@
-"""The KV cache of tree decoding: prepared once per call, trimmed to the accepted path each step."""
+"""The KV cache of tree decoding: prepared once per call, trimmed to the accepted path each step.
+
+A transformers ``DynamicLayer`` grows by concatenation: every forward copies the layer's whole
+cache into a new tensor, for every layer. At a batch of 4 rows and a few hundred tokens of
+context that copy is about a fifth of a decode forward on the demo model. Tree decoding fills
+the empty dynamic cache ``generate`` prepares with :class:`PreallocatedLayer` instead: each
+layer's keys and values live in buffers allocated once for the call's longest text, and the
+cache's ``keys`` / ``values`` are views of their filled part, so a forward writes only its new
+tokens and cropping is a shorter view.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +21,77 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 STATIC_BUCKET = 256
 
 
+class PreallocatedLayer(DynamicLayer):
+    """A dynamic cache layer whose keys and values are views of buffers allocated once.
+
+    Invariant: after every :meth:`update`, ``keys`` / ``values`` are the first
+    ``get_seq_length()`` slots of the buffers ``[batch, kv_heads, capacity, head_dim]``, so
+    writing into them (the accepted-path moves of :func:`keep_accepted`) writes the buffers, and
+    transformers' ``crop`` (a shorter slice) keeps the invariant. Anything that puts other
+    tensors there (row selection, beam reordering) is copied back into fresh buffers at the next
+    update. A text longer than ``capacity`` grows the buffers by an eighth, never fails.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = max(int(capacity), 1)
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+        self._allocate(key_states[..., :0, :], value_states[..., :0, :], self.capacity)
+
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        """New buffers of ``capacity`` slots holding ``keys`` / ``values`` at their front."""
+        b, h, n, _ = keys.shape
+        self._key_buffer = keys.new_empty((b, h, capacity, keys.shape[-1]))
+        self._value_buffer = values.new_empty((b, values.shape[1], capacity, values.shape[-1]))
+        self._key_buffer[:, :, :n] = keys
+        self._value_buffer[:, :, :n] = values
+        self.capacity = capacity
+        self.keys, self.values = self._key_buffer[:, :, :n], self._value_buffer[:, :, :n]
+
+    def _holds_views(self) -> bool:
+        """Whether ``keys`` / ``values`` are still the front of this layer's buffers."""
+        return all(
+            t._base is buf and t.data_ptr() == buf.data_ptr() and t.shape[:2] == buf.shape[:2]
+            for t, buf in ((self.keys, self._key_buffer), (self.values, self._value_buffer))
+        )
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif not self._holds_views():
+            self._allocate(self.keys, self.values, max(self.capacity, self.keys.shape[-2]))
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if end > self.capacity:
+            self._allocate(self.keys, self.values, max(end, self.capacity + self.capacity // 8 + 16))
+        self._key_buffer[:, :, start:end] = key_states
+        self._value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        super().reset()
+        self._key_buffer = self._value_buffer = None
+
+
+def preallocate(cache: DynamicCache, capacity: int) -> DynamicCache:
+    """``cache`` (empty, plain dynamic layers) with every layer a :class:`PreallocatedLayer` of
+    ``capacity`` slots, in place; any other cache is returned unchanged."""
+    if int(cache.get_seq_length()) == 0 and cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers[:] = [PreallocatedLayer(capacity) for _ in cache.layers]
+    return cache
+
+
 def prepare_cache(model, model_kwargs: dict, max_length: int, max_nodes: int, max_cache_len: int | None = None):
-    """The cache to decode with: the prepared one, or a static one with room for the last tree
-    (at least ``max_cache_len``, generation config's worst case across calls, when given)."""
+    """The cache to decode with: the prepared one (its dynamic layers preallocated for
+    ``max_length + max_nodes`` slots), or a static one with room for the last tree (at least
+    ``max_cache_len``, generation config's worst case across calls, when given)."""
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
         cache = DynamicCache(config=model.config)
@@ -23,13 +100,15 @@ def prepare_cache(model, model_kwargs: dict, max_length: int, max_nodes: int, ma
         if cache.get_max_length() < max_length + max_nodes or int(cache.get_seq_length()) > 0:
             cache = StaticCache(config=model.config, max_cache_len=needed)
     for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, StaticLayer):
+        if type(layer) not in (DynamicLayer, StaticLayer, PreallocatedLayer):
             raise ValueError(
                 f"EntMTP decoding supports full-attention dynamic or static caches; "
                 f"this model's cache has {type(layer).__name__} layers"
             )
     if int(cache.get_seq_length()) > 0:
         raise ValueError("EntMTP decoding starts from an empty cache; do not pass a filled cache")
+    if isinstance(cache, DynamicCache):
+        preallocate(cache, max_length + max_nodes)
     return cache
 
 

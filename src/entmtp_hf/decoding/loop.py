@@ -138,7 +138,8 @@ def _decode_batch(model, input_ids, logits_processor, stopping_criteria, generat
             f"EntMTP decodes a batch with a dynamic cache (rows accept different lengths); got a {type(cache).__name__}: "
             "leave cache_implementation unset"
         )
-    cache = prepare_cache(model, model_kwargs, generation_config.max_length, 1)
+    max_nodes = max(plan_for(b).max_nodes for b in range(1, input_ids.shape[0] + 1))
+    cache = prepare_cache(model, model_kwargs, generation_config.max_length, max_nodes)
     temperature = rule.temperature
 
     def new_drafter(plan: DecodePlan, state) -> EntMTPCandidateGenerator:

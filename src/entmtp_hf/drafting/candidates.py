@@ -139,9 +139,22 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         """Features [T, F] of newly accepted positions (the heads condition on them), the ids at those
         positions, and the verifier's logits [V] at the next root (what the confidence features read)."""
         self.heads.observe(self.state, hidden, tokens)
+        self._read_root(root_logits)
+
+    def _read_root(self, root_logits: torch.Tensor) -> None:
+        """The confidence features' reading of the verifier's logits at the next root."""
         if self.reads_base:
             p0, entropy = top1_and_entropy(root_logits)
             self.p0, self.entropy = float(p0), float(entropy)
+
+    @staticmethod
+    def observe_rows(generators: list["EntMTPCandidateGenerator"], hiddens: list[torch.Tensor],
+                     root_logits: list[torch.Tensor], tokens: list[torch.Tensor]) -> None:  # fmt: skip
+        """:meth:`observe` for the rows of a batch, one generator each, sharing one set of heads
+        (whose conditioning then runs once for every row)."""
+        generators[0].heads.observe_rows([g.state for g in generators], hiddens, tokens)
+        for g, logits in zip(generators, root_logits):
+            g._read_root(logits)
 
     # ------------------------------------------------------------------ drafting
     def _draft(self, root: torch.Tensor) -> Draft:
@@ -161,14 +174,25 @@ class EntMTPCandidateGenerator(CandidateGenerator):
             return Draft(k, tokens, self.branch_buffers[k][n], choice.feature, self.branch_nodes[k][n])
         return Draft(k, choice.tokens[self.node_maps[k]].to(self.device), self.buffers[k], choice.feature)
 
-    @property
-    def drafts_union(self) -> bool:
-        """Whether the next draft is the union's and needs nothing but the heads (so a batch can draft
-        it for several rows at once: :meth:`preset_union`)."""
-        if self.index is not None or self.eas is not None:
+    def drafts_union(self, input_ids: torch.LongTensor) -> bool:
+        """Whether the next draft after ``input_ids`` [1, L] is the union's, drafted by the heads
+        alone (so a batch can draft it for several rows at once: :meth:`preset_union`); a found
+        retrieval continuation that replaces the draft needs no heads."""
+        if self.eas is not None:
             return False
+        found = False
+        if self.index is not None:
+            self.index.extend(input_ids[0, len(self.index.tokens) :].tolist())
+            found = bool(self.index.continuation())
+            if found and self.replace:
+                return False
         policy = self.plan.policy
-        return policy in ("static", "value") or (policy in ("hysteresis", "ladder") and self.feature.reads_draft)
+        return policy in ("static", "value") or (policy in ("hysteresis", "ladder") and (self.feature.reads_draft or found))
+
+    @property
+    def union_temperature(self) -> float:
+        """The temperature this generator drafts the union at (only the value policy reads it)."""
+        return self.temperature if self.plan.policy == "value" else 1.0
 
     def preset_union(self, proposal) -> None:
         """The union's proposal for the next draft, drafted already (at :attr:`temperature`)."""

@@ -352,6 +352,12 @@ class DraftHeads(nn.Module, ModelHubMixin):
         state.num_observed += hidden.shape[0]
         state.cond = cond[-1]
 
+    def observe_rows(self, states: list[DraftState], hiddens: list[Tensor], tokens: list[Tensor | None]) -> None:
+        """:meth:`observe` for several rows' states (a batch's commit); families whose conditioning
+        runs a layer override this loop to run it once for every row."""
+        for state, hidden, toks in zip(states, hiddens, tokens):
+            self.observe(state, hidden, toks)
+
     def propose(
         self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None,
         temperature: float = 1.0,

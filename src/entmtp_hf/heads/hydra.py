@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers import DynamicCache
 
 from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn, text_config
@@ -105,6 +106,50 @@ class PrefixLayer(nn.Module):
         )
         return self.norm(out)
 
+    def forward_rows(self, hiddens: list[Tensor], caches: list[Any]) -> list[Tensor]:
+        """:meth:`forward` of several rows in one call: row ``b`` runs ``hiddens[b]`` [T_b, H] after
+        the ``P_b`` positions its own one-layer ``caches[b]`` holds, and gets its new keys and values.
+
+        The rows' cached keys are stacked left-padded to the longest ``P`` and their new positions
+        right-padded to the longest ``T``; the additive mask lets row ``b`` see its own ``P_b`` cached
+        slots and its new positions causally (a padded position sees itself only, so no row of the
+        mask is empty). The stacking copies one layer's keys per step, against one weight read
+        instead of one per row."""
+        batch, seq = len(hiddens), max(h.shape[0] for h in hiddens)
+        ref = hiddens[0]
+        dtype, device, minimum = ref.dtype, ref.device, torch.finfo(ref.dtype).min
+        pasts = [c.get_seq_length() for c in caches]
+        past = max(pasts)
+        x = ref.new_zeros(batch, seq, ref.shape[-1])
+        mask = torch.full((batch, 1, seq, past + seq), minimum, dtype=dtype, device=device)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+        positions = torch.empty(batch, seq, dtype=torch.long, device=device)
+        for b, (h, p) in enumerate(zip(hiddens, pasts)):
+            t = h.shape[0]
+            x[b, :t] = h
+            mask[b, 0, :, past - p : past] = 0
+            visible = causal.clone()
+            visible[:, t:] = False
+            visible[t:, t:] = torch.eye(seq - t, dtype=torch.bool, device=device)
+            mask[b, 0, :, past:].masked_fill_(visible, 0)
+            positions[b] = torch.arange(p, p + seq, device=device)
+        joint = DynamicCache()
+        filled = [(b, c.layers[0]) for b, c in enumerate(caches) if pasts[b]]
+        if filled:
+            first = filled[0][1]
+            keys = first.keys.new_zeros(batch, first.keys.shape[1], past, first.keys.shape[-1])
+            values = first.values.new_zeros(batch, first.values.shape[1], past, first.values.shape[-1])
+            for b, layer in filled:
+                keys[b, :, past - pasts[b] :], values[b, :, past - pasts[b] :] = layer.keys[0], layer.values[0]
+            joint.update(keys, values, 0)
+        out = self.norm(self.layers[0](x, attention_mask=mask, position_ids=positions, cache=joint, use_cache=True,
+                                       position_embeddings=self.rotary_emb(x, positions)))  # fmt: skip
+        new_keys, new_values = joint.layers[0].keys[:, :, past:], joint.layers[0].values[:, :, past:]
+        for b, (h, cache) in enumerate(zip(hiddens, caches)):
+            t = h.shape[0]
+            cache.update(new_keys[b : b + 1, :, :t], new_values[b : b + 1, :, :t], 0)
+        return [out[b, : h.shape[0]] for b, h in enumerate(hiddens)]
+
 
 @register_heads("hydra")
 class HydraHeads(DraftHeads):
@@ -132,17 +177,24 @@ class HydraHeads(DraftHeads):
         return prefix_layer_config(base_config)
 
     def _new_prefix_cache(self) -> Any:
-        if self.prefix_embeding_layer is None:
-            return None
-        from transformers import DynamicCache
-
-        return DynamicCache()
+        return None if self.prefix_embeding_layer is None else DynamicCache()
 
     def _condition(self, state: DraftState, hidden: Tensor) -> Tensor:
         if self.prefix_embeding_layer is None:
             return hidden
         out = self.prefix_embeding_layer(hidden[None], past=state.num_observed, cache=state.prefix_cache)
         return out[0]
+
+    @torch.no_grad()
+    def observe_rows(self, states: list[DraftState], hiddens: list[Tensor], tokens: list[Tensor | None]) -> None:
+        """:meth:`observe` for several rows, the prefix layer run once over all of them."""
+        if self.prefix_embeding_layer is None or len(states) < 2:
+            return super().observe_rows(states, hiddens, tokens)
+        hiddens = [self._observed(h).to(self._dtype) for h in hiddens]
+        conds = self.prefix_embeding_layer.forward_rows(hiddens, [s.prefix_cache for s in states])
+        for state, hidden, cond in zip(states, hiddens, conds):
+            state.num_observed += hidden.shape[0]
+            state.cond = cond[-1]
 
     @torch.no_grad()
     def propose(
