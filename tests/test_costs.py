@@ -171,11 +171,29 @@ def test_the_batch_probe_measures_per_row_costs_at_its_batch_size(tiny_cache):
     t = probe_batch(model, base, 4, sizes=(1, 2, 4), repeats=1)
     assert t.batch_size == 4 and t.key.endswith("-b4") and t.plain_ms > 0
     assert set(t.forward_ms) == {1, 2, 4} and all(v > 0 for v in t.forward_ms.values())
-    # drafting keeps the batch-size-1 fit's shape, scaled by what the batch measured
-    scale = t.draft_ms[1] / base.draft_ms[1]
-    assert scale > 0 and t.draft_ms == pytest.approx(tuple(scale * x for x in base.draft_ms))
+    # drafting's fixed and per-depth parts are measured on the batch; the per-node part is the base's
+    assert t.draft_ms[2] == base.draft_ms[2] and t.draft_ms[:2] != base.draft_ms[:2]
     assert t.overhead_ms != base.overhead_ms and t.step(Tree.chain(2)) > 0
     assert CostTable.from_dict(t.to_dict()) == t
+
+
+def test_a_probe_on_a_busy_machine_measures_again_and_is_not_cached(tiny_cache, tmp_path, monkeypatch):
+    """The one-node forward and the plain step are timed twice; a disagreement (a busy machine)
+    measures again, and a table that never agreed is used but not written to the cache."""
+    import entmtp_hf.costs.probe as probe_module
+
+    model = enabled(tiny_cache)
+    assert probe_module.steady(10.0, 12.0) and not probe_module.steady(10.0, 15.0)
+    plains = iter([50.0, 32.0, 33.0, 33.0])  # busy during the first measurement, idle after
+    monkeypatch.setattr(probe_module, "_plain_ms", lambda *a, **k: next(plains))
+    monkeypatch.setattr(probe_module, "step_overhead", lambda m, f: ((0.1, 0.0), probe_module._plain_ms()))
+    t = probe(model, model.entmtp_heads, sizes=(1, 2), repeats=1)
+    assert t.plain_ms == 33.0 and t.notes["timings_steady"] is True  # the second measurement agreed
+    always_busy = iter([10.0, 30.0] * 10)  # every plain timing far from the one before it
+    monkeypatch.setattr(probe_module, "_plain_ms", lambda *a, **k: next(always_busy))
+    monkeypatch.setattr(cache_module, "probe", lambda m, h: probe(m, h, sizes=(1, 2), repeats=1))
+    busy = cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
+    assert busy.notes["timings_steady"] is False and not list(tmp_path.glob("*.json"))
 
 
 def test_the_cache_is_keyed_by_machine_and_model(tiny_cache, tmp_path, monkeypatch):

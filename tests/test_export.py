@@ -175,9 +175,15 @@ def test_scheduler_note_machine_entries_and_batch_size(banks):
     assert note["conservative"]["index"] == bank.scheduler.conservative
     assert note["aggressive"]["index"] == bank.scheduler.aggressive
     assert result["batch_size"] == 8 and "batch-1" in result["batch_note"] and "batch size 8" in result["batch_note"]
-    xeon = next(t for t in bank.machine_tables() if "Xeon" in t.fingerprint["processor"])
+    xeon = next(t for t in bank.machine_tables() if "Xeon" in t.fingerprint["processor"] and t.batch_size == 1)
     on_xeon = export(bank, "trtllm", machine="xeon")
     assert on_xeon["source_tree"]["index"] == bank.scheduler_for(xeon).static
+    xeon4 = next(t for t in bank.machine_tables() if "Xeon" in t.fingerprint["processor"] and t.batch_size == 4)
+    in_fours = export(bank, "trtllm", machine="xeon", batch_size=4)  # the entry calibrated at that batch size
+    assert in_fours["source_tree"]["index"] == bank.scheduler_for(xeon4).static and "batch size 4" in in_fours["batch_note"]
+    assert export(bank, "trtllm", machine=xeon4.key)["source_tree"]["index"] == bank.scheduler_for(xeon4).static
+    with pytest.raises(ValueError, match="matches 0"):
+        export(bank, "trtllm", machine="xeon", batch_size=3)
     assert export(bank, "trtllm", tree="aggressive")["source_tree"]["index"] == bank.scheduler.aggressive
     with pytest.raises(ValueError, match="matches 0"):
         export(bank, "trtllm", machine="no such machine")

@@ -57,7 +57,8 @@ def cost_table(model, heads, *, known: Iterable[CostTable] = (), refresh: bool =
                folder: Path | None = None, batch_size: int = 1) -> CostTable:
     """This machine's table for ``model`` and ``heads`` at ``batch_size`` rows: one of ``known`` (a
     bank's machine entries) filed under this machine, else the cache, else probed now (logged) and
-    cached. A batch size's table builds on the batch-size-1 one (found or probed the same way)."""
+    cached (unless its timings were unsteady: :func:`~entmtp_hf.costs.probe.steady`). A batch
+    size's table builds on the batch-size-1 one (found or probed the same way)."""
     known = tuple(known)
     lm = model.get_output_embeddings().weight
     key = table_key(machine_fingerprint(lm.device, lm.dtype).key(), model_key(model, heads), batch_size)
@@ -74,7 +75,11 @@ def cost_table(model, heads, *, known: Iterable[CostTable] = (), refresh: bool =
             table = probe_batch(model, base, batch_size)
         else:
             table = probe(model, heads)
-        write_table(table, path)
+        if table.notes.get("timings_steady", True):
+            write_table(table, path)
+        else:  # measured on a busy machine: good for this call, not for every later one
+            log.warning("entmtp-hf: not caching this machine's step costs (its timings were unsteady); "
+                        "they are measured again next time")  # fmt: skip
     return table
 
 

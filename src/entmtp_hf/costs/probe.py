@@ -8,6 +8,11 @@ It times the real pieces of a decode step on the loaded model (short, interleave
    cache, the heads' conditioning) and plain decoding's time per token; at a batch size, the
    same decodes on a batch give the per-row drafting and overhead (rows draft together).
 
+The one-node forward and the plain step are timed again after everything else; where the two
+timings of either disagree (:func:`steady`) something else was using the cores, so all is
+measured again, and a table whose timings never agreed is used for the call but not cached
+(see :func:`~entmtp_hf.costs.cache.cost_table`).
+
 The result is a :class:`~entmtp_hf.costs.table.CostTable` (see there for the model).
 """
 
@@ -35,6 +40,11 @@ log = logging.getLogger(__name__)
 PROBE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 PREFIX_LEN = 256
 DECODE_TOKENS = 32
+#: how far two timings of one thing may differ (of the smaller) for :func:`steady`: an idle
+#: machine repeats them within a few percent, a busy one by tens of percent
+STEADY = 0.25
+#: measurements repeated when they disagree, before the table is used uncached
+RETRIES = 2
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -177,13 +187,19 @@ def step_overhead(model, forward: dict[int, float], *, tokens: int = DECODE_TOKE
 def batch_step_costs(model, base: CostTable, batch_size: int, *, tokens: int = DECODE_TOKENS
                      ) -> tuple[tuple[float, float, float], tuple[float, float]]:  # fmt: skip
     """Per-row drafting and overhead at ``batch_size`` rows, from short batched decodes: a batch
-    drafts rows together and conditions their heads in one call, so a row costs less than alone.
-    Drafting keeps ``base``'s shape (by depth and size), scaled to what the batch measured."""
+    drafts rows together (one head call per depth) and conditions their heads in one call, so a
+    row costs less than alone, and the more so the deeper the tree. The drafting fit's per-depth
+    and fixed parts are measured on a chain one and three deep (its per-node part stays
+    ``base``'s); the overhead's from the overhead trees."""
     ids = _random_prompts(model, batch_size, 2)
-    phases = {tree.num_nodes: _decode_phases(model, ids, tree, tokens) for tree in OVERHEAD_TREES}
-    modelled = sum(base.drafting(tree) for tree in OVERHEAD_TREES)
-    scale = sum(d for d, _ in phases.values()) / modelled if modelled > 0 else 1.0
-    return tuple(scale * x for x in base.draft_ms), _overhead_fit({n: r for n, (_, r) in phases.items()})
+    phases = {tree: _decode_phases(model, ids, tree, tokens) for tree in (*OVERHEAD_TREES, Tree.chain(3))}
+    short, deep = Tree.chain(1), Tree.chain(3)
+    per_node = base.draft_ms[2]
+    per_depth = (phases[deep][0] - phases[short][0] - per_node * (deep.num_nodes - short.num_nodes)) / (
+        deep.depth - short.depth)  # fmt: skip
+    fixed = phases[short][0] - per_depth * short.depth - per_node * (short.num_nodes - 1)
+    overhead = _overhead_fit({tree.num_nodes: phases[tree][1] for tree in OVERHEAD_TREES})
+    return (fixed, per_depth, per_node), overhead
 
 
 def _plain_ms(model, ids: torch.Tensor, tokens: int) -> float:
@@ -192,7 +208,7 @@ def _plain_ms(model, ids: torch.Tensor, tokens: int) -> float:
     mask = torch.ones_like(ids)
     runs = {n: (lambda n=n: model.generate(ids, attention_mask=mask, generation_config=_greedy(model, n)))
             for n in (1, tokens + 1)}  # fmt: skip
-    seconds = _medians(runs, 2, _sync(ids.device))
+    seconds = _medians(runs, 3, _sync(ids.device))
     return 1e3 * (seconds[tokens + 1] - seconds[1]) / tokens
 
 
@@ -201,19 +217,43 @@ def plain_batch_ms(model, batch_size: int, *, tokens: int = DECODE_TOKENS) -> fl
     return _plain_ms(model, _random_prompts(model, batch_size, 3), tokens)
 
 
+def steady(first: float, second: float) -> bool:
+    """Whether two timings of the same thing, taken apart, agree within :data:`STEADY`."""
+    return abs(first - second) <= STEADY * min(first, second)
+
+
+def _agreeing(measure: Callable[[], tuple], recheck: Callable[[], tuple[float, float]],
+              batch_size: int) -> tuple[tuple, bool]:  # fmt: skip
+    """``measure()`` (its first two results: forward ms by size and plain ms), checked against
+    ``recheck()`` (the one-node forward and plain ms timed again right after) and measured again up
+    to :data:`RETRIES` times while they disagree; the last result, and whether it agreed."""
+    for attempt in range(RETRIES + 1):
+        result = measure()
+        forward, plain = recheck()
+        if steady(result[0][1], forward) and steady(result[1], plain):
+            return result, True
+        log.warning("entmtp-hf: step costs at batch size %d changed while measuring (one-node forward %.1f then "
+                    "%.1f ms, plain step %.1f then %.1f ms): the machine looks busy; %s", batch_size, result[0][1],
+                    forward, result[1], plain, "measuring again" if attempt < RETRIES else "giving up")  # fmt: skip
+    return result, False
+
+
 @torch.no_grad()
 def probe_batch(model, base: CostTable, batch_size: int, *, sizes: Sequence[int] = PROBE_SIZES,
                 repeats: int = 5) -> CostTable:
     """``base`` (this machine's batch-size-1 table) at ``batch_size`` rows: the verification forward,
     plain batched decoding and the per-row drafting and overhead measured anew."""
     t0 = time.perf_counter()
-    forward = forward_ms(model, sizes, repeats=repeats, batch_size=batch_size)
-    plain = plain_batch_ms(model, batch_size)
+    (forward, plain), agree = _agreeing(
+        lambda: (forward_ms(model, sizes, repeats=repeats, batch_size=batch_size), plain_batch_ms(model, batch_size)),
+        lambda: (forward_ms(model, (1,), repeats=repeats, batch_size=batch_size)[1], plain_batch_ms(model, batch_size)),
+        batch_size,
+    )
     draft, overhead = batch_step_costs(model, base, batch_size)
     seconds = time.perf_counter() - t0
     log.info("entmtp-hf: measured this machine's step costs at batch size %d in %.1f s", batch_size, seconds)
     return CostTable(base.fingerprint, base.model, forward, draft, overhead, plain, seconds,
-                     notes=dict(base.notes), batch_size=batch_size)  # fmt: skip
+                     notes={**base.notes, "timings_steady": agree}, batch_size=batch_size)  # fmt: skip
 
 
 @torch.no_grad()
@@ -222,11 +262,20 @@ def probe(model, heads, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 5)
     t0 = time.perf_counter()
     lm = model.get_output_embeddings().weight
     fingerprint = machine_fingerprint(lm.device, lm.dtype)
-    forward = forward_ms(model, sizes, repeats=repeats)
     draft, fit_error = draft_fit(model, heads, repeats=repeats)
-    overhead, plain = step_overhead(model, forward)
+
+    def measure() -> tuple:
+        forward = forward_ms(model, sizes, repeats=repeats)
+        overhead, plain = step_overhead(model, forward)
+        return forward, plain, overhead
+
+    def recheck() -> tuple[float, float]:
+        return forward_ms(model, (1,), repeats=repeats)[1], _plain_ms(model, _random_prompts(model, 1, 2), DECODE_TOKENS)
+
+    (forward, plain, overhead), agree = _agreeing(measure, recheck, 1)
     seconds = time.perf_counter() - t0
+    notes = {"draft_fit_max_error": fit_error, "prefix_len": PREFIX_LEN, "timings_steady": agree}
     table = CostTable({**fingerprint.to_dict(), "key": fingerprint.key()}, model_key(model, heads), forward, draft,
-                      overhead, plain, seconds, notes={"draft_fit_max_error": fit_error, "prefix_len": PREFIX_LEN})  # fmt: skip
+                      overhead, plain, seconds, notes=notes)  # fmt: skip
     log.info("entmtp-hf: measured this machine's step costs in %.1f s (%s)", seconds, fingerprint.describe())
     return table

@@ -338,17 +338,21 @@ def pick_tree(scheduler: SchedulerDefaults, which: str, num_trees: int) -> int:
     return int(which)
 
 
-def machine_scheduler(bank: TopologyBank, machine: str | None) -> SchedulerDefaults:
-    """The stored scheduler, or that of the bank's machine entry whose fingerprint key is ``machine``
-    or whose processor name contains it (the entry a calibration on that machine stored)."""
+def machine_scheduler(bank: TopologyBank, machine: str | None, batch_size: int = 1) -> SchedulerDefaults:
+    """The stored scheduler, or that of the bank's machine entry at ``batch_size`` whose fingerprint
+    key is ``machine`` or whose processor name contains it (the entry a calibration on that machine
+    stored; an entry's full key, with its ``-b<B>``, picks that entry whatever the batch size)."""
     if machine is None:
         return bank.scheduler
     tables = bank.machine_tables()
-    found = [t for t in tables if machine in (t.fingerprint.get("key"), t.key)
-             or machine.lower() in str(t.fingerprint.get("processor", "")).lower()]  # fmt: skip
+    found = [t for t in tables if t.key == machine] or [
+        t for t in tables if t.batch_size == batch_size and (machine == t.fingerprint.get("key")
+                                                             or machine.lower() in str(t.fingerprint.get("processor", "")).lower())
+    ]  # fmt: skip
     if len(found) != 1:
-        known = [f"{t.fingerprint.get('key')} ({t.fingerprint.get('processor')})" for t in tables]
-        raise ValueError(f"--machine {machine!r} matches {len(found)} of the bank's machine entries: {known}")
+        known = [f"{t.key} ({t.fingerprint.get('processor')}, batch size {t.batch_size})" for t in tables]
+        raise ValueError(f"--machine {machine!r} matches {len(found)} of the bank's machine entries at batch size "
+                         f"{batch_size}: {known}")  # fmt: skip
     return bank.scheduler_for(found[0])
 
 
@@ -370,10 +374,13 @@ def scheduler_note(bank: TopologyBank, scheduler: SchedulerDefaults, exported: i
             "text": text}  # fmt: skip
 
 
-def batch_note(batch_size: int) -> str:
-    """Banks rank trees by batch-1 step costs; a bank with per-batch-size costs would pick per size."""
-    note = "banks carry no per-batch-size costs yet: this is the bank's batch-1 choice"
-    return note if batch_size == 1 else f"{note}, not a choice for batch size {batch_size} (not modelled)"
+def batch_note(batch_size: int, machine: str | None) -> str:
+    """Which batch size the exported tree was chosen for: a machine entry's, or the stored batch-1 choice."""
+    if machine is not None:
+        return f"ranked with the machine entry's step costs at batch size {batch_size}"
+    note = "the bank's stored (batch-1) choice"
+    return note if batch_size == 1 else (f"{note}, not ranked for batch size {batch_size}: pass --machine with an "
+                                         "entry calibrated at that size (entmtp-hf calibrate --batch-sizes)")  # fmt: skip
 
 
 def export(bank: TopologyBank, engine: str, drafter: str | None = None, *, tree: str = "static",
@@ -385,7 +392,7 @@ def export(bank: TopologyBank, engine: str, drafter: str | None = None, *, tree:
     drafter = drafter or DRAFTERS[engine][0]
     if drafter not in DRAFTERS[engine]:
         raise ValueError(f"{engine} runs a tree with drafters {DRAFTERS[engine]}, not {drafter!r}")
-    scheduler = machine_scheduler(bank, machine)
+    scheduler = machine_scheduler(bank, machine, batch_size)
     index = pick_tree(scheduler, tree, len(bank))
     source, frontier = bank.trees[index], frontier_of(bank)
     exported, steps = project(source, rules_for(engine, drafter, max_depth, max_nodes, frontier))
@@ -397,7 +404,7 @@ def export(bank: TopologyBank, engine: str, drafter: str | None = None, *, tree:
         "dropped": [p for step in steps for p in step["dropped"]], "projection": steps,
         "tokens_per_step": tokens_per_step(source, exported, frontier, dynamic=engine == "sglang"),
         "scheduler": scheduler_note(bank, scheduler, index), "machine": machine,
-        "batch_size": batch_size, "batch_note": batch_note(batch_size),
+        "batch_size": batch_size, "batch_note": batch_note(batch_size, machine),
         "notes": engine_notes(engine, drafter, exported), "sources": list(SOURCES[(engine, drafter)]),
     }  # fmt: skip
 

@@ -81,7 +81,8 @@ def _machine_rows(bank: BankContents) -> list[list[str]]:
         reconstructed = " (costs reconstructed from the search's timed runs)" if (costs.get("notes") or {}).get(
             "reconstructed") else ""  # fmt: skip
         modelled = 1.0 if bank.trees[chosen].num_nodes == 1 else speedups.get(str(chosen))
-        rows.append([_cell(_machine_name(costs["fingerprint"]) + reconstructed), _tree_text(bank, chosen),
+        batch = f", batches of {costs['batch_size']}" if costs.get("batch_size", 1) > 1 else ""
+        rows.append([_cell(_machine_name(costs["fingerprint"]) + batch + reconstructed), _tree_text(bank, chosen),
                      _times(modelled), f"{_times(speedups[best])}, {_tree_text(bank, int(best))}" if best else ""])
     return rows
 
