@@ -17,7 +17,7 @@ from entmtp_hf.decoding.acceptance import (
     walk_tree,
 )
 from entmtp_hf.decoding.attention import tree_attention_mask
-from entmtp_hf.decoding.cache import keep_accepted
+from entmtp_hf.decoding.cache import PreallocatedLayer, keep_accepted, preallocate
 
 
 def test_walk_tree_greedy():
@@ -76,6 +76,42 @@ def test_tree_attention_mask_layout():
     assert torch.equal(m[0, 0, :, :3], prefix.expand(3, 3))
     assert torch.equal(m[0, 0, :, 3:6], b.attn_mask)
     assert torch.all(m[0, 0, :, 6:] == torch.finfo(torch.float32).min)
+
+
+def test_a_preallocated_cache_holds_what_a_dynamic_one_holds():
+    """Updates past the capacity, crops, in-place path moves and row selection: the preallocated
+    layers hold exactly the dynamic layers' keys and values, as views of their buffers."""
+    cfg = LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, num_attention_heads=2, hidden_size=8)
+    plain, pre = DynamicCache(config=cfg), preallocate(DynamicCache(config=cfg), capacity=6)
+    assert all(isinstance(layer, PreallocatedLayer) for layer in pre.layers)
+    g = torch.Generator().manual_seed(0)
+
+    def both(n: int, rows: int = 3) -> None:
+        for i in range(2):
+            k, v = torch.randn(rows, 2, n, 4, generator=g), torch.randn(rows, 2, n, 4, generator=g)
+            for cache in (plain, pre):
+                out_k, out_v = cache.update(k, v, i)
+                assert torch.equal(out_k, cache.layers[i].keys) and torch.equal(out_v, cache.layers[i].values)
+
+    def same() -> None:
+        for a, b in zip(plain.layers, pre.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            assert b.keys._base is b._key_buffer or not b._holds_views()
+
+    both(4)  # the prompt
+    both(5)  # a tree past the capacity: the buffers grow
+    assert pre.layers[0].capacity >= 9
+    same()
+    for cache in (plain, pre):
+        keep_accepted(cache, 4, 5, [0, 2, 4])
+    same()
+    assert pre.get_seq_length() == 7 and pre.layers[0]._holds_views()
+    for cache in (plain, pre):  # a finished row leaves the batch
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[[0, 2]], layer.values[[0, 2]]
+    both(2, rows=2)  # the next update copies the selected rows back into buffers
+    same()
+    assert pre.layers[1]._holds_views() and pre.layers[1]._key_buffer.shape[0] == 2
 
 
 def test_keep_accepted_moves_path_to_front():
