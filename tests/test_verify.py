@@ -17,7 +17,7 @@ from entmtp_hf.decoding.acceptance import (
     walk_tree,
 )
 from entmtp_hf.decoding.attention import tree_attention_mask
-from entmtp_hf.decoding.cache import PreallocatedLayer, keep_accepted, preallocate
+from entmtp_hf.decoding.cache import GROWTH_STEP, PreallocatedLayer, keep_accepted, preallocate
 
 
 def test_walk_tree_greedy():
@@ -82,7 +82,7 @@ def test_a_preallocated_cache_holds_what_a_dynamic_one_holds():
     """Updates past the capacity, crops, in-place path moves and row selection: the preallocated
     layers hold exactly the dynamic layers' keys and values, as views of their buffers."""
     cfg = LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, num_attention_heads=2, hidden_size=8)
-    plain, pre = DynamicCache(config=cfg), preallocate(DynamicCache(config=cfg), capacity=6)
+    plain, pre = DynamicCache(config=cfg), preallocate(DynamicCache(config=cfg), limit=6)
     assert all(isinstance(layer, PreallocatedLayer) for layer in pre.layers)
     g = torch.Generator().manual_seed(0)
 
@@ -98,9 +98,10 @@ def test_a_preallocated_cache_holds_what_a_dynamic_one_holds():
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
             assert b.keys._base is b._key_buffer or not b._holds_views()
 
-    both(4)  # the prompt
-    both(5)  # a tree past the capacity: the buffers grow
-    assert pre.layers[0].capacity >= 9
+    both(4)  # the prompt: a growth step more, within the limit
+    assert pre.layers[0].capacity == 6
+    both(5)  # a tree past the limit: the buffers grow to hold it
+    assert pre.layers[0].capacity == 9
     same()
     for cache in (plain, pre):
         keep_accepted(cache, 4, 5, [0, 2, 4])
@@ -112,6 +113,9 @@ def test_a_preallocated_cache_holds_what_a_dynamic_one_holds():
     both(2, rows=2)  # the next update copies the selected rows back into buffers
     same()
     assert pre.layers[1]._holds_views() and pre.layers[1]._key_buffer.shape[0] == 2
+    unlimited = preallocate(DynamicCache(config=cfg))
+    unlimited.update(torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 4), 0)
+    assert unlimited.layers[0].capacity == 10 + GROWTH_STEP
 
 
 def test_keep_accepted_moves_path_to_front():

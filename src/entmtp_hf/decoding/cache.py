@@ -4,9 +4,12 @@ A transformers ``DynamicLayer`` grows by concatenation: every forward copies the
 cache into a new tensor, for every layer. At a batch of 4 rows and a few hundred tokens of
 context that copy is about a fifth of a decode forward on the demo model. Tree decoding fills
 the empty dynamic cache ``generate`` prepares with :class:`PreallocatedLayer` instead: each
-layer's keys and values live in buffers allocated once for the call's longest text, and the
+layer's keys and values live in preallocated buffers, and the
 cache's ``keys`` / ``values`` are views of their filled part, so a forward writes only its new
-tokens and cropping is a shorter view.
+tokens and cropping is a shorter view. The buffers grow :data:`GROWTH_STEP` slots at a time
+(within the call's longest text): one copy of the cache every that many tokens instead of one
+per forward, and at most that many unused slots per row, so a large ``max_new_tokens`` with an
+early end costs no memory it does not use.
 """
 
 from __future__ import annotations
@@ -21,27 +24,38 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 STATIC_BUCKET = 256
 
 
+#: slots a :class:`PreallocatedLayer`'s buffers grow by
+GROWTH_STEP = 64
+
+
 class PreallocatedLayer(DynamicLayer):
-    """A dynamic cache layer whose keys and values are views of buffers allocated once.
+    """A dynamic cache layer whose keys and values are views of buffers that grow in steps.
 
     Invariant: after every :meth:`update`, ``keys`` / ``values`` are the first
     ``get_seq_length()`` slots of the buffers ``[batch, kv_heads, capacity, head_dim]``, so
     writing into them (the accepted-path moves of :func:`keep_accepted`) writes the buffers, and
     transformers' ``crop`` (a shorter slice) keeps the invariant. Anything that puts other
     tensors there (row selection, beam reordering) is copied back into fresh buffers at the next
-    update. A text longer than ``capacity`` grows the buffers by an eighth, never fails.
+    update. ``limit``, the call's longest text if known, caps the growth steps; a longer text
+    still fits (the buffers then grow to it).
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         super().__init__()
-        self.capacity = max(int(capacity), 1)
+        self.limit = limit
+        self.capacity = 0
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.is_initialized = True
-        self._allocate(key_states[..., :0, :], value_states[..., :0, :], self.capacity)
+        self._allocate(key_states[..., :0, :], value_states[..., :0, :], 0)
+
+    def _room(self, length: int) -> int:
+        """The capacity for a text of ``length`` slots: a growth step more, within the limit."""
+        grown = length + GROWTH_STEP
+        return max(length, min(grown, self.limit) if self.limit is not None else grown)
 
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         """New buffers of ``capacity`` slots holding ``keys`` / ``values`` at their front."""
@@ -65,11 +79,11 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif not self._holds_views():
-            self._allocate(self.keys, self.values, max(self.capacity, self.keys.shape[-2]))
+            self._allocate(self.keys, self.values, self._room(self.keys.shape[-2]))
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
         if end > self.capacity:
-            self._allocate(self.keys, self.values, max(end, self.capacity + self.capacity // 8 + 16))
+            self._allocate(self.keys, self.values, self._room(end))
         self._key_buffer[:, :, start:end] = key_states
         self._value_buffer[:, :, start:end] = value_states
         self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
@@ -80,16 +94,16 @@ class PreallocatedLayer(DynamicLayer):
         self._key_buffer = self._value_buffer = None
 
 
-def preallocate(cache: DynamicCache, capacity: int) -> DynamicCache:
-    """``cache`` (empty, plain dynamic layers) with every layer a :class:`PreallocatedLayer` of
-    ``capacity`` slots, in place; any other cache is returned unchanged."""
+def preallocate(cache: DynamicCache, limit: int | None = None) -> DynamicCache:
+    """``cache`` (empty, plain dynamic layers) with every layer a :class:`PreallocatedLayer`
+    (growing up to ``limit`` slots in steps), in place; any other cache is returned unchanged."""
     if int(cache.get_seq_length()) == 0 and cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
-        cache.layers[:] = [PreallocatedLayer(capacity) for _ in cache.layers]
+        cache.layers[:] = [PreallocatedLayer(limit) for _ in cache.layers]
     return cache
 
 
 def prepare_cache(model, model_kwargs: dict, max_length: int, max_nodes: int, max_cache_len: int | None = None):
-    """The cache to decode with: the prepared one (its dynamic layers preallocated for
+    """The cache to decode with: the prepared one (its dynamic layers preallocated in steps up to
     ``max_length + max_nodes`` slots), or a static one with room for the last tree (at least
     ``max_cache_len``, generation config's worst case across calls, when given)."""
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
