@@ -192,8 +192,8 @@ def batch_step_costs(model, base: CostTable, batch_size: int, *, tokens: int = D
     and fixed parts are measured on a chain one and three deep (its per-node part stays
     ``base``'s); the overhead's from the overhead trees."""
     ids = _random_prompts(model, batch_size, 2)
-    phases = {tree: _decode_phases(model, ids, tree, tokens) for tree in (*OVERHEAD_TREES, Tree.chain(3))}
-    short, deep = Tree.chain(1), Tree.chain(3)
+    short, deep = OVERHEAD_TREES[0], Tree.chain(3)  # chains 1 and 3 deep
+    phases = {tree: _decode_phases(model, ids, tree, tokens) for tree in (*OVERHEAD_TREES, deep)}
     per_node = base.draft_ms[2]
     per_depth = (phases[deep][0] - phases[short][0] - per_node * (deep.num_nodes - short.num_nodes)) / (
         deep.depth - short.depth)  # fmt: skip

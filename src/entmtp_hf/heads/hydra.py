@@ -122,16 +122,14 @@ class PrefixLayer(nn.Module):
         past = max(pasts)
         x = ref.new_zeros(batch, seq, ref.shape[-1])
         mask = torch.full((batch, 1, seq, past + seq), minimum, dtype=dtype, device=device)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+        cols = torch.arange(seq, device=device)
+        causal, itself = cols[None, :] <= cols[:, None], torch.eye(seq, dtype=torch.bool, device=device)
         positions = torch.empty(batch, seq, dtype=torch.long, device=device)
         for b, (h, p) in enumerate(zip(hiddens, pasts)):
             t = h.shape[0]
             x[b, :t] = h
             mask[b, 0, :, past - p : past] = 0
-            visible = causal.clone()
-            visible[:, t:] = False
-            visible[t:, t:] = torch.eye(seq - t, dtype=torch.bool, device=device)
-            mask[b, 0, :, past:].masked_fill_(visible, 0)
+            mask[b, 0, :, past:].masked_fill_((causal & (cols < t)) | itself, 0)
             positions[b] = torch.arange(p, p + seq, device=device)
         joint = DynamicCache()
         filled = [(b, c.layers[0]) for b, c in enumerate(caches) if pasts[b]]

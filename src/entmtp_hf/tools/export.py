@@ -345,10 +345,11 @@ def machine_scheduler(bank: TopologyBank, machine: str | None, batch_size: int =
     if machine is None:
         return bank.scheduler
     tables = bank.machine_tables()
-    found = [t for t in tables if t.key == machine] or [
-        t for t in tables if t.batch_size == batch_size and (machine == t.fingerprint.get("key")
-                                                             or machine.lower() in str(t.fingerprint.get("processor", "")).lower())
-    ]  # fmt: skip
+
+    def named(t) -> bool:
+        return machine == t.fingerprint.get("key") or machine.lower() in str(t.fingerprint.get("processor", "")).lower()
+
+    found = [t for t in tables if t.key == machine] or [t for t in tables if t.batch_size == batch_size and named(t)]
     if len(found) != 1:
         known = [f"{t.key} ({t.fingerprint.get('processor')}, batch size {t.batch_size})" for t in tables]
         raise ValueError(f"--machine {machine!r} matches {len(found)} of the bank's machine entries at batch size "
