@@ -74,6 +74,25 @@ def test_every_row_equals_its_prompt_alone(tiny_cache, arch, name):
     assert max(max(r["accept_lengths"], default=0) for r in out.entmtp_stats["rows"]) >= 2
 
 
+@pytest.mark.parametrize("arch", ["eagle", "eagle3"])
+def test_every_row_equals_its_prompt_alone_with_an_eagle_drafter(tiny_cache, arch):
+    """The drafter drafts a batch's rows together (its caches left-padded): still every row as alone."""
+    from test_generation import random_choices
+
+    model, heads = tiny_cache("llama", "eagle", arch)
+    model = enable_entmtp(model, heads)
+    singles, ids, mask = batch_of(seed=9)
+    eos = eos_ending_rows_apart(model, singles, 30)
+    for tree in (MC_SIM_7B_63, random_choices(1)):
+        out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                       entmtp_config=EntMTPConfig(tree=tree), return_dict_in_generate=True)  # fmt: skip
+        for i, p in enumerate(singles):
+            alone = generate(model, p, max_new_tokens=30, do_sample=False, eos_token_id=eos)[0, p.shape[1] :]
+            row = out.sequences[i, ids.shape[1] :]
+            assert torch.equal(row[: alone.shape[0]], alone) and bool((row[alone.shape[0] :] == PAD).all())
+        assert max(max(r["accept_lengths"], default=0) for r in out.entmtp_stats["rows"]) >= 2
+
+
 def test_random_trees_in_a_batch(tiny_cache):
     from test_generation import random_choices
 
@@ -252,25 +271,38 @@ def test_a_bank_verifies_the_trees_ranked_for_the_live_batch_size(tiny_cache):
     assert torch.equal(root_only.sequences, plain) and root_only.entmtp_stats["plain_decoding"]
 
 
-@pytest.mark.parametrize("family,head_arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp")])
+@pytest.mark.parametrize("family,head_arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp"),
+                                              ("eagle", "eagle"), ("eagle", "eagle3")])  # fmt: skip
 def test_drafting_several_rows_at_once_equals_drafting_each(tiny_cache, family, head_arch):
+    """A batch drafts its rows in one call per depth: the proposals of one call per row, for rows
+    whose committed lengths differ, and again after each row accepted a different number."""
     model, heads = tiny_cache("llama", family, head_arch)
     buffers = Tree.from_choices(MC_SIM_7B_63).buffers(torch.device("cpu"), torch.float64)
-    states, roots = [], []
     g = torch.Generator().manual_seed(0)
+    together, alone, rest = [], [], []
     for n in (3, 5, 8):
-        ids = torch.randint(0, VOCAB, (1, n), generator=g)
-        state = heads.new_state(model)
-        heads.observe(state, model(ids, output_hidden_states=-1).hidden_states[-1][0].detach())
-        states.append(state)
-        roots.append(ids[0, -1])
-    for temperature in (1.0, 0.7):
-        together = heads.propose_rows(states, roots, buffers, temperature=temperature)
-        for state, root, got in zip(states, roots, together):
-            alone = heads.propose(state, root, buffers, temperature=temperature)
-            assert torch.equal(got.tokens, alone.tokens)
-            torch.testing.assert_close(got.probs, alone.probs)
-            torch.testing.assert_close(got.entropy, alone.entropy)
+        ids = torch.randint(0, VOCAB, (1, n + 4), generator=g)
+        feats = heads.features(model(ids, output_hidden_states=heads.hidden_states_request).hidden_states)[0]
+        a, b = heads.new_state(model), heads.new_state(model)
+        for state in (a, b):
+            heads.observe(state, feats[:n], tokens=ids[0, :n])
+        together.append(a), alone.append(b)
+        rest.append((feats[n:], ids[0, n:]))  # the root at n, then what each row accepts
+    accepted = (1, 2, 3)
+    for step in range(2):
+        offsets = [0] * 3 if step == 0 else list(accepted)
+        roots = [t[k] for (_, t), k in zip(rest, offsets)]
+        for temperature in (1.0, 0.7):
+            got = heads.propose_rows(together, roots, buffers, temperature=temperature)
+            for state, root, row in zip(alone, roots, got):
+                want = heads.propose(state, root, buffers, temperature=temperature)
+                assert torch.equal(row.tokens, want.tokens)
+                torch.testing.assert_close(row.probs, want.probs)
+                torch.testing.assert_close(row.entropy, want.entropy)
+        if step == 0:
+            for a, b, (h, t), k in zip(together, alone, rest, accepted):
+                heads.observe(a, h[:k], tokens=t[:k])
+                heads.observe(b, h[:k], tokens=t[:k])
 
 
 @pytest.mark.parametrize("mode", ["append", "replace"])

@@ -7,6 +7,7 @@ previous one ended.
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,10 +17,12 @@ from entmtp_hf.tools.search.choose import Choice, choose_trees, fan, value_sets
 from entmtp_hf.tools.search.config import RETRIEVAL_RUNS, SearchConfig
 from entmtp_hf.tools.search.frontier import frontier_nodes, greedy_frontier, rank_tuple_scorer
 from entmtp_hf.tools.search.measure import generate_measure
+from entmtp_hf.tools.search.outputs import file_search_machine
 from entmtp_hf.tools.search.result import median
 from entmtp_hf.tools.search.rollout import joint_rollout, rollout_scorer
 from entmtp_hf.tools.search.runner import TreeSearch
 from entmtp_hf.tools.search.trajectories import Trajectory, accepted_depth, rank_tuples, simulate_canonical, table_accept
+from entmtp_hf.costs.table import CostTable
 from entmtp_hf.trees.bank import TopologyBank
 from entmtp_hf.tools.cli import build_parser
 from entmtp_hf.config import EntMTPConfig
@@ -265,6 +268,8 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     assert [t.num_nodes for t in bank.trees] == [1, 2, 4, 4, 8] and bank.trees[3] == fan(4)
     trees, at = result.bank_trees()
     assert trees == list(bank.trees) and at == [0, 1, 2, 4]
+    # its acceptance frontier: the timed trees with their measured tokens per step
+    assert bank.frontier == {at[i]: result.timed[lab]["unbiased"] for i, lab in enumerate(result.labels)}
     sched = bank.scheduler
     assert sched.static == 2 and sched.ladder == (1, 2, 4)  # the max; the ladder = it and its hull neighbours
     hyst = result.winners["hysteresis"]  # the best of every pair of ladder trees and every tau
@@ -301,6 +306,21 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
         assert (out / name).stat().st_size > 0
     assert "EntMTP*" in (out / "report.md").read_text()
     assert json.loads((out / "result.json").read_text())["scheduler"]["static"] == 2
+
+
+def test_a_searched_bank_keeps_its_timed_choice_there_and_is_re_ranked_elsewhere(pipeline, tmp_path):
+    out, result, *_ = pipeline
+    shutil.copytree(out / "banks", tmp_path / "bank")
+    here = CostTable({"key": "search"}, "probe", {1: 10.0, 2: 10.0, 4: 40.0, 8: 80.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 10.0)
+    file_search_machine([tmp_path / "bank"], "tiny", here)
+    bank = TopologyBank.from_pretrained(tmp_path / "bank", task="tiny")
+    stored = bank.scheduler.static
+    ranked = TopologyBank.from_pretrained(out / "banks", task="tiny").scheduler_for(here).static
+    assert bank.trees[ranked].num_nodes == 2 != bank.trees[stored].num_nodes  # the ranking takes the cheap tree ...
+    assert bank.scheduler_for(here).static == stored  # ... but the search machine keeps what it timed
+    # elsewhere every node costs a forward of its own: no tree pays, the root alone
+    slow = CostTable({"key": "slow"}, "probe", {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 10.0)
+    assert bank.scheduler_for(slow).static == 0
 
 
 def test_search_with_rollout_scoring_and_sampling(setup, tmp_path):

@@ -94,12 +94,15 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(-2, -3).flatten(-2))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        """Queries from ``x`` [Q, in] over ``keys`` / ``values`` [kv_heads, K, d] (the queries' own
-        included) under ``mask`` [Q, K] (additive)."""
+        """Queries from ``x`` [(B,) Q, in] over ``keys`` / ``values`` [(B,) kv_heads, K, d] (the
+        queries' own included) under ``mask`` [(B,) Q, K] (additive)."""
         q = self.queries(x, cos, sin)
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
+        rows = q.dim() == 4  # a batch of rows (propose_rows)
+        if not rows:
+            q, keys, values, mask = q[None], keys[None], values[None], mask[None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
                                              enable_gqa=self.num_heads != self.num_kv_heads)  # fmt: skip
-        return self.merge(out[0])
+        return self.merge(out if rows else out[0])
 
 
 class DraftMLP(nn.Module):
@@ -206,8 +209,12 @@ class EagleHeads(DraftHeads):
 
     # ------------------------------------------------------------------ the drafter's maths
     def _rope(self, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = self.rotary_emb(like, positions[None])
-        return cos[0].to(like.dtype), sin[0].to(like.dtype)
+        """cos / sin [Q, d] of ``positions`` [Q], or [B, 1, Q, d] (broadcast over heads) of [B, Q]."""
+        if positions.dim() == 1:
+            cos, sin = self.rotary_emb(like, positions[None])
+            return cos[0].to(like.dtype), sin[0].to(like.dtype)
+        cos, sin = self.rotary_emb(like, positions)
+        return cos[:, None].to(like.dtype), sin[:, None].to(like.dtype)
 
     def committed_feature(self, hidden: Tensor) -> Tensor:
         """The drafter's input feature of committed positions: the base state, or (EAGLE-3) ``fc`` of the fused states."""
@@ -220,15 +227,15 @@ class EagleHeads(DraftHeads):
             mask: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
         """Outputs [Q, H] of pairs (``feat``, ``emb``) [Q, H] at ``positions`` over the keys in ``past``
         (per layer, [kv_heads, K, d]; empty lists: none) and their own, under ``mask`` [Q, K + Q]; with
-        the keys and values extended by theirs."""
+        the keys and values extended by theirs. Every argument may lead with a batch of rows."""
         cos, sin = self._rope(positions, feat)
         x = self._layer_input(feat, emb)
         all_keys, all_values = [], []
         for i, layer in enumerate(self.layers):
             a_in = layer.attention_input(x, emb)
             k, v = layer.self_attn.project_kv(a_in, cos, sin)
-            keys = torch.cat([past[0][i], k], dim=1) if past[0] else k
-            values = torch.cat([past[1][i], v], dim=1) if past[1] else v
+            keys = torch.cat([past[0][i], k], dim=-2) if past[0] else k
+            values = torch.cat([past[1][i], v], dim=-2) if past[1] else v
             x = layer.finish(x, layer.self_attn(a_in, cos, sin, keys, values, mask))
             all_keys.append(keys)
             all_values.append(values)
@@ -324,6 +331,50 @@ class EagleHeads(DraftHeads):
             if until is not None and until(i + 1, entropy):
                 return Proposal(tokens=tokens, probs=probs, entropy=entropy, depth=i + 1)
         return Proposal(tokens=tokens, probs=probs, entropy=entropy)
+
+    @torch.no_grad()
+    def propose_rows(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers,
+                     temperature: float = 1.0) -> list[Proposal]:  # fmt: skip
+        """:meth:`propose` for several rows: each row commits its own queued pairs (their number
+        differs per row), then every depth runs one drafter call over all rows' expanded nodes,
+        on the rows' committed caches left-padded to the longest (padding masked out)."""
+        if len(states) == 1:
+            return [self.propose(states[0], roots[0], buffers, temperature=temperature)]
+        starts = [self._start(s, r, buffers) for s, r in zip(states, roots)]
+        tokens, probs, entropy = (torch.stack(t) for t in zip(*starts))  # [B, N] each
+        caches = [self._commit(s, t[:1]) for s, t in zip(states, tokens)]
+        first, device, n = states[0], tokens.device, buffers.num_nodes
+        lengths = torch.tensor([c.length for c in caches], device=device)
+        longest = int(lengths.max())
+
+        def left_padded(per_row: list[Tensor]) -> Tensor:  # [kv_heads, L_b, d] each -> [B, kv_heads, longest, d]
+            return torch.stack([F.pad(t, (0, 0, longest - t.shape[1], 0)) for t in per_row])
+
+        keys = [left_padded([c.keys[i] for c in caches]) for i in range(len(self.layers))]
+        values = [left_padded([c.values[i] for c in caches]) for i in range(len(self.layers))]
+        last = torch.stack([c.last_out for c in caches])
+        dtype = last.dtype
+        padding = torch.arange(longest, device=device)[None] < (longest - lengths)[:, None]  # [B, longest]
+        outs = last.new_empty(len(states), n, last.shape[-1])
+        outs[:, 0] = last
+        row_of = torch.full((n,), -1, dtype=torch.long, device=device)
+        drafted = 0
+        for i, step in enumerate(buffers.depth_plan):
+            if i > 0:
+                parents = step.parents
+                row_of[parents] = torch.arange(drafted, drafted + parents.shape[0], device=device)
+                tree = self._tree_mask(buffers, parents, row_of, longest, drafted, dtype)
+                mask = tree.expand(len(states), -1, -1).clone()
+                mask[:, :, :longest].masked_fill_(padding[:, None], torch.finfo(dtype).min)
+                positions = (lengths - 1 + i)[:, None].expand(-1, parents.shape[0])
+                emb = first.embed(tokens[:, parents]).to(dtype)
+                outs[:, parents], keys, values = self.run(outs[:, buffers.parents[parents]], emb, positions,
+                                                          (keys, values), mask)  # fmt: skip
+                drafted += parents.shape[0]
+            logits = self.logits(outs[:, step.parents], first.lm_weight, first.lm_bias, first.kernel)
+            tok, p, h = self._children(logits, step.child_parent_row, step, temperature)
+            tokens[:, step.children], probs[:, step.children], entropy[:, step.children] = tok, p, h
+        return [Proposal(tokens=tokens[b], probs=probs[b], entropy=entropy[b]) for b in range(len(states))]
 
     @staticmethod
     def _tree_mask(buffers: TreeBuffers, parents: Tensor, row_of: Tensor, committed: int, drafted: int,

@@ -64,10 +64,11 @@ def search_machine_costs(bank: TopologyBank) -> CostTable | None:
     plus overhead fitted to each timed tree's measured step time. None if the bank lacks them."""
     meta, rows = bank.metadata, []
     vanilla = (meta.get("calibration") or {}).get("vanilla_tokens_per_s")
-    measured = "measured_accept_length" if bank.frontier else "mean_accept_length"  # a frontier keeps it aside
     for tree, info in zip(bank.trees, meta.get("trees") or []):
-        if all(k in info for k in ("tokens_per_s", "relative_forward_cost", measured)):
-            rows.append((tree, {**info, "measured_accept_length": info[measured]}))
+        # a frontier built after the search keeps the search's measured tokens per step aside
+        measured = info.get("measured_accept_length", info.get("mean_accept_length"))
+        if measured is not None and all(k in info for k in ("tokens_per_s", "relative_forward_cost")):
+            rows.append((tree, {**info, "measured_accept_length": measured}))
     if not vanilla or len(rows) < 3:
         return None
     plain = 1e3 / vanilla

@@ -14,6 +14,7 @@ from ...demo import DEMO_HEADS
 from ...scheduling.features import FEATURES
 from ..machine import set_threads
 from .config import RANKINGS, RULES, SCORINGS, TAU_GRID, TIMED_SIZES, SearchConfig
+from .outputs import file_search_machine
 from .plots import PLOTS
 from .result import nodes_text
 from .runner import TreeSearch
@@ -113,6 +114,7 @@ def _restart(out: FsPath) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Load the model and heads once, then search every task of ``--task`` (comma-separated) in turn."""
+    from ...costs.cache import cost_table
     from ...demo.model import DEMO_NAME, load_base_model
     from ...integration import HEADS_ATTR, enable_entmtp
     from ..data.tasks import calibration_prompts
@@ -139,10 +141,11 @@ def run_cli(args: argparse.Namespace) -> int:
         seconds = json.dumps({k: round(v) for k, v in result.elapsed.items()})
         nodes = result.timed[result.labels[result.choice.static]]["num_nodes"]
         print(f"{search.task}: EntMTP* = {nodes_text(nodes)}; stage seconds {seconds}; outputs in {out}", flush=True)
+        folders = [out / "bank", *([FsPath(args.bank_dir)] if args.bank_dir else [])]
+        file_search_machine(folders, search.task, cost_table(model, getattr(model, HEADS_ATTR)))
         if args.batch_sizes:
             from ..calibrate import time_batch_sizes
 
-            folders = [out / "bank", *([FsPath(args.bank_dir)] if args.bank_dir else [])]
             timed = time_batch_sizes(model, getattr(model, HEADS_ATTR), tokenizer, folders, search.task,
                                      sorted(set(args.batch_sizes)), prompt_source=task)  # fmt: skip
             (out / "batch_sizes.json").write_text(json.dumps(timed, indent=1, default=str), encoding="utf-8")

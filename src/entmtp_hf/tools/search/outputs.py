@@ -7,18 +7,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...costs.table import CostTable, interpolate
 from ...trees.bank import TopologyBank
 from ..checkpoint import json_safe, write_json
 from ..machine import hardware_string, versions
-from ...costs.table import interpolate
 from .plots import PLOTS, plot_acceptance, plot_throughput
 from .report import report_markdown
 from .result import SearchResult, finite, nodes_text
 
 
 def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
-    """The task's bank: the timed frontier trees and the value policy's other shapes, smallest
-    first, with every calibration figure."""
+    """The task's bank: the timed frontier trees (its acceptance frontier) and the value policy's
+    other shapes, smallest first, with every calibration figure."""
     trees, at = result.bank_trees()
     per_tree: list[dict] = [{} for _ in trees]
     for k, tree in enumerate(trees):
@@ -42,6 +42,10 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
         "description": f"Per-task bank from the offline tree search (task {result.task}); EntMTP* = tree "
         f"{at[result.choice.static]} ({nodes_text(result.timed[result.labels[result.choice.static]]['num_nodes'])}).",
         "trees": per_tree,
+        # the timed frontier trees with their measured tokens per step: what a probe on another
+        # machine re-ranks (``calibrate --frontier`` replaces it with every size up to the budget)
+        "frontier": {"trees": list(at), "source": f"the search's timed frontier trees: tokens per step of "
+                     f"generate on {len(info.get('timing_indices', []))} calibration prompts"},
         "scheduler": result.scheduler_defaults(),
         "calibration": {
             "settings": result.settings,
@@ -81,3 +85,12 @@ def write_outputs(
     (work_dir / "report.md").write_text(report_markdown(result, info), encoding="utf-8")
     write_json(work_dir / "result.json", json_safe(result.to_dict()))
     return bank
+
+
+def file_search_machine(bank_dirs: list[Path], task: str, table: CostTable) -> None:
+    """Give the task's bank in every folder an entry for the machine the search ran on (``table``,
+    its probed costs) with the trees the search chose by timing: there the bank keeps the
+    search's choice; on any other machine the probe re-ranks its timed frontier."""
+    for folder in bank_dirs:
+        bank = TopologyBank.from_pretrained(folder, task=task)
+        bank.with_machine(table, bank.scheduler).save_pretrained(folder)
