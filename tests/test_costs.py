@@ -34,6 +34,8 @@ def frontier_bank(taus=(1.0, 1.6, 2.0, 2.2), scheduler=None) -> TopologyBank:
 def test_interpolation_and_the_step_cost():
     costs = {1: 10.0, 2: 10.0, 4: 14.0, 8: 20.0}
     assert interpolate(costs, 3) == 12.0 and interpolate(costs, 16) == 32.0
+    noisy = {1: 10.0, 12: 18.7, 16: 17.8}  # the last timing came out lower: beyond it the cost stays
+    assert interpolate(noisy, 14) == pytest.approx(18.25) and interpolate(noisy, 64) == 17.8
     t = CostTable({"key": "m"}, "x", costs, (1.0, 0.5, 0.1), (2.0, 0.25), 12.0)
     tree = Tree.chain(3)  # 4 nodes, depth 3
     assert t.step(tree) == pytest.approx(14.0 + (1.0 + 1.5 + 0.3) + (2.0 + 1.0))
@@ -184,6 +186,8 @@ def test_a_probe_on_a_busy_machine_measures_again_and_is_not_cached(tiny_cache, 
 
     model = enabled(tiny_cache)
     assert probe_module.steady(10.0, 12.0) and not probe_module.steady(10.0, 15.0)
+    # every timing injected (a real one could disagree on a loaded machine and measure again)
+    monkeypatch.setattr(probe_module, "forward_ms", lambda m, sizes, **k: {n: 10.0 for n in sizes})
     plains = iter([50.0, 32.0, 33.0, 33.0])  # busy during the first measurement, idle after
     monkeypatch.setattr(probe_module, "_plain_ms", lambda *a, **k: next(plains))
     monkeypatch.setattr(probe_module, "step_overhead", lambda m, f: ((0.1, 0.0), probe_module._plain_ms()))

@@ -41,14 +41,18 @@ def table_key(machine: str, model: str, batch_size: int = 1) -> str:
 
 def interpolate(values: dict[int, float], n: int) -> float:
     """``values[n]`` where measured, else linear between the nearest sizes around ``n`` (along
-    the last two beyond the largest)."""
+    the last two beyond the largest, never falling: more nodes never cost less, whatever the
+    noise in the last two timings)."""
     if n in values:
         return values[n]
     sizes = sorted(values)
     if len(sizes) < 2 or n < sizes[0]:
         raise ValueError(f"no cost for {n} nodes (measured: {sizes})")
     above = [m for m in sizes if m > n]
-    lo, hi = (sizes[-2], sizes[-1]) if not above else (max(m for m in sizes if m < n), above[0])
+    if not above:
+        lo, hi = sizes[-2], sizes[-1]
+        return values[hi] + max(values[hi] - values[lo], 0.0) * (n - hi) / (hi - lo)
+    lo, hi = max(m for m in sizes if m < n), above[0]
     return values[lo] + (values[hi] - values[lo]) * (n - lo) / (hi - lo)
 
 
