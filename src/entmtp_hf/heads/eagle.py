@@ -301,71 +301,55 @@ class EagleHeads(DraftHeads):
         temperature: float = 1.0,
     ) -> Proposal:
         """Draft the tree depth by depth, one drafter call per depth over its expanded nodes
-        (``until``, ``temperature``: see the base class).
-
-        ``outs[n]`` is the drafter's output at node n's pair (node 0: the last committed pair);
-        a node's children come from its output's scores, and the pair of an expanded node at
-        depth d is (its parent's output, its token) at position root + d.
-        """
-        tokens, probs, entropy = self._start(state, root_token, buffers)
-        cache = self._commit(state, tokens[:1])
-        dtype, device, n = cache.last_out.dtype, tokens.device, buffers.num_nodes
-        outs = cache.last_out.new_empty(n, cache.last_out.shape[0])
-        outs[0] = cache.last_out
-        row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # a drafted pair's row in the scratch keys
-        keys, values = cache.keys, cache.values  # run() extends copies: the committed lists stay as they are
-        committed, drafted = cache.length, 0
-        for i, step in enumerate(buffers.depth_plan):
-            if i > 0:  # step.parents sit at depth i: run their pairs
-                parents = step.parents
-                row_of[parents] = torch.arange(drafted, drafted + parents.shape[0], device=device)
-                mask = self._tree_mask(buffers, parents, row_of, committed, drafted, dtype)
-                positions = torch.full((parents.shape[0],), committed - 1 + i, dtype=torch.long, device=device)
-                emb = state.embed(tokens[parents]).to(dtype)
-                outs[parents], keys, values = self.run(outs[buffers.parents[parents]], emb, positions,
-                                                       (keys, values), mask)  # fmt: skip
-                drafted += parents.shape[0]
-            logits = self.logits(outs[step.parents], state.lm_weight, state.lm_bias, state.kernel)
-            tok, p, h = self._children(logits, step.child_parent_row, step, temperature)
-            tokens[step.children], probs[step.children], entropy[step.children] = tok, p, h
-            if until is not None and until(i + 1, entropy):
-                return Proposal(tokens=tokens, probs=probs, entropy=entropy, depth=i + 1)
-        return Proposal(tokens=tokens, probs=probs, entropy=entropy)
+        (``until``, ``temperature``: see the base class)."""
+        return self._draft([state], [root_token], buffers, temperature, until)[0]
 
     @torch.no_grad()
     def propose_rows(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers,
                      temperature: float = 1.0) -> list[Proposal]:  # fmt: skip
-        """:meth:`propose` for several rows: each row commits its own queued pairs (their number
-        differs per row), then every depth runs one drafter call over all rows' expanded nodes,
-        on the rows' committed caches left-padded to the longest (padding masked out)."""
-        if len(states) == 1:
-            return [self.propose(states[0], roots[0], buffers, temperature=temperature)]
+        """:meth:`propose` for several rows, one drafter call per depth over every row's nodes."""
+        return self._draft(states, roots, buffers, temperature)
+
+    def _draft(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers, temperature: float,
+               until: StopFn | None = None) -> list[Proposal]:  # fmt: skip
+        """Each row commits its own queued pairs (their number differs per row), then every depth
+        runs one drafter call over all rows' expanded nodes, on the rows' committed caches
+        left-padded to the longest (padding masked out). ``until`` reads the first row's entropies.
+
+        ``outs[b, n]`` is row b's drafter output at node n's pair (node 0: the last committed pair);
+        a node's children come from its output's scores, and the pair of an expanded node at depth
+        d is (its parent's output, its token) at position root + d.
+        """
         starts = [self._start(s, r, buffers) for s, r in zip(states, roots)]
         tokens, probs, entropy = (torch.stack(t) for t in zip(*starts))  # [B, N] each
         caches = [self._commit(s, t[:1]) for s, t in zip(states, tokens)]
-        first, device, n = states[0], tokens.device, buffers.num_nodes
+        first, rows, device, n = states[0], len(states), tokens.device, buffers.num_nodes
         lengths = torch.tensor([c.length for c in caches], device=device)
-        longest = int(lengths.max())
+        longest, padded = max(c.length for c in caches), len({c.length for c in caches}) > 1
 
         def left_padded(per_row: list[Tensor]) -> Tensor:  # [kv_heads, L_b, d] each -> [B, kv_heads, longest, d]
+            if rows == 1:
+                return per_row[0][None]
             return torch.stack([F.pad(t, (0, 0, longest - t.shape[1], 0)) for t in per_row])
 
+        # run() extends copies: the committed caches stay as they are
         keys = [left_padded([c.keys[i] for c in caches]) for i in range(len(self.layers))]
         values = [left_padded([c.values[i] for c in caches]) for i in range(len(self.layers))]
         last = torch.stack([c.last_out for c in caches])
         dtype = last.dtype
         padding = torch.arange(longest, device=device)[None] < (longest - lengths)[:, None]  # [B, longest]
-        outs = last.new_empty(len(states), n, last.shape[-1])
+        outs = last.new_empty(rows, n, last.shape[-1])
         outs[:, 0] = last
-        row_of = torch.full((n,), -1, dtype=torch.long, device=device)
+        row_of = torch.full((n,), -1, dtype=torch.long, device=device)  # a drafted pair's row in the scratch keys
         drafted = 0
         for i, step in enumerate(buffers.depth_plan):
-            if i > 0:
+            if i > 0:  # step.parents sit at depth i: run their pairs
                 parents = step.parents
                 row_of[parents] = torch.arange(drafted, drafted + parents.shape[0], device=device)
-                tree = self._tree_mask(buffers, parents, row_of, longest, drafted, dtype)
-                mask = tree.expand(len(states), -1, -1).clone()
-                mask[:, :, :longest].masked_fill_(padding[:, None], torch.finfo(dtype).min)
+                mask = self._tree_mask(buffers, parents, row_of, longest, drafted, dtype).expand(rows, -1, -1)
+                if padded:
+                    mask = mask.clone()
+                    mask[:, :, :longest].masked_fill_(padding[:, None], torch.finfo(dtype).min)
                 positions = (lengths - 1 + i)[:, None].expand(-1, parents.shape[0])
                 emb = first.embed(tokens[:, parents]).to(dtype)
                 outs[:, parents], keys, values = self.run(outs[:, buffers.parents[parents]], emb, positions,
@@ -374,7 +358,9 @@ class EagleHeads(DraftHeads):
             logits = self.logits(outs[:, step.parents], first.lm_weight, first.lm_bias, first.kernel)
             tok, p, h = self._children(logits, step.child_parent_row, step, temperature)
             tokens[:, step.children], probs[:, step.children], entropy[:, step.children] = tok, p, h
-        return [Proposal(tokens=tokens[b], probs=probs[b], entropy=entropy[b]) for b in range(len(states))]
+            if until is not None and until(i + 1, entropy[0]):
+                return [Proposal(tokens=tokens[0], probs=probs[0], entropy=entropy[0], depth=i + 1)]
+        return [Proposal(tokens=tokens[b], probs=probs[b], entropy=entropy[b]) for b in range(rows)]
 
     @staticmethod
     def _tree_mask(buffers: TreeBuffers, parents: Tensor, row_of: Tensor, committed: int, drafted: int,
