@@ -511,7 +511,12 @@ def test_regime_on_bench_records(bench_run, tmp_path):
     results, _, _, _, ctx = bench_run
     doc = regime.analyse_results(results, ctx, tmp_path, methods=("entmtp-static", "hydra-default"))
     assert set(doc["tasks"]) == {"alpha", "beta"} and (tmp_path / "regime_heatmap.png").exists()
-    assert "MLP AUROC" in regime.regime_markdown(json.loads((tmp_path / "regime.json").read_text()))
+    md = regime.regime_markdown(json.loads((tmp_path / "regime.json").read_text()))
+    assert "MLP AUROC" in md and "### entmtp-static" in md and "### hydra-default" in md
+    for task, pooled in doc["tasks"].items():  # each method alone, and the pooled table adds them up
+        assert sum(doc["by_method"][m][task]["steps"] for m in ("entmtp-static", "hydra-default")) == pooled["steps"]
+    one = regime.analyse_results(results, ctx, tmp_path / "one", methods=("entmtp-static",))
+    assert one["by_method"] == {} and "###" not in regime.regime_markdown(one)
 
 
 def test_geomean_and_write_roundtrip(tmp_path):

@@ -88,6 +88,12 @@ def test_a_bank_re_ranks_its_frontier_and_stores_the_machine():
     assert pinned.scheduler_for(table({1: 10.0, 4: 10.0}, key="elsewhere")).static == 3
     again = stored.with_machine(dataclasses.replace(machine, plain_ms=11.0))  # same machine: replaced, not added
     assert len(again.machines) == 1
+    # measured again under another model key (new heads or decode step): the old entry goes too
+    newer = again.with_machine(dataclasses.replace(machine, model="another-step"))
+    assert [m["costs"]["model"] for m in newer.machines] == ["another-step"]
+    # other batch sizes and other machines stay
+    both = newer.with_machine(dataclasses.replace(machine, batch_size=4)).with_machine(table({1: 10.0, 4: 20.0}, key="there"))
+    assert len(both.machines) == 3 and len(both.with_machine(dataclasses.replace(machine, model="x")).machines) == 3
 
 
 def test_a_machine_where_nothing_pays_gets_plain_decoding_without_retrieval():

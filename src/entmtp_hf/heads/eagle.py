@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..cpu_kernels import project
 from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, StopFn
-from .hydra import _architecture_classes, build_prefix_config, causal_mask, prefix_layer_config
+from .hydra import _architecture_classes, build_prefix_config, prefix_layer_config
 from .registry import register_heads
 
 
@@ -94,15 +94,11 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(-2, -3).flatten(-2))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        """Queries from ``x`` [(B,) Q, in] over ``keys`` / ``values`` [(B,) kv_heads, K, d] (the
-        queries' own included) under ``mask`` [(B,) Q, K] (additive)."""
-        q = self.queries(x, cos, sin)
-        rows = q.dim() == 4  # a batch of rows (propose_rows)
-        if not rows:
-            q, keys, values, mask = q[None], keys[None], values[None], mask[None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
+        """Queries from ``x`` [B, Q, in] over ``keys`` / ``values`` [B, kv_heads, K, d] (the queries'
+        own included) under ``mask`` [B, Q, K] (additive)."""
+        out = F.scaled_dot_product_attention(self.queries(x, cos, sin), keys, values, attn_mask=mask[:, None],
                                              enable_gqa=self.num_heads != self.num_kv_heads)  # fmt: skip
-        return self.merge(out if rows else out[0])
+        return self.merge(out)
 
 
 class DraftMLP(nn.Module):
@@ -225,9 +221,9 @@ class EagleHeads(DraftHeads):
 
     def run(self, feat: Tensor, emb: Tensor, positions: Tensor, past: tuple[list[Tensor], list[Tensor]],
             mask: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
-        """Outputs [Q, H] of pairs (``feat``, ``emb``) [Q, H] at ``positions`` over the keys in ``past``
-        (per layer, [kv_heads, K, d]; empty lists: none) and their own, under ``mask`` [Q, K + Q]; with
-        the keys and values extended by theirs. Every argument may lead with a batch of rows."""
+        """Outputs [B, Q, H] of pairs (``feat``, ``emb``) [B, Q, H] at ``positions`` [B, Q] over the keys in
+        ``past`` (per layer, [B, kv_heads, K, d]; empty lists: none) and their own, under ``mask``
+        [B, Q, K + Q]; with the keys and values extended by theirs."""
         cos, sin = self._rope(positions, feat)
         x = self._layer_input(feat, emb)
         all_keys, all_values = [], []
@@ -274,26 +270,55 @@ class EagleHeads(DraftHeads):
         state.num_observed += hidden.shape[0]
         state.cond = hidden[-1]
 
-    def _commit(self, state: DraftState, root: Tensor) -> EagleCache:
-        """Run the queued pairs, the last one completed by ``root``, into the committed cache."""
-        cache: EagleCache = state.prefix_cache
+    @staticmethod
+    def _take_queue(cache: EagleCache, root: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The queued pairs' features and tokens, the last pair completed by ``root``, and the queue
+        emptied; ``None`` when nothing waits (a second ``propose`` with the same root)."""
         if cache.waiting is None:
             if cache.last_out is None:
                 raise ValueError("observe() the prompt's hidden states before propose()")
             if not torch.equal(cache.last_root, root):
                 raise ValueError("propose() again with another root and nothing observed in between")
-            return cache
+            return None
         feats = torch.cat([*cache.queued_feats, cache.waiting[None]])
         tokens = torch.cat([*cache.queued_tokens, root])
         cache.queued_feats, cache.queued_tokens, cache.waiting, cache.last_root = [], [], None, root.clone()
-        n, past, dtype = feats.shape[0], cache.length, feats.dtype
-        positions = torch.arange(past, past + n, device=feats.device)
-        mask = causal_mask(n, past, dtype, feats.device)[0, 0]
-        emb = state.embed(tokens).to(dtype)
-        out, cache.keys, cache.values = self.run(self.committed_feature(feats), emb, positions,
-                                                 (cache.keys, cache.values), mask)  # fmt: skip
-        cache.last_out = out[-1]
-        return cache
+        return feats, tokens
+
+    def _commit_rows(self, states: list[DraftState], roots: list[Tensor]) -> list[EagleCache]:
+        """Run every row's queued pairs, the last completed by its root, into its committed cache, in
+        one drafter call: each row's new pairs sit right-aligned after its cache, left-padded to the
+        longest (the padding is masked out and dropped). Rows with nothing queued are left as they are."""
+        caches = [s.prefix_cache for s in states]
+        todo = [(c, q) for c, q in ((c, self._take_queue(c, r)) for c, r in zip(caches, roots)) if q is not None]
+        if not todo:
+            return caches
+        feats, device, rows = todo[0][1][0], todo[0][1][0].device, len(todo)
+        dtype = feats.dtype
+        counts = torch.tensor([q[0].shape[0] for _, q in todo], device=device)
+        lengths = torch.tensor([c.length for c, _ in todo], device=device)
+        width, longest = int(counts.max()), int(lengths.max())
+        feat = torch.stack([F.pad(q[0], (0, 0, width - q[0].shape[0], 0)) for _, q in todo])  # [rows, width, F]
+        tokens = torch.stack([F.pad(q[1], (width - q[1].shape[0], 0)) for _, q in todo])
+        lead = (width - counts)[:, None]  # padding before a row's new pairs
+        new = torch.arange(width, device=device)
+        positions = (lengths[:, None] + new[None] - lead).clamp(min=0)
+        own = torch.arange(longest, device=device)[None] >= (longest - lengths)[:, None]  # [rows, longest]
+        causal = (new[None, None] <= new[None, :, None]) & (new[None, None] >= lead[:, :, None])  # [rows, width, width]
+        allowed = torch.cat([own[:, None].expand(-1, width, -1), causal], dim=-1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        past = (left_padded([c.keys for c, _ in todo], longest), left_padded([c.values for c, _ in todo], longest))
+        emb = states[0].embed(tokens).to(dtype)
+        out, keys, values = self.run(self.committed_feature(feat), emb, positions, past, mask)
+        for b, (cache, _) in enumerate(todo):
+            if rows == 1:  # no padding: the run's keys and values are the cache
+                cache.keys, cache.values = [k[0] for k in keys], [v[0] for v in values]
+            else:
+                first = longest + int(lead[b])
+                cache.keys = appended(cache.keys, [k[b, :, first:] for k in keys])
+                cache.values = appended(cache.values, [v[b, :, first:] for v in values])
+            cache.last_out = out[b, -1]
+        return caches
 
     @torch.no_grad()
     def propose(
@@ -322,19 +347,12 @@ class EagleHeads(DraftHeads):
         """
         starts = [self._start(s, r, buffers) for s, r in zip(states, roots)]
         tokens, probs, entropy = (torch.stack(t) for t in zip(*starts))  # [B, N] each
-        caches = [self._commit(s, t[:1]) for s, t in zip(states, tokens)]
+        caches = self._commit_rows(states, [t[:1] for t in tokens])
         first, rows, device, n = states[0], len(states), tokens.device, buffers.num_nodes
         lengths = torch.tensor([c.length for c in caches], device=device)
         longest, padded = max(c.length for c in caches), len({c.length for c in caches}) > 1
-
-        def left_padded(per_row: list[Tensor]) -> Tensor:  # [kv_heads, L_b, d] each -> [B, kv_heads, longest, d]
-            if rows == 1:
-                return per_row[0][None]
-            return torch.stack([F.pad(t, (0, 0, longest - t.shape[1], 0)) for t in per_row])
-
         # run() extends copies: the committed caches stay as they are
-        keys = [left_padded([c.keys[i] for c in caches]) for i in range(len(self.layers))]
-        values = [left_padded([c.values[i] for c in caches]) for i in range(len(self.layers))]
+        keys, values = left_padded([c.keys for c in caches], longest), left_padded([c.values for c in caches], longest)
         last = torch.stack([c.last_out for c in caches])
         dtype = last.dtype
         padding = torch.arange(longest, device=device)[None] < (longest - lengths)[:, None]  # [B, longest]
@@ -413,6 +431,32 @@ class EagleHeads(DraftHeads):
             out_list.append(self.logits(x, lm_weight, lm_bias))
             feat = x
         return out_list
+
+
+def appended(cache: list[Tensor], new: list[Tensor]) -> list[Tensor]:
+    """Per layer, ``cache`` [kv_heads, L, d] extended by ``new`` [kv_heads, n, d] (slices of a padded
+    batch: a first commit copies them, so the cache keeps no view of the batch alive)."""
+    if not cache:
+        return [t.contiguous() for t in new]
+    return [torch.cat([old, t], dim=-2) for old, t in zip(cache, new)]
+
+
+def left_padded(per_row: list[list[Tensor]], longest: int) -> list[Tensor]:
+    """Per layer, the rows' caches ([kv_heads, L_b, d] each; an empty list: none yet) as one
+    [rows, kv_heads, longest, d], each row right-aligned after zeros; no layers when ``longest`` is 0."""
+    if longest == 0:
+        return []
+    if len(per_row) == 1:
+        return [t[None] for t in per_row[0]]
+    like = next(layers for layers in per_row if layers)
+    out = []
+    for i, ref in enumerate(like):
+        stacked = ref.new_zeros(len(per_row), ref.shape[0], longest, ref.shape[-1])
+        for b, layers in enumerate(per_row):
+            if layers:
+                stacked[b, :, longest - layers[i].shape[1]:] = layers[i]
+        out.append(stacked)
+    return out
 
 
 def unrolled_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], groups: int) -> Tensor:

@@ -276,11 +276,14 @@ def analyse_results(results: dict, ctx, out_dir: str | os.PathLike, methods: Seq
     if not traces:
         raise ValueError(f"no records of {list(methods)} with accept lengths in these results")
     analysis = analyse(traces, seed=seed)
+    # Pooled figures mix drafters whose confidences differ; each method is also analysed alone.
+    traced = list(dict.fromkeys(t.method for t in traces))
+    by_method = {m: analyse([t for t in traces if t.method == m], seed=seed) for m in traced} if len(traced) > 1 else {}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"format": "entmtp-regime", "format_version": 1, "methods": list(methods), "features": list(FEATURES),
            "target": "accept length of the step (tokens added)", "split": "by sample (prompt id), 30% test",
-           "source": results.get("environment", {}).get("date_utc"), "tasks": analysis,
+           "source": results.get("environment", {}).get("date_utc"), "tasks": analysis, "by_method": by_method,
            "traces": [{"task": t.task, "sample": t.sample, "method": t.method, "features": t.features.tolist(),
                        "accept": t.accept.tolist()} for t in traces]}  # fmt: skip
     (out_dir / "regime.json").write_text(json.dumps(json_safe(doc), allow_nan=False), encoding="utf-8")
@@ -293,16 +296,28 @@ def _cell(x: float | None, fmt: str) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:{fmt}}"
 
 
-def regime_markdown(doc: dict) -> str:
-    """Table of r values (features × tasks) and the MLP AUROC row."""
-    tasks = list(doc["tasks"])
+def _analysis_table(analysis: dict[str, dict], features: Sequence[str]) -> list[str]:
+    tasks = list(analysis)
     lines = ["| feature | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
-    for f in doc["features"]:
-        lines.append(f"| {f} | " + " | ".join(_cell(doc["tasks"][t]["pearson"].get(f), "+.2f") for t in tasks) + " |")
-    aur = [doc["tasks"][t]["mlp_accept_eq_1"].get("auroc") for t in tasks]
+    for f in features:
+        lines.append(f"| {f} | " + " | ".join(_cell(analysis[t]["pearson"].get(f), "+.2f") for t in tasks) + " |")
+    aur = [analysis[t]["mlp_accept_eq_1"].get("auroc") for t in tasks]
     lines.append("| **MLP AUROC (a = 1)** | " + " | ".join(_cell(a, ".2f") for a in aur) + " |")
-    steps = [f"{doc['tasks'][t]['steps']} steps / {doc['tasks'][t]['samples']} samples" for t in tasks]
+    steps = [f"{analysis[t]['steps']} steps / {analysis[t]['samples']} samples" for t in tasks]
     lines.append("| rows | " + " | ".join(steps) + " |")
+    return lines
+
+
+def regime_markdown(doc: dict) -> str:
+    """Table of r values (features × tasks) and the MLP AUROC row: one per method when several
+    were traced (then the pooled table last)."""
+    by_method = doc.get("by_method") or {}
+    if not by_method:
+        return "\n".join(_analysis_table(doc["tasks"], doc["features"]))
+    lines: list[str] = []
+    for method, analysis in by_method.items():
+        lines += [f"### {method}", "", *_analysis_table(analysis, doc["features"]), ""]
+    lines += ["### all methods pooled", "", *_analysis_table(doc["tasks"], doc["features"])]
     return "\n".join(lines)
 
 

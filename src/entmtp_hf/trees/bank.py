@@ -194,14 +194,18 @@ class TopologyBank:
     def with_machine(self, table: CostTable, scheduler: SchedulerDefaults | None = None) -> "TopologyBank":
         """A copy of this bank that also carries ``table``'s machine: its costs and the scheduler
         they rank, or ``scheduler`` when one was chosen there by timing (the search's accurate
-        path); an entry for the same machine, model and heads is replaced."""
+        path). It replaces the entry for the same machine at the same batch size, whatever model key
+        that one was filed under: the key changes with the heads and with the decode step's
+        implementation, so an older key is a measurement no ``generate`` of this bank reads again."""
         if not self.frontier:
             raise EntMTPError(f"the bank for task {self._task!r} carries no acceptance frontier to re-rank")
         ranked, ranking = self._ranked(table)
         scheduler = scheduler or ranked
         entry = {"costs": table.to_dict(), "scheduler": scheduler.to_dict(),
                  "speedups": {str(k): round(v, 4) for k, v in ranking.speedups.items()}}  # fmt: skip
-        others = [m for m, known in zip(self._metadata.get("machines", []), self.machine_tables()) if known.key != table.key]
+        machine = (table.fingerprint.get("key", ""), table.batch_size)
+        others = [m for m, known in zip(self._metadata.get("machines", []), self.machine_tables())
+                  if (known.fingerprint.get("key", ""), known.batch_size) != machine]  # fmt: skip
         return TopologyBank(self._task, self._trees, {**self._metadata, "machines": [*others, entry]})
 
     def __len__(self) -> int:

@@ -330,12 +330,15 @@ OPENERS = (
 )
 
 
-def user_openers() -> list[Prompt]:
-    """One user-message opener per topic × style, in a fixed order. The model completes
-    each (sampled, fixed seed) and :func:`complete_opener` turns the completion into a
-    chat prompt."""
-    return [Prompt("chat", f"self-{i:03d}-{j}", opener.format(topic=topic))
-            for i, topic in enumerate(TOPICS) for j, opener in enumerate(OPENERS)]
+def user_openers(rounds: int = 1) -> list[Prompt]:
+    """One user-message opener per topic × style, in a fixed order, ``rounds`` times. The model
+    completes each (sampled; the seed follows the prompt id) and :func:`complete_opener` turns the
+    completion into a chat prompt. Round r > 1 repeats the openers under ids ending ``-r<r>``, so
+    each round samples other questions from the same openers."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    return [Prompt("chat", f"self-{i:03d}-{j}" + (f"-r{r}" if r > 1 else ""), opener.format(topic=topic))
+            for r in range(1, rounds + 1) for i, topic in enumerate(TOPICS) for j, opener in enumerate(OPENERS)]
 
 
 def complete_opener(opener: str, continuation: str, max_chars: int = 600) -> str | None:

@@ -163,18 +163,30 @@ class SelfPrompts:
         self.report_path.write_text(json.dumps(self.report, indent=1) + "\n")
 
 
-def build_pool(out: Path, log: Log, window: int, seed: int, self_openers: bool):
-    """All prompts interleaved by source, the evaluation index and the disjointness report.
+SOURCES = ("math", "code", "chat")
 
-    Self-written chat prompts enter as their openers (ids ``self-...``); their text is
-    written and checked later, by :class:`SelfPrompts`."""
+
+def source_pools(sources: tuple[str, ...], entry_points: list[str]) -> dict[str, list[D.Prompt]]:
+    """The prompt pools of ``sources`` (math: GSM8K train, code: stdlib docstrings without
+    HumanEval's entry points, chat: Spec-Bench chat rows), before the disjointness check."""
+    unknown = sorted(set(sources) - set(SOURCES))
+    if unknown or not sources:
+        raise ValueError(f"unknown or no prompt sources {unknown or list(sources)}: choose from {list(SOURCES)}")
+    make = {"math": D.gsm8k_train_prompts, "chat": D.spec_bench_chat_prompts,
+            "code": lambda: D.stdlib_code_prompts(exclude_names=entry_points)}  # fmt: skip
+    return {name: make[name]() for name in SOURCES if name in sources}
+
+
+def build_pool(out: Path, log: Log, window: int, seed: int, self_openers: bool, *,
+               sources: tuple[str, ...] = SOURCES, question_rounds: int = 1):  # fmt: skip
+    """All prompts of ``sources`` interleaved by source, the evaluation index and the
+    disjointness report.
+
+    Self-written chat prompts (``question_rounds`` rounds of openers; with ``chat`` among the
+    sources) enter as their openers (ids ``self-...``); their text is written and checked
+    later, by :class:`SelfPrompts`."""
     index = D.EvalIndex(D.evaluation_texts())
-    entry_points = [p["entry_point"] for p in D.humaneval_problems()]
-    pools = {
-        "math": D.gsm8k_train_prompts(),
-        "code": D.stdlib_code_prompts(exclude_names=entry_points),
-        "chat": D.spec_bench_chat_prompts(),
-    }
+    pools = source_pools(sources, [p["entry_point"] for p in D.humaneval_problems()])
     spec = D.read_jsonl(D.SPEC_BENCH)
     report = D.disjointness_report(
         {**{k: [p.text for p in v] for k, v in pools.items()},
@@ -182,9 +194,10 @@ def build_pool(out: Path, log: Log, window: int, seed: int, self_openers: bool):
                                                 if r["category"] == "math_reasoning"]}, index)
     kept = {k: D.drop_overlapping(v, index) for k, v in pools.items()}
     report["kept"] = {k: len(v) for k, v in kept.items()}
-    if self_openers:
-        kept["chat"] += D.user_openers()
-        report["kept"]["chat:self-written openers"] = len(D.user_openers())
+    if self_openers and "chat" in kept:
+        openers = D.user_openers(question_rounds)
+        kept["chat"] += openers
+        report["kept"]["chat:self-written openers"] = len(openers)
     report["environment"] = D.environment()
     (out / "disjointness.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"pool sizes after the disjointness check: {report['kept']}")
@@ -202,12 +215,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None, help="stop after this many prompts (tests)")
     ap.add_argument("--no-self-questions", action="store_true",
                     help="leave out the chat prompts the model writes itself")
+    ap.add_argument("--sources", default=",".join(SOURCES),
+                    help="comma-separated prompt sources to answer (math, code, chat)")
+    ap.add_argument("--question-rounds", type=int, default=1,
+                    help="rounds of self-written chat questions: each round completes every opener "
+                         "again with another seed (more chat prompts; earlier rounds are kept)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="bfloat16 generates faster on CPUs with AMX; the answers are data "
                          "for the heads, whose targets are recomputed in float32 at training time")
     args = ap.parse_args(argv)
+    sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
+    if not sources or set(sources) - set(SOURCES):
+        ap.error(f"--sources takes a comma-separated subset of {','.join(SOURCES)}, got {args.sources!r}")
+    if args.question_rounds < 1:
+        ap.error(f"--question-rounds must be >= 1, got {args.question_rounds}")
 
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -215,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     model, tok = load_base_model(dtype=getattr(torch, args.dtype))
     log(f"answering in {args.dtype}, batches of {args.batch_size}")
     window = args.window * args.batch_size
-    order, index, report = build_pool(args.out, log, window, args.seed, not args.no_self_questions)
+    order, index, report = build_pool(args.out, log, window, args.seed, not args.no_self_questions,
+                                      sources=sources, question_rounds=args.question_rounds)  # fmt: skip
     order = order[: args.limit]
     selfs = SelfPrompts(model, tok, args.out, index, args.batch_size, args.seed, log, report)
 
