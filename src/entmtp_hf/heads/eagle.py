@@ -293,8 +293,8 @@ class EagleHeads(DraftHeads):
         todo = [(c, q) for c, q in ((c, self._take_queue(c, r)) for c, r in zip(caches, roots)) if q is not None]
         if not todo:
             return caches
-        feats, device, rows = todo[0][1][0], todo[0][1][0].device, len(todo)
-        dtype = feats.dtype
+        some, rows = todo[0][1][0], len(todo)
+        device, dtype = some.device, some.dtype
         counts = torch.tensor([q[0].shape[0] for _, q in todo], device=device)
         lengths = torch.tensor([c.length for c, _ in todo], device=device)
         width, longest = int(counts.max()), int(lengths.max())

@@ -166,12 +166,16 @@ class SelfPrompts:
 SOURCES = ("math", "code", "chat")
 
 
-def source_pools(sources: tuple[str, ...], entry_points: list[str]) -> dict[str, list[D.Prompt]]:
-    """The prompt pools of ``sources`` (math: GSM8K train, code: stdlib docstrings without
-    HumanEval's entry points, chat: Spec-Bench chat rows), before the disjointness check."""
+def check_sources(sources: tuple[str, ...]) -> None:
     unknown = sorted(set(sources) - set(SOURCES))
     if unknown or not sources:
         raise ValueError(f"unknown or no prompt sources {unknown or list(sources)}: choose from {list(SOURCES)}")
+
+
+def source_pools(sources: tuple[str, ...], entry_points: list[str]) -> dict[str, list[D.Prompt]]:
+    """The prompt pools of ``sources`` (math: GSM8K train, code: stdlib docstrings without
+    HumanEval's entry points, chat: Spec-Bench chat rows), before the disjointness check."""
+    check_sources(sources)
     make = {"math": D.gsm8k_train_prompts, "chat": D.spec_bench_chat_prompts,
             "code": lambda: D.stdlib_code_prompts(exclude_names=entry_points)}  # fmt: skip
     return {name: make[name]() for name in SOURCES if name in sources}
@@ -227,8 +231,10 @@ def main(argv: list[str] | None = None) -> None:
                          "for the heads, whose targets are recomputed in float32 at training time")
     args = ap.parse_args(argv)
     sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
-    if not sources or set(sources) - set(SOURCES):
-        ap.error(f"--sources takes a comma-separated subset of {','.join(SOURCES)}, got {args.sources!r}")
+    try:  # before the model loads
+        check_sources(sources)
+    except ValueError as e:
+        ap.error(f"--sources {args.sources!r}: {e}")
     if args.question_rounds < 1:
         ap.error(f"--question-rounds must be >= 1, got {args.question_rounds}")
 
