@@ -28,6 +28,7 @@ from entmtp_hf.tools.training import (
     epoch_batches,
     extract_hidden,
     head_targets,
+    open_cache,
     supervised_tokens,
     teacher_logprobs,
     train_heads,
@@ -130,6 +131,51 @@ def test_bfloat16_teacher_is_close_to_float32_and_resumes_in_its_precision(tmp_p
     for k in ks:
         o, n = bf16.seqs[k, :2]
         assert np.allclose(np.asarray(bf16.hidden[o:o + n], np.float32), b[o:o + n], atol=1e-3)
+
+
+def test_a_grown_cache_copies_the_rows_it_shares_and_computes_the_rest(tmp_path, model):
+    old = make_cache(tmp_path / "old" / "data", model, n=6)
+    rng = np.random.default_rng(7)
+    shared = [TokenSeq("gsm8k", tuple(int(x) for x in old.ids(k)), int(old.seqs[k, 2]), int(old.seqs[k, 3]))
+              for k in range(6)]
+    added = [TokenSeq("distill", tuple(int(x) for x in rng.integers(0, V, 20 + k))) for k in range(4)]
+    seqs = added[:2] + shared + added[2:]  # another order than the old cache's
+    grown = TeacherCache.create(tmp_path / "grown", seqs, H, {"sources": {}})
+    logs = []
+    extract_hidden(model, grown, batch_tokens=64, log=logs.append, reuse=open_cache(tmp_path / "old"))
+    assert sorted(grown.copied) == list(range(2, 8)) and grown.complete and grown.ready.all()
+    assert any("6 of 10 sequences" in m for m in logs)
+    computed = {k for b in grown.extraction_batches()[0] for k in b}
+    assert computed == {0, 1, 8, 9}  # only the new sequences ran through the model
+    fresh = TeacherCache.create(tmp_path / "fresh", seqs, H, {"sources": {}})
+    extract_hidden(model, fresh, batch_tokens=64, log=lambda m: None)
+    for k in range(len(seqs)):
+        o, n = grown.seqs[k, :2]
+        if 2 <= k < 8:  # copied bit for bit
+            so, _ = old.seqs[k - 2, :2]
+            assert np.array_equal(grown.hidden[o:o + n], old.hidden[so:so + n])
+        assert np.allclose(np.asarray(grown.hidden[o:o + n], np.float32),
+                           np.asarray(fresh.hidden[o:o + n], np.float32), atol=1e-3)
+        assert np.array_equal(grown.greedy[o:o + n], fresh.greedy[o:o + n])
+    # a resumed extraction keeps the copies and the layout
+    extract_hidden(model, grown, batch_tokens=64, log=lambda m: None)
+    assert sorted(grown.copied) == list(range(2, 8))
+
+
+def test_reuse_refuses_another_precision_or_folder_without_a_cache(tmp_path, model):
+    old = make_cache(tmp_path / "old", model, n=3)
+    seqs = [TokenSeq("gsm8k", tuple(int(x) for x in old.ids(k))) for k in range(3)]
+    new = TeacherCache.create(tmp_path / "new", seqs, H, {"sources": {}})
+    with pytest.raises(ValueError, match="old.*extracted in float32"):
+        extract_hidden(model, new, batch_tokens=64, log=lambda m: None, dtype="bfloat16", reuse=old)
+    assert not (new.root / "extract.json").exists()  # nothing half-written
+    with pytest.raises(FileNotFoundError, match="no teacher cache"):
+        open_cache(tmp_path / "nowhere")
+    torch.manual_seed(1)
+    other = LlamaForCausalLM(model.config).eval()  # same shapes, other weights
+    with pytest.raises(ValueError, match="old.*another base model"):
+        extract_hidden(other, new, batch_tokens=64, log=lambda m: None, reuse=old)
+    assert not (new.root / "extract.json").exists()
 
 
 # ----------------------------------------------------------------------------- training

@@ -327,6 +327,12 @@ OPENERS = (
     "When it comes to {topic}, what is the difference between",
     "Give me a list of ideas related to {topic}",
     "Here is a problem about {topic} that I need to solve step by step:",
+    # Kinds of request the eight above lack (writing, role-play, extraction); appended, so the
+    # ids of the questions already written stay as they are.
+    "Draft a professional email about {topic}",
+    "Compose a blog post about {topic}",
+    "Pretend you are a famous expert on {topic}.",
+    "Extract the key facts from this paragraph about {topic}:",
 )
 
 

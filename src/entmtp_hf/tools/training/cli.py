@@ -32,6 +32,8 @@ _HELP = {
     "mixed_precision": "accelerate mixed precision: no, bf16 or fp16",
     "teacher_dtype": "precision of the base model's forward when filling the teacher cache: float32 or "
                      "bfloat16 (autocast; faster on CPUs with AMX)",
+    "reuse_cache": "a filled teacher cache (a WORK or WORK/data folder) of the same base model and teacher "
+                   "dtype: its sequences' rows are copied into a new cache instead of recomputed",
     "tau_prompts": "held-out prompts for the final tau measurement (0: skip)",
 }
 

@@ -40,6 +40,7 @@ class TrainConfig:
     batch_tokens: int = 2048
     extract_batch_tokens: int = 4096
     teacher_dtype: str = "float32"
+    reuse_cache: str | None = None
     epochs: int = 2
     max_steps: int | None = None
     lr: float = 1e-3

@@ -161,13 +161,24 @@ class TeacherCache:
         o, n = self.seqs[k, :2]
         return self.tokens[o : o + n]
 
-    def extraction_batches(self) -> tuple[list[list[int]], list[int], int]:
-        """Extraction batches (length-sorted, packed), indices of those done, batch size used."""
+    def _progress(self) -> dict:
         path = self.root / "extract.json"
-        state = json.loads(path.read_text()) if path.exists() else {}
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    @property
+    def copied(self) -> list[int]:
+        """Sequences whose rows were copied from another cache (:func:`copy_rows`), not computed."""
+        return list(self._progress().get("copied", []))
+
+    def extraction_batches(self) -> tuple[list[list[int]], list[int], int]:
+        """Extraction batches (length-sorted, packed; copied sequences left out), indices of
+        those done, batch size used."""
+        path = self.root / "extract.json"
+        state = self._progress()
         size = state.get("batch_tokens", 4096)
         lengths = self.seqs[:, 1]
-        batches = pack(np.argsort(lengths, kind="stable"), lengths, size)
+        copied = set(state.get("copied", []))
+        batches = pack([k for k in np.argsort(lengths, kind="stable") if k not in copied], lengths, size)
         if state and state.get("of", len(batches)) != len(batches):
             raise ValueError(f"{path}: extraction used another batch layout ({state['of']} batches, not {len(batches)})")
         done = state.get("done", list(range(state.get("batches", 0))))  # older files: a prefix count
@@ -179,6 +190,7 @@ class TeacherCache:
         batches, done, _ = self.extraction_batches()
         mask = np.zeros(len(self.seqs), bool)
         mask[[k for b in done for k in batches[b]]] = True
+        mask[self.copied] = True
         return mask
 
     @property
@@ -251,41 +263,91 @@ def extraction_order(n: int) -> list[int]:
     return out
 
 
+def _teacher_rows(model: nn.Module, cache: TeacherCache, ks: Sequence[int], dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Last hidden states [B, T, H] and greedy tokens [B, T] of sequences ``ks`` (right-padded)."""
+    device = next(model.parameters()).device
+    lens = cache.seqs[ks, 1]
+    ids = np.zeros((len(ks), int(lens.max())), np.int64)
+    for r, k in enumerate(ks):
+        ids[r, : lens[r]] = cache.ids(k)
+    ids_t = torch.from_numpy(ids).to(device)
+    mask = (torch.arange(ids.shape[1])[None] < torch.from_numpy(lens)[:, None]).long().to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        out = model(input_ids=ids_t, attention_mask=mask, output_hidden_states=-1, use_cache=False)
+    return out.hidden_states[-1].float().cpu().numpy(), out.logits.argmax(-1).cpu().numpy()
+
+
+def copy_rows(cache: TeacherCache, source: TeacherCache, dtype: str, log=print) -> list[int]:
+    """Copy the rows of every sequence of ``cache`` that ``source`` holds extracted (same token
+    ids), so that adding data to a finished cache costs only the new sequences' forwards.
+
+    A sequence's rows depend on its own tokens only (causal model, no packing), so a copy equals
+    a recomputation up to the rounding of another batch shape. ``source`` must come from the same
+    base model and teacher precision; another hidden size, precision or recorded model is refused,
+    naming the folder (:func:`extract_hidden` also recomputes one copied sequence).
+    """
+    src_state = source._progress()
+    if source.hidden_size != cache.hidden_size:
+        raise ValueError(f"{source.root}: hidden size {source.hidden_size}, this cache needs {cache.hidden_size}")
+    if src_state.get("dtype", "float32") != dtype:
+        raise ValueError(f"{source.root}: extracted in {src_state.get('dtype', 'float32')}, this cache in {dtype}")
+    models = [(c.manifest.get("built_with") or {}).get("model") for c in (source, cache)]
+    if models[0] != models[1]:
+        raise ValueError(f"{source.root}: built for base model {models[0]!r}, this cache for {models[1]!r}")
+    index = {source.ids(k).tobytes(): k for k in np.nonzero(source.ready)[0]}
+    copied = []
+    for k in range(len(cache.seqs)):
+        j = index.get(cache.ids(k).tobytes())
+        if j is None:
+            continue
+        (o, n), (so, _) = cache.seqs[k, :2], source.seqs[j, :2]
+        cache.hidden[o : o + n], cache.greedy[o : o + n] = source.hidden[so : so + n], source.greedy[so : so + n]
+        copied.append(k)
+    cache.hidden.flush()
+    cache.greedy.flush()
+    log(f"extract: {len(copied)} of {len(cache.seqs)} sequences "
+        f"({int(cache.seqs[copied, 1].sum()) if copied else 0} tokens) copied from {source.root}")
+    return copied
+
+
 @torch.no_grad()
 def extract_hidden(model: nn.Module, cache: TeacherCache, batch_tokens: int = 4096, log=print,
-                   dtype: str = "float32") -> None:
+                   dtype: str = "float32", reuse: TeacherCache | None = None) -> None:
     """Fill ``cache.hidden`` / ``cache.greedy`` with the base model's outputs; resumes by batch.
 
     Sequences run right-padded in length-sorted batches (:func:`extraction_order`);
     ``extract.json`` lists the finished batches. ``dtype="bfloat16"`` runs the forward under
     bfloat16 autocast (weights stay float32): faster on CPUs with AMX, its teacher distributions
-    close to float32's (docs/training.md). A bar shows the batches on a terminal.
+    close to float32's (docs/training.md). ``reuse``: a cache whose matching sequences are
+    copied (:func:`copy_rows`) before anything is computed. A bar shows the batches on a terminal.
     """
     progress = cache.root / "extract.json"
     lengths = cache.seqs[:, 1]
-    if progress.exists():  # a resumed extraction keeps its batch layout and precision
-        batches, done, batch_tokens = cache.extraction_batches()
-        dtype = json.loads(progress.read_text()).get("dtype", "float32")
-    else:
-        batches, done = pack(np.argsort(lengths, kind="stable"), lengths, batch_tokens), []
+    if not progress.exists():  # the layout is fixed once: a resumed extraction keeps it and its precision
+        copied = copy_rows(cache, reuse, dtype, log) if reuse is not None else []
+        if copied:  # the copies must be this model's: recompute the shortest one
+            k = min(copied, key=lambda k: lengths[k])
+            o, n = cache.seqs[k, :2]
+            h, greedy = _teacher_rows(model, cache, [k], dtype)
+            want = np.asarray(cache.hidden[o : o + n], np.float32)
+            if (greedy[0, :n] != cache.greedy[o : o + n]).mean() > 0.1 or \
+                    np.abs(h[0, :n] - want).max() > 0.05 * np.abs(want).max():
+                raise ValueError(f"{reuse.root}: its rows differ from this model's (sequence {k} recomputed): "
+                                 "a cache of another base model cannot be reused")
+        _write_json(progress, {"done": [], "copied": copied, "batch_tokens": batch_tokens, "dtype": dtype})
+    batches, done, batch_tokens = cache.extraction_batches()
+    dtype = json.loads(progress.read_text()).get("dtype", "float32")
+    copied = cache.copied
     done_set = set(done)
     todo = [b for b in extraction_order(len(batches)) if b not in done_set]
     if not todo:
         return
-    device = next(model.parameters()).device
     t0, n_tok = time.perf_counter(), 0
     log(f"extract: {len(todo)} of {len(batches)} batches to go ({int(lengths.sum())} tokens in all)")
     for j, b in enumerate(tqdm(todo, desc="teacher cache", unit="batch", disable=None)):
         ks = batches[b]
         lens = lengths[ks]
-        ids = np.zeros((len(ks), int(lens.max())), np.int64)
-        for r, k in enumerate(ks):
-            ids[r, : lens[r]] = cache.ids(k)
-        ids_t = torch.from_numpy(ids).to(device)
-        mask = (torch.arange(ids.shape[1])[None] < torch.from_numpy(lens)[:, None]).long().to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-            out = model(input_ids=ids_t, attention_mask=mask, output_hidden_states=-1, use_cache=False)
-        h, greedy = out.hidden_states[-1].float().cpu().numpy(), out.logits.argmax(-1).cpu().numpy()
+        h, greedy = _teacher_rows(model, cache, ks, dtype)
         for r, k in enumerate(ks):
             o, n = cache.seqs[k, :2]
             cache.hidden[o : o + n], cache.greedy[o : o + n] = h[r, :n], greedy[r, :n]
@@ -293,8 +355,9 @@ def extract_hidden(model: nn.Module, cache: TeacherCache, batch_tokens: int = 40
         cache.greedy.flush()
         done.append(b)
         n_tok += int(lens.sum())
-        _write_json(progress, {"done": done, "of": len(batches), "batch_tokens": batch_tokens, "dtype": dtype,
-                               "tokens": int(lengths[[k for d in done for k in batches[d]]].sum())})
+        filled = [k for d in done for k in batches[d]] + copied
+        _write_json(progress, {"done": done, "copied": copied, "of": len(batches), "batch_tokens": batch_tokens,
+                               "dtype": dtype, "tokens": int(lengths[filled].sum())})
         if (j + 1) % 10 == 0 or j + 1 == len(todo):
             log(f"extract: {len(done)}/{len(batches)} batches  {n_tok / (time.perf_counter() - t0):.0f} tokens/s")
 
@@ -303,6 +366,15 @@ def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
+
+
+def open_cache(path: str | Path) -> TeacherCache:
+    """The teacher cache in ``path`` (a cache folder, or a work folder holding one in ``data/``)."""
+    root = Path(path)
+    root = root / "data" if not (root / "manifest.json").exists() and (root / "data" / "manifest.json").exists() else root
+    if not (root / "manifest.json").exists():
+        raise FileNotFoundError(f"{path}: no teacher cache here (no manifest.json in it or in its data/ folder)")
+    return TeacherCache(root)
 
 
 def prepare_teacher_cache(model, tokenizer, cfg: TrainConfig, log=print, extract: bool = True) -> TeacherCache:
@@ -315,7 +387,8 @@ def prepare_teacher_cache(model, tokenizer, cfg: TrainConfig, log=print, extract
         TeacherCache.create(root, seqs, model.config.get_text_config().hidden_size, manifest)
     cache = TeacherCache(root)
     if extract:
-        extract_hidden(model, cache, cfg.extract_batch_tokens, log, cfg.teacher_dtype)
+        reuse = open_cache(cfg.reuse_cache) if cfg.reuse_cache else None
+        extract_hidden(model, cache, cfg.extract_batch_tokens, log, cfg.teacher_dtype, reuse)
     elif not cache.complete:
         log(f"using the partly extracted cache: {int(cache.seqs[cache.ready, 1].sum())} of "
             f"{int(cache.seqs[:, 1].sum())} tokens")
