@@ -263,7 +263,8 @@ def extraction_order(n: int) -> list[int]:
     return out
 
 
-def _teacher_rows(model: nn.Module, cache: TeacherCache, ks: Sequence[int], dtype: str) -> tuple[np.ndarray, np.ndarray]:
+def _teacher_rows(model: nn.Module, cache: TeacherCache, ks: Sequence[int],
+                  dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """Last hidden states [B, T, H] and greedy tokens [B, T] of sequences ``ks`` (right-padded)."""
     device = next(model.parameters()).device
     lens = cache.seqs[ks, 1]
@@ -277,20 +278,21 @@ def _teacher_rows(model: nn.Module, cache: TeacherCache, ks: Sequence[int], dtyp
     return out.hidden_states[-1].float().cpu().numpy(), out.logits.argmax(-1).cpu().numpy()
 
 
-def copy_rows(cache: TeacherCache, source: TeacherCache, dtype: str, log=print) -> list[int]:
+def copy_rows(model: nn.Module, cache: TeacherCache, source: TeacherCache, dtype: str, log=print) -> list[int]:
     """Copy the rows of every sequence of ``cache`` that ``source`` holds extracted (same token
     ids), so that adding data to a finished cache costs only the new sequences' forwards.
 
     A sequence's rows depend on its own tokens only (causal model, no packing), so a copy equals
     a recomputation up to the rounding of another batch shape. ``source`` must come from the same
-    base model and teacher precision; another hidden size, precision or recorded model is refused,
-    naming the folder (:func:`extract_hidden` also recomputes one copied sequence).
+    base model and teacher precision: another hidden size, precision or recorded model is refused,
+    and the shortest copied sequence is recomputed with ``model`` (rows of another model of the
+    same shapes are refused too), each naming the folder.
     """
-    src_state = source._progress()
     if source.hidden_size != cache.hidden_size:
         raise ValueError(f"{source.root}: hidden size {source.hidden_size}, this cache needs {cache.hidden_size}")
-    if src_state.get("dtype", "float32") != dtype:
-        raise ValueError(f"{source.root}: extracted in {src_state.get('dtype', 'float32')}, this cache in {dtype}")
+    src_dtype = source._progress().get("dtype", "float32")
+    if src_dtype != dtype:
+        raise ValueError(f"{source.root}: extracted in {src_dtype}, this cache in {dtype}")
     models = [(c.manifest.get("built_with") or {}).get("model") for c in (source, cache)]
     if models[0] != models[1]:
         raise ValueError(f"{source.root}: built for base model {models[0]!r}, this cache for {models[1]!r}")
@@ -305,6 +307,15 @@ def copy_rows(cache: TeacherCache, source: TeacherCache, dtype: str, log=print) 
         copied.append(k)
     cache.hidden.flush()
     cache.greedy.flush()
+    if copied:
+        k = min(copied, key=lambda k: cache.seqs[k, 1])
+        o, n = cache.seqs[k, :2]
+        h, greedy = _teacher_rows(model, cache, [k], dtype)
+        want = np.asarray(cache.hidden[o : o + n], np.float32)
+        far = np.abs(h[0, :n] - want).max() > 0.05 * np.abs(want).max()
+        if far or (greedy[0, :n] != cache.greedy[o : o + n]).mean() > 0.1:
+            raise ValueError(f"{source.root}: its rows differ from this model's (sequence {k} recomputed): "
+                             "a cache of another base model cannot be reused")
     log(f"extract: {len(copied)} of {len(cache.seqs)} sequences "
         f"({int(cache.seqs[copied, 1].sum()) if copied else 0} tokens) copied from {source.root}")
     return copied
@@ -324,20 +335,11 @@ def extract_hidden(model: nn.Module, cache: TeacherCache, batch_tokens: int = 40
     progress = cache.root / "extract.json"
     lengths = cache.seqs[:, 1]
     if not progress.exists():  # the layout is fixed once: a resumed extraction keeps it and its precision
-        copied = copy_rows(cache, reuse, dtype, log) if reuse is not None else []
-        if copied:  # the copies must be this model's: recompute the shortest one
-            k = min(copied, key=lambda k: lengths[k])
-            o, n = cache.seqs[k, :2]
-            h, greedy = _teacher_rows(model, cache, [k], dtype)
-            want = np.asarray(cache.hidden[o : o + n], np.float32)
-            if (greedy[0, :n] != cache.greedy[o : o + n]).mean() > 0.1 or \
-                    np.abs(h[0, :n] - want).max() > 0.05 * np.abs(want).max():
-                raise ValueError(f"{reuse.root}: its rows differ from this model's (sequence {k} recomputed): "
-                                 "a cache of another base model cannot be reused")
+        copied = copy_rows(model, cache, reuse, dtype, log) if reuse is not None else []
         _write_json(progress, {"done": [], "copied": copied, "batch_tokens": batch_tokens, "dtype": dtype})
+    state = cache._progress()
+    dtype, copied = state.get("dtype", "float32"), state.get("copied", [])
     batches, done, batch_tokens = cache.extraction_batches()
-    dtype = json.loads(progress.read_text()).get("dtype", "float32")
-    copied = cache.copied
     done_set = set(done)
     todo = [b for b in extraction_order(len(batches)) if b not in done_set]
     if not todo:
@@ -371,7 +373,8 @@ def _write_json(path: Path, data: Any) -> None:
 def open_cache(path: str | Path) -> TeacherCache:
     """The teacher cache in ``path`` (a cache folder, or a work folder holding one in ``data/``)."""
     root = Path(path)
-    root = root / "data" if not (root / "manifest.json").exists() and (root / "data" / "manifest.json").exists() else root
+    if not (root / "manifest.json").exists() and (root / "data" / "manifest.json").exists():
+        root = root / "data"
     if not (root / "manifest.json").exists():
         raise FileNotFoundError(f"{path}: no teacher cache here (no manifest.json in it or in its data/ folder)")
     return TeacherCache(root)
