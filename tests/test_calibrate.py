@@ -64,9 +64,19 @@ def test_frontier_of_the_first_two_search_stages(tiny_cache, tmp_path):
     cfg = SearchConfig(num_prompts=3, max_new_tokens=12, budget=8)
     search = TreeSearch(model, model.entmtp_heads, prompts, tmp_path, cfg, task="t", progress=False)
     trees, accept, info, source = frontier_of(search)
-    assert [t.num_nodes for t in trees] == list(range(1, 9)) and accept[0] == 1.0
+    full = [k for k, i in enumerate(info) if "max_depth" not in i]
+    assert full == list(range(8)) and [t.num_nodes for t in trees[:8]] == list(range(1, 9)) and accept[0] == 1.0
     assert all(set(trees[k].paths) < set(trees[k + 1].paths) for k in range(7))  # nested: each adds one node
-    assert accept[-1] >= accept[1] > 1.0 and "3 calibration prompts" in source["source"]
+    assert accept[7] >= accept[1] > 1.0 and "3 calibration prompts" in source["source"]
+    # the shallower frontiers: trees the full one lacks, none deeper than its cap, none twice
+    deepest = max(t.depth for t in trees[:8])
+    assert source["depth_caps"] == [c for c in (1, 2, 3) if c < deepest] and len(trees) > 8
+    assert len(set(trees)) == len(trees)
+    for tree, tau, extra in zip(trees[8:], accept[8:], info[8:]):
+        assert tree.depth <= extra["max_depth"] < deepest and tau >= 1.0
+        assert extra["name"] == f"frontier-{tree.num_nodes}-depth{extra['max_depth']}"
+    fans = [t for t, i in zip(trees, info) if i.get("max_depth") == 1]
+    assert fans and all(t.depth == 1 for t in fans)
 
 
 def test_the_check_times_the_best_trees_against_plain_decoding(tiny_cache):

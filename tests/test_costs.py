@@ -176,13 +176,34 @@ def test_the_probe_measures_a_valid_table_on_a_tiny_model(tiny_cache):
 def test_the_batch_probe_measures_per_row_costs_at_its_batch_size(tiny_cache):
     model = enabled(tiny_cache)
     base = probe(model, model.entmtp_heads, sizes=(1, 2, 4), repeats=1)
-    t = probe_batch(model, base, 4, sizes=(1, 2, 4), repeats=1)
+    t = probe_batch(model, model.entmtp_heads, base, 4, sizes=(1, 2, 4), repeats=1)
     assert t.batch_size == 4 and t.key.endswith("-b4") and t.plain_ms > 0
     assert set(t.forward_ms) == {1, 2, 4} and all(v > 0 for v in t.forward_ms.values())
     # drafting's fixed and per-depth parts are measured on the batch; the per-node part is the base's
     assert t.draft_ms[2] == base.draft_ms[2] and t.draft_ms[:2] != base.draft_ms[:2]
     assert t.overhead_ms != base.overhead_ms and t.step(Tree.chain(2)) > 0
     assert CostTable.from_dict(t.to_dict()) == t
+
+
+def test_drafting_and_overhead_come_from_decodes_at_every_batch_size(tiny_cache, monkeypatch):
+    """The heads timed on their own run warm and skip their conditioning, so drafting's fixed and
+    per-depth parts come from real decodes, at batch size 1 as at any other; only the per-node part
+    comes from the heads' own timings."""
+    import entmtp_hf.costs.probe as probe_module
+
+    model = enabled(tiny_cache)
+    # per decode tree: (drafting ms per row-step, the rest of the step): drafting = 1 + 1.5 depth + 0.5 (nodes - 1)
+    def phases(m, ids, tree, tokens):
+        return 1.0 + 1.5 * tree.depth + 0.5 * (tree.num_nodes - 1), 0.8 + 0.1 * tree.num_nodes
+
+    monkeypatch.setattr(probe_module, "_decode_phases", phases)
+    monkeypatch.setattr(probe_module, "draft_fit", lambda m, h, **k: ((-1.0, 0.5, 0.5), 0.4))  # warm: too cheap
+    draft, overhead = probe_module.step_costs(model, model.entmtp_heads, 0.5)
+    assert draft == pytest.approx((1.0, 1.5, 0.5)) and overhead == pytest.approx((0.8, 0.1))
+    t = probe(model, model.entmtp_heads, sizes=(1, 2), repeats=1)
+    assert t.draft_ms == pytest.approx((1.0, 1.5, 0.5)) and t.overhead_ms == pytest.approx((0.8, 0.1))
+    assert t.drafting(Tree.chain(2)) == pytest.approx(phases(None, None, Tree.chain(2), 0)[0])
+    assert probe_batch(model, model.entmtp_heads, t, 2, sizes=(1, 2), repeats=1).draft_ms == pytest.approx(t.draft_ms)
 
 
 def test_a_probe_on_a_busy_machine_measures_again_and_is_not_cached(tiny_cache, tmp_path, monkeypatch):
@@ -196,7 +217,7 @@ def test_a_probe_on_a_busy_machine_measures_again_and_is_not_cached(tiny_cache, 
     monkeypatch.setattr(probe_module, "forward_ms", lambda m, sizes, **k: {n: 10.0 for n in sizes})
     plains = iter([50.0, 32.0, 33.0, 33.0])  # busy during the first measurement, idle after
     monkeypatch.setattr(probe_module, "_plain_ms", lambda *a, **k: next(plains))
-    monkeypatch.setattr(probe_module, "step_overhead", lambda m, f: ((0.1, 0.0), probe_module._plain_ms()))
+    monkeypatch.setattr(probe_module, "step_costs", lambda m, h, per_node, b=1: ((0.0, 0.0, per_node), (0.1, 0.0)))
     t = probe(model, model.entmtp_heads, sizes=(1, 2), repeats=1)
     assert t.plain_ms == 33.0 and t.notes["timings_steady"] is True  # the second measurement agreed
     always_busy = iter([10.0, 30.0] * 10)  # every plain timing far from the one before it
@@ -204,6 +225,25 @@ def test_a_probe_on_a_busy_machine_measures_again_and_is_not_cached(tiny_cache, 
     monkeypatch.setattr(cache_module, "probe", lambda m, h: probe(m, h, sizes=(1, 2), repeats=1))
     busy = cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
     assert busy.notes["timings_steady"] is False and not list(tmp_path.glob("*.json"))
+
+
+def test_plain_decoding_is_timed_at_the_forwards_context(tiny_cache, monkeypatch):
+    """c(N) divides a forward after PREFIX_LEN cached tokens by a plain step: the plain steps' contexts
+    must centre on the same length (a step's attention grows with its context), at every batch size."""
+    import entmtp_hf.costs.probe as probe_module
+
+    model = enabled(tiny_cache)
+    real, contexts = probe_module._plain_ms, []
+
+    def spy(m, ids, tokens):
+        contexts.append((ids.shape[0], ids.shape[1] + tokens / 2))  # rows, the steps' mean context
+        return real(m, ids, tokens)
+
+    monkeypatch.setattr(probe_module, "_plain_ms", spy)
+    base = probe(model, model.entmtp_heads, sizes=(1, 2), repeats=1)
+    probe_batch(model, model.entmtp_heads, base, 2, sizes=(1, 2), repeats=1)
+    assert {rows for rows, _ in contexts} == {1, 2}
+    assert all(abs(c - probe_module.PREFIX_LEN) <= 1 for _, c in contexts), contexts
 
 
 def test_the_cache_is_keyed_by_machine_and_model(tiny_cache, tmp_path, monkeypatch):
@@ -221,3 +261,17 @@ def test_the_cache_is_keyed_by_machine_and_model(tiny_cache, tmp_path, monkeypat
     newest.write_text("{not json")  # a broken file is measured again, not trusted
     cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
     assert len(calls) == 3
+
+
+def test_refreshing_several_batch_sizes_measures_batch_size_one_once(tiny_cache, tmp_path, monkeypatch):
+    """Every batch size's table builds on the batch-size-1 one; refreshed, each would measure it again."""
+    model = enabled(tiny_cache)
+    calls = []
+    monkeypatch.setattr(cache_module, "probe", lambda m, h: calls.append(1) or table({1: 1.0, 2: 1.0}))
+    monkeypatch.setattr(cache_module, "probe_batch", lambda m, h, base, b: dataclasses.replace(base, batch_size=b))
+    base = cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path, refresh=True)
+    tables = [cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path, refresh=True, batch_size=b, base=base)
+              for b in (2, 4)]  # fmt: skip
+    assert calls == [1] and [t.batch_size for t in tables] == [2, 4]
+    cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path, refresh=True, batch_size=8)
+    assert calls == [1, 1]  # without a base, a refreshed batch size measures batch size 1 as well

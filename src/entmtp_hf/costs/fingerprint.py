@@ -72,9 +72,10 @@ def machine_fingerprint(device: torch.device, dtype: torch.dtype) -> Fingerprint
                        torch.__version__)  # fmt: skip
 
 
-#: the decode step's implementation: a change that moves its costs (the cache's layout, rows
-#: drafted or committed together) bumps this, so tables measured before are measured again
-STEP_VERSION = 3
+#: the decode step's implementation and the probe's method: a change that moves the costs (the
+#: cache's layout, rows drafted or committed together, plain decoding timed at the forward's
+#: context, drafting timed inside decoding) bumps this, so tables measured before are measured again
+STEP_VERSION = 4
 
 
 def model_key(model, heads) -> str:

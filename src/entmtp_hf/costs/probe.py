@@ -3,10 +3,14 @@
 It times the real pieces of a decode step on the loaded model (short, interleaved, medians):
 
 1. the verification forward of ``N`` nodes after a cached prefix, for a grid of sizes;
-2. the heads drafting a few tree shapes (chains and fans), fitted by depth and size;
-3. two short EntMTP decodes and a short plain ``generate``: the rest of a step (acceptance,
-   cache, the heads' conditioning) and plain decoding's time per token; at a batch size, the
-   same decodes on a batch give the per-row drafting and overhead (rows draft together).
+2. the heads drafting a few tree shapes (chains and fans) on their own: what each further node
+   of a depth costs;
+3. a short plain ``generate`` (plain decoding's time per token) and three short EntMTP decodes
+   (chains one and three deep, and a ten-node tree) at the table's batch size: drafting's fixed
+   and per-depth parts and the rest of a step (acceptance, cache, the heads' conditioning) as a
+   real step pays them. Timed on their own, the heads' calls run on warm caches and skip the
+   conditioning on the accepted tokens: the EAGLE-style drafter's depth-one draft took 0.8 ms
+   there against 4.6 ms inside decoding on the demo model.
 
 The one-node forward and the plain step are timed again after everything else; where the two
 timings of either disagree (:func:`steady`) something else was using the cores, so all is
@@ -40,6 +44,12 @@ log = logging.getLogger(__name__)
 PROBE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 PREFIX_LEN = 256
 DECODE_TOKENS = 32
+#: plain decoding's timed prompts: its steps run at contexts centred on the forward's
+#: ``PREFIX_LEN``, because a step's attention grows with its context (on the demo model on a
+#: 2-core CPU a step at 256 cached tokens costs 6-9% more than at 112, the more rows the more)
+PLAIN_PROMPT_LEN = PREFIX_LEN - DECODE_TOKENS // 2
+#: prompts of the short EntMTP decodes that time drafting and the rest of a step
+DECODE_PROMPT_LEN = 96
 #: how far two timings of one thing may differ (of the smaller) for :func:`steady`: an idle
 #: machine repeats them within a few percent, a busy one by tens of percent
 STEADY = 0.25
@@ -119,8 +129,9 @@ def probe_trees(heads) -> list[Tree]:
 
 
 def draft_fit(model, heads, *, repeats: int = 5) -> tuple[tuple[float, float, float], float]:
-    """Least-squares ``(a, b, c)`` of drafting ms = a + b·depth + c·(nodes - 1), and the fit's
-    largest relative error over the probed shapes."""
+    """Least-squares ``(a, b, c)`` of drafting ms = a + b·depth + c·(nodes - 1) with the heads
+    timed on their own, and the fit's largest relative error over the probed shapes. The probe
+    keeps ``c`` only: ``a`` and ``b`` are measured inside decoding (:func:`step_costs`)."""
     heads_device = next(heads.parameters()).device
     dtype = model.get_output_embeddings().weight.dtype
     ids, _, hidden = _prefix(model, 64, torch.Generator().manual_seed(1), heads=heads)
@@ -169,34 +180,25 @@ def _overhead_fit(rest: dict[int, float]) -> tuple[float, float]:
     return o1 - p * n1, p
 
 
-def _random_prompts(model, batch_size: int, seed: int) -> torch.Tensor:
+def _random_prompts(model, batch_size: int, seed: int, length: int = DECODE_PROMPT_LEN) -> torch.Tensor:
     lm = model.get_output_embeddings().weight
     vocab = model.config.get_text_config().vocab_size
-    return torch.randint(0, vocab, (batch_size, 96), generator=torch.Generator().manual_seed(seed)).to(lm.device)
+    return torch.randint(0, vocab, (batch_size, length), generator=torch.Generator().manual_seed(seed)).to(lm.device)
 
 
-def step_overhead(model, forward: dict[int, float], *, tokens: int = DECODE_TOKENS) -> tuple[tuple[float, float], float]:
-    """``(o, p)`` of a step's ms outside the forward and drafting (o + p·nodes, from two tree sizes),
-    and plain ``generate``'s ms per token (prefill excluded), from short decodes of one prompt."""
-    ids = _random_prompts(model, 1, 2)
-    plain_ms = _plain_ms(model, ids, tokens)
-    rest = {tree.num_nodes: _decode_phases(model, ids, tree, tokens)[1] for tree in OVERHEAD_TREES}
-    return _overhead_fit(rest), plain_ms
-
-
-def batch_step_costs(model, base: CostTable, batch_size: int, *, tokens: int = DECODE_TOKENS
-                     ) -> tuple[tuple[float, float, float], tuple[float, float]]:  # fmt: skip
-    """Per-row drafting and overhead at ``batch_size`` rows, from short batched decodes: a batch
-    drafts rows together (one head call per depth) and conditions their heads in one call, so a
-    row costs less than alone, and the more so the deeper the tree. The drafting fit's per-depth
-    and fixed parts are measured on a chain one and three deep (its per-node part stays
-    ``base``'s); the overhead's from the overhead trees."""
+def step_costs(model, heads, per_node: float, batch_size: int = 1, *, tokens: int = DECODE_TOKENS
+               ) -> tuple[tuple[float, float, float], tuple[float, float]]:  # fmt: skip
+    """Per-row drafting ``(a, b, c)`` and overhead ``(o, p)`` at ``batch_size`` rows, from short
+    EntMTP decodes: drafting's fixed and per-depth parts from chains one and three deep (a batch
+    drafts its rows together, one head call per depth, so a row costs less than alone, the more so
+    the deeper the tree), its per-node part ``per_node`` (from :func:`draft_fit`), the overhead
+    from the overhead trees. Heads one deep have no per-depth part to tell apart: it is left at 0."""
     ids = _random_prompts(model, batch_size, 2)
-    short, deep = OVERHEAD_TREES[0], Tree.chain(3)  # chains 1 and 3 deep
-    phases = {tree: _decode_phases(model, ids, tree, tokens) for tree in (*OVERHEAD_TREES, deep)}
-    per_node = base.draft_ms[2]
-    per_depth = (phases[deep][0] - phases[short][0] - per_node * (deep.num_nodes - short.num_nodes)) / (
-        deep.depth - short.depth)  # fmt: skip
+    short, deep = OVERHEAD_TREES[0], Tree.chain(min(3, heads.num_heads))
+    phases = {tree: _decode_phases(model, ids, tree, tokens) for tree in {*OVERHEAD_TREES, deep}}
+    extra, per_depth = deep.num_nodes - short.num_nodes, 0.0
+    if extra:
+        per_depth = (phases[deep][0] - phases[short][0] - per_node * extra) / (deep.depth - short.depth)
     fixed = phases[short][0] - per_depth * short.depth - per_node * (short.num_nodes - 1)
     overhead = _overhead_fit({tree.num_nodes: phases[tree][1] for tree in OVERHEAD_TREES})
     return (fixed, per_depth, per_node), overhead
@@ -204,7 +206,7 @@ def batch_step_costs(model, base: CostTable, batch_size: int, *, tokens: int = D
 
 def _plain_ms(model, ids: torch.Tensor, tokens: int) -> float:
     """Plain greedy ``generate``'s ms per step on ``ids`` [B, L] after the prefill (a one-token call's
-    time subtracted)."""
+    time subtracted); callers pass :data:`PLAIN_PROMPT_LEN` tokens."""
     mask = torch.ones_like(ids)
     runs = {n: (lambda n=n: model.generate(ids, attention_mask=mask, generation_config=_greedy(model, n)))
             for n in (1, tokens + 1)}  # fmt: skip
@@ -214,7 +216,7 @@ def _plain_ms(model, ids: torch.Tensor, tokens: int) -> float:
 
 def plain_batch_ms(model, batch_size: int, *, tokens: int = DECODE_TOKENS) -> float:
     """Plain batched ``generate``'s ms per step (``batch_size`` tokens) after the prefill."""
-    return _plain_ms(model, _random_prompts(model, batch_size, 3), tokens)
+    return _plain_ms(model, _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN), tokens)
 
 
 def steady(first: float, second: float) -> bool:
@@ -239,7 +241,7 @@ def _agreeing(measure: Callable[[], tuple], recheck: Callable[[], tuple[float, f
 
 
 @torch.no_grad()
-def probe_batch(model, base: CostTable, batch_size: int, *, sizes: Sequence[int] = PROBE_SIZES,
+def probe_batch(model, heads, base: CostTable, batch_size: int, *, sizes: Sequence[int] = PROBE_SIZES,
                 repeats: int = 5) -> CostTable:
     """``base`` (this machine's batch-size-1 table) at ``batch_size`` rows: the verification forward,
     plain batched decoding and the per-row drafting and overhead measured anew."""
@@ -249,7 +251,7 @@ def probe_batch(model, base: CostTable, batch_size: int, *, sizes: Sequence[int]
         lambda: (forward_ms(model, (1,), repeats=repeats, batch_size=batch_size)[1], plain_batch_ms(model, batch_size)),
         batch_size,
     )
-    draft, overhead = batch_step_costs(model, base, batch_size)
+    draft, overhead = step_costs(model, heads, base.draft_ms[2], batch_size)
     seconds = time.perf_counter() - t0
     log.info("entmtp-hf: measured this machine's step costs at batch size %d in %.1f s", batch_size, seconds)
     return CostTable(base.fingerprint, base.model, forward, draft, overhead, plain, seconds,
@@ -262,17 +264,17 @@ def probe(model, heads, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 5)
     t0 = time.perf_counter()
     lm = model.get_output_embeddings().weight
     fingerprint = machine_fingerprint(lm.device, lm.dtype)
-    draft, fit_error = draft_fit(model, heads, repeats=repeats)
+    shape, fit_error = draft_fit(model, heads, repeats=repeats)
+    plain_ids = _random_prompts(model, 1, 2, PLAIN_PROMPT_LEN)
 
     def measure() -> tuple:
-        forward = forward_ms(model, sizes, repeats=repeats)
-        overhead, plain = step_overhead(model, forward)
-        return forward, plain, overhead
+        return forward_ms(model, sizes, repeats=repeats), _plain_ms(model, plain_ids, DECODE_TOKENS)
 
     def recheck() -> tuple[float, float]:
-        return forward_ms(model, (1,), repeats=repeats)[1], _plain_ms(model, _random_prompts(model, 1, 2), DECODE_TOKENS)
+        return forward_ms(model, (1,), repeats=repeats)[1], _plain_ms(model, plain_ids, DECODE_TOKENS)
 
-    (forward, plain, overhead), agree = _agreeing(measure, recheck, 1)
+    (forward, plain), agree = _agreeing(measure, recheck, 1)
+    draft, overhead = step_costs(model, heads, shape[2])
     seconds = time.perf_counter() - t0
     notes = {"draft_fit_max_error": fit_error, "prefix_len": PREFIX_LEN, "timings_steady": agree}
     table = CostTable({**fingerprint.to_dict(), "key": fingerprint.key()}, model_key(model, heads), forward, draft,

@@ -6,11 +6,11 @@ One EntMTP step that verifies tree ``T`` (``N`` nodes, depth ``D``) costs, in mi
 
 with ``F(N)`` the verification forward of ``N`` nodes after a cached prefix (measured at a grid
 of sizes, linear in between), ``draft(T) = a + b·D + c·(N - 1)`` (Hydra drafts one batched head
-call per depth, Medusa one call per head) and ``overhead(N) = o + p·N`` (acceptance, the cache
-update, the heads' conditioning on the accepted tokens, the loop). With ``τ(T)`` tokens per
-step and plain ``generate`` at ``P`` ms per token, the modelled speed-up is ``τ(T)·P / step(T)``.
-A :class:`CostTable` holds these measurements for one (machine, model, heads) and is plain
-JSON, so it is cached on disk and stored in banks.
+call per depth, Medusa one call per head, the EAGLE-style drafter one layer call per depth) and
+``overhead(N) = o + p·N`` (acceptance, the cache update, the heads' conditioning on the accepted
+tokens, the loop). With ``τ(T)`` tokens per step and plain ``generate`` at ``P`` ms per token,
+the modelled speed-up is ``τ(T)·P / step(T)``. A :class:`CostTable` holds these measurements for
+one (machine, model, heads) and is plain JSON, so it is cached on disk and stored in banks.
 
 **Batches.** A table measured at batch size ``B > 1`` holds ``F(N)`` for ``B`` rows of ``N``
 nodes each and ``P`` as plain batched ``generate``'s ms per step (``B`` tokens); drafting and the

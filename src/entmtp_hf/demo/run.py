@@ -24,7 +24,7 @@ from ..costs.cache import cost_table
 from ..cpu_kernels import CPUKernels
 from ..integration import HEADS_ATTR
 from ..scheduling.policies import POLICIES
-from . import DEMO_PROMPTS, config_for, load_demo
+from . import DEFAULT_DRAFTER, DEMO_PROMPTS, config_for, load_demo
 from .compare import find_mismatch, mismatch_text
 
 PLAIN, PLAIN_K, ENTMTP, ENTMTP_K = "plain generate", "plain generate + CPU kernels", "EntMTP", "EntMTP + CPU kernels"
@@ -136,8 +136,9 @@ def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = N
     """Stream the three prompts with EntMTP, then time every method on them (see the module docstring)."""
     t0 = time.perf_counter()
     model, tokenizer, bank_dir = load_demo()
+    drafter = {"eagle": "EAGLE-style drafter", "hydra": "Hydra heads"}[DEFAULT_DRAFTER]
     print(f"entmtp-hf demo: SmolLM2-135M-Instruct (float32, {torch.get_num_threads()} CPU threads) with its shipped "
-          f"Hydra heads and tree banks, loaded in {time.perf_counter() - t0:.1f} s\n")  # fmt: skip
+          f"{drafter} and tree banks, loaded in {time.perf_counter() - t0:.1f} s\n")  # fmt: skip
     greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
     configs = {task: config_for(bank_dir, task, policy) for task, _ in DEMO_PROMPTS}
     inputs = [(task, _encode(tokenizer, text), text) for task, text in DEMO_PROMPTS]

@@ -5,7 +5,8 @@
   entry (costs and the scheduler they rank) is written into a local copy of the bank.
 * ``--frontier`` first (re)builds each task's acceptance frontier from greedy runs on its
   calibration prompts (the search's first two stages; minutes per task, and the same on every
-  machine), so a bank without one can be re-ranked.
+  machine), so a bank without one can be re-ranked; shallower frontiers (depth capped) join it,
+  so a machine where depth is what costs can rank a fan against a chain.
 * ``--check K`` times the ranking's best K trees and plain decoding end to end on the
   calibration prompts, interleaved: the modelled speed-ups against the measured ones, and
   whether the probe picked the fastest measured tree (or what it lost).
@@ -36,25 +37,47 @@ from ..trees.tree import Tree
 from .checkpoint import json_safe, write_json
 from .machine import hardware_string, set_threads
 from .search.config import SearchConfig
+from .search.frontier import greedy_frontier, rank_tuple_scorer
 from .search.runner import TreeSearch
 from .search.trajectories import simulate_canonical
 
 
 # ============================================================================ the frontier
+#: depth caps of the shallower frontiers a bank carries beside the full one. A drafter that
+#: runs once per depth (the EAGLE-style one) pays for depth, so where a few more nodes cost
+#: almost nothing (1-3 rows on a CPU's GEMV kernels) a fan can beat the full frontier's chain
+#: of the same size; which one does is the cost table's call, so the bank keeps both.
+DEPTH_CAPS = (1, 2, 3)
+#: the largest tree of a depth-capped frontier (the trees where depth decides are small)
+CAPPED_BUDGET = 32
+
+
 def frontier_of(search: TreeSearch) -> tuple[list[Tree], list[float], list[dict], dict]:
-    """The task's acceptance frontier from the search's first two stages: trees, debiased tokens
-    per step (greedy steps simulated along the rank tuples, pooled over the prompts), the
-    frontier's own (biased) estimate per tree, and how they were measured."""
+    """The task's acceptance frontier from the search's first two stages, then the trees of the
+    frontiers grown with the depth capped at :data:`DEPTH_CAPS` that the full one lacks: trees,
+    debiased tokens per step (greedy steps simulated along the rank tuples, pooled over the
+    prompts), the frontier's own (biased) estimate per tree, and how they were measured."""
     trajectories = search.trajectories()
-    points = search.frontier(trajectories)
-    accept, info = [], []
-    for p in points:
+    points = [(p, None) for p in search.frontier(trajectories)]
+    caps = [c for c in DEPTH_CAPS if c < max(p.tree.depth for p, _ in points)]
+    score, budget = rank_tuple_scorer(trajectories), min(search.cfg.budget, CAPPED_BUDGET)
+    for cap in caps:
+        points += [(p, cap) for p in greedy_frontier(score, budget, cap, search.max_rank)]
+    trees, accept, info, seen = [], [], [], set()
+    for p, cap in points:
+        if p.tree in seen:
+            continue
+        seen.add(p.tree)
         lengths = [a for t in trajectories for a in simulate_canonical(t, p.tree)]
+        trees.append(p.tree)
         accept.append(sum(lengths) / len(lengths))
-        info.append({"biased_accept_length": p.accept, "source": "greedy acceptance frontier"})
+        extra = {} if cap is None else {"name": f"frontier-{p.num_nodes}-depth{cap}", "max_depth": cap}
+        info.append({"biased_accept_length": p.accept, "source": "greedy acceptance frontier"
+                     + ("" if cap is None else f", depth <= {cap}"), **extra})  # fmt: skip
     source = {"source": f"rank tuples of greedy runs: {len(trajectories)} calibration prompts x "
-                        f"{search.cfg.max_new_tokens} tokens", "prompt_ids": search.prompt_ids}  # fmt: skip
-    return [p.tree for p in points], accept, info, source
+                        f"{search.cfg.max_new_tokens} tokens", "prompt_ids": search.prompt_ids,
+              "depth_caps": caps}  # fmt: skip
+    return trees, accept, info, source
 
 
 # ============================================================================ the search machine
@@ -218,7 +241,9 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     enable_entmtp(model, args.heads or str(DEMO_HEADS))
     heads = getattr(model, HEADS_ATTR)
     t0 = time.perf_counter()
-    tables = [cost_table(model, heads, refresh=args.refresh, batch_size=b) for b in sorted(set(args.batch_sizes))]
+    base = cost_table(model, heads, refresh=args.refresh)  # measured once: every batch size builds on it
+    tables = [base if b == 1 else cost_table(model, heads, refresh=args.refresh, batch_size=b, base=base)
+              for b in sorted(set(args.batch_sizes))]  # fmt: skip
     table = tables[0]
     probe_s = time.perf_counter() - t0
     report = {"machine": table.fingerprint, "hardware": hardware_string(), "probe_seconds": table.seconds,
