@@ -3,9 +3,8 @@
 ``load_demo()`` returns SmolLM2-135M-Instruct (see :mod:`entmtp_hf.demo.model`) with its
 default drafter enabled (:data:`DEFAULT_DRAFTER`), its tokenizer and the folder of the tree
 banks searched for that drafter; the drafters and banks are package data, so this works from
-an installed wheel. ``python -m
-entmtp_hf.demo`` (what ``make demo`` runs, :mod:`entmtp_hf.demo.run`) streams three answers
-and measures the speed-up.
+an installed wheel. ``python -m entmtp_hf.demo`` (what ``make demo`` runs,
+:mod:`entmtp_hf.demo.run`) streams three answers and measures the speed-up.
 """
 
 from __future__ import annotations
