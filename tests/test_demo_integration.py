@@ -52,10 +52,8 @@ def test_shipped_heads_exist():
         assert (heads / "config.json").exists() and (heads / "model.safetensors").exists()
 
 
-@pytest.fixture(scope="module")
-def runs(demo):
-    """Vanilla and EntMTP (mc_sim_7b_63 and the task's bank) on every prompt."""
-    model, tokenizer, bank_dir = demo
+def decode_prompts(model, tokenizer, bank_dir):
+    """Vanilla and EntMTP (mc_sim_7b_63 and the task's bank) on every prompt: (task, cfg, ids, ref, out)."""
     results = []
     for task, text in PROMPTS:
         ids = encode(tokenizer, text)
@@ -68,19 +66,32 @@ def runs(demo):
     return results
 
 
-def test_demo_greedy_identical_to_vanilla(demo, runs):
-    model = demo[0]
-    for task, cfg, ids, ref, out in runs:
+def assert_lossless(model, results) -> None:
+    for task, cfg, ids, ref, out in results:
         if not torch.equal(out.sequences, ref):
             gap = first_divergence_gap(model, ids, ref, out.sequences)
             assert gap < NEAR_TIE, f"[{task}] EntMTP diverged from vanilla where the logit gap is {gap:.2e}: not a rounding tie"
 
 
+def mc_sim_tokens_per_step(results) -> tuple[float, dict]:
+    """Tokens per step over every mc_sim_7b_63 run, and each task's mean accept length."""
+    trees = [(task, out.entmtp_stats) for task, cfg, _, _, out in results if cfg.tree is not None]
+    steps = sum(len(st["accept_lengths"]) for _, st in trees)
+    return sum(sum(st["accept_lengths"]) for _, st in trees) / steps, {t: st["mean_accept_length"] for t, st in trees}
+
+
+@pytest.fixture(scope="module")
+def runs(demo):
+    return decode_prompts(*demo)
+
+
+def test_demo_greedy_identical_to_vanilla(demo, runs):
+    assert_lossless(demo[0], runs)
+
+
 def test_demo_heads_accept_more_than_one_token_per_step(runs):
-    taus = {task: out.entmtp_stats["mean_accept_length"] for task, cfg, _, _, out in runs if cfg.tree is not None}
-    steps = sum(len(out.entmtp_stats["accept_lengths"]) for _, cfg, _, _, out in runs if cfg.tree is not None)
-    added = sum(sum(out.entmtp_stats["accept_lengths"]) for _, cfg, _, _, out in runs if cfg.tree is not None)
-    assert added / steps > 1.5, f"the shipped heads should add > 1.5 tokens per step with mc_sim_7b_63; per task: {taus}"
+    tau, taus = mc_sim_tokens_per_step(runs)
+    assert tau > 1.5, f"the shipped heads should add > 1.5 tokens per step with mc_sim_7b_63; per task: {taus}"
 
 
 def test_eas_calibrate_cli_on_the_demo_model(tmp_path):
@@ -124,19 +135,8 @@ def test_the_shipped_hydra_heads_are_lossless_and_draft(demo):
     enable_entmtp(model, str(DEMO_HEADS))
     try:
         assert isinstance(getattr(model, HEADS_ATTR), HydraHeads)
-        steps = added = 0
-        for task, text in PROMPTS:
-            ids = encode(tokenizer, text)
-            ref = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-            for cfg in (EntMTPConfig(tree=MC_SIM_7B_63), config_for(demo_bank_dir("hydra"), task)):
-                out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, entmtp_config=cfg,
-                                     return_dict_in_generate=True)  # fmt: skip
-                if not torch.equal(out.sequences, ref):
-                    gap = first_divergence_gap(model, ids, ref, out.sequences)
-                    assert gap < NEAR_TIE, f"[{task}] the Hydra heads' output diverged at a logit gap of {gap:.2e}"
-                if cfg.tree is not None:
-                    steps += len(out.entmtp_stats["accept_lengths"])
-                    added += sum(out.entmtp_stats["accept_lengths"])
-        assert added / steps > 1.5
+        results = decode_prompts(model, tokenizer, demo_bank_dir("hydra"))
+        assert_lossless(model, results)
+        assert mc_sim_tokens_per_step(results)[0] > 1.5
     finally:
         enable_entmtp(model, str(DEMO_DRAFTERS[DEFAULT_DRAFTER][0]))  # the module's other tests run on the default

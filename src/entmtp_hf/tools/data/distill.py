@@ -206,9 +206,12 @@ def build_pool(out: Path, log: Log, window: int, seed: int, self_openers: bool, 
     path = out / "disjointness.json"
     if path.exists():  # a run over some sources keeps the earlier checks of the others
         earlier, others = json.loads(path.read_text()), set(SOURCES) - set(sources)
-        report = {**{k: v for k, v in earlier.items() if k.split(":")[0] in others}, **report}
-        report["kept"] = {**{k: v for k, v in earlier.get("kept", {}).items() if k.split(":")[0] in others},
-                          **report["kept"]}
+
+        def of_others(entries: dict) -> dict:  # keys are "<source>" or "<source>:<detail>"
+            return {k: v for k, v in entries.items() if k.split(":")[0] in others}
+
+        report = {**of_others(earlier), **report}
+        report["kept"] = {**of_others(earlier.get("kept", {})), **report["kept"]}
     path.write_text(json.dumps(report, indent=1) + "\n")
     log(f"pool sizes after the disjointness check: {report['kept']}")
     return D.interleave(kept, window, seed), index, report
