@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from entmtp_hf import TopologyBank, Tree
+from entmtp_hf.costs.retrieval import RETRIEVAL_OPTIONS
 from entmtp_hf.costs.table import CostTable
 from entmtp_hf.tools.calibrate import check_against_clock, frontier_of, search_machine_costs
 from entmtp_hf.tools.search.config import SearchConfig
@@ -43,6 +44,10 @@ def test_a_frontier_merges_in_and_every_index_follows():
     info = merged.metadata["trees"][by_tree[Tree.chain(1)]]
     assert info["mean_accept_length"] == 1.4 and info["measured_accept_length"] == 1.5 and info["tokens_per_s"] == 27.0
     assert merged.metadata["frontier"]["source"] == "test"
+    # a second frontier: the timed trees keep the search's measurement, the others hold estimates only
+    again = merged.with_frontier(frontier, [1.0, 1.3, 1.7, 2.0]).metadata["trees"]
+    measured = {merged.trees[k]: i["measured_accept_length"] for k, i in enumerate(again) if "measured_accept_length" in i}
+    assert measured == {Tree.chain(1): 1.5, Tree.chain(3): 2.0, Tree.root_only(): 1.0}
     with pytest.raises(ValueError, match="one accept length"):
         bank.with_frontier(frontier, [1.0])
 
@@ -77,6 +82,15 @@ def test_frontier_of_the_first_two_search_stages(tiny_cache, tmp_path):
         assert extra["name"] == f"frontier-{tree.num_nodes}-depth{extra['max_depth']}"
     fans = [t for t, i in zip(trees, info) if i.get("max_depth") == 1]
     assert fans and all(t.depth == 1 for t in fans)
+    # every tree replayed with every retrieval setting over the same text (the same tokens, in
+    # at least one step per prompt); the bank takes the figures and their settings
+    assert set(source["retrieval"]) == set(RETRIEVAL_OPTIONS)
+    assert all(set(extra["retrieval"]) == set(RETRIEVAL_OPTIONS) for extra in info)
+    replayed = [f for extra in info for f in extra["retrieval"].values()]
+    assert len({f["tokens"] for f in replayed}) == 1 and all(f["drafted"] + sum(f["found"]) >= 3 for f in replayed)
+    bank = TopologyBank("t", [Tree.root_only()]).with_frontier(trees, accept, info, source)
+    options, figures = bank.retrieval_figures
+    assert set(options) == set(RETRIEVAL_OPTIONS) and len(figures) == len(trees)
 
 
 def test_the_check_times_the_best_trees_against_plain_decoding(tiny_cache):

@@ -15,7 +15,9 @@ from entmtp_hf.tools.search.trajectories import Trajectory, simulate_canonical, 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.heads import HydraHeads
-from entmtp_hf.tools.search.replay import SIGNALS, accept_table, foresight_rate, replay, walk_rate, why_not_replayable
+from entmtp_hf.tools.search.replay import (
+    SIGNALS, accept_table, foresight_rate, replay, retrieval_figures, walk_rate, why_not_replayable,
+)
 from entmtp_hf.drafting.retrieval import RetrievalConfig
 from entmtp_hf.trees.tree import Tree
 from tiny import VOCAB, tiny_model
@@ -155,3 +157,21 @@ def test_foresight_rate_bounds_every_walk_and_finds_the_obvious_optimum():
             assert a / w <= best + 1e-12
     with pytest.raises(ValueError, match="positive costs"):
         foresight_rate([table], [1.0, 0.0])
+
+
+def test_retrieval_figures_count_the_steps_generate_takes(setup):
+    """The pooled figures a bank stores: tokens, steps without a continuation and steps with one
+    of each length, equal to what real ``generate`` runs with the setting (replace: a found
+    continuation of L tokens verifies L + 1 nodes, fewer than the tree's)."""
+    model, heads, prompts, trajectories, measure = setup
+    retrieval = RetrievalConfig(num_tokens=2, mode="replace")
+    figures = retrieval_figures(trajectories, LARGE, retrieval, DEPTH)
+    sizes, tokens = [], 0
+    for p in prompts:
+        run = measure("replace-2", EntMTPConfig(tree=LARGE.choices, retrieval=retrieval), p)
+        sizes += run["tree_sizes"]
+        tokens += sum(run["accept_lengths"])
+    assert figures.tokens == tokens
+    assert figures.drafted == sizes.count(LARGE.num_nodes)
+    assert list(figures.found) == [sizes.count(n + 1) for n in (1, 2)]
+    assert sum(figures.found) > 0  # not vacuous: continuations were found

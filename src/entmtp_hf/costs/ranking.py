@@ -9,7 +9,10 @@ every frontier tree gets a modelled speed-up ``τ(T)·P / step(T)``, and:
   :data:`MARGIN`: a model error must not make decoding slower;
 * the hysteresis pair is the fastest tree below and the fastest above EntMTP* (its thresholds
   and feature stay the bank's: they were calibrated on the task, not the machine);
-* the value policy's trees keep their shapes and get this machine's relative costs.
+* the value policy's trees keep their shapes and get this machine's relative costs;
+* where the bank carries replayed retrieval figures (:mod:`~entmtp_hf.costs.retrieval`), each
+  tree is priced with and without every retrieval setting, and EntMTP*'s best setting (or
+  none) becomes the retrieval the bank's scheduler adds on this machine.
 
 Every tree a policy can pick comes from the same table, so none of them is priced by another
 machine. Pure functions: the probe measures, the bank stores, this module decides.
@@ -17,10 +20,12 @@ machine. Pure functions: the probe measures, the bank stores, this module decide
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Sequence
 
+from ..drafting.retrieval import RetrievalConfig
 from ..trees.tree import Tree
+from .retrieval import RetrievalFigures, retrieval_speedup
 from .table import CostTable
 
 #: a tree must beat plain decoding by this factor in the model before it replaces it
@@ -36,21 +41,44 @@ class Ranking:
     aggressive: int | None
     speedups: dict[int, float]  # modelled speed-up of every rankable tree (index -> speed-up)
     value_costs: tuple[float, ...]
+    #: trees priced with retrieval figures -> the retrieval setting their speed-up assumes (None: none)
+    retrieval: dict[int, RetrievalConfig | None] = field(default_factory=dict)
 
 
 def rank(trees: Sequence[Tree], taus: dict[int, float], table: CostTable, value: Sequence[int] = (),
-         margin: float = MARGIN) -> Ranking:
-    """Rank the trees with known tokens per step (``taus``: index -> τ) on ``table``'s machine."""
+         margin: float = MARGIN, retrieval: Mapping[int, Mapping[str, RetrievalFigures]] | None = None,
+         options: Mapping[str, RetrievalConfig] | None = None) -> Ranking:
+    """Rank the trees with known tokens per step (``taus``: index -> τ) on ``table``'s machine;
+    ``retrieval``: per tree, its replayed figures under each setting of ``options`` (label -> config)."""
     speedups = {k: table.speedup(trees[k], tau) for k, tau in taus.items() if trees[k].num_nodes > 1}
+    chosen: dict[int, RetrievalConfig | None] = {}
+    for k, per in (retrieval or {}).items():
+        if k not in speedups:
+            continue
+        chosen[k] = None
+        for label, figures in per.items():
+            s = retrieval_speedup(table, trees[k], options[label], figures)
+            if s > speedups[k]:
+                speedups[k], chosen[k] = s, options[label]
     best = max(speedups, key=lambda k: (speedups[k], -trees[k].num_nodes), default=None)
     if best is None or speedups[best] < margin:
-        return Ranking(None, None, None, speedups, _value_costs(trees, value, table))
+        return Ranking(None, None, None, speedups, _value_costs(trees, value, table), chosen)
     size = trees[best].num_nodes
     below = [k for k in speedups if trees[k].num_nodes < size]
     above = [k for k in speedups if trees[k].num_nodes > size]
     low = max(below, key=speedups.get, default=best)
     high = max(above, key=speedups.get, default=best)
-    return Ranking(best, low, high, speedups, _value_costs(trees, value, table))
+    return Ranking(best, low, high, speedups, _value_costs(trees, value, table), chosen)
+
+
+def priced(tree: Tree, tau: float, table: CostTable, retrieval: RetrievalConfig | None,
+           figures: Mapping[str, RetrievalFigures], options: Mapping[str, RetrievalConfig]) -> float | None:
+    """The modelled speed-up of ``tree`` (``tau`` tokens per step) run with ``retrieval`` (None:
+    none), or None when its ``figures`` lack that setting."""
+    if retrieval is None:
+        return table.speedup(tree, tau)
+    label = next((k for k, config in options.items() if config == retrieval and k in figures), None)
+    return None if label is None else retrieval_speedup(table, tree, retrieval, figures[label])
 
 
 def _value_costs(trees: Sequence[Tree], value: Sequence[int], table: CostTable) -> tuple[float, ...]:
@@ -61,7 +89,8 @@ def scheduler_for(defaults, ranking: Ranking, root_only: int | None):
     """The bank's :class:`~entmtp_hf.trees.bank_format.SchedulerDefaults` with this machine's trees.
 
     Plain decoding (no tree beats it) becomes the static policy on the root-only tree with no
-    retrieval, which ``generate`` runs as plain ``generate``.
+    retrieval, which ``generate`` runs as plain ``generate``. Where EntMTP* was priced with
+    retrieval figures, the retrieval setting is the one it was priced with (possibly none).
     """
     if ranking.static is None:
         if root_only is None:
@@ -69,5 +98,6 @@ def scheduler_for(defaults, ranking: Ranking, root_only: int | None):
         return replace(defaults, static=root_only, conservative=root_only, aggressive=root_only, policy="static",
                        retrieval=None, value_costs=ranking.value_costs)  # fmt: skip
     low, high = sorted((ranking.conservative, ranking.aggressive))
-    return replace(defaults, static=ranking.static, conservative=low, aggressive=high,
+    retrieval = ranking.retrieval[ranking.static] if ranking.static in ranking.retrieval else defaults.retrieval
+    return replace(defaults, static=ranking.static, conservative=low, aggressive=high, retrieval=retrieval,
                    value_costs=ranking.value_costs)  # fmt: skip

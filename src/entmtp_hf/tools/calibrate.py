@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from ..config import EntMTPConfig
 from ..costs.cache import cost_table
-from ..costs.ranking import rank
+from ..costs.retrieval import RETRIEVAL_OPTIONS, retrieval_label
 from ..costs.table import CostTable
 from ..trees.bank import TopologyBank, list_local_tasks
 from ..trees.tree import Tree
@@ -39,6 +39,7 @@ from .machine import hardware_string, set_threads
 from .search.config import SearchConfig
 from .search.frontier import greedy_frontier, rank_tuple_scorer
 from .search.runner import TreeSearch
+from .search.replay import retrieval_figures
 from .search.trajectories import simulate_canonical
 
 
@@ -72,11 +73,13 @@ def frontier_of(search: TreeSearch) -> tuple[list[Tree], list[float], list[dict]
         trees.append(p.tree)
         accept.append(sum(lengths) / len(lengths))
         extra = {} if cap is None else {"name": f"frontier-{p.num_nodes}-depth{cap}", "max_depth": cap}
+        replayed = {label: retrieval_figures(trajectories, p.tree, config, search.heads.num_heads).to_dict()
+                    for label, config in RETRIEVAL_OPTIONS.items()}  # fmt: skip
         info.append({"biased_accept_length": p.accept, "source": "greedy acceptance frontier"
-                     + ("" if cap is None else f", depth <= {cap}"), **extra})  # fmt: skip
+                     + ("" if cap is None else f", depth <= {cap}"), "retrieval": replayed, **extra})  # fmt: skip
     source = {"source": f"rank tuples of greedy runs: {len(trajectories)} calibration prompts x "
                         f"{search.cfg.max_new_tokens} tokens", "prompt_ids": search.prompt_ids,
-              "depth_caps": caps}  # fmt: skip
+              "depth_caps": caps, "retrieval": {k: dataclasses.asdict(c) for k, c in RETRIEVAL_OPTIONS.items()}}  # fmt: skip
     return trees, accept, info, source
 
 
@@ -111,10 +114,11 @@ def check_against_clock(model, bank: TopologyBank, table: CostTable, prompts: Se
     """Time the ranking's best ``top`` trees and plain decoding on ``prompts``, interleaved. A prompt
     is ids [1, L], or ``(ids, attention_mask)`` of a left-padded batch (then ``table`` is that batch
     size's and the figures are total tokens/s)."""
-    ranking = rank(bank.trees, bank.frontier, table)
+    ranking = bank.ranking(table)
     best = sorted(ranking.speedups, key=ranking.speedups.get, reverse=True)[:top]
     labels = ["plain", *(f"tree {k}" for k in best)]
-    configs = {"plain": None, **{f"tree {k}": EntMTPConfig(tree=bank.trees[k].choices, retrieval=False) for k in best}}
+    configs = {"plain": None, **{f"tree {k}": EntMTPConfig(tree=bank.trees[k].choices,
+                                                          retrieval=ranking.retrieval.get(k) or False) for k in best}}
     greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
     times: dict[str, list[float]] = {lab: [] for lab in labels}
     for i, prompt in enumerate(tqdm(prompts, desc=f"check {bank.task}", unit="prompt")):
@@ -136,22 +140,23 @@ def check_against_clock(model, bank: TopologyBank, table: CostTable, prompts: Se
 
 # ============================================================================ report
 def _task_lines(bank: TopologyBank, table: CostTable, top: int = 6) -> list[str]:
-    ranking = rank(bank.trees, bank.frontier, table)
+    ranking = bank.ranking(table)
     chosen = bank.scheduler_for(table)
     static = bank.trees[chosen.static]
     verdict = ("plain decoding (no tree beats it here)" if static.num_nodes == 1 else
-               f"tree {chosen.static}: {static.num_nodes} nodes, depth {static.depth}, modelled "
-               f"{ranking.speedups[chosen.static]:.2f}x plain")  # fmt: skip
+               f"tree {chosen.static}: {static.num_nodes} nodes, depth {static.depth}, retrieval "
+               f"{retrieval_label(chosen.retrieval)}, modelled {ranking.speedups[chosen.static]:.2f}x plain")  # fmt: skip
     batch = f", batch size {table.batch_size}" if table.batch_size > 1 else ""
     lines = [f"### Task `{bank.task}`{batch}", "", f"EntMTP* here: {verdict}.", "",
-             "| tree | nodes | depth | tokens/step | step ms | modelled speed-up |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "| tree | nodes | depth | tokens/step | step ms | retrieval | modelled speed-up |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for k in sorted(ranking.speedups, key=ranking.speedups.get, reverse=True)[:top]:
         t = bank.trees[k]
         lines.append(f"| {k} | {t.num_nodes} | {t.depth} | {bank.frontier[k]:.2f} | {table.step(t):.1f} | "
-                     f"{ranking.speedups[k]:.2f}x |")  # fmt: skip
+                     f"{retrieval_label(ranking.retrieval.get(k))} | {ranking.speedups[k]:.2f}x |")  # fmt: skip
     search = search_machine_costs(bank) if table.batch_size == 1 else None
     if search is not None:
-        theirs = rank(bank.trees, bank.frontier, search)
+        theirs = bank.ranking(search)
         stored = bank.scheduler.static
         picked = "plain decoding (no tree by 5%)" if theirs.static is None else f"tree {theirs.static}"
         agree = "the same tree" if theirs.static == stored else f"{picked} instead of tree {stored}"

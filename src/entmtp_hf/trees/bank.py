@@ -33,8 +33,10 @@ from huggingface_hub.errors import (
 from safetensors.torch import save as safetensors_bytes
 
 from ..errors import EntMTPError
-from ..costs.ranking import Ranking, rank, scheduler_for
+from ..costs.ranking import Ranking, priced, rank, scheduler_for
+from ..costs.retrieval import RetrievalFigures
 from ..costs.table import CostTable
+from ..drafting.retrieval import RetrievalConfig
 from ..hub import missing_revision
 from .bank_card import CARD_NAME, model_card
 from .bank_format import (
@@ -134,6 +136,19 @@ class TopologyBank:
         return {k: float(per_tree[k]["mean_accept_length"]) for k in indices}
 
     @property
+    def retrieval_figures(self) -> tuple[dict[str, RetrievalConfig], dict[int, dict[str, RetrievalFigures]]]:
+        """The retrieval settings the frontier was replayed with (label -> config) and, per frontier
+        tree, its figures under each (machine-independent, like the tokens per step); empty for a
+        bank without them (its stored retrieval default then holds on every machine)."""
+        listed = (self._metadata.get("frontier") or {}).get("retrieval") or {}
+        options = {label: RetrievalConfig(**fields) for label, fields in listed.items()}
+        per_tree = self._metadata.get("trees") or []
+        figures = {k: {label: RetrievalFigures.from_dict(f, options[label].num_tokens)
+                       for label, f in per_tree[k]["retrieval"].items()}
+                   for k in self.frontier if options and "retrieval" in per_tree[k]}  # fmt: skip
+        return options, figures
+
+    @property
     def machines(self) -> list[dict[str, Any]]:
         """The machines this bank was ranked on: their cost tables and schedulers (copies)."""
         return copy.deepcopy(self._metadata.get("machines", []))
@@ -153,8 +168,13 @@ class TopologyBank:
                 return SchedulerDefaults.from_metadata(entry["scheduler"], len(self._trees))
         return self._ranked(table)[0]
 
+    def ranking(self, table: CostTable) -> Ranking:
+        """The frontier ranked on ``table``'s machine (with its retrieval figures, if any)."""
+        options, figures = self.retrieval_figures
+        return rank(self._trees, self.frontier, table, self._scheduler.value, retrieval=figures, options=options)
+
     def _ranked(self, table: CostTable) -> tuple[SchedulerDefaults, Ranking]:
-        ranking = rank(self._trees, self.frontier, table, self._scheduler.value)
+        ranking = self.ranking(table)
         root = next((k for k, t in enumerate(self._trees) if t.num_nodes == 1), None)
         return scheduler_for(self._scheduler, ranking, root), ranking
 
@@ -175,8 +195,10 @@ class TopologyBank:
             figures = {"num_nodes": tree.num_nodes, "mean_accept_length": float(tau), **extra}
             if tree in index:
                 old = merged[index[tree]][1]
-                if "mean_accept_length" in old:  # what the search measured: kept beside the frontier's
+                if "tokens_per_s" in old and "mean_accept_length" in old:  # timed by the search: kept beside
                     old.setdefault("measured_accept_length", old["mean_accept_length"])
+                else:  # an estimate (an earlier frontier's or the search's): the new frontier replaces it
+                    old.pop("measured_accept_length", None)
                 old.update(figures)
             else:
                 index[tree] = len(merged)
@@ -200,9 +222,19 @@ class TopologyBank:
         if not self.frontier:
             raise EntMTPError(f"the bank for task {self._task!r} carries no acceptance frontier to re-rank")
         ranked, ranking = self._ranked(table)
+        speedups = dict(ranking.speedups)
+        k = scheduler.static if scheduler is not None else None
+        if k in speedups and ranking.retrieval.get(k, scheduler.retrieval) != scheduler.retrieval:
+            # a timed choice ran its tree with another retrieval setting than the one it was ranked with
+            options, figures = self.retrieval_figures
+            price = priced(self._trees[k], self.frontier[k], table, scheduler.retrieval, figures.get(k, {}), options)
+            if price is None:
+                del speedups[k]
+            else:
+                speedups[k] = price
         scheduler = scheduler or ranked
         entry = {"costs": table.to_dict(), "scheduler": scheduler.to_dict(),
-                 "speedups": {str(k): round(v, 4) for k, v in ranking.speedups.items()}}  # fmt: skip
+                 "speedups": {str(k): round(v, 4) for k, v in speedups.items()}}  # fmt: skip
         machine = (table.fingerprint.get("key", ""), table.batch_size)
         others = [m for m, known in zip(self._metadata.get("machines", []), self.machine_tables())
                   if (known.fingerprint.get("key", ""), known.batch_size) != machine]  # fmt: skip

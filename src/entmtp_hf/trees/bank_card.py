@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..costs.retrieval import retrieval_label
 from ..drafting.retrieval import RetrievalConfig
 from .bank_format import (
     FIGURES,
@@ -75,7 +76,8 @@ def _machine_name(fingerprint: dict) -> str:
 def _machine_rows(bank: BankContents) -> list[list[str]]:
     rows = []
     for entry in bank.metadata.get("machines", []):
-        costs, chosen = entry["costs"], SchedulerDefaults.from_metadata(entry["scheduler"], len(bank.trees)).static
+        scheduler = SchedulerDefaults.from_metadata(entry["scheduler"], len(bank.trees))
+        costs, chosen = entry["costs"], scheduler.static
         speedups = entry.get("speedups", {})
         best = max(speedups, key=speedups.get, default=None)
         reconstructed = " (costs reconstructed from the search's timed runs)" if (costs.get("notes") or {}).get(
@@ -83,7 +85,8 @@ def _machine_rows(bank: BankContents) -> list[list[str]]:
         modelled = 1.0 if bank.trees[chosen].num_nodes == 1 else speedups.get(str(chosen))
         batch = f", batches of {costs['batch_size']}" if costs.get("batch_size", 1) > 1 else ""
         rows.append([_cell(_machine_name(costs["fingerprint"]) + batch + reconstructed), _tree_text(bank, chosen),
-                     _times(modelled), f"{_times(speedups[best])}, {_tree_text(bank, int(best))}" if best else ""])
+                     retrieval_label(scheduler.retrieval), _times(modelled),
+                     f"{_times(speedups[best])}, {_tree_text(bank, int(best))}" if best else ""])
     return rows
 
 
@@ -105,7 +108,7 @@ def _speedup_section(bank: BankContents) -> list[str]:
                   f"{_times(timed[best])}.", ""]  # fmt: skip
     rows = _machine_rows(bank)
     if rows:
-        header = ["machine", f"{STATIC} there", "its modelled speed-up", "best modelled"]
+        header = ["machine", f"{STATIC} there", "retrieval there", "its modelled speed-up", "best modelled"]
         lines += ["Modelled from each machine's measured step costs (`entmtp-hf calibrate`; another machine re-ranks "
                   "the frontier at its first `generate`):", "", "| " + " | ".join(header) + " |",
                   "|" + "---|" * len(header), *("| " + " | ".join(row) + " |" for row in rows), ""]  # fmt: skip

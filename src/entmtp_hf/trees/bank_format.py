@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..costs.retrieval import RetrievalFigures
 from ..costs.table import CostTable
 from ..drafting.retrieval import RetrievalConfig
 from ..errors import FileFormatError
@@ -58,6 +59,8 @@ MAX_BANK_NODES = 2**16
 MAX_TREE_DEPTH = 64
 #: machines whose measured costs one bank may carry
 MAX_MACHINES = 64
+#: retrieval settings one frontier may be replayed with
+MAX_RETRIEVAL_OPTIONS = 32
 
 TASK_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 _RESERVED = ("format_version", "task", "num_trees")
@@ -330,6 +333,7 @@ def check_metadata(metadata: Mapping[str, Any] | None, task: str, trees: tuple[T
                 if fig in info:
                     _as_number(info[fig], f"metadata['trees'][{k}][{fig!r}]")
     _check_frontier(meta, trees)
+    _check_retrieval_figures(meta)
     _check_machines(meta, len(trees))
     return meta
 
@@ -348,6 +352,34 @@ def _check_frontier(meta: dict[str, Any], trees: tuple[Tree, ...]) -> None:
             raise ValueError(f"metadata['frontier'] names tree {k}, but the bank has {len(trees)} trees")
         if k >= len(per_tree) or "mean_accept_length" not in per_tree[k]:
             raise ValueError(f"frontier tree {k} has no metadata['trees'][{k}]['mean_accept_length']")
+
+
+def _check_retrieval_figures(meta: dict[str, Any]) -> None:
+    """``frontier['retrieval']``: the retrieval settings (label -> :class:`RetrievalConfig` fields)
+    the frontier was replayed with; a tree's ``retrieval`` maps some of those labels to its
+    :class:`~entmtp_hf.costs.retrieval.RetrievalFigures`."""
+    raw = (meta.get("frontier") or {}).get("retrieval")
+    if raw is not None and (not isinstance(raw, dict) or len(raw) > MAX_RETRIEVAL_OPTIONS):
+        raise ValueError(f"metadata['frontier']['retrieval'] must map at most {MAX_RETRIEVAL_OPTIONS} labels "
+                         f"to retrieval settings, got {brief_repr(raw)}")  # fmt: skip
+    options = {}
+    for label, config in (raw or {}).items():
+        try:
+            options[label] = RetrievalConfig.from_dict(config)
+        except ValueError as e:
+            raise ValueError(f"metadata['frontier']['retrieval'][{brief_repr(label)}]: {e}") from None
+    for k, info in enumerate(meta.get("trees") or []):
+        figures = info.get("retrieval")
+        if figures is None:
+            continue
+        if not isinstance(figures, dict) or set(figures) - set(options):
+            raise ValueError(f"metadata['trees'][{k}]['retrieval'] must map labels of metadata['frontier']"
+                             f"['retrieval'] ({sorted(options)}) to figures, got {brief_repr(figures)}")  # fmt: skip
+        for label, f in figures.items():
+            try:
+                RetrievalFigures.from_dict(f, options[label].num_tokens)
+            except ValueError as e:
+                raise ValueError(f"metadata['trees'][{k}]['retrieval'][{label!r}]: {e}") from None
 
 
 def _check_machines(meta: dict[str, Any], num_trees: int) -> None:

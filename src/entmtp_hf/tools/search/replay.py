@@ -22,14 +22,16 @@ a step starts; the gap between the two says how much a better confidence signal 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ...decoding.acceptance import walk_tree
-from ...drafting.retrieval import NgramIndex
+from ...config import EntMTPConfig
+from ...costs.retrieval import RetrievalFigures
+from ...drafting.retrieval import NgramIndex, RetrievalConfig
 from ...scheduling.features import FeatureTracker
 from ...scheduling.policies import FEATURE_POLICIES
-from ...trees.plan import DecodePlan
+from ...trees.plan import DecodePlan, build_plan
 from ...trees.tree import Tree
 from .trajectories import Trajectory, accepted_depth
 
@@ -42,10 +44,12 @@ REPLAY_FEATURES = ("best_path_value", "head_confidence", "base_top1", "confidenc
 
 @dataclass(frozen=True)
 class Replay:
-    """One generation replayed: tokens added and nodes verified at every step."""
+    """One generation replayed: tokens added, nodes verified and retrieved tokens found (0: no
+    continuation) at every step."""
 
     accept_lengths: list[int]
     tree_sizes: list[int]
+    found: list[int] = field(default_factory=list)
 
 
 def why_not_replayable(plan: DecodePlan) -> str | None:
@@ -94,9 +98,10 @@ def replay(traj: Trajectory, plan: DecodePlan, window: int = 8) -> Replay:
     replace = plan.retrieval is not None and plan.retrieval.mode == "replace"
     prompt_len, tokens = traj.prompt_len, traj.tokens
     index = NgramIndex(plan.retrieval, tokens[: prompt_len + 1]) if plan.retrieval is not None else None
-    lengths, sizes, j = [], [], 0
+    lengths, sizes, founds, j = [], [], [], 0
     while j < len(traj.tuples):
         found = index.continuation() if index is not None else []
+        founds.append(len(found))
         k = scheduler.current
         if scheduler.needs_feature and not (found and replace):
             sig = traj.signals
@@ -117,7 +122,25 @@ def replay(traj: Trajectory, plan: DecodePlan, window: int = 8) -> Replay:
             index.extend(tokens[prompt_len + j + 1 : prompt_len + j + 1 + a])
         tracker.observe_accept(a)
         j += a
-    return Replay(lengths, sizes)
+    return Replay(lengths, sizes, founds)
+
+
+def retrieval_figures(trajectories: Sequence[Trajectory], tree: Tree, retrieval: RetrievalConfig,
+                      num_heads: int) -> RetrievalFigures:  # fmt: skip
+    """``tree`` verified every step with ``retrieval``, replayed on every trajectory and pooled:
+    what :mod:`entmtp_hf.costs.retrieval` prices on a machine."""
+    plan = build_plan(EntMTPConfig(tree=tree.choices, retrieval=retrieval), num_heads)
+    tokens = drafted = 0
+    found = [0] * retrieval.num_tokens
+    for traj in trajectories:
+        r = replay(traj, plan)
+        tokens += sum(r.accept_lengths)
+        for n in r.found:
+            if n:
+                found[n - 1] += 1
+            else:
+                drafted += 1
+    return RetrievalFigures(tokens, drafted, tuple(found))
 
 
 def accept_table(traj: Trajectory, trees: Sequence[Tree]) -> list[list[int]]:
