@@ -111,8 +111,8 @@ def test_the_card_shows_measured_and_modelled_speed_ups_and_how_to_use_the_bank(
     assert ("Measured on AMD EPYC, 2 cores (plain `generate`: 20 tokens/s) by the search that wrote this bank: "
             r"EntMTP\* = tree 1 (2 nodes) at ×1.31 the speed of plain decoding; the fastest timed tree: tree 1 "
             "(2 nodes) at ×1.31.") in card  # fmt: skip
-    assert "| Fast CPU (cpu, 2 threads, float32, torch 2.13) | tree 2 (3 nodes) | ×1.64 | ×1.64, tree 2 (3 nodes) |" in card
-    assert "| Slow CPU | plain decoding (the root alone) | ×1 | ×0.75, tree 1 (2 nodes) |" in card
+    assert "| Fast CPU (cpu, 2 threads, float32, torch 2.13) | tree 2 (3 nodes) | off | ×1.64 | ×1.64, tree 2 (3 nodes) |" in card
+    assert "| Slow CPU | plain decoding (the root alone) | off | ×1 | ×0.75, tree 1 (2 nodes) |" in card
 
 
 def test_a_machine_entrys_speed_ups_are_checked() -> None:
