@@ -278,6 +278,29 @@ def test_greedy_identical_to_vanilla(tiny_cache, arch, name):
     assert longest >= (3 if name == "mc_sim" else 2), "the fitted drafter should produce long accepted paths"
 
 
+@pytest.mark.parametrize("mode", ["replace", "append"])
+def test_greedy_identical_with_retrieval(tiny_cache, mode):
+    """Replacing steps skip the drafter: the pairs they commit wait and run at its next call."""
+    from entmtp_hf.drafting.retrieval import RetrievalConfig
+
+    model, heads = tiny_cache("llama", "eagle", "eagle")
+    enable_entmtp(model, heads)
+    cfg = EntMTPConfig(tree=[[0], [1]], retrieval=RetrievalConfig(min_ngram=1, max_ngram=3, num_tokens=2, mode=mode))
+    looping = model.generate(prompts(1, seed=5)[0], max_new_tokens=24, do_sample=False)  # greedy text repeats
+    used = 0
+    for ids in [looping, *prompts(2)]:
+        ref = model.generate(ids, max_new_tokens=40, do_sample=False)
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        used += out.entmtp_stats["retrieval_steps"]
+    assert used > 0
+    batch = torch.cat([looping[:, -12:], looping[:, -15:-3]])  # rows whose text recurs
+    ref = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=30, do_sample=False, pad_token_id=0)
+    out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=30, do_sample=False,
+                         pad_token_id=0, entmtp_config=cfg)  # fmt: skip
+    assert torch.equal(out, ref)
+
+
 def test_greedy_batch_identical_to_vanilla(tiny_cache):
     model, heads = tiny_cache("llama", "eagle", "eagle")
     enable_entmtp(model, heads)
