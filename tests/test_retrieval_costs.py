@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from entmtp_hf import FileFormatError, RetrievalConfig, TopologyBank, Tree
 from entmtp_hf.costs.retrieval import RETRIEVAL_OPTIONS, RetrievalFigures, retrieval_label, retrieval_speedup
@@ -96,10 +99,6 @@ def test_bad_retrieval_figures_are_refused_naming_the_file(tmp_path, figures, op
         TopologyBank("chat", TREES, meta)
     good.save_pretrained(tmp_path)  # the same problem in a file: a format error that names it
     path = tmp_path / "chat.safetensors"
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    import json
-
     with safe_open(path, "pt") as f:
         tensors, header = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     stored = json.loads(header["entmtp_bank"])

@@ -98,6 +98,6 @@ def scheduler_for(defaults, ranking: Ranking, root_only: int | None):
         return replace(defaults, static=root_only, conservative=root_only, aggressive=root_only, policy="static",
                        retrieval=None, value_costs=ranking.value_costs)  # fmt: skip
     low, high = sorted((ranking.conservative, ranking.aggressive))
-    retrieval = ranking.retrieval[ranking.static] if ranking.static in ranking.retrieval else defaults.retrieval
+    retrieval = ranking.retrieval.get(ranking.static, defaults.retrieval)
     return replace(defaults, static=ranking.static, conservative=low, aggressive=high, retrieval=retrieval,
                    value_costs=ranking.value_costs)  # fmt: skip

@@ -79,7 +79,6 @@ class RetrievalFigures:
 def _step_kinds(table: CostTable, tree: Tree, config: RetrievalConfig,
                 figures: RetrievalFigures) -> list[tuple[float, int, float]]:  # fmt: skip
     """(share of steps, nodes verified, drafting + overhead ms of the row) of each kind of step."""
-    o, p = table.overhead_ms
     kinds = [(figures.drafted, tree, True)]
     for length, n in enumerate(figures.found, 1):
         if config.mode == "replace":
@@ -87,7 +86,7 @@ def _step_kinds(table: CostTable, tree: Tree, config: RetrievalConfig,
         else:
             kinds.append((n, with_branch(tree, length)[0], True))
     steps = figures.steps
-    return [(n / steps, t.num_nodes, (table.drafting(t) if drafted else 0.0) + max(o + p * t.num_nodes, 0.0))
+    return [(n / steps, t.num_nodes, (table.drafting(t) if drafted else 0.0) + table.overhead(t.num_nodes))
             for n, t, drafted in kinds if n]  # fmt: skip
 
 

@@ -84,10 +84,14 @@ class CostTable:
         a, b, c = self.draft_ms
         return 0.0 if tree.num_nodes == 1 else max(a + b * tree.depth + c * (tree.num_nodes - 1), 0.0)
 
+    def overhead(self, nodes: int) -> float:
+        """A row's ms outside the forward and drafting in a step that verifies ``nodes`` nodes."""
+        o, p = self.overhead_ms
+        return max(o + p * nodes, 0.0)
+
     def step(self, tree: Tree) -> float:
         """Milliseconds of one EntMTP step that verifies ``tree``."""
-        o, p = self.overhead_ms
-        return self.forward(tree.num_nodes) + self.batch_size * (self.drafting(tree) + max(o + p * tree.num_nodes, 0.0))
+        return self.forward(tree.num_nodes) + self.batch_size * (self.drafting(tree) + self.overhead(tree.num_nodes))
 
     def speedup(self, tree: Tree, tokens_per_step: float) -> float:
         """Modelled speed-up over plain ``generate`` of verifying ``tree`` every step."""

@@ -224,7 +224,7 @@ class TopologyBank:
         ranked, ranking = self._ranked(table)
         speedups = dict(ranking.speedups)
         k = scheduler.static if scheduler is not None else None
-        if k in speedups and ranking.retrieval.get(k, scheduler.retrieval) != scheduler.retrieval:
+        if k in speedups and k in ranking.retrieval and ranking.retrieval[k] != scheduler.retrieval:
             # a timed choice ran its tree with another retrieval setting than the one it was ranked with
             options, figures = self.retrieval_figures
             price = priced(self._trees[k], self.frontier[k], table, scheduler.retrieval, figures.get(k, {}), options)
