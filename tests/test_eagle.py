@@ -204,7 +204,7 @@ def test_published_eagle_refusals_name_the_file(tmp_path):
         load_heads(tmp_path / "e1")
 
 
-@pytest.mark.parametrize("arch", ["eagle", "eagle3"])
+@pytest.mark.parametrize("arch", ["eagle", "eagle3", "eagle+fuse"])
 def test_own_format_round_trip(tmp_path, tiny_cache, arch):
     model, heads = tiny_cache("llama", "eagle", arch)
     heads.save_pretrained(tmp_path / arch)
@@ -217,7 +217,7 @@ def test_own_format_round_trip(tmp_path, tiny_cache, arch):
 
 
 # ----------------------------------------------------------------------------- drafting
-@pytest.mark.parametrize("arch", ["eagle", "eagle3"])
+@pytest.mark.parametrize("arch", ["eagle", "eagle3", "eagle+fuse"])
 def test_tree_drafting_equals_the_unrolled_training_forward(tiny_cache, arch):
     """Depth d of a drafted chain scores exactly what training's unroll step d-1 scores when the
     sequence continues with the drafted tokens: one forward, two code paths (tree mask vs unroll)."""
@@ -263,7 +263,7 @@ def test_observe_needs_the_tokens(tiny_cache):
 
 
 # ----------------------------------------------------------------------------- losslessness
-@pytest.mark.parametrize("arch", ["eagle", "eagle3"])
+@pytest.mark.parametrize("arch", ["eagle", "eagle3", "eagle+fuse"])
 @pytest.mark.parametrize("name", ["mc_sim", "random", "hysteresis", "value"])
 def test_greedy_identical_to_vanilla(tiny_cache, arch, name):
     model, heads = tiny_cache("llama", "eagle", arch)
@@ -301,8 +301,9 @@ def test_greedy_identical_with_retrieval(tiny_cache, mode):
     assert torch.equal(out, ref)
 
 
-def test_greedy_batch_identical_to_vanilla(tiny_cache):
-    model, heads = tiny_cache("llama", "eagle", "eagle")
+@pytest.mark.parametrize("arch", ["eagle", "eagle+fuse"])
+def test_greedy_batch_identical_to_vanilla(tiny_cache, arch):
+    model, heads = tiny_cache("llama", "eagle", arch)
     enable_entmtp(model, heads)
     ids = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
@@ -313,8 +314,9 @@ def test_greedy_batch_identical_to_vanilla(tiny_cache):
     assert torch.equal(out, ref)
 
 
-def test_exact_sampling_preserves_distribution(tiny_cache):
-    model, heads = tiny_cache("llama", "eagle", "eagle")
+@pytest.mark.parametrize("arch", ["eagle", "eagle+fuse"])
+def test_exact_sampling_preserves_distribution(tiny_cache, arch):
+    model, heads = tiny_cache("llama", "eagle", arch)
     enable_entmtp(model, heads)
     ids = prompts(1, seed=3)[0]
     probs = target_joint(model, ids, temperature=0.7, top_k=4)
@@ -322,3 +324,20 @@ def test_exact_sampling_preserves_distribution(tiny_cache):
     counts, long_paths = sample_counts(model, ids, n, entmtp_config=EntMTPConfig(tree=SAMPLING_TREE))
     assert long_paths > n // 6, "drafted tokens should often be accepted (the test's power)"
     assert chi_square_p(counts, probs, n) > 1e-3
+
+
+def test_fused_feature_layers_are_checked():
+    """An 'eagle' drafter's extra states end with the last one, repeat none; other archs take none."""
+    from entmtp_hf.errors import ConfigError
+    from entmtp_hf.heads.eagle import EagleHeads
+    from entmtp_hf.heads.hydra import HydraHeads
+
+    model = tiny_model()
+    for bad, message in [([0, 1], "ending with -1"), ([-1], "ending with -1"), ([1, 1, -1], "repeats"),
+                         ([-2, -1], "feature_layers")]:
+        with pytest.raises(ConfigError, match=message):
+            EagleHeads.for_model(model, arch="eagle", feature_layers=bad)
+    with pytest.raises(ConfigError, match="is only used by head_arch"):
+        HydraHeads.for_model(model, arch="mlp", feature_layers=[0, -1])
+    heads = EagleHeads.for_model(model, arch="eagle", feature_layers=[0, -1])
+    assert heads.feature_size == 2 * H and not heads.fuse.weight.any()

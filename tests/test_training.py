@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from entmtp_hf.tools.cli import build_parser
 from entmtp_hf.heads import DraftHeads
+from entmtp_hf.heads.eagle import eagle3_feature_layers
 from entmtp_hf.tools.training import (
     SPLIT_TRAIN,
     SPLIT_VAL,
@@ -48,12 +49,12 @@ def model() -> LlamaForCausalLM:
     return m
 
 
-def make_cache(root, model, n: int = 14, seed: int = 0) -> TeacherCache:
+def make_cache(root, model, n: int = 14, seed: int = 0, feature_layers=()) -> TeacherCache:
     """Random sequences of 12-30 tokens; every fourth one held out; some with a prompt."""
     rng = np.random.default_rng(seed)
     seqs = [TokenSeq("gsm8k", tuple(int(x) for x in rng.integers(0, V, rng.integers(12, 31))),
                      start=int(3 * (k % 2)), split=SPLIT_VAL if k % 4 == 3 else SPLIT_TRAIN) for k in range(n)]
-    cache = TeacherCache.create(root, seqs, H, {"sources": {}})
+    cache = TeacherCache.create(root, seqs, H, {"sources": {}}, feature_layers=feature_layers)
     extract_hidden(model, cache, batch_tokens=64, log=lambda m: None)
     return cache
 
@@ -179,9 +180,38 @@ def test_reuse_refuses_another_precision_or_folder_without_a_cache(tmp_path, mod
 
 
 # ----------------------------------------------------------------------------- training
-@pytest.mark.parametrize("family,arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp"), ("eagle", "eagle")])
+def test_a_cache_keeps_the_fused_states_a_drafter_reads(tmp_path, model):
+    """EAGLE-3 drafters read three base states: the cache keeps them beside the last one, each row
+    equal to the model's own hidden state there, and a batch concatenates them in the heads' order."""
+    layers = eagle3_feature_layers(model.config.num_hidden_layers)
+    cache = make_cache(tmp_path / "fused", model, n=4, feature_layers=layers)
+    assert TeacherCache(cache.root).feature_layers == tuple(layers)
+    b = cache.batch([0, 1], [layers[1], -1, layers[0]])
+    for r, k in enumerate([0, 1]):
+        ids = torch.from_numpy(cache.ids(k).astype(np.int64))[None]
+        with torch.no_grad():
+            states = model(ids, output_hidden_states=True).hidden_states
+        n = ids.shape[1]
+        want = torch.cat([states[layers[1]][0], states[-1][0], states[layers[0]][0]], dim=-1)
+        assert torch.allclose(b["features"][r, :n], want, atol=2e-3 * want.abs().max().item())
+        assert torch.equal(b["features"][r, :n, H : 2 * H], b["hidden"][r, :n])
+    assert "features" not in cache.batch([0])  # heads reading the last state alone get no copy of it
+    plain = make_cache(tmp_path / "plain", model, n=4)
+    with pytest.raises(ValueError, match=f"{plain.root}.*reads? base hidden states \\[{layers[0]}"):
+        plain.batch([0], layers)
+    grown = TeacherCache.create(tmp_path / "grown", [TokenSeq("gsm8k", tuple(int(x) for x in plain.ids(0)))], H,
+                                {"sources": {}}, feature_layers=layers)
+    with pytest.raises(ValueError, match=f"{plain.root}: keeps hidden states \\[\\]"):
+        extract_hidden(model, grown, batch_tokens=64, log=lambda m: None, reuse=plain)
+    with pytest.raises(ValueError, match="distinct hidden-state indices"):
+        TeacherCache.create(tmp_path / "bad", [], H, {}, feature_layers=[1, 1])
+
+
+@pytest.mark.parametrize("family,arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp"), ("eagle", "eagle"),
+                                         ("eagle", "eagle3")])
 def test_a_few_steps_reduce_the_loss(tmp_path, model, family, arch):
-    cache = make_cache(tmp_path / "data", model)
+    layers = eagle3_feature_layers(model.config.num_hidden_layers) if arch == "eagle3" else ()
+    cache = make_cache(tmp_path / "data", model, feature_layers=layers)
     cfg = config(tmp_path, family=family, arch=arch)
     batches = len(epoch_batches(cache.split(SPLIT_TRAIN), cache.seqs[:, 1], cfg.batch_tokens, cfg.seed, 0))
     summary = train_heads(cfg, model, cache=cache, measure=False)
@@ -289,3 +319,39 @@ def test_init_from_with_init_vocab_data_rechooses_the_vocabulary_and_keeps_the_w
         assert torch.equal(p, q), name  # lr 0: the weights are the given heads'
     with pytest.raises(ValueError, match="init_vocab"):
         config(tmp_path, init_vocab="fresh")
+
+
+def test_feature_layers_extend_an_eagle_drafter_at_zero_and_train(tmp_path, model):
+    """``--feature-layers`` on an EAGLE-1 drafter: the extended drafter first scores what the given
+    one scored (its ``fuse`` is zero), then trains on a cache that keeps those states."""
+    from entmtp_hf.tools.training.loop import init_heads_from, param_groups
+
+    cache = make_cache(tmp_path / "data", model, feature_layers=[0, 1])
+    train_heads(config(tmp_path, run_name="a", epochs=1, family="eagle", arch="eagle"), model, cache=cache,
+                measure=False)
+    src = tmp_path / "a" / "final"
+    given = DraftHeads.from_pretrained(src).float()
+    fused = config(tmp_path, run_name="b", epochs=2, family="eagle", arch="eagle", feature_layers=(0, 1),
+                   init_from=str(src), lr=1e-3, fuse_lr=3e-2)
+    got = init_heads_from(fused, model)
+    groups = param_groups(got, fused)
+    assert [g["lr"] for g in groups] == [1e-3, 3e-2] and [id(p) for p in groups[1]["params"]] == [
+        id(p) for p in (got.fuse.weight, *got.fuse_norms.parameters())]
+    assert got.feature_layers == (0, 1, -1) and not got.fuse.weight.any()
+    b = cache.batch([0, 1], got.feature_layers)
+    embed, lm = model.get_input_embeddings(), model.get_output_embeddings()
+    with torch.no_grad():
+        for x, y in zip(got.forward_train(b["features"], b["ids"], embed, lm),
+                        given.forward_train(b["hidden"], b["ids"], embed, lm)):
+            assert torch.allclose(x, y, atol=1e-6)
+    summary = train_heads(fused, model, cache=cache, measure=False)
+    trained = DraftHeads.from_pretrained(tmp_path / "b" / "final")
+    assert trained.feature_layers == (0, 1, -1) and trained.fuse.weight.any()
+    assert "plus a projection of its states 0, 1" in (tmp_path / "b" / "final" / "README.md").read_text()
+    assert summary["loss_curve"][-1] < summary["loss_curve"][0]
+    with pytest.raises(ValueError, match="keeps the last one and no others"):  # a cache without those states
+        train_heads(config(tmp_path / "plain", run_name="c", max_steps=1, family="eagle", arch="eagle",
+                           feature_layers=(0, 1)), model, cache=make_cache(tmp_path / "plain" / "data", model),
+                    measure=False)
+    with pytest.raises(ValueError, match="feature_layers fuse base states into an 'eagle' drafter"):
+        config(tmp_path, arch="mlp", feature_layers=(0,))

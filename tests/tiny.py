@@ -56,9 +56,14 @@ def tiny_model(arch: str = "llama", seed: int = 0, sharpen: float = 4.0):
 
 
 def fitted_heads(model, family: str = "hydra", arch: str = "mlp", num_heads: int = 4, steps: int = 60, seed: int = 0):
-    """Heads fitted briefly to the model's greedy continuations of random prompts."""
+    """Heads fitted briefly to the model's greedy continuations of random prompts. ``arch``
+    "eagle+fuse": an EAGLE-1 drafter fusing the embeddings' and the first layer's states too."""
     torch.manual_seed(seed)
-    heads = HEADS_REGISTRY[family].for_model(model, num_heads=num_heads, arch=arch).double()
+    layers = [0, 1, -1] if arch == "eagle+fuse" else None
+    arch = "eagle" if layers else arch
+    heads = HEADS_REGISTRY[family].for_model(model, num_heads=num_heads, arch=arch, feature_layers=layers).double()
+    if layers:  # a zero projection would hide a wrong fusion: start it random
+        torch.nn.init.normal_(heads.fuse.weight, std=0.1)
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, VOCAB, (8, 4), generator=g)
     with torch.no_grad():

@@ -191,8 +191,10 @@ class DraftHeads(nn.Module, ModelHubMixin):
         arch: str = "mlp",
         draft_vocab: Tensor | list[int] | None = None,
         use_base_lm_head: bool = False,
+        feature_layers: list[int] | None = None,
     ) -> "DraftHeads":
-        """Randomly initialised heads sized for ``model`` (hidden size, vocabulary), on its device."""
+        """Randomly initialised heads sized for ``model`` (hidden size, vocabulary), on its device;
+        ``feature_layers``: the base hidden states they read, if not the family's default."""
         if not cls.family:
             raise TypeError("call for_model on a concrete class, e.g. HydraHeads.for_model(model)")
         base = text_config(model.config)
@@ -208,7 +210,7 @@ class DraftHeads(nn.Module, ModelHubMixin):
             draft_vocab_size=0 if dv is None else int(dv.numel()),
             base_model_name_or_path=getattr(model, "name_or_path", None) or None,
             prefix_layer_config=cls._prefix_layer_config(base) if arch in LAYER_ARCHS else None,
-            feature_layers=cls._default_feature_layers(base, arch),
+            feature_layers=feature_layers or cls._default_feature_layers(base, arch),
         )
         heads = cls(config)
         if dv is not None:

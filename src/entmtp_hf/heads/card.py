@@ -215,6 +215,12 @@ def _about(config: HeadsConfig, dtype: str, nbytes: int) -> list[str]:
                 f"{config.hidden_size}, trees up to depth {config.num_heads}) drafting over {vocab} with {lm}; "
                 f"stored in {dtype} ({nbytes / 1e6:.1f} MB). At depth d it predicts the base model's feature from "
                 "its own output at depth d-1 and the token drafted there, so it drafts token t+d+1.")  # fmt: skip
+        layers = config.feature_layers or []
+        if config.head_arch == "eagle" and len(layers) > 1:
+            what += (f" Its feature at committed positions is the base model's last hidden state plus a projection "
+                     f"of its states {', '.join(map(str, layers[:-1]))} (hidden-state indices, 0 = embeddings).")
+        elif layers:
+            what += f" It fuses the base model's hidden states {', '.join(map(str, layers))} (0 = embeddings)."
     else:
         title = f"{config.family.capitalize()} draft heads"
         what = (f"{config.num_heads} {config.family} heads (`{config.head_arch}`, {config.num_layers} block(s) each, "

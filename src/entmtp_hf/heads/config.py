@@ -154,7 +154,8 @@ class HeadsConfig:
         metadata={"help": "one-layer base model config dict the prefix layer (prefix-mlp) or drafter layers (eagle) are built from"},
     )
     feature_layers: list[int] | None = field(
-        default=None, metadata={"help": "eagle3: the base hidden-state indices fused into the drafter's feature"}
+        default=None, metadata={"help": "eagle3: the base hidden-state indices fused into the drafter's feature; "
+                                         "eagle: further states fused into the last one (-1, listed last)"}
     )
     format_version: int = field(default=FORMAT_VERSION, metadata={"help": "on-disk layout version"})
 
@@ -187,9 +188,18 @@ class HeadsConfig:
 
     def _check_feature_layers(self) -> None:
         where, layers = f"{_FIELD}.feature_layers", self.feature_layers
+        if self.head_arch == "eagle" and layers is not None:  # further base states fused into an EAGLE-1 feature
+            if not isinstance(layers, list) or len(layers) < 2 or layers[-1] != -1:
+                raise ConfigError(where, "an 'eagle' drafter fuses base hidden states into its feature: a list "
+                                  f"of indices ending with -1 (the last state), got {brief_repr(layers)}")
+            for index in layers[:-1]:
+                _check_int(where, index, 0, MAX_BASE_LAYERS)
+            if len(set(layers)) != len(layers):
+                raise ConfigError(where, f"repeats a hidden state: {layers}")
+            return
         if self.head_arch != "eagle3":
             if layers is not None:
-                raise ConfigError(where, "is only used by head_arch='eagle3'")
+                raise ConfigError(where, "is only used by head_arch 'eagle3' (and 'eagle', fusing further states)")
             return
         if not isinstance(layers, list) or len(layers) != 3:
             raise ConfigError(where, f"eagle3 fuses three base hidden states: a list of 3 indices, got {brief_repr(layers)}")

@@ -6,6 +6,9 @@ Two architectures (their published layouts: docs/heads.md):
   of the base architecture (the first without its input norm); no final norm, and the output
   goes to the base LM head (rows restricted to the drafting vocabulary). The committed feature
   f_j is the base model's last hidden state after the final norm.
+  With ``feature_layers`` (further base states, then -1) the feature is f_j plus a projection of
+  those states (each RMS-normed), zero at the start: an EAGLE-1 drafter extended with it drafts
+  as before, and training adds what the lower layers know (this library's own variant).
 * ``eagle3`` (EAGLE-3): the committed feature is ``fc`` of the base model's low, middle and high
   layer states (3H -> H); one layer whose attention reads concat[norm(E(x)), norm(f)] (2H)
   with f as the residual; a final norm and its own LM head over a drafting vocabulary.
@@ -179,6 +182,12 @@ class EagleHeads(DraftHeads):
             DraftLayer(layer_config, fused, input_norm=i > 0) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(h, eps=layer_config.rms_norm_eps) if fused else None
+        extra = len(config.feature_layers or ()) - 1 if not fused else 0
+        # eagle with further base states: f + fuse(cat[norm(s_i)]); a zero ``fuse`` drafts as without them
+        self.fuse = nn.Linear(extra * h, h, bias=False) if extra > 0 else None
+        self.fuse_norms = nn.ModuleList(RMSNorm(h, eps=layer_config.rms_norm_eps) for _ in range(max(extra, 0)))
+        if self.fuse is not None:
+            nn.init.zeros_(self.fuse.weight)
         self.lm_head = None if config.use_base_lm_head else nn.Linear(h, config.draft_vocab_rows, bias=False)
         self.rotary_emb = rope_cls(config=layer_config)  # buffers are non-persistent: not saved
 
@@ -213,8 +222,15 @@ class EagleHeads(DraftHeads):
         return cos[:, None].to(like.dtype), sin[:, None].to(like.dtype)
 
     def committed_feature(self, hidden: Tensor) -> Tensor:
-        """The drafter's input feature of committed positions: the base state, or (EAGLE-3) ``fc`` of the fused states."""
-        return self.fc(hidden) if self.fused else hidden
+        """The drafter's input feature of committed positions: the base state, (EAGLE-3) ``fc`` of the
+        fused states, or (eagle fusing further states) the last state plus ``fuse`` of the others."""
+        if self.fused:
+            return self.fc(hidden)
+        if self.fuse is None:
+            return hidden
+        h = self.config.hidden_size
+        parts = hidden[..., :-h].split(h, dim=-1)
+        return hidden[..., -h:] + self.fuse(torch.cat([norm(x) for norm, x in zip(self.fuse_norms, parts)], dim=-1))
 
     def _layer_input(self, feat: Tensor, emb: Tensor) -> Tensor:
         return feat if self.fused else self.fc(torch.cat([emb, feat], dim=-1))

@@ -18,6 +18,10 @@ _HELP = {
     "model": "base model (Hub id or folder); default: the demo model SmolLM2-135M-Instruct",
     "family": "heads family: hydra, medusa or eagle (default: eagle for the eagle archs, else hydra)",
     "arch": "head architecture: mlp, (hydra) prefix-mlp, (eagle) eagle (EAGLE-1/2 layout) or eagle3",
+    "feature_layers": "(eagle) comma-separated base hidden-state indices (0 = embeddings) fused into the "
+                      "drafter's feature besides the last state, e.g. 2,15: their teacher cache keeps them too",
+    "fuse_lr": "(eagle, --feature-layers) learning rate of the fuse projection (0: --lr); it starts at zero "
+               "when added to --init-from heads, so it can take a higher rate than the trained rest",
     "work_dir": "folder of the teacher cache (WORK/data) and runs (WORK/RUN); keep it out of git",
     "run_name": "run folder name under WORK (default FAMILY-ARCH)",
     "output": "folder for the final heads (default WORK/RUN/final)",
@@ -43,6 +47,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         flag, default = "--" + f.name.replace("_", "-"), f.default
         if f.name == "sources":
             p.add_argument(flag, default=",".join(SOURCES), help=_HELP["sources"])
+        elif f.name == "feature_layers":
+            p.add_argument(flag, default="", help=_HELP["feature_layers"])
         elif default is None or isinstance(default, str):
             p.add_argument(flag, default=default, help=_HELP.get(f.name))
         else:
@@ -58,6 +64,7 @@ def _train_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     values = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__}
     values["sources"] = tuple(s for s in values["sources"].split(",") if s)
+    values["feature_layers"] = tuple(int(s) for s in values["feature_layers"].split(",") if s)
     values["max_steps"] = int(values["max_steps"]) if values["max_steps"] else None
     cfg = TrainConfig(**values)
     command = "entmtp-hf " + shlex.join(sys.argv[1:]) if sys.argv and "train-heads" in sys.argv else None

@@ -25,6 +25,7 @@ class TrainConfig:
     arch: str = "mlp"
     num_heads: int = 4
     num_layers: int = 1
+    feature_layers: tuple[int, ...] = ()  # eagle: base hidden states fused into the feature besides the last
     draft_vocab_size: int = 8192
     work_dir: str = "runs/heads"
     run_name: str | None = None
@@ -44,6 +45,7 @@ class TrainConfig:
     epochs: int = 2
     max_steps: int | None = None
     lr: float = 1e-3
+    fuse_lr: float = 0.0  # eagle --feature-layers: the fuse projection's lr (0: lr); added at zero, it may learn faster
     weight_decay: float = 0.0
     warmup_steps: int = 50
     schedule: str = "cosine"
@@ -62,9 +64,6 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.family = self.family or ("eagle" if self.arch in HEAD_ARCHS["eagle"] else "hydra")
-        if self.arch == "eagle3":
-            raise ValueError("arch 'eagle3' fuses three base layers' states, which the teacher cache does not store "
-                             "(it keeps the last one): train arch 'eagle'")  # fmt: skip
         if self.family not in HEADS_REGISTRY:
             raise ValueError(f"family must be one of {sorted(HEADS_REGISTRY)}, got {self.family!r}")
         if self.schedule not in ("cosine", "linear"):
@@ -81,5 +80,11 @@ class TrainConfig:
         if self.num_heads < 1 or self.batch_tokens < self.max_seq_len or self.draft_vocab_size < 1:
             raise ValueError("need num_heads >= 1, batch_tokens >= max_seq_len and draft_vocab_size >= 1")
         self.sources = tuple(self.sources)
+        self.feature_layers = tuple(int(i) for i in self.feature_layers)
+        if self.feature_layers:
+            if self.arch != "eagle":
+                raise ValueError(f"feature_layers fuse base states into an 'eagle' drafter's feature, not arch {self.arch!r}")
+            if min(self.feature_layers) < 0 or len(set(self.feature_layers)) != len(self.feature_layers):
+                raise ValueError(f"feature_layers must be distinct hidden-state indices >= 0, got {self.feature_layers}")
         self.run_name = self.run_name or f"{self.family}-{self.arch}"
 

@@ -49,13 +49,17 @@ def warm_start(heads: DraftHeads, hidden_rms: float = 1.0) -> DraftHeads:
     """Start every head as "base LM head on c_t": zero block linears, identity on the c_t slice
     of Hydra's first-block projection; a prefix layer starts as (scaled) identity. An EAGLE
     drafter starts as the identity on the feature (``fc`` passes f_j through, every layer's
-    output projections are zero), so it first predicts what the base model's own head would."""
+    output projections are zero), so it first predicts what the base model's own head would;
+    an EAGLE-3 one as the base LM head on the highest of its fused states."""
     h = heads.config.hidden_size
     fc = getattr(heads, "fc", None)
     if isinstance(fc, nn.Linear) and fc.in_features == 2 * h:  # EAGLE-1/2: fc(cat(E(x), f))
         fc.weight[:, h:] = torch.eye(h, dtype=fc.weight.dtype, device=fc.weight.device)
         fc.weight[:, :h].mul_(0.1)
         fc.bias.zero_()
+    elif isinstance(fc, nn.Linear) and fc.in_features == 3 * h:  # EAGLE-3: fc(cat(low, mid, high))
+        fc.weight.zero_()  # the highest fused state passes through: a logit lens a few layers below the top
+        fc.weight[:, 2 * h :] = torch.eye(h, dtype=fc.weight.dtype, device=fc.weight.device)
     for name, p in heads.named_parameters():
         if name.startswith("layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
             p.zero_()
@@ -148,14 +152,14 @@ def load_checkpoint(path: Path, heads: DraftHeads, optimizer, scheduler, cfg: Tr
 class _Batches(torch.utils.data.Dataset):
     """Item j is the collated batch ``batches[j]`` of the cache (a DataLoader of batch size 1)."""
 
-    def __init__(self, cache: TeacherCache, batches: list[list[int]]):
-        self.cache, self.batches = cache, batches
+    def __init__(self, cache: TeacherCache, batches: list[list[int]], layers: tuple[int, ...]):
+        self.cache, self.batches, self.layers = cache, batches, layers
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, j: int) -> dict[str, Tensor]:
-        return self.cache.batch(self.batches[j])
+        return self.cache.batch(self.batches[j], self.layers)
 
 
 def _first(items: list) -> Any:
@@ -200,7 +204,7 @@ def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftH
     else:
         torch.manual_seed(cfg.seed)  # the random part of the initialisation (prefix layer)
         heads = HEADS_REGISTRY[cfg.family].for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, dv,
-                                                       use_base_lm_head=True).float()
+                                                       use_base_lm_head=True, feature_layers=_fused(cfg)).float()
         k = cache.split(SPLIT_TRAIN)[:50]
         sample = np.concatenate([cache.hidden[o : o + n] for o, n in cache.seqs[k, :2]]).astype(np.float32)
         warm_start(heads, float(np.sqrt((sample**2).mean(-1)).mean()))
@@ -240,7 +244,7 @@ class _Trainer:
             batches = epoch_batches(ks, lengths, cfg.batch_tokens, cfg.seed, cursor.epoch)
             usable = len(batches) // acc.num_processes * acc.num_processes
             loader = acc.prepare_data_loader(torch.utils.data.DataLoader(
-                _Batches(self.cache, batches[cursor.batch : usable]), batch_size=1, collate_fn=_first))
+                _Batches(self.cache, batches[cursor.batch : usable], self.heads.feature_layers), batch_size=1, collate_fn=_first))
             t0 = time.perf_counter()
             for b in loader:
                 loss, per_head = self._step(b)
@@ -316,7 +320,7 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
     cov = coverage(dv, supervised_tokens(cache, SPLIT_VAL))
     objective = HeadsObjective(heads, model.get_input_embeddings(), model.get_output_embeddings(),
                                cfg.ce_weight, cfg.head_decay)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(heads, cfg), weight_decay=cfg.weight_decay)
     total = total_steps(cfg, cache, acc.num_processes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio))
@@ -348,21 +352,43 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
     return summary
 
 
+def param_groups(heads: DraftHeads, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """The optimiser's groups: everything at ``lr``; with ``fuse_lr``, an EAGLE drafter's ``fuse``
+    projection and its norms (new when ``--feature-layers`` extends trained heads) at that rate."""
+    named = list(heads.named_parameters())
+    fuse = [p for n, p in named if n.startswith("fuse")] if cfg.fuse_lr else []
+    rest = [p for n, p in named if not (cfg.fuse_lr and n.startswith("fuse"))]
+    return [{"params": rest, "lr": cfg.lr}] + ([{"params": fuse, "lr": cfg.fuse_lr}] if fuse else [])
+
+
+def _fused(cfg: TrainConfig) -> list[int] | None:
+    """The heads' ``feature_layers`` for ``--feature-layers`` (the last state last), else the default."""
+    return [*cfg.feature_layers, -1] if cfg.feature_layers else None
+
+
 def init_heads_from(cfg: TrainConfig, model) -> DraftHeads:
     """Heads loaded from ``cfg.init_from`` (float32, on the model's device), checked against ``cfg``;
-    fewer heads than ``cfg.num_heads`` are extended by :func:`extend_heads`."""
+    fewer heads than ``cfg.num_heads`` are extended by :func:`extend_heads`, and an EAGLE-1 drafter
+    reading the last state alone by ``--feature-layers`` (its ``fuse`` starting at zero)."""
     heads = DraftHeads.from_pretrained(cfg.init_from).float()
     c = heads.config
     got = (c.family, c.head_arch, c.num_layers, c.draft_vocab_size, c.use_base_lm_head)
     want = (cfg.family, cfg.arch, cfg.num_layers, cfg.draft_vocab_size, True)
-    if got != want or c.num_heads > cfg.num_heads:
-        raise ValueError(f"--init-from {cfg.init_from}: heads are {got} with {c.num_heads} heads, this run wants "
-                         f"{want} with {cfg.num_heads} (family, arch, layers, draft vocab size, base LM head; "
-                         "as many heads or fewer)")
+    fused, given = _fused(cfg), c.feature_layers if c.head_arch == "eagle" else None
+    if got != want or c.num_heads > cfg.num_heads or (given is not None and given != fused):
+        raise ValueError(f"--init-from {cfg.init_from}: heads are {got} with {c.num_heads} heads and feature layers "
+                         f"{given}, this run wants {want} with {cfg.num_heads} and {fused} (family, arch, layers, "
+                         "draft vocab size, base LM head; as many heads or fewer; feature layers added, not changed)")
     heads = heads.to(next(model.parameters()).device)
+    if fused is not None and given is None:
+        wider = type(heads).for_model(model, c.num_heads, cfg.num_layers, cfg.arch, heads.draft_vocab.cpu(),
+                                      use_base_lm_head=True, feature_layers=fused).float()
+        missing, unexpected = wider.load_state_dict(heads.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith("fuse") for k in missing), (missing, unexpected)
+        heads = wider
     if c.num_heads < cfg.num_heads:
         more = type(heads).for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, heads.draft_vocab.cpu(),
-                                     use_base_lm_head=True).float()
+                                     use_base_lm_head=True, feature_layers=_fused(cfg)).float()
         heads = extend_heads(heads, more)
     return heads
 

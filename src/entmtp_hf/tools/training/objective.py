@@ -68,8 +68,10 @@ class HeadsObjective(nn.Module):
         self.lm_head.requires_grad_(False)
         self.ce_weight, self.head_decay = ce_weight, head_decay
 
-    def forward(self, ids: Tensor, hidden: Tensor, valid: Tensor, sup: Tensor, **_: Tensor) -> tuple[Tensor, list[float]]:
-        student = self.heads.forward_train(hidden, ids, self.embed, self.lm_head)
+    def forward(self, ids: Tensor, hidden: Tensor, valid: Tensor, sup: Tensor, features: Tensor | None = None,
+                **_: Tensor) -> tuple[Tensor, list[float]]:
+        """``features``: the states the heads read when they are not the last one alone (EAGLE-3)."""
+        student = self.heads.forward_train(hidden if features is None else features, ids, self.embed, self.lm_head)
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):  # teacher in float32
             w, b = self.heads._base_lm_rows(self.lm_head)
             teacher = teacher_logprobs(hidden, w, b)
@@ -89,8 +91,8 @@ def evaluate_heads(heads: DraftHeads, embed: nn.Module, lm_head: nn.Module, cach
     device = next(heads.parameters()).device
     vocab = heads.draft_vocab.to(device) if heads.draft_vocab is not None else None
     for batch in pack(ks, cache.seqs[:, 1], batch_tokens):
-        b = {k: v.to(device) for k, v in cache.batch(batch).items()}
-        student = heads.forward_train(b["hidden"], b["ids"], embed, lm_head)
+        b = {k: v.to(device) for k, v in cache.batch(batch, heads.feature_layers).items()}
+        student = heads.forward_train(b.get("features", b["hidden"]), b["ids"], embed, lm_head)
         w, bias = heads._base_lm_rows(lm_head)
         teacher = teacher_logprobs(b["hidden"], w, bias)
         for i, logits in enumerate(student):

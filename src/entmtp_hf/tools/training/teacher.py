@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ...heads import HEADS_REGISTRY
 from .config import SOURCES, SPLIT_TRAIN, SPLIT_VAL, TrainConfig
 
 
@@ -128,21 +129,33 @@ class TeacherCache:
     """Token ids, hidden states (float16) and greedy tokens of every sequence, as memmaps.
 
     ``seqs`` rows are (offset, length, start, split, source index); position p of sequence k
-    lives at row offset+p of ``tokens``, ``hidden`` [total, H] and ``greedy``.
+    lives at row offset+p of ``tokens``, ``hidden`` [total, H] (the last state, after the final
+    norm: the teacher's logits) and ``greedy``. ``feature_layers``: further base hidden-state
+    indices kept for drafters that read them (EAGLE-3's fused states), ``features`` [total, n, H].
     """
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
         meta = json.loads((self.root / "manifest.json").read_text())
         self.manifest, self.hidden_size, total = meta, meta["hidden_size"], meta["total_tokens"]
+        self.feature_layers: tuple[int, ...] = tuple(meta.get("feature_layers", ()))
         self.seqs = np.load(self.root / "seqs.npy")
         self.tokens = np.memmap(self.root / "tokens.i32", dtype=np.int32, mode="r", shape=(total,))
         self.hidden = np.memmap(self.root / "hidden.f16", dtype=np.float16, mode="r+", shape=(total, self.hidden_size))
         self.greedy = np.memmap(self.root / "greedy.i32", dtype=np.int32, mode="r+", shape=(total,))
+        self.features = None
+        if self.feature_layers:
+            self.features = np.memmap(self.root / "features.f16", dtype=np.float16, mode="r+",
+                                      shape=(total, len(self.feature_layers), self.hidden_size))
 
     @staticmethod
-    def create(root: str | Path, seqs: Sequence[TokenSeq], hidden_size: int, manifest: dict) -> "TeacherCache":
+    def create(root: str | Path, seqs: Sequence[TokenSeq], hidden_size: int, manifest: dict,
+               feature_layers: Sequence[int] = ()) -> "TeacherCache":
+        """A new, empty cache of ``seqs``; ``feature_layers``: the hidden-state indices kept besides the last."""
         root = Path(root)
+        feature_layers = [int(i) for i in feature_layers]
+        if any(i < 0 for i in feature_layers) or len(set(feature_layers)) != len(feature_layers):
+            raise ValueError(f"feature_layers must be distinct hidden-state indices >= 0, got {feature_layers}")
         root.mkdir(parents=True, exist_ok=True)
         lengths = np.array([len(s.ids) for s in seqs], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
@@ -153,9 +166,18 @@ class TeacherCache:
         np.fromiter((t for s in seqs for t in s.ids), dtype=np.int32, count=total).tofile(root / "tokens.i32")
         np.memmap(root / "hidden.f16", dtype=np.float16, mode="w+", shape=(total, hidden_size)).flush()
         np.memmap(root / "greedy.i32", dtype=np.int32, mode="w+", shape=(total,)).flush()
-        meta = {**manifest, "hidden_size": hidden_size, "total_tokens": total, "num_sequences": len(seqs)}
+        if feature_layers:
+            np.memmap(root / "features.f16", dtype=np.float16, mode="w+",
+                      shape=(total, len(feature_layers), hidden_size)).flush()
+        meta = {**manifest, "hidden_size": hidden_size, "total_tokens": total, "num_sequences": len(seqs),
+                "feature_layers": feature_layers}
         (root / "manifest.json").write_text(json.dumps(meta, indent=1))  # written last: marks a complete layout
         return TeacherCache(root)
+
+    def flush(self) -> None:
+        for array in (self.hidden, self.greedy, self.features):
+            if array is not None:
+                array.flush()
 
     def ids(self, k: int) -> np.ndarray:
         o, n = self.seqs[k, :2]
@@ -211,20 +233,38 @@ class TeacherCache:
         subset = getattr(self, "_subset", None)
         return np.nonzero((self.seqs[:, 3] == split) & (self.ready if subset is None else subset))[0]
 
-    def batch(self, ks: Sequence[int]) -> dict[str, Tensor]:
-        """Right-padded tensors of sequences ``ks``: ids, hidden (float32), greedy, valid/supervised masks."""
+    def check_layers(self, layers: Sequence[int]) -> None:
+        """Refuse (naming the folder) heads that read hidden states this cache does not keep."""
+        missing = [i for i in layers if i != -1 and i not in self.feature_layers]
+        if missing:
+            raise ValueError(f"{self.root}: the heads read base hidden states {missing}, this cache keeps the last "
+                             f"one and {list(self.feature_layers) or 'no others'}: build a new cache (a fresh "
+                             "--work-dir) for these heads")  # fmt: skip
+
+    def batch(self, ks: Sequence[int], layers: Sequence[int] = (-1,)) -> dict[str, Tensor]:
+        """Right-padded tensors of sequences ``ks``: ids, hidden (float32, the last state), greedy,
+        valid/supervised masks, and (``layers`` other than ``(-1,)``) ``features``: the states at
+        hidden-state indices ``layers`` (-1: the last) concatenated, [B, T, len(layers) * H]."""
+        self.check_layers(layers)
         lens = self.seqs[ks, 1]
         b, t = len(ks), int(lens.max())
         ids, greedy = np.zeros((b, t), np.int64), np.zeros((b, t), np.int64)
         hidden = np.zeros((b, t, self.hidden_size), np.float32)
+        fused = tuple(layers) != (-1,)
+        features = np.zeros((b, t, len(layers), self.hidden_size), np.float32) if fused else None
         pos = np.arange(t)[None]
         for r, k in enumerate(ks):
             o, n = self.seqs[k, :2]
             ids[r, :n], greedy[r, :n], hidden[r, :n] = self.tokens[o : o + n], self.greedy[o : o + n], self.hidden[o : o + n]
+            for j, i in enumerate(layers if fused else ()):
+                features[r, :n, j] = hidden[r, :n] if i == -1 else self.features[o : o + n, self.feature_layers.index(i)]
         valid = pos < lens[:, None]
         sup = valid & (pos >= self.seqs[ks, 2][:, None])
-        return {"ids": torch.from_numpy(ids), "hidden": torch.from_numpy(hidden), "greedy": torch.from_numpy(greedy),
-                "valid": torch.from_numpy(valid), "sup": torch.from_numpy(sup)}
+        out = {"ids": torch.from_numpy(ids), "hidden": torch.from_numpy(hidden), "greedy": torch.from_numpy(greedy),
+               "valid": torch.from_numpy(valid), "sup": torch.from_numpy(sup)}
+        if fused:
+            out["features"] = torch.from_numpy(features.reshape(b, t, -1))
+        return out
 
 
 def pack(order: Sequence[int], lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
@@ -264,8 +304,9 @@ def extraction_order(n: int) -> list[int]:
 
 
 def _teacher_rows(model: nn.Module, cache: TeacherCache, ks: Sequence[int],
-                  dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Last hidden states [B, T, H] and greedy tokens [B, T] of sequences ``ks`` (right-padded)."""
+                  dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Last hidden states [B, T, H], greedy tokens [B, T] and the cache's further states
+    [B, T, n, H] (``None`` when it keeps none) of sequences ``ks`` (right-padded)."""
     device = next(model.parameters()).device
     lens = cache.seqs[ks, 1]
     ids = np.zeros((len(ks), int(lens.max())), np.int64)
@@ -273,9 +314,13 @@ def _teacher_rows(model: nn.Module, cache: TeacherCache, ks: Sequence[int],
         ids[r, : lens[r]] = cache.ids(k)
     ids_t = torch.from_numpy(ids).to(device)
     mask = (torch.arange(ids.shape[1])[None] < torch.from_numpy(lens)[:, None]).long().to(device)
+    layers = list(cache.feature_layers)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-        out = model(input_ids=ids_t, attention_mask=mask, output_hidden_states=-1, use_cache=False)
-    return out.hidden_states[-1].float().cpu().numpy(), out.logits.argmax(-1).cpu().numpy()
+        out = model(input_ids=ids_t, attention_mask=mask, output_hidden_states=[*layers, -1] if layers else -1,
+                    use_cache=False)
+    states = out.hidden_states
+    extra = torch.stack([states[i] for i in layers], dim=2).float().cpu().numpy() if layers else None
+    return states[-1].float().cpu().numpy(), out.logits.argmax(-1).cpu().numpy(), extra
 
 
 def copy_rows(model: nn.Module, cache: TeacherCache, source: TeacherCache, dtype: str, log=print) -> list[int]:
@@ -290,6 +335,9 @@ def copy_rows(model: nn.Module, cache: TeacherCache, source: TeacherCache, dtype
     """
     if source.hidden_size != cache.hidden_size:
         raise ValueError(f"{source.root}: hidden size {source.hidden_size}, this cache needs {cache.hidden_size}")
+    if source.feature_layers != cache.feature_layers:
+        raise ValueError(f"{source.root}: keeps hidden states {list(source.feature_layers)} besides the last, this "
+                         f"cache {list(cache.feature_layers)}: rows can only be copied between caches of the same layers")
     src_dtype = source._progress().get("dtype", "float32")
     if src_dtype != dtype:
         raise ValueError(f"{source.root}: extracted in {src_dtype}, this cache in {dtype}")
@@ -304,13 +352,14 @@ def copy_rows(model: nn.Module, cache: TeacherCache, source: TeacherCache, dtype
             continue
         (o, n), (so, _) = cache.seqs[k, :2], source.seqs[j, :2]
         cache.hidden[o : o + n], cache.greedy[o : o + n] = source.hidden[so : so + n], source.greedy[so : so + n]
+        if cache.features is not None:
+            cache.features[o : o + n] = source.features[so : so + n]
         copied.append(k)
-    cache.hidden.flush()
-    cache.greedy.flush()
+    cache.flush()
     if copied:
         k = min(copied, key=lambda k: cache.seqs[k, 1])
         o, n = cache.seqs[k, :2]
-        h, greedy = _teacher_rows(model, cache, [k], dtype)
+        h, greedy, _ = _teacher_rows(model, cache, [k], dtype)
         want = np.asarray(cache.hidden[o : o + n], np.float32)
         far = np.abs(h[0, :n] - want).max() > 0.05 * np.abs(want).max()
         if far or (greedy[0, :n] != cache.greedy[o : o + n]).mean() > 0.1:
@@ -349,12 +398,13 @@ def extract_hidden(model: nn.Module, cache: TeacherCache, batch_tokens: int = 40
     for j, b in enumerate(tqdm(todo, desc="teacher cache", unit="batch", disable=None)):
         ks = batches[b]
         lens = lengths[ks]
-        h, greedy = _teacher_rows(model, cache, ks, dtype)
+        h, greedy, extra = _teacher_rows(model, cache, ks, dtype)
         for r, k in enumerate(ks):
             o, n = cache.seqs[k, :2]
             cache.hidden[o : o + n], cache.greedy[o : o + n] = h[r, :n], greedy[r, :n]
-        cache.hidden.flush()
-        cache.greedy.flush()
+            if extra is not None:
+                cache.features[o : o + n] = extra[r, :n]
+        cache.flush()
         done.append(b)
         n_tok += int(lens.sum())
         filled = [k for d in done for k in batches[d]] + copied
@@ -383,12 +433,16 @@ def open_cache(path: str | Path) -> TeacherCache:
 def prepare_teacher_cache(model, tokenizer, cfg: TrainConfig, log=print, extract: bool = True) -> TeacherCache:
     """Build (once) and fill (resumably; ``extract=False``: as far as it got) ``WORK/data``."""
     root = Path(cfg.work_dir) / "data"
+    base = model.config.get_text_config()
+    layers = list(cfg.feature_layers) or [
+        i for i in HEADS_REGISTRY[cfg.family]._default_feature_layers(base, cfg.arch) or () if i != -1]
     if not (root / "manifest.json").exists():
         seqs, manifest = build_sequences(tokenizer, cfg, log)
         manifest["built_with"] = {k: getattr(cfg, k) for k in ("model", "max_tokens", "distill_share", "val_fraction",
                                                                 "max_seq_len", "seed", "sources")}
-        TeacherCache.create(root, seqs, model.config.get_text_config().hidden_size, manifest)
+        TeacherCache.create(root, seqs, base.hidden_size, manifest, feature_layers=layers)
     cache = TeacherCache(root)
+    cache.check_layers(layers)
     if extract:
         reuse = open_cache(cfg.reuse_cache) if cfg.reuse_cache else None
         extract_hidden(model, cache, cfg.extract_batch_tokens, log, cfg.teacher_dtype, reuse)
