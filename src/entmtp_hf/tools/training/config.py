@@ -88,3 +88,10 @@ class TrainConfig:
                 raise ValueError(f"feature_layers must be distinct hidden-state indices >= 0, got {self.feature_layers}")
         self.run_name = self.run_name or f"{self.family}-{self.arch}"
 
+    def heads_feature_layers(self, base_config) -> list[int] | None:
+        """The base hidden states the trained heads read: ``feature_layers`` then the last one, else
+        the arch's default (``None``: the last alone). The teacher cache keeps all but the last."""
+        if self.feature_layers:
+            return [*self.feature_layers, -1]
+        return HEADS_REGISTRY[self.family]._default_feature_layers(base_config, self.arch)
+

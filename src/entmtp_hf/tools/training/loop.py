@@ -204,7 +204,8 @@ def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftH
     else:
         torch.manual_seed(cfg.seed)  # the random part of the initialisation (prefix layer)
         heads = HEADS_REGISTRY[cfg.family].for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, dv,
-                                                       use_base_lm_head=True, feature_layers=_fused(cfg)).float()
+                                                       use_base_lm_head=True,
+                                                       feature_layers=cfg.heads_feature_layers(_base(model))).float()
         k = cache.split(SPLIT_TRAIN)[:50]
         sample = np.concatenate([cache.hidden[o : o + n] for o, n in cache.seqs[k, :2]]).astype(np.float32)
         warm_start(heads, float(np.sqrt((sample**2).mean(-1)).mean()))
@@ -244,7 +245,8 @@ class _Trainer:
             batches = epoch_batches(ks, lengths, cfg.batch_tokens, cfg.seed, cursor.epoch)
             usable = len(batches) // acc.num_processes * acc.num_processes
             loader = acc.prepare_data_loader(torch.utils.data.DataLoader(
-                _Batches(self.cache, batches[cursor.batch : usable], self.heads.feature_layers), batch_size=1, collate_fn=_first))
+                _Batches(self.cache, batches[cursor.batch : usable], self.heads.feature_layers),
+                batch_size=1, collate_fn=_first))
             t0 = time.perf_counter()
             for b in loader:
                 loss, per_head = self._step(b)
@@ -355,15 +357,10 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
 def param_groups(heads: DraftHeads, cfg: TrainConfig) -> list[dict[str, Any]]:
     """The optimiser's groups: everything at ``lr``; with ``fuse_lr``, an EAGLE drafter's ``fuse``
     projection and its norms (new when ``--feature-layers`` extends trained heads) at that rate."""
-    named = list(heads.named_parameters())
-    fuse = [p for n, p in named if n.startswith("fuse")] if cfg.fuse_lr else []
-    rest = [p for n, p in named if not (cfg.fuse_lr and n.startswith("fuse"))]
+    rest, fuse = [], []
+    for name, p in heads.named_parameters():
+        (fuse if cfg.fuse_lr and name.startswith("fuse") else rest).append(p)
     return [{"params": rest, "lr": cfg.lr}] + ([{"params": fuse, "lr": cfg.fuse_lr}] if fuse else [])
-
-
-def _fused(cfg: TrainConfig) -> list[int] | None:
-    """The heads' ``feature_layers`` for ``--feature-layers`` (the last state last), else the default."""
-    return [*cfg.feature_layers, -1] if cfg.feature_layers else None
 
 
 def init_heads_from(cfg: TrainConfig, model) -> DraftHeads:
@@ -374,13 +371,13 @@ def init_heads_from(cfg: TrainConfig, model) -> DraftHeads:
     c = heads.config
     got = (c.family, c.head_arch, c.num_layers, c.draft_vocab_size, c.use_base_lm_head)
     want = (cfg.family, cfg.arch, cfg.num_layers, cfg.draft_vocab_size, True)
-    fused, given = _fused(cfg), c.feature_layers if c.head_arch == "eagle" else None
+    fused, given = cfg.heads_feature_layers(_base(model)), c.feature_layers if c.head_arch == "eagle" else None
     if got != want or c.num_heads > cfg.num_heads or (given is not None and given != fused):
         raise ValueError(f"--init-from {cfg.init_from}: heads are {got} with {c.num_heads} heads and feature layers "
                          f"{given}, this run wants {want} with {cfg.num_heads} and {fused} (family, arch, layers, "
                          "draft vocab size, base LM head; as many heads or fewer; feature layers added, not changed)")
     heads = heads.to(next(model.parameters()).device)
-    if fused is not None and given is None:
+    if cfg.feature_layers and given is None:
         wider = type(heads).for_model(model, c.num_heads, cfg.num_layers, cfg.arch, heads.draft_vocab.cpu(),
                                       use_base_lm_head=True, feature_layers=fused).float()
         missing, unexpected = wider.load_state_dict(heads.state_dict(), strict=False)
@@ -388,7 +385,7 @@ def init_heads_from(cfg: TrainConfig, model) -> DraftHeads:
         heads = wider
     if c.num_heads < cfg.num_heads:
         more = type(heads).for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, heads.draft_vocab.cpu(),
-                                     use_base_lm_head=True, feature_layers=_fused(cfg)).float()
+                                     use_base_lm_head=True, feature_layers=fused).float()
         heads = extend_heads(heads, more)
     return heads
 
@@ -420,6 +417,10 @@ def extend_heads(given: DraftHeads, more: DraftHeads) -> DraftHeads:
                 state[target] = out
     more.load_state_dict(state)
     return more
+
+
+def _base(model) -> Any:
+    return model.config.get_text_config()
 
 
 def _base_io(model) -> tuple[nn.Module, nn.Module]:

@@ -70,7 +70,8 @@ class HeadsObjective(nn.Module):
 
     def forward(self, ids: Tensor, hidden: Tensor, valid: Tensor, sup: Tensor, features: Tensor | None = None,
                 **_: Tensor) -> tuple[Tensor, list[float]]:
-        """``features``: the states the heads read when they are not the last one alone (EAGLE-3)."""
+        """``features``: the states the heads read when they are not the last one alone (EAGLE-3, or
+        an EAGLE-1 drafter fusing lower states)."""
         student = self.heads.forward_train(hidden if features is None else features, ids, self.embed, self.lm_head)
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):  # teacher in float32
             w, b = self.heads._base_lm_rows(self.lm_head)

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ...heads import HEADS_REGISTRY
 from .config import SOURCES, SPLIT_TRAIN, SPLIT_VAL, TrainConfig
 
 
@@ -434,8 +433,7 @@ def prepare_teacher_cache(model, tokenizer, cfg: TrainConfig, log=print, extract
     """Build (once) and fill (resumably; ``extract=False``: as far as it got) ``WORK/data``."""
     root = Path(cfg.work_dir) / "data"
     base = model.config.get_text_config()
-    layers = list(cfg.feature_layers) or [
-        i for i in HEADS_REGISTRY[cfg.family]._default_feature_layers(base, cfg.arch) or () if i != -1]
+    layers = [i for i in cfg.heads_feature_layers(base) or () if i != -1]
     if not (root / "manifest.json").exists():
         seqs, manifest = build_sequences(tokenizer, cfg, log)
         manifest["built_with"] = {k: getattr(cfg, k) for k in ("model", "max_tokens", "distill_share", "val_fraction",
