@@ -93,7 +93,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of WORK/RUN")
     p.add_argument("--extract-only", action="store_true", help="only build and fill the teacher cache")
     p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop (checkpoint + final heads) after this many minutes; --resume continues")
+                   help="stop (checkpoint + final heads) this many minutes after the call starts, the "
+                        "teacher extraction included; --resume continues")
     p.add_argument("--no-tau", action="store_true", help="skip the final tau measurement")
     p.add_argument("--skip-extract", action="store_true",
                    help="train on the sequences extracted so far instead of finishing the extraction first")
