@@ -200,6 +200,7 @@ def test_draft_chain_halts_at_first_entropy_over_threshold(pair):
     ctrl = EASController(cfg)
     gen_cfg = target.generation_config.__class__(max_length=200, do_sample=False)
     gen = EntropyAdaptiveCandidateGenerator(prompts(1)[0], draft, gen_cfg, {}, controller=ctrl)
+    assert gen.num_drafting_tokens == 6  # the contract's bound on one step's chain (k_max)
     seq, checked = prompts(1)[0], 0
     for _ in range(12):
         rule = ctrl.start_chain()

@@ -113,6 +113,12 @@ class EntropyAdaptiveCandidateGenerator(CandidateGenerator):
         chain = input_ids.new_tensor(drafted)[None]
         return torch.cat([input_ids, chain], dim=-1), torch.stack(scores)[None]
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The longest chain one step drafts: the controller's ``k_max`` (transformers 5.25 keeps that many
+        steps of a recurrent target cache's past, to roll rejected drafts back)."""
+        return self.controller.k_max
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         """Count the verification outcome (the rule itself adapts from draft entropies only)."""
         matched = int(num_matches)
