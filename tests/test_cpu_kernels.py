@@ -244,3 +244,41 @@ def test_only_plain_layers_without_a_forward_of_someone_elses_are_taken():
     hooked.forward = lambda x: x  # someone else's instance forward (an offloading hook, say)
     assert K._plain_linears([plain, hooked]) == [plain]
     assert K._plain_linears([plain.double()]) == []  # oneDNN takes float32 and bfloat16
+
+
+@ONEDNN
+def test_cost_tables_are_keyed_by_the_kernels_the_layers_run_on(tiny32, tmp_path, monkeypatch):
+    """The same machine costs a tree differently on other kernels: a table probed without them
+    must not rank trees for a model with them installed (nor the other way round)."""
+    import entmtp_hf.costs.cache as cache_module
+    from entmtp_hf.costs.fingerprint import model_key
+    from entmtp_hf.costs.table import CostTable
+
+    model, heads = tiny32, tiny32.entmtp_heads
+    assert K.kernel_routing(model, heads) == []
+    default = model_key(model, heads)
+    keys = {default}
+    with K.onednn_linears(model):
+        assert K.kernel_routing(model, heads) == ["entmtp_hf.cpu_kernels._onednn_forward"]
+        keys.add(model_key(model, heads))
+    with CPUKernels(model, heads, rows=(1, 2), pack=True, repeats=1):
+        keys.add(model_key(model, heads))
+    with monkeypatch.context() as m:  # oneDNN measured faster from two rows on: dispatchers, not packing
+        m.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "onednn") for c in choices})
+        with CPUKernels(model, heads, rows=(1, 2), pack=False, repeats=1) as kernels:
+            assert K.kernel_routing(model, heads) == ["by row count"] and kernels.active
+            dispatched = model_key(model, heads)
+        m.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "transposed") for c in choices})
+        with CPUKernels(model, heads, rows=(1, 2), pack=False, repeats=1):  # other choices (the LM head only), same kinds
+            assert K.kernel_routing(model, heads) == ["by row count"]
+            assert model_key(model, heads) == dispatched  # a near-tie flipping does not measure again
+    assert len(keys | {dispatched}) == 4
+    assert model_key(model, heads) == default  # removed: the default path's key again
+    calls = []
+    fake = CostTable({"key": "m"}, "x", {1: 1.0, 2: 1.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 1.0)
+    monkeypatch.setattr(cache_module, "probe", lambda m, h: calls.append(1) or fake)
+    cache_module.cost_table(model, heads, folder=tmp_path)
+    with K.onednn_linears(model):
+        cache_module.cost_table(model, heads, folder=tmp_path)
+    cache_module.cost_table(model, heads, folder=tmp_path)
+    assert calls == [1, 1] and len(list(tmp_path.glob("*.json"))) == 2

@@ -140,3 +140,17 @@ def test_the_shipped_hydra_heads_are_lossless_and_draft(demo):
         assert mc_sim_tokens_per_step(results)[0] > 1.5
     finally:
         enable_entmtp(model, str(DEMO_DRAFTERS[DEFAULT_DRAFTER][0]))  # the module's other tests run on the default
+
+
+def test_the_shipped_banks_machine_entries_keep_matching_the_default_path(demo):
+    """Cost tables are keyed by machine and by model, heads and kernels: on the default path
+    (no kernel opt-in) the key must stay what the shipped banks' machine entries were filed
+    under, or every machine they name would probe again."""
+    from entmtp_hf import TopologyBank
+    from entmtp_hf.costs.fingerprint import model_key
+    from entmtp_hf.integration import HEADS_ATTR
+
+    model, _, bank_dir = demo
+    tables = [t for f in sorted(bank_dir.glob("*.safetensors")) for t in TopologyBank.from_file(f).machine_tables()]
+    probed = {t.model for t in tables if t.model != "search"}  # not the search machine's, rebuilt from its timings
+    assert probed == {model_key(model, getattr(model, HEADS_ATTR))}

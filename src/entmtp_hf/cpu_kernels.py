@@ -366,6 +366,26 @@ def _runs(table: dict[int, str]) -> str:
     return ", ".join(parts) + " rows"
 
 
+def kernel_routing(*modules: torch.nn.Module | None) -> list[str]:
+    """Which kinds of forward the linear layers of ``modules`` (a model, its heads) run where
+    something replaced ``nn.Linear.forward`` on the instance (:class:`CPUKernels`' row-count
+    dispatchers or packed weights, the benchmark's references, anyone's): empty on the default
+    path. A step's cost depends on it as much as on the processor, so it is part of a cost
+    table's key (:func:`~entmtp_hf.costs.fingerprint.model_key`). The kinds, not the choice per
+    row count: those flip between near-equal kernels from one measurement to the next, and each
+    flip would measure the step costs again."""
+    kinds = set()
+    for root in modules:
+        for m in root.modules() if root is not None else ():
+            forward = vars(m).get("forward") if isinstance(m, torch.nn.Linear) else None
+            if isinstance(forward, _Dispatch):
+                kinds.add("by row count")
+            elif forward is not None:
+                func = getattr(forward, "__func__", forward)
+                kinds.add(f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}")
+    return sorted(kinds)
+
+
 # ============================================================================ benchmark references
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` by oneDNN's linear (empty inputs keep ``F.linear``)."""

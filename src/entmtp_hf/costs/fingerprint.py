@@ -2,9 +2,10 @@
 
 A tree's acceptance (tokens per step) depends on the model, the heads and the task; what a
 step costs depends on the machine: the processor and its instruction set, the threads torch
-uses, the dtype, the torch build, and the shapes of the model and heads (not their weights).
-:class:`Fingerprint` holds the machine side, :func:`model_key` the shapes; together they key
-a measured cost table, so a bank re-ranks itself once per machine and reuses it after.
+uses, the dtype, the torch build, the shapes of the model and heads (not their weights) and the
+kernels their linear layers run on. :class:`Fingerprint` holds the machine side, :func:`model_key`
+the rest; together they key a measured cost table, so a bank re-ranks itself once per machine
+(and kernel choice) and reuses it after.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from ..cpu_kernels import kernel_routing
 
 #: instruction-set flags that change which kernels a CPU's BLAS runs
 _ISA = re.compile(r"^(avx\w*|amx\w*|fma\w*|f16c|sse4_\d|vnni\w*|sve\w*|neon|asimd\w*)$")
@@ -79,8 +82,10 @@ STEP_VERSION = 4
 
 
 def model_key(model, heads) -> str:
-    """The shapes a step's cost depends on: the base model's architecture and size, the heads',
-    and the decode step's implementation (:data:`STEP_VERSION`)."""
+    """What a step's cost depends on beside the machine: the base model's architecture and size,
+    the heads', the decode step's implementation (:data:`STEP_VERSION`) and the kernels the
+    linear layers run on (:func:`~entmtp_hf.cpu_kernels.kernel_routing`: the same CPU costs a
+    tree differently with ``cpu_kernels=True``)."""
     config = model.config.get_text_config()
     shape = {
         "step": STEP_VERSION,
@@ -92,4 +97,7 @@ def model_key(model, heads) -> str:
         "heads": {k: v for k, v in heads.config.to_dict().items() if k not in ("base_model_name_or_path",
                                                                               "prefix_layer_config")},
     }  # fmt: skip
+    routing = kernel_routing(model, heads)
+    if routing:  # only off the default path, so tables measured there keep their keys
+        shape["kernels"] = routing
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]

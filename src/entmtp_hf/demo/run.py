@@ -55,10 +55,11 @@ def _installed(kernels: CPUKernels | None):
     return kernels
 
 
-def _rank_banks(model, configs: dict) -> None:
+def _rank_banks(model, configs: dict, kernels: str = "") -> None:
     """The banks re-rank their trees for this machine from its step costs: measured here, up front
-    and said so (the first time on a machine; read from the cache after), not inside a generate call."""
-    print("The banks pick their trees for this machine from its step costs (measured once per machine, "
+    and said so (the first time on a machine, and again for the CPU kernels, which change what a
+    tree costs; read from the cache after), not inside a generate call."""
+    print(f"The banks pick their trees for this machine{kernels} from its step costs (measured once per machine, "
           "then cached) ...", flush=True)  # fmt: skip
     heads = getattr(model, HEADS_ATTR)
     table = cost_table(model, heads)
@@ -150,6 +151,9 @@ def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = N
     kernels = CPUKernels(model, getattr(model, HEADS_ATTR))
     kernels.remove()  # installed only around the calls that use it
     print(f"  {kernels.describe()}")
+    if kernels.active:
+        with _installed(kernels):
+            _rank_banks(model, configs, " with these kernels")
     methods = _methods(configs, kernels)
     for name, (k, kwargs) in methods.items():  # warm-up, outside the timings
         with _installed(k):

@@ -313,6 +313,8 @@ register_method(PackedWeights("entmtp-static-packed", "EntMTP*, the decoder's la
                               entmtp=_bank_policy("static")))  # fmt: skip
 register_method(MeasuredKernels("entmtp-static-kernels", "EntMTP* with this machine's measured CPU kernels",
                                 heads="hydra", entmtp=_bank_policy("static")))  # fmt: skip
+register_method(MeasuredKernels("eagle-static-kernels", "EntMTP* with the EAGLE-style drafter, its bank and this "
+                                "machine's measured CPU kernels", heads="eagle", entmtp=_bank_policy("static", "eagle")))
 register_method(MeasuredKernels("entmtp-static-stored-kernels", "the bank's stored EntMTP* with this machine's "
                                 "measured CPU kernels", heads="hydra", entmtp=_bank_policy("static", adapt=False)))
 register_method(Method("entmtp-value", "EntMTP-v: per step, the bank's value tree with the most path value",
