@@ -149,8 +149,9 @@ def test_the_shipped_banks_machine_entries_keep_matching_the_default_path(demo):
     from entmtp_hf import TopologyBank
     from entmtp_hf.costs.fingerprint import model_key
     from entmtp_hf.integration import HEADS_ATTR
+    from entmtp_hf.tools.calibrate import SEARCH_MODEL_KEY
 
     model, _, bank_dir = demo
     tables = [t for f in sorted(bank_dir.glob("*.safetensors")) for t in TopologyBank.from_file(f).machine_tables()]
-    probed = {t.model for t in tables if t.model != "search"}  # not the search machine's, rebuilt from its timings
+    probed = {t.model for t in tables if t.model != SEARCH_MODEL_KEY}  # not the search machine's, rebuilt from its timings
     assert probed == {model_key(model, getattr(model, HEADS_ATTR))}

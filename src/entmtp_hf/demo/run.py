@@ -55,11 +55,11 @@ def _installed(kernels: CPUKernels | None):
     return kernels
 
 
-def _rank_banks(model, configs: dict, kernels: str = "") -> None:
+def _rank_banks(model, configs: dict, setting: str = "") -> None:
     """The banks re-rank their trees for this machine from its step costs: measured here, up front
     and said so (the first time on a machine, and again for the CPU kernels, which change what a
     tree costs; read from the cache after), not inside a generate call."""
-    print(f"The banks pick their trees for this machine{kernels} from its step costs (measured once per machine, "
+    print(f"The banks pick their trees for this machine{setting} from its step costs (measured once per machine, "
           "then cached) ...", flush=True)  # fmt: skip
     heads = getattr(model, HEADS_ATTR)
     table = cost_table(model, heads)

@@ -84,6 +84,10 @@ def frontier_of(search: TreeSearch) -> tuple[list[Tree], list[float], list[dict]
 
 
 # ============================================================================ the search machine
+#: the model key of the search machine's reconstructed table: no probe measured it, so no model's key matches it
+SEARCH_MODEL_KEY = "search"
+
+
 def search_machine_costs(bank: TopologyBank) -> CostTable | None:
     """The search machine's step costs reconstructed from its timed runs stored in the bank: a
     plain token from its vanilla speed, ``F(N)`` from the relative forward costs, and drafting
@@ -104,7 +108,7 @@ def search_machine_costs(bank: TopologyBank) -> CostTable | None:
     extra = [1e3 * i["measured_accept_length"] / i["tokens_per_s"] - forward[t.num_nodes] for t, i in rows]
     coef = torch.linalg.lstsq(x, torch.tensor(extra, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
     fingerprint = {"key": "search-machine", "processor": meta.get("hardware", "the search machine")}
-    return CostTable(fingerprint, "search", forward, (coef[0], coef[1], coef[2]), (0.0, 0.0), plain,
+    return CostTable(fingerprint, SEARCH_MODEL_KEY, forward, (coef[0], coef[1], coef[2]), (0.0, 0.0), plain,
                      notes={"reconstructed": "from the search's timed runs stored in the bank"})  # fmt: skip
 
 
