@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.decoding.batch import batch_tree_inputs, keep_accepted_rows
+from entmtp_hf.decoding.attention import tree_inputs
+from entmtp_hf.decoding.cache import accepted_prefix, keep_accepted
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, target_joint
@@ -143,7 +144,7 @@ def test_a_new_live_batch_size_switches_the_plan(tiny_cache, monkeypatch):
     assert {n for n, b in zip(longest, sizes) if b < 3} == {2}
 
 
-def test_batch_tree_inputs_pad_each_row_to_the_largest_tree():
+def test_tree_inputs_pad_each_row_to_the_largest_tree():
     chain, fan = Tree.chain(2), Tree.from_choices([[0], [1], [2], [3]])
     drafts = []
     for tree in (chain, fan):
@@ -151,7 +152,7 @@ def test_batch_tree_inputs_pad_each_row_to_the_largest_tree():
         drafts.append(type("D", (), {"buffers": b, "tokens": torch.arange(1, b.num_nodes + 1)})())
     prefix = torch.zeros(2, 4, dtype=torch.float64)
     prefix[0, 0] = torch.finfo(torch.float64).min  # a padded slot
-    tokens, positions, mask = batch_tree_inputs(drafts, [10, 20], prefix)
+    tokens, positions, mask = tree_inputs(drafts, [10, 20], prefix, prefix.shape[1] + 5)
     assert tokens.tolist() == [[1, 2, 3, 1, 1], [1, 2, 3, 4, 5]]
     assert positions.tolist() == [[10, 11, 12, 10, 10], [20, 21, 21, 21, 21]]
     visible = mask[:, 0] == 0
@@ -160,14 +161,15 @@ def test_batch_tree_inputs_pad_each_row_to_the_largest_tree():
     assert visible[1, 2, 4:].tolist() == [True, False, True, False, False]  # fan node 2: root and itself
 
 
-def test_keep_accepted_rows_masks_the_slots_a_row_did_not_fill():
+def test_keep_accepted_masks_the_slots_a_row_did_not_fill():
     from transformers import DynamicCache
 
     cache = DynamicCache()
     keys = torch.arange(2 * 7, dtype=torch.float64).reshape(2, 1, 7, 1)
     cache.update(keys.clone(), keys.clone() + 100, 0)
     prefix = torch.zeros(2, 3, dtype=torch.float64)
-    new = keep_accepted_rows(cache, prefix, 3, [[0, 2, 3], [0]])
+    keep_accepted(cache, 3, [[0, 2, 3], [0]])
+    new = accepted_prefix(prefix, 3, [3, 1])
     assert cache.get_seq_length() == 6
     assert cache.layers[0].keys[0, 0, 3:, 0].tolist() == [3, 5, 6]
     assert cache.layers[0].keys[1, 0, 3, 0].item() == 10
@@ -207,7 +209,6 @@ def test_exact_sampling_in_a_batch_preserves_every_rows_distribution(tiny_cache)
         (lambda ids, mask: dict(attention_mask=mask.flip(-1)), "left-padded"),
         (lambda ids, mask: dict(num_beams=2), "num_beams"),
         (lambda ids, mask: dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
-        (lambda ids, mask: dict(cache_implementation="static"), "dynamic cache"),
         (lambda ids, mask: dict(streamer=object()), "streamers take one sequence"),
     ],
 )
@@ -356,3 +357,79 @@ def test_observing_several_rows_at_once_equals_observing_each(tiny_cache, family
         pa, pb = heads.propose(a, t[-1], buffers), heads.propose(b, t[-1], buffers)
         assert torch.equal(pa.tokens, pb.tokens)
         torch.testing.assert_close(pa.probs, pb.probs)
+
+
+# ----------------------------------------------------------------------------- one session for every batch size
+@pytest.mark.parametrize("tree", [MC_SIM_7B_63, [[0], [0, 0], [0, 0, 0]]])
+def test_a_static_cache_batch_equals_plain_batched_generate(tiny_cache, tree):
+    """A static cache keeps every row (stopped rows verify their root alone): still every row as plain."""
+    model = enabled(tiny_cache)
+    singles, ids, mask = batch_of()
+    eos = eos_ending_rows_apart(model, singles, 30)
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    out = generate(model, ids, cache_implementation="static", entmtp_config=EntMTPConfig(tree=tree),
+                   return_dict_in_generate=True, **kwargs)  # fmt: skip
+    assert torch.equal(out.sequences, generate(model, ids, **kwargs))
+    assert set(out.entmtp_stats["live_batch_sizes"]) == {len(LENGTHS)}  # no row left the forward
+
+
+def test_repetition_penalty_in_a_left_padded_batch(tiny_cache):
+    """transformers builds the penalty with one prompt padding length per row: each row gets its own."""
+    model = enabled(tiny_cache)
+    _, ids, mask = batch_of()
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, repetition_penalty=1.3)
+    out = generate(model, ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), **kwargs)
+    assert torch.equal(out, generate(model, ids, **kwargs))
+
+
+def test_prefix_constraints_get_each_rows_batch_id(tiny_cache):
+    model = enabled(tiny_cache)
+    _, ids, mask = batch_of()
+    allowed = [list(range(1 + 3 * b, VOCAB, 2 + b)) for b in range(len(LENGTHS))]
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False,
+                  prefix_allowed_tokens_fn=lambda batch_id, sent: allowed[batch_id])  # fmt: skip
+    out = generate(model, ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), **kwargs)
+    assert torch.equal(out, generate(model, ids, **kwargs))
+
+
+class EvenLastToken:
+    """Stops a row whose last token is even once it is 6 tokens long or more (no EOS involved)."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, -1] % 2 == 0) & (input_ids.shape[1] >= ids_width + 6)
+
+
+ids_width = max(LENGTHS)
+
+
+@pytest.mark.parametrize("eos", [False, True])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_criterion_that_stops_one_row_behaves_as_in_plain_generate(tiny_cache, eos, cache):
+    """Without an EOS criterion plain generate keeps decoding a stopped row (real tokens) until every
+    row stops; with one it pads the stopped row. Either way the output is plain generate's."""
+    from transformers import StoppingCriteriaList
+
+    model = enabled(tiny_cache)
+    singles, ids, mask = batch_of()
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False,
+                  stopping_criteria=StoppingCriteriaList([EvenLastToken()]))  # fmt: skip
+    if eos:
+        kwargs["eos_token_id"] = eos_ending_rows_apart(model, singles, 30)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    plain = generate(model, ids, **kwargs)
+    for tree in (MC_SIM_7B_63, [[0]]):
+        out = generate(model, ids, entmtp_config=EntMTPConfig(tree=tree), **kwargs)
+        assert torch.equal(out, plain)
+
+
+def test_a_row_of_padding_alone_without_a_mask(tiny_cache):
+    """transformers infers an all-zero mask row from the pad id; plain generate decodes it, so does EntMTP."""
+    model = enabled(tiny_cache)
+    ids = torch.tensor([[0, 0, 5, 7], [0, 0, 0, 0]])
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    out = generate(model, ids, entmtp_config=EntMTPConfig(tree=[[0], [0, 0]]), **kwargs)
+    assert torch.equal(out, generate(model, ids, **kwargs))
+    mask = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0]])
+    out = generate(model, ids, attention_mask=mask, entmtp_config=EntMTPConfig(tree=[[0], [0, 0]]), **kwargs)
+    assert torch.equal(out, generate(model, ids, attention_mask=mask, **kwargs))

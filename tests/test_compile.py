@@ -52,3 +52,27 @@ def test_compiled_verification_is_lossless_and_never_recompiles_while_decoding(t
         assert out.entmtp_stats["compile_seconds"] == {}  # nothing left to compile
     assert used == sizes  # the hysteresis switched between both trees
     assert _graphs() == after_warm_up  # zero recompiles after the warm-up, across the switches
+
+
+@pytest.mark.slow
+def test_compiled_verification_of_a_left_padded_batch_equals_plain_batched_generate(tiny_cache):
+    """One session for every batch size: a static cache and compiled verification with several rows,
+    rows ending at different steps (stopped rows stay in the forward, verifying their root alone)."""
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    enable_entmtp(model, heads)
+    g = torch.Generator().manual_seed(3)
+    lengths = (3, 7, 5)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, -n:], mask[i, -n:] = torch.randint(1, VOCAB, (n,), generator=g), 1
+    plain_kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    free = model.generate(ids, **plain_kwargs)
+    eos = [int(free[0, max(lengths) + 6])]  # ends the first row early, the others later or never
+    plain_kwargs["eos_token_id"] = eos
+    config = EntMTPConfig(trees=TREES, tau_on=0.1, tau_off=0.09, feature="base_top1")
+    out = model.generate(ids, **plain_kwargs, cache_implementation="static", compile_config=compile_config(),
+                         entmtp_config=config, return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, model.generate(ids, **plain_kwargs))
+    assert set(out.entmtp_stats["compile_seconds"]) == {len(t) + 1 for t in TREES}
+    assert set(out.entmtp_stats["live_batch_sizes"]) == {len(lengths)}

@@ -109,10 +109,11 @@ def test_the_fuzz_compared_at_least_the_required_number_of_cases():
 def test_the_comparison_catches_a_broken_cache_update(tiny_cache, monkeypatch):
     """Negative control: keeping the first slots of a verified tree instead of the accepted path
     (a plausible bug) must make some of the same kind of cases differ from plain generate."""
-    import entmtp_hf.decoding.step as step
+    import entmtp_hf.decoding.session as session
 
-    real = step.keep_accepted
-    monkeypatch.setattr(step, "keep_accepted", lambda cache, prefix, n, path: real(cache, prefix, n, list(range(len(path)))))
+    real = session.keep_accepted
+    monkeypatch.setattr(session, "keep_accepted",
+                        lambda cache, prefix, paths: real(cache, prefix, [list(range(len(p))) for p in paths]))
     model, heads = tiny_cache("llama", "hydra", "mlp")
     enable_entmtp(model, heads)
     differ = 0

@@ -493,3 +493,37 @@ def test_bank_default_policy_and_feature_are_used_unless_overridden():
     bank = TopologyBank("t", trees, {"scheduler": sched})
     plan = EntMTPConfig(bank=bank, task="t", policy="value").resolve(num_heads=4)
     assert plan.trees == (trees[1], trees[2]) and plan.scheduler_args == {"policy": "value", "costs": (1.0, 1.4)}
+
+
+# ----------------------------------------------------------------------------- the CandidateGenerator contract
+def test_the_step_verifies_what_get_candidates_returns(tiny_cache, monkeypatch):
+    """transformers' contract: ``get_candidates`` returns the candidates and the step uses them. A
+    generator whose return value differs from what it drafted (the root alone) is verified as returned."""
+    from entmtp_hf.drafting.candidates import Draft, EntMTPCandidateGenerator, TreeCandidates
+    from entmtp_hf.trees.tree import Tree
+
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    enable_entmtp(model, heads)
+    real = EntMTPCandidateGenerator.get_candidates
+    seen, scored = [], []
+
+    def root_only(self, input_ids):
+        pair = real(self, input_ids)
+        ids, logits = pair  # unpacks as transformers' (candidate_ids, candidate_logits)
+        assert logits is None and torch.equal(ids[0, input_ids.shape[1] - 1 :], pair.draft.tokens)
+        root = Draft(0, pair.draft.tokens[:1], Tree.root_only().buffers(ids.device, model.dtype), None)
+        seen.append(root)
+        return TreeCandidates(input_ids, None, root)
+
+    def update(self, input_ids, scores, num_matches):
+        scored.append((input_ids.shape[1], tuple(scores.shape), num_matches))
+
+    monkeypatch.setattr(EntMTPCandidateGenerator, "get_candidates", root_only)
+    monkeypatch.setattr(EntMTPCandidateGenerator, "update_candidate_strategy", update)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
+                         return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=10, do_sample=False))
+    assert out.entmtp_stats["tree_sizes"] == [1] * len(seen) and out.entmtp_stats["accept_lengths"] == [1] * len(seen)
+    # update_candidate_strategy: the text after the step, the scores of every verified node [1, N, V], the matches
+    assert scored == [(6 + 2 + i, (1, 1, VOCAB), 0) for i in range(len(seen))]

@@ -104,7 +104,7 @@ def test_a_preallocated_cache_holds_what_a_dynamic_one_holds():
     assert pre.layers[0].capacity == 9
     same()
     for cache in (plain, pre):
-        keep_accepted(cache, 4, 5, [0, 2, 4])
+        keep_accepted(cache, 4, [[0, 2, 4]])
     same()
     assert pre.get_seq_length() == 7 and pre.layers[0]._holds_views()
     for cache in (plain, pre):  # a finished row leaves the batch
@@ -125,7 +125,7 @@ def test_keep_accepted_moves_path_to_front():
     for i in range(2):
         k = torch.arange(L + N, dtype=torch.float32).view(1, 1, -1, 1).expand(1, 1, -1, 2).clone()
         cache.update(k, k + 100, i)
-    keep_accepted(cache, L, N, [0, 2, 4])
+    keep_accepted(cache, L, [[0, 2, 4]])
     assert cache.get_seq_length() == L + 3
     for layer in cache.layers:
         assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 7]

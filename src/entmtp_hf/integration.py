@@ -170,7 +170,8 @@ def _check_batch(inputs: torch.Tensor, kwargs: dict) -> None:
     if isinstance(mask, torch.Tensor):
         if tuple(mask.shape) != tuple(inputs.shape):
             raise EntMTPError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(inputs.shape)}")
-        if bool((mask[:, -1] == 0).any()):
+        padded_right = (mask[:, -1] == 0) & (mask != 0).any(dim=-1)  # a row of padding alone decodes as in plain generate
+        if bool(padded_right.any()):
             raise EntMTPError(
                 "EntMTP decodes a batch of left-padded prompts; this attention_mask pads on the right "
                 "(set tokenizer.padding_side = 'left')"

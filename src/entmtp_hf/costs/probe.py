@@ -165,10 +165,7 @@ def _decode_phases(model, ids: torch.Tensor, tree: Tree, tokens: int) -> tuple[f
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_greedy(model, tokens),
                          entmtp_config=EntMTPConfig(tree=tree.choices), entmtp_observers=[timer])  # fmt: skip
     st = out.entmtp_stats
-    if ids.shape[0] > 1:  # rows reach the length at different steps: count the steps of live rows
-        prefill, row_steps = st["rows"][0]["prefill_time"], sum(st["live_batch_sizes"])
-    else:
-        prefill, row_steps = st["prefill_time"], st["steps"]
+    prefill, row_steps = st["prefill_time"], sum(st["live_batch_sizes"])  # rows may stop at different steps
     rest = st["total_time"] - prefill - timer.seconds["verify"] - timer.seconds["draft"]
     return 1e3 * timer.seconds["draft"] / row_steps, 1e3 * rest / row_steps
 

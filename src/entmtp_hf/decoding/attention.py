@@ -1,9 +1,9 @@
-"""Tree-verification attention: the 4D tree mask, and grouped heads kept grouped.
+"""Tree-verification attention: the 4D tree mask of a batch of trees, and grouped heads kept grouped.
 
 The base model checks every node of the tree in one forward pass. Node ``i`` is fed at
 absolute position ``prefix_len + depth(i)`` and sees the whole cached prefix plus its own
 ancestors, through a float additive 4D mask (a boolean mask is silently wrong under the
-eager attention of transformers 5): :func:`tree_attention_mask`.
+eager attention of transformers 5): :func:`tree_inputs`, one builder for one row or many.
 
 A verification forward passes a custom 4D mask. With a mask, transformers' ``sdpa``
 attention expands grouped key/value heads to one copy per query head (``repeat_kv``) in
@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,24 +37,54 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..trees.tree import TreeBuffers
 
+if TYPE_CHECKING:
+    from ..drafting.candidates import Draft
+
 ATTENTION_NAME = "entmtp_sdpa"
 
-def tree_attention_mask(
-    buffers: TreeBuffers, prefix_mask: torch.Tensor, kv_len: int
-) -> torch.Tensor:
-    """4D additive mask [1, 1, N, kv_len] for a tree appended after the cached prefix.
+def tree_inputs(drafts: Sequence["Draft"], next_pos: Sequence[int], prefix: torch.Tensor, kv_len: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Token ids [B, N], position ids [B, N] and the 4D additive mask [B, 1, N, kv_len] of a batch
+    of trees appended after the cached prefix.
 
-    ``prefix_mask`` is the additive row the prefix contributes ([L], 0 or min: padding of the
-    user's attention mask stays masked). Columns after ``L + N`` (a static cache's unused
-    slots) are masked.
+    Row ``b``'s tree occupies its first ``N_b`` slots, at positions ``next_pos[b] + depth``; its
+    node ``i`` sees the row's prefix (``prefix`` [B, S]: 0 or the dtype's minimum, so user
+    padding stays masked) and its own ancestors. The padding nodes after a smaller tree repeat
+    its root at the root's position and see only the prefix and themselves (their outputs are
+    never read and their keys are cropped or masked). Columns after ``S + N`` (a static cache's
+    unused slots) are masked.
     """
-    n = buffers.num_nodes
-    prefix_len = prefix_mask.shape[0]
-    dtype = buffers.attn_mask.dtype
-    mask = torch.full((1, 1, n, kv_len), torch.finfo(dtype).min, dtype=dtype, device=buffers.attn_mask.device)
-    mask[0, 0, :, :prefix_len] = prefix_mask
-    mask[0, 0, :, prefix_len : prefix_len + n] = buffers.attn_mask
-    return mask
+    batch, prefix_len = len(drafts), prefix.shape[1]
+    n = max(d.buffers.num_nodes for d in drafts)
+    dtype, device = prefix.dtype, prefix.device
+    tokens = torch.empty(batch, n, dtype=torch.long, device=device)
+    positions = torch.empty(batch, n, dtype=torch.long, device=device)
+    mask = torch.full((batch, 1, n, kv_len), torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask[:, 0, :, :prefix_len] = prefix[:, None, :]
+    pad_diag = torch.arange(n, device=device)
+    for b, (d, pos) in enumerate(zip(drafts, next_pos)):
+        nb = d.buffers.num_nodes
+        tokens[b, :nb], tokens[b, nb:] = d.tokens, d.tokens[0]
+        positions[b, :nb], positions[b, nb:] = d.buffers.position_ids + pos, pos
+        mask[b, 0, :nb, prefix_len : prefix_len + nb] = d.buffers.attn_mask.to(dtype)
+        mask[b, 0, pad_diag[nb:], prefix_len + pad_diag[nb:]] = 0
+    return tokens, positions, mask
+
+
+def tree_attention_mask(buffers: TreeBuffers, prefix_mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """4D additive mask [1, 1, N, kv_len] of one tree after a prefix whose additive row is
+    ``prefix_mask`` [L] (:func:`tree_inputs` for a batch of one)."""
+    root = buffers.position_ids.new_zeros(1)
+    draft = _TreeOnly(root.repeat(buffers.num_nodes), buffers)
+    return tree_inputs([draft], [0], prefix_mask[None].to(buffers.attn_mask.dtype), kv_len)[2]
+
+
+@dataclass(frozen=True)
+class _TreeOnly:
+    """What :func:`tree_inputs` reads of a draft, for a mask without tokens."""
+
+    tokens: torch.Tensor
+    buffers: TreeBuffers
 
 
 #: set while a tree is verified (:func:`verifying`)

@@ -126,20 +126,42 @@ def prepare_cache(model, model_kwargs: dict, max_length: int, max_nodes: int, ma
     return cache
 
 
-def keep_accepted(cache, prefix_len: int, num_nodes: int, path: list[int]) -> None:
-    """Keep only the accepted nodes' keys and values after a tree forward.
+def keep_accepted(cache, prefix_len: int, paths: list[list[int]]) -> None:
+    """Keep every row's accepted nodes after a verification of the rows' trees.
 
-    The tree occupied cache slots ``prefix_len .. prefix_len + num_nodes - 1``; the accepted
-    nodes are moved to the front of that range (in path order) and the rest is cropped.
-    Works for dynamic and static layers, which both expose ``keys``/``values`` of shape
-    [batch, kv_heads, seq, head_dim] and crop by a negative count.
+    Row ``b``'s tree occupied cache slots ``prefix_len ..``; its accepted nodes move to the front
+    of that range (in path order) and the cache is cropped to ``prefix_len + K`` (``K`` the
+    longest path). A row that accepted fewer leaves slots behind that it must never attend to
+    (:func:`accepted_prefix` masks them). Works for dynamic and static layers, which both expose
+    ``keys`` / ``values`` of shape [batch, kv_heads, seq, head_dim] and crop by a negative count.
     """
-    kept = len(path)
-    if path != list(range(kept)):  # the accepted nodes are not already a prefix of the tree
-        src = torch.tensor(path, device=cache.layers[0].keys.device) + prefix_len
+    longest = max(len(p) for p in paths)
+    if any(p != list(range(len(p))) for p in paths):  # some path is not already a prefix of its tree
+        src = torch.tensor([p + [p[-1]] * (longest - len(p)) for p in paths], device=cache.layers[0].keys.device)
+        src = src + prefix_len
         for layer in cache.layers:  # .to: a no-op unless a device map spreads the layers
-            idx = src.to(layer.keys.device)
-            layer.keys[..., prefix_len : prefix_len + kept, :] = layer.keys.index_select(-2, idx)
-            layer.values[..., prefix_len : prefix_len + kept, :] = layer.values.index_select(-2, idx)
-    if num_nodes > kept:
-        cache.crop(-(num_nodes - kept))
+            idx = src.to(layer.keys.device)[:, None, :, None]
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                t[:, :, prefix_len : prefix_len + longest] = t.gather(2, idx.expand(-1, t.shape[1], -1, t.shape[3]))
+    surplus = int(cache.get_seq_length()) - prefix_len - longest
+    if surplus > 0:
+        cache.crop(-surplus)
+
+
+def accepted_prefix(prefix: torch.Tensor, prefix_len: int, lengths: list[int]) -> torch.Tensor:
+    """The rows' additive mask [B, prefix_len + K] after :func:`keep_accepted`: row ``b`` filled
+    ``lengths[b]`` of the ``K = max(lengths)`` new slots, and never sees the others."""
+    longest = max(lengths)
+    filled = torch.arange(longest, device=prefix.device)[None] < torch.tensor(lengths, device=prefix.device)[:, None]
+    new = torch.zeros(len(lengths), longest, dtype=prefix.dtype, device=prefix.device)
+    new.masked_fill_(~filled, torch.finfo(prefix.dtype).min)
+    return torch.cat([prefix[:, :prefix_len], new], dim=1)
+
+
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only the batch rows ``rows`` of every cache layer."""
+    for layer in cache.layers:
+        idx = rows.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(0, idx)
+        layer.values = layer.values.index_select(0, idx)

@@ -6,17 +6,28 @@ the context it must get. Processors whose output row depends on that row's score
 (temperature, top-k, top-p, ...; :data:`ROW_WISE_PROCESSORS`) ignore the context, and one
 call covers the whole tree. Any other processor (repetition penalty, n-gram blocking, forced
 or suppressed tokens, a user's own) is called once per node with a batch of one row, exactly
-as plain ``generate`` would call it for that text: per-row state it holds for the caller's
-batch of one (e.g. the prompt's padding length for the repetition penalty) stays valid.
+as plain ``generate`` would call it for that text.
+
+Rows of a batch are at different lengths (each accepts its own path), so a row's processors
+are called on that row alone. A processor that holds per-row state for the caller's batch
+is narrowed to the row first (:func:`for_row`): the repetition penalty's prompt padding
+lengths, the batch id a prefix-constraint function is given. A user's own processor that
+keeps per-row state of its own sees a batch of one: such a processor must not rely on the
+batch's row order.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    LogitsProcessorList,
     MinPLogitsWarper,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -40,6 +51,27 @@ ROW_WISE_PROCESSORS = (
 def row_wise(logits_processor) -> bool:
     """Whether every processor reads only its row's scores (:data:`ROW_WISE_PROCESSORS`)."""
     return all(type(p) in ROW_WISE_PROCESSORS for p in logits_processor or ())
+
+
+def for_row(logits_processor, row: int, batch_size: int):
+    """The call's processors as they apply to row ``row`` of a ``batch_size``-row batch called
+    alone (see the module docstring); the processors themselves when nothing needs narrowing."""
+    if batch_size == 1 or not logits_processor:
+        return logits_processor
+    return LogitsProcessorList(_narrowed(p, row, batch_size) for p in logits_processor)
+
+
+def _narrowed(processor, row: int, batch_size: int):
+    if isinstance(processor, RepetitionPenaltyLogitsProcessor):
+        lengths = processor.prompt_ignore_length
+        if isinstance(lengths, torch.Tensor) and lengths.shape[0] == batch_size:
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = lengths[row : row + 1]
+    elif isinstance(processor, PrefixConstrainedLogitsProcessor):
+        allowed = processor._prefix_allowed_tokens_fn
+        processor = copy.copy(processor)
+        processor._prefix_allowed_tokens_fn = lambda _batch_id, sent: allowed(row, sent)
+    return processor
 
 
 def process_tree_scores(

@@ -1,9 +1,10 @@
 """Observers of the decode loop: the statistics every call returns, and an optional phase timer.
 
 The loop tells its observers when it starts, when the prefill is done, what every step did
-(a :class:`StepRecord`) and when it ends; it never measures anything itself beyond the
-prefill and total wall time. :class:`DecodeStats` turns the records into the
-``entmtp_stats`` of ``return_dict_in_generate`` (as data; rates are the caller's business).
+(a :class:`StepRecord`, a :class:`RowStep` per row) and when it ends; it never measures
+anything itself beyond the prefill and total wall time. :class:`DecodeStats` turns the records
+into the ``entmtp_stats`` of ``return_dict_in_generate`` (as data, per row; rates are the
+caller's business).
 :class:`PhaseTimer`, passed as ``generate(..., entmtp_observers=[timer])``, times the four
 phases of every step (draft, verify, accept, commit) by wrapping the session's phase methods
 for that call only: profiling code, kept out of the step itself.
@@ -24,12 +25,21 @@ PHASES = ("draft", "verify", "accept", "commit")
 
 
 @dataclass(frozen=True)
-class StepRecord:
-    """What one decode step did."""
+class RowStep:
+    """What one decode step did for one row of the call."""
 
+    row: int  # the row's index in the caller's batch
     draft: "Draft"
     path: list[int]  # accepted nodes, root first
-    emitted: int  # tokens this step added to the text (fewer than len(path) if a stop fired)
+    emitted: int  # tokens this step added to the row's text (fewer than len(path) if a stop fired)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one decode step did: a :class:`RowStep` per row that decoded in it."""
+
+    rows: tuple[RowStep, ...]
+    forward_rows: int  # rows in the verification forward (a static cache keeps stopped rows there)
 
 
 class DecodeObserver(Protocol):
@@ -42,29 +52,20 @@ class DecodeObserver(Protocol):
 
 
 @dataclass
-class DecodeStats:
-    """Per-call statistics, returned as data."""
+class RowStats:
+    """One row's statistics, as data."""
 
     accept_lengths: list[int] = field(default_factory=list)  # tokens each step added
     tree_indices: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     features: list[float | None] = field(default_factory=list)
-    prefill_time: float = 0.0
-    total_time: float = 0.0
-    eas: dict | None = None  # EAS statistics (policy ``entropy`` only)
     retrieval_steps: int = 0  # steps whose tree carried a retrieval branch
     retrieval_accepted: int = 0  # drafted tokens accepted from retrieval branches
-    compile_seconds: dict[int, float] | None = None  # compiled verification: seconds per tree size compiled
+    eas: dict | None = None  # EAS statistics (policy ``entropy`` only)
 
-    def on_start(self, session: Any) -> None:
-        self._session = session
-
-    def on_prefill(self, seconds: float) -> None:
-        self.prefill_time = seconds
-
-    def on_step(self, record: StepRecord) -> None:
-        draft, path = record.draft, record.path
-        self.accept_lengths.append(record.emitted)
+    def add(self, step: RowStep) -> None:
+        draft, path = step.draft, step.path
+        self.accept_lengths.append(step.emitted)
         self.tree_indices.append(draft.tree_index)
         self.tree_sizes.append(draft.buffers.num_nodes)
         self.features.append(draft.feature)
@@ -73,20 +74,54 @@ class DecodeStats:
             if len(path) > 1 and path[1] == draft.branch_node:
                 self.retrieval_accepted += len(path) - 1
 
-    def on_end(self, seconds: float) -> None:
-        self.total_time = seconds
-        eas = self._session.drafter.eas
-        self.eas = eas.stats.as_dict() if eas is not None else None
-
     def as_dict(self) -> dict:
         steps = len(self.accept_lengths)
-        d = {k: v for k, v in self.__dict__.items()
-             if not k.startswith("_") and not (k in ("eas", "compile_seconds") and v is None)}
+        d = {k: v for k, v in self.__dict__.items() if not (k == "eas" and v is None)}
         d["steps"] = steps
         d["new_tokens"] = sum(self.accept_lengths) + 1  # the prefill emits the first token
         d["mean_accept_length"] = sum(self.accept_lengths) / steps if steps else 0.0
         d["drafted_tokens"] = sum(n - 1 for n in self.tree_sizes)
         d["accepted_draft_tokens"] = sum(a - 1 for a in self.accept_lengths)
+        return d
+
+
+@dataclass
+class DecodeStats:
+    """Per-call statistics (``entmtp_stats``), returned as data: the call's figures and one
+    :class:`RowStats` per row. For one prompt the row's figures also stand at the top level."""
+
+    rows: list[RowStats] = field(default_factory=list)
+    forward_rows: list[int] = field(default_factory=list)  # rows in each step's verification forward
+    prefill_time: float = 0.0
+    total_time: float = 0.0
+    compile_seconds: dict[int, float] | None = None  # compiled verification: seconds per tree size compiled
+
+    def on_start(self, session: Any) -> None:
+        self._session = session
+        self.rows = [RowStats() for _ in session.rows]
+
+    def on_prefill(self, seconds: float) -> None:
+        self.prefill_time = seconds
+
+    def on_step(self, record: StepRecord) -> None:
+        self.forward_rows.append(record.forward_rows)
+        for step in record.rows:
+            self.rows[step.row].add(step)
+
+    def on_end(self, seconds: float) -> None:
+        self.total_time = seconds
+        for stats, row in zip(self.rows, self._session.rows):
+            eas = row.drafter.eas
+            stats.eas = eas.stats.as_dict() if eas is not None else None
+
+    def as_dict(self) -> dict:
+        rows = [r.as_dict() for r in self.rows]
+        d = rows[0].copy() if len(rows) == 1 else {}
+        d.update(rows=rows, steps=len(self.forward_rows), live_batch_sizes=list(self.forward_rows),
+                 prefill_time=self.prefill_time, total_time=self.total_time,
+                 new_tokens=sum(r["new_tokens"] for r in rows))  # fmt: skip
+        if self.compile_seconds is not None:
+            d["compile_seconds"] = self.compile_seconds
         return d
 
 

@@ -5,11 +5,14 @@
 
 * ``get_candidates(input_ids)`` drafts the step's tree from the heads and returns
   ``(input_ids + drafted tokens, None)``: the drafted nodes in the tree's canonical order
-  (node 0, the root, is the last token of ``input_ids``). A tree is not a chain, so its shape
-  comes with it: :attr:`EntMTPCandidateGenerator.draft` (a :class:`Draft`: the tokens with the
-  root first, the tree's precompiled buffers, which tree, the feature read);
-* ``update_candidate_strategy(input_ids, scores, num_matches)`` feeds the step's outcome
-  (``num_matches`` drafted tokens accepted) to the scheduler's running features and to EAS.
+  (node 0, the root, is the last token of ``input_ids``), and no logits (the heads' are not the
+  verifier's). A tree is not a chain, so its shape comes with it: the pair is a
+  :class:`TreeCandidates`, whose ``draft`` (a :class:`Draft`: the tokens with the root first, the
+  tree's precompiled buffers, which tree, the feature read) is what the decode step verifies;
+* ``update_candidate_strategy(input_ids, scores, num_matches)`` takes what transformers passes
+  (the text after the step, the processed scores of every drafted node [1, N, V], how many
+  drafted tokens were accepted) and feeds the outcome to the scheduler's running features and
+  to EAS.
 
 One call the contract does not have: :meth:`EntMTPCandidateGenerator.observe` gives the heads
 the hidden states of newly accepted positions (Hydra conditions on them) and the verifier's
@@ -51,6 +54,18 @@ class Draft:
     buffers: TreeBuffers
     feature: float | None
     branch_node: int | None = None  # the retrieval branch's first node (None: no branch this step)
+
+
+class TreeCandidates(tuple):
+    """``(candidate_ids, candidate_logits)`` as transformers' ``CandidateGenerator`` returns them,
+    with the drafted tree they flatten (:attr:`draft`)."""
+
+    draft: Draft
+
+    def __new__(cls, candidate_ids: torch.LongTensor, candidate_logits: torch.Tensor | None, draft: Draft):
+        pair = super().__new__(cls, (candidate_ids, candidate_logits))
+        pair.draft = draft
+        return pair
 
 
 @dataclass(frozen=True)
@@ -107,7 +122,7 @@ class EntMTPCandidateGenerator(CandidateGenerator):
             "value": self._by_value, "entropy": self._by_entropy,
         }  # fmt: skip
         self._choose = choosers[plan.policy]
-        self.draft: Draft | None = None
+        self._drafted: Draft | None = None  # the last draft returned (what update_candidate_strategy scores)
         self._preset = None  # the union's proposal, drafted for this row with the other rows of a batch
 
     def _value_members(self, device) -> torch.Tensor:
@@ -118,22 +133,22 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         return members.to(device)
 
     # ------------------------------------------------------------------ the contract
-    def get_candidates(self, input_ids: torch.LongTensor) -> tuple[torch.LongTensor, None]:
-        """Draft this step's tree after ``input_ids`` [1, L] (its last token is the root); returns
-        ``input_ids`` followed by the drafted nodes in canonical order, and no logits (the heads'
-        are not the verifier's). The tree itself is :attr:`draft`."""
+    def get_candidates(self, input_ids: torch.LongTensor) -> TreeCandidates:
+        """Draft this step's tree after ``input_ids`` [1, L] (its last token is the root): ``input_ids``
+        followed by the drafted nodes in canonical order, no logits, and the tree (``.draft``)."""
         if self.index is not None:
             self.index.extend(input_ids[0, len(self.index.tokens) :].tolist())
-        self.draft = self._draft(input_ids[0, -1])
+        draft = self._drafted = self._draft(input_ids[0, -1])
         self._preset = None
-        return torch.cat([input_ids, self.draft.tokens[1:].to(input_ids.device)[None]], dim=-1), None
+        return TreeCandidates(torch.cat([input_ids, draft.tokens[1:].to(input_ids.device)[None]], dim=-1), None, draft)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
-        """After verification: ``num_matches`` drafted tokens of :attr:`draft` were accepted."""
+        """After verification of the last draft: ``scores`` [1, N, V] of its nodes, ``num_matches``
+        drafted tokens accepted."""
         accept_length = int(num_matches) + 1
         self.feature.observe_accept(accept_length)
         if self.eas is not None:
-            self.eas.observe_verified(self.draft.buffers.num_nodes - 1, int(num_matches), accept_length)
+            self.eas.observe_verified(self._drafted.buffers.num_nodes - 1, int(num_matches), accept_length)
 
     def observe(self, hidden: torch.Tensor, root_logits: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
         """Features [T, F] of newly accepted positions (the heads condition on them), the ids at those

@@ -115,7 +115,7 @@ def joint_rollout(
             [emitted_along(u) if reached[u] and depth[u] > depth[last] else n_tree for u in cand_nodes]
         )
         path = b.ancestors[last][: depth[last] + 1].tolist()
-        keep_accepted(cache, int(cache.get_seq_length()) - joint.num_nodes, joint.num_nodes, path)
+        keep_accepted(cache, int(cache.get_seq_length()) - joint.num_nodes, [path])
         heads.observe(state, heads.features(out.hidden_states)[0, path], tokens=tokens[path])
         root = (tokens[path[1:]].tolist() + [int(picks[last])])[n_tree - 1]
         emitted, next_pos = emitted + n_tree, next_pos + len(path)

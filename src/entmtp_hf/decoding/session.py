@@ -1,0 +1,329 @@
+"""One generate call's decoding state and its speculative step: draft -> verify -> accept -> commit.
+
+:class:`DecodeSession` owns everything one call needs and nothing is stored on the model. Its
+rows are the batch: one prompt is a batch of one row, so every feature is written once. Each
+row has its own text, candidate generator (heads' state, scheduler) and statistics; one
+base-model forward verifies every row's tree, padded to the largest. :meth:`DecodeSession.step`
+is the method:
+
+1. **draft**  - every row's candidate generator drafts its tree after the row's text (its root
+   is the text's last token, the verifier's own pick), rows that draft the same union together;
+2. **verify** - one base-model forward over every row's nodes appended to the cache (4D float
+   mask: a node sees its row's prefix and its own ancestors; positions = the row's next
+   position + depth);
+3. **accept** - per row, the logits processors on every node with its own path as context, then
+   the greedy / exact / typical rule: the accepted path and the verifier's next token;
+4. **commit** - the cache keeps every row's accepted path, the heads see its hidden states, and
+   the accepted tokens plus the next one are emitted one by one (stopping criteria and streamer
+   as in plain ``generate``).
+
+**Rows that stop.** As in plain ``generate``: with an EOS criterion a stopped row is padded
+with ``pad_token_id`` up to the longest row; without one it keeps decoding real tokens until
+every row has stopped, and every row ends at the length where the last one stopped. A stopped
+row leaves the forward (its cache row is dropped, so it costs nothing later) with a dynamic
+cache; a static cache keeps every row (a compiled graph is specialised to the batch size), the
+stopped ones verifying their root alone.
+
+**Trees by batch size.** ``plan_for(b)`` gives the plan for ``b`` rows in the forward (the bank
+ranked with this machine's costs at that batch size); when that number changes plan, every
+row's candidate generator is rebuilt on the new plan, keeping its heads' state.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+from transformers import StaticCache
+
+from ..drafting.candidates import Draft, EntMTPCandidateGenerator
+from ..trees.plan import DecodePlan
+from ..trees.tree import Tree
+from .acceptance import check_pick, reference_typical_flags, typical_accept_flags, typical_best_path, walk_tree
+from .attention import tree_inputs, verifying
+from .cache import accepted_prefix, keep_accepted, select_rows
+from .processors import for_row, process_tree_scores, row_wise
+from .stats import RowStep, StepRecord
+
+DrafterFactory = Callable[[DecodePlan, object], EntMTPCandidateGenerator]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The acceptance rule of a call and how it picks the verifier's tokens."""
+
+    name: str  # greedy | exact | typical
+    pick: Callable[[Tensor], Tensor]  # scores [N, V] -> one token per row
+    epsilon: float = 0.09
+    alpha: float = 0.3
+    #: typical only: the published formula on softmax(raw logits / temperature) instead of the processed scores
+    reference: bool = False
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One verification forward: raw logits [B, N, V] and the heads' features [B, N, F] of every
+    row's nodes (padded to the largest tree), which the cache holds after ``prefix_len`` slots."""
+
+    logits: Tensor
+    hidden: Tensor
+    prefix_len: int
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A row's verdict on its tree: processed scores [N, V], accepted path (root first), next token."""
+
+    scores: Tensor
+    path: list[int]
+    next_token: int
+
+
+#: what a done row kept in the forward (a static cache) accepts: its root alone, emitting nothing
+IDLE = Accepted(torch.empty(0, 0), [0], -1)
+
+
+@dataclass
+class Row:
+    """One prompt of the call: its text so far and its own drafting state."""
+
+    index: int  # row in the caller's batch
+    ids: Tensor  # [1, L]: the (left-padded) prompt and the tokens generated so far
+    drafter: EntMTPCandidateGenerator
+    processors: object  # the call's logits processors as they apply to this row alone
+    prompt_len: int
+    next_pos: int = 0  # position id of the row's next root
+    stopped_at: int | None = None  # new tokens when a stopping criterion fired
+    done: bool = False  # nothing more to decode (stopped, and caught up with the others where needed)
+
+    @property
+    def new_tokens(self) -> int:
+        return self.ids.shape[1] - self.prompt_len
+
+
+class DecodeSession:
+    """The state of one EntMTP ``generate`` call (built by :func:`~entmtp_hf.decoding.loop.entmtp_decode`)."""
+
+    def __init__(self, model, plan_for: Callable[[int], DecodePlan], new_drafter: DrafterFactory, rule: Rule, cache,
+                 input_ids: Tensor, attention_mask: Tensor | None, logits_processor, stopping_criteria, *,
+                 pad_token_id: int, max_length: int, streamer=None, verify_forward: Callable | None = None) -> None:  # fmt: skip
+        self.model, self.rule, self.cache = model, rule, cache
+        #: the verification forward: the model's own, or its compiled call (one graph per tree size)
+        self.forward = verify_forward or model
+        self.plan_for, self.new_drafter = plan_for, new_drafter
+        self.device = input_ids.device
+        self.dtype = model.get_output_embeddings().weight.dtype
+        self.prompt_ids = input_ids
+        self.attention_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        self.stopping_criteria, self.streamer = stopping_criteria, streamer
+        self.row_wise = row_wise(logits_processor)  # decided once: the processors do not change during the call
+        self.pad_token_id, self.max_length = pad_token_id, max_length
+        #: plain generate pads a stopped row only when an EOS criterion exists; else it decodes on
+        self.pads_stopped = any(hasattr(c, "eos_token_id") for c in stopping_criteria or ())
+        #: a static cache keeps its batch size (compiled graphs are specialised to it): stopped rows stay
+        self.drops_rows = not isinstance(cache, StaticCache)
+        batch = input_ids.shape[0]
+        self.plan = plan_for(batch)
+        self.rows = [Row(b, input_ids[b : b + 1], new_drafter(self.plan, None), for_row(logits_processor, b, batch),
+                         input_ids.shape[1]) for b in range(batch)]  # fmt: skip
+        self.live = list(self.rows)  # row b of the cache and of every forward is live[b]
+        heads = self.rows[0].drafter.heads  # one set of heads for every row
+        self.features, self.hidden_request = heads.features, heads.hidden_states_request
+        #: additive mask [B_live, S] over the cached slots: user padding and the slots a row left unfilled
+        self.prefix = torch.zeros(0)
+        self._idle = Tree.root_only().buffers(self.device, self.dtype)  # what a stopped row kept in the forward verifies
+        self.finished = False
+
+    @property
+    def drafter(self) -> EntMTPCandidateGenerator:
+        """The first row's generator (what observers of a one-prompt call read)."""
+        return self.rows[0].drafter
+
+    @property
+    def input_ids(self) -> Tensor:
+        """The first row's text (one-prompt calls)."""
+        return self.rows[0].ids
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self) -> None:
+        """The prompts' forward: the cache, every row's first token and its heads' context."""
+        ids, mask = self.prompt_ids, self.attention_mask
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, output_hidden_states=self.hidden_request, **keep)  # fmt: skip
+        features = self.features(out.hidden_states)
+        self.prefix = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
+        self.prefix.masked_fill_(mask == 0, torch.finfo(self.dtype).min)
+        last = out.logits[:, -1].float()
+        for b, row in enumerate(self.rows):
+            scores = row.processors(row.ids, last[b : b + 1])
+            root = check_pick(int(self.rule.pick(scores)[0]))
+            seen = mask[b] != 0
+            if not bool(seen.any()):  # a row of padding alone: plain generate decodes it too
+                seen[-1] = True
+            row.drafter.observe(features[b][seen], last[b], tokens=ids[b][seen])
+            row.next_pos = int(positions[b, -1]) + 1
+            self._emit(row, [root], scores)
+        self._settle()
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> StepRecord:
+        """One speculative step of every row: draft -> verify -> accept -> commit."""
+        drafts = self.draft()
+        verified = self.verify(drafts)
+        accepted = self.accept(drafts, verified)
+        return self.commit(drafts, verified, accepted)
+
+    def draft(self) -> list[Draft]:
+        """Every row's tree, as its candidate generator returns it (transformers' ``get_candidates``)."""
+        active = [row for row in self.live if not row.done]
+        union = [row for row in active if row.drafter.drafts_union(row.ids)]
+        if len(union) > 1:  # one head call per depth for all of them
+            first = union[0].drafter
+            proposals = first.heads.propose_rows([r.drafter.state for r in union], [r.ids[0, -1] for r in union],
+                                                 first.union_buffers, temperature=first.union_temperature)  # fmt: skip
+            for row, proposal in zip(union, proposals):
+                row.drafter.preset_union(proposal)
+        return [self._idle_draft(row) if row.done else row.drafter.get_candidates(row.ids).draft for row in self.live]
+
+    def verify(self, drafts: list[Draft]) -> Verified:
+        prefix_len = int(self.cache.get_seq_length())
+        out = self.tree_forward(drafts, prefix_len)
+        return Verified(out.logits, self.features(out.hidden_states), prefix_len)
+
+    def tree_forward(self, drafts: list[Draft], prefix_len: int):
+        """One forward of every live row's tree appended after the first ``prefix_len`` cached slots."""
+        width = max(d.buffers.num_nodes for d in drafts)
+        kv_len = self.cache.get_max_length() if isinstance(self.cache, StaticCache) else prefix_len + width
+        tokens, positions, mask = tree_inputs(drafts, [r.next_pos for r in self.live], self.prefix, kv_len)
+        with verifying():
+            return self.forward(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
+                                use_cache=True, output_hidden_states=self.hidden_request)  # fmt: skip
+
+    def accept(self, drafts: list[Draft], verified: Verified) -> list[Accepted]:
+        """Every row's processed scores, accepted path and next token, each against its own text."""
+        return [
+            IDLE if row.done else
+            accept_tree(self.rule, row.processors, self.row_wise, row.ids, d, verified.logits[b, : d.buffers.num_nodes])
+            for b, (row, d) in enumerate(zip(self.live, drafts))
+        ]  # fmt: skip
+
+    def commit(self, drafts: list[Draft], verified: Verified, accepted: list[Accepted]) -> StepRecord:
+        paths = [a.path for a in accepted]
+        keep_accepted(self.cache, verified.prefix_len, paths)
+        self.prefix = accepted_prefix(self.prefix, verified.prefix_len, [len(p) for p in paths])
+        active = [b for b, row in enumerate(self.live) if not row.done]
+        EntMTPCandidateGenerator.observe_rows(
+            [self.live[b].drafter for b in active], [verified.hidden[b, paths[b]] for b in active],
+            [verified.logits[b, paths[b][-1]] for b in active], [drafts[b].tokens[paths[b]] for b in active],
+        )
+        steps = []
+        for b in active:
+            row, draft, path, scores = self.live[b], drafts[b], paths[b], accepted[b].scores
+            row.next_pos += len(path)
+            emitted = self._emit(row, draft.tokens[path[1:]].tolist() + [accepted[b].next_token], scores[path])
+            row.drafter.update_candidate_strategy(row.ids, scores[None], len(path) - 1)
+            steps.append(RowStep(row.index, draft, path, emitted))
+        self._settle()
+        return StepRecord(tuple(steps), forward_rows=len(drafts))
+
+    # ------------------------------------------------------------------ rows
+    def _emit(self, row: Row, new_tokens: list[int], scores: Tensor) -> int:
+        """Append tokens to ``row`` one at a time up to where a stopping criterion fires; a stopped
+        row of a batch that decodes on (no EOS criterion) takes the rest unchecked, up to the call's
+        longest text. Returns how many tokens were appended."""
+        rest = new_tokens
+        if row.stopped_at is None:
+            row.ids, emitted, stopped = emit_tokens(row.ids, new_tokens, scores, self.stopping_criteria)
+            if stopped:
+                row.stopped_at = row.new_tokens
+            decodes_on = stopped and not self.pads_stopped and len(self.rows) > 1
+            rest = new_tokens[emitted:] if decodes_on else []
+        else:
+            emitted = 0
+        if rest:
+            rest = rest[: max(self.max_length - row.ids.shape[1], 0)]
+            row.ids = torch.cat([row.ids, row.ids.new_tensor([rest])], dim=-1)
+            emitted += len(rest)
+        if self.streamer is not None and emitted:
+            self.streamer.put(torch.tensor(new_tokens[:emitted]))
+        return emitted
+
+    def _settle(self) -> None:
+        """Which rows are done; done rows leave the forward when the cache allows it, and a new
+        number of rows in the forward may bring a new plan."""
+        stops = [row.stopped_at for row in self.rows]
+        everyone = all(s is not None for s in stops)
+        longest = max(s for s in stops if s is not None) if everyone else None
+        for row in self.rows:
+            if row.stopped_at is not None and (self.pads_stopped or (everyone and row.new_tokens >= longest)):
+                row.done = True
+            elif row.ids.shape[1] >= self.max_length:  # a row decoding on cannot pass the call's longest text
+                row.done = True
+        self.finished = all(row.done for row in self.rows)
+        if self.finished or not self.drops_rows:
+            return
+        keep = [b for b, row in enumerate(self.live) if not row.done]
+        if len(keep) == len(self.live):
+            return
+        self.live = [self.live[b] for b in keep]
+        select_rows(self.cache, torch.tensor(keep, device=self.device))
+        self.prefix = self.prefix[keep]
+        plan = self.plan_for(len(self.live))
+        if plan is not self.plan:  # this batch size verifies other trees: same heads state, new generators
+            self.plan = plan
+            for row in self.live:
+                row.drafter = self.new_drafter(plan, row.drafter.state)
+
+    def _idle_draft(self, row: Row) -> Draft:
+        """A done row kept in the forward (a static cache) verifies its last token alone."""
+        return Draft(0, row.ids[0, -1:], self._idle, None)
+
+    def sequences(self) -> Tensor:
+        """[B, L] every row's text, as plain ``generate`` returns a batch: every row as long as the
+        one that stopped last, a stopped row padded with ``pad_token_id`` where an EOS criterion exists."""
+        length = self.prompt_ids.shape[1] + max(row.stopped_at or row.new_tokens for row in self.rows)
+        out = self.prompt_ids.new_full((len(self.rows), length), self.pad_token_id)
+        for row in self.rows:
+            kept = row.ids[0, :length]
+            out[row.index, : kept.shape[0]] = kept
+        return out
+
+
+def accept_tree(rule: Rule, logits_processor, row_wise: bool, input_ids: Tensor, draft: Draft,
+                logits: Tensor) -> Accepted:  # fmt: skip
+    """One verified tree's processed scores [N, V], accepted path (root first) and next token.
+
+    ``input_ids`` [1, L] is the text up to and including the root, ``logits`` [N, V] the raw
+    logits of the tree's nodes."""
+    buffers, tokens = draft.buffers, draft.tokens
+    scores = process_tree_scores(logits_processor, input_ids, tokens, buffers, logits, row_wise=row_wise)
+    if rule.name == "typical":
+        if rule.reference:  # the published formula, on the raw logits
+            passed, node_logp = reference_typical_flags(logits, tokens, buffers.parents, rule.temperature,
+                                                        rule.epsilon, rule.alpha)  # fmt: skip
+        else:
+            passed, node_logp = typical_accept_flags(scores, tokens, buffers.parents, rule.epsilon, rule.alpha)
+        path = typical_best_path(passed, node_logp, buffers.retrieve_indices)
+        return Accepted(scores, path, check_pick(int(rule.pick(scores[path[-1] : path[-1] + 1])[0])))
+    host = torch.stack([tokens, rule.pick(scores)]).tolist()
+    acc = walk_tree(buffers.children, host[0], host[1])
+    return Accepted(scores, acc.path, check_pick(acc.next_token))
+
+
+def emit_tokens(ids: Tensor, new_tokens: list[int], scores: Tensor, stopping_criteria) -> tuple[Tensor, int, bool]:
+    """``ids`` [1, L] with ``new_tokens`` appended one at a time up to where a stopping criterion
+    fires: (the new ids, how many were appended, whether one fired). ``scores[i]`` are the processed
+    scores the ``i``-th token was chosen from, handed to the criteria as ``generate`` does."""
+    for i, tok in enumerate(new_tokens):
+        ids = torch.cat([ids, ids.new_tensor([[tok]])], dim=-1)
+        if bool(stopping_criteria(ids, scores[i : i + 1]).any()):
+            return ids, i + 1, True
+    return ids, len(new_tokens), False
