@@ -29,8 +29,8 @@ import torch
 from transformers import CompileConfig
 
 from entmtp_hf import MC_SIM_7B_63, EntMTPConfig, TopologyBank, Tree, enable_entmtp
-from entmtp_hf.costs.cache import cost_table
-from entmtp_hf.costs.probe import forward_ms
+from entmtp_hf.calibration import calibrate
+from entmtp_hf.calibration.probe import forward_ms
 from entmtp_hf.demo.compare import find_mismatch
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, dtype_name)
         setup = tiny_setup(args.device, dtype) if args.tiny else demo_setup(args.device, dtype, args.prompts)
         model, banks, prompts = setup
-        costs = cost_table(model, model.entmtp_heads)  # this device's probe (cached), which re-ranks the banks
+        costs = calibrate(model, model.entmtp_heads)[1]  # this device's probe (cached), which re-ranks the banks
         part = {"identity": identity(model, banks, prompts, tokens=64 if not args.tiny else 16),
-                "forward_ms": forward_ms(model, SIZES, repeats=3), "probe_seconds": costs.seconds}  # fmt: skip
+                "forward_ms": forward_ms(model, model.entmtp_heads, SIZES, repeats=3), "probe_seconds": costs.seconds}  # fmt: skip
         if not args.no_timing:
             part["timing"] = timing(model, banks, prompts, costs, args.tokens, args.device)
         if args.device.startswith("cuda"):

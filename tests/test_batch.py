@@ -229,7 +229,7 @@ def test_bad_batch_input_raises_before_any_forward(tiny_cache, make_kwargs, mess
 
 # ----------------------------------------------------------------------------- trees by batch size
 def test_cost_tables_by_batch_size():
-    from entmtp_hf.costs.cache import batch_bucket
+    from entmtp_hf.calibration import batch_bucket
     from entmtp_hf.costs.table import CostTable
 
     one = CostTable({"key": "m"}, "x", {1: 10.0, 4: 14.0}, (1.0, 0.5, 0.1), (2.0, 0.25), 12.0)

@@ -145,7 +145,8 @@ def test_the_clock_chooses_each_batch_sizes_tree(tiny_cache, tmp_path, monkeypat
     # end to end, on the tiny model with its prompts stubbed (the probe's tables injected)
     bank.save_pretrained(tmp_path)
     g = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(calibrate_module, "cost_table", lambda m, h, batch_size=1: dataclasses.replace(one, batch_size=batch_size))
+    monkeypatch.setattr(calibrate_module, "measure_costs",
+                        lambda m, h, batch_sizes: {b: dataclasses.replace(one, batch_size=b) for b in batch_sizes})
     monkeypatch.setattr(calibrate_module, "_calibration_inputs",
                         lambda tok, task, n: ([torch.randint(1, VOCAB, (5,), generator=g).tolist() for _ in range(n)], []))
     tok = type("Tok", (), {"pad_token_id": 0, "eos_token_id": None})()

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import warnings
 
 import pytest
 import torch
 
-import entmtp_hf.costs.cache as cache_module
-from entmtp_hf import EntMTPConfig, FileFormatError, TopologyBank, Tree
+import entmtp_hf.calibration.probe as probe_module
+import entmtp_hf.calibration.tables as tables_module
+from entmtp_hf import EntMTPConfig, EntMTPError, FileFormatError, TopologyBank, Tree
+from entmtp_hf.calibration import calibrate, tables_for
+from entmtp_hf.calibration.probe import probe, probe_batch
+from entmtp_hf.calibration.store import key_for, table_path
 from entmtp_hf.costs.fingerprint import machine_fingerprint, model_key
-from entmtp_hf.costs.probe import probe, probe_batch
 from entmtp_hf.costs.ranking import MARGIN, rank
 from entmtp_hf.costs.table import CostTable, interpolate
 from entmtp_hf.trees.bank import published_defaults_bank
@@ -189,11 +194,9 @@ def test_drafting_and_overhead_come_from_decodes_at_every_batch_size(tiny_cache,
     """The heads timed on their own run warm and skip their conditioning, so drafting's fixed and
     per-depth parts come from real decodes, at batch size 1 as at any other; only the per-node part
     comes from the heads' own timings."""
-    import entmtp_hf.costs.probe as probe_module
-
     model = enabled(tiny_cache)
     # per decode tree: (drafting ms per row-step, the rest of the step): drafting = 1 + 1.5 depth + 0.5 (nodes - 1)
-    def phases(m, ids, tree, tokens):
+    def phases(m, heads, ids, tree, tokens):
         return 1.0 + 1.5 * tree.depth + 0.5 * (tree.num_nodes - 1), 0.8 + 0.1 * tree.num_nodes
 
     monkeypatch.setattr(probe_module, "_decode_phases", phases)
@@ -202,19 +205,40 @@ def test_drafting_and_overhead_come_from_decodes_at_every_batch_size(tiny_cache,
     assert draft == pytest.approx((1.0, 1.5, 0.5)) and overhead == pytest.approx((0.8, 0.1))
     t = probe(model, model.entmtp_heads, sizes=(1, 2), repeats=1)
     assert t.draft_ms == pytest.approx((1.0, 1.5, 0.5)) and t.overhead_ms == pytest.approx((0.8, 0.1))
-    assert t.drafting(Tree.chain(2)) == pytest.approx(phases(None, None, Tree.chain(2), 0)[0])
+    assert t.drafting(Tree.chain(2)) == pytest.approx(phases(None, None, None, Tree.chain(2), 0)[0])
     assert probe_batch(model, model.entmtp_heads, t, 2, sizes=(1, 2), repeats=1).draft_ms == pytest.approx(t.draft_ms)
 
 
-def test_a_probe_on_a_busy_machine_measures_again_and_is_not_cached(tiny_cache, tmp_path, monkeypatch):
-    """The one-node forward and the plain step are timed twice; a disagreement (a busy machine)
-    measures again, and a table that never agreed is used but not written to the cache."""
-    import entmtp_hf.costs.probe as probe_module
+def test_the_probe_times_decoding_s_own_session(tiny_cache, monkeypatch):
+    """The forward the probe times is the session's tree forward, and its decodes are decoding's
+    own loop: no copy of the verification forward, and no generate call with EntMTP."""
+    from entmtp_hf.decoding.session import DecodeSession
 
+    model = enabled(tiny_cache)
+    seen, real = [], DecodeSession.tree_forward
+    monkeypatch.setattr(DecodeSession, "tree_forward", lambda self, d, p: seen.append(len(d)) or real(self, d, p))
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("EntMTP generate") if "entmtp_config" in k
+                        else generate(*a, **k))  # fmt: skip
+    probe_module.forward_ms(model, model.entmtp_heads, (1, 2), repeats=1, batch_size=3)
+    assert seen and set(seen) == {3}  # every row of the batch in one forward
+    probe(model, model.entmtp_heads, sizes=(1, 2), repeats=1)
+
+
+def test_the_forward_sizes_shrink_with_the_batch():
+    assert probe_module.sizes_at(1) == probe_module.PROBE_SIZES
+    assert probe_module.sizes_at(8) == (1, 2, 3, 4, 6, 8, 12, 16)
+    assert probe_module.sizes_at(256)[:4] == (1, 2, 3, 4)  # always enough to interpolate the small trees
+
+
+def test_a_probe_on_a_busy_machine_measures_again_and_says_so(tiny_cache, tmp_path, monkeypatch):
+    """The one-node forward and the plain step are timed twice; a disagreement (a busy machine)
+    measures again; a table that never agreed is kept with a note and measured again by the next
+    calibrate call (generate uses it meanwhile)."""
     model = enabled(tiny_cache)
     assert probe_module.steady(10.0, 12.0) and not probe_module.steady(10.0, 15.0)
     # every timing injected (a real one could disagree on a loaded machine and measure again)
-    monkeypatch.setattr(probe_module, "forward_ms", lambda m, sizes, **k: {n: 10.0 for n in sizes})
+    monkeypatch.setattr(probe_module, "forward_ms", lambda m, h, sizes, **k: {n: 10.0 for n in sizes})
     plains = iter([50.0, 32.0, 33.0, 33.0])  # busy during the first measurement, idle after
     monkeypatch.setattr(probe_module, "_plain_ms", lambda *a, **k: next(plains))
     monkeypatch.setattr(probe_module, "step_costs", lambda m, h, per_node, b=1: ((0.0, 0.0, per_node), (0.1, 0.0)))
@@ -222,16 +246,20 @@ def test_a_probe_on_a_busy_machine_measures_again_and_is_not_cached(tiny_cache, 
     assert t.plain_ms == 33.0 and t.notes["timings_steady"] is True  # the second measurement agreed
     always_busy = iter([10.0, 30.0] * 10)  # every plain timing far from the one before it
     monkeypatch.setattr(probe_module, "_plain_ms", lambda *a, **k: next(always_busy))
-    monkeypatch.setattr(cache_module, "probe", lambda m, h: probe(m, h, sizes=(1, 2), repeats=1))
-    busy = cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
-    assert busy.notes["timings_steady"] is False and not list(tmp_path.glob("*.json"))
+    with pytest.warns(UserWarning, match="changed while measuring"):
+        busy = calibrate(model, folder=tmp_path, progress=False)[1]
+    assert busy.notes["timings_steady"] is False and len(list(tmp_path.glob("*.json"))) == 1
+    assert tables_for(model, model.entmtp_heads, [1], folder=tmp_path)[1] == busy  # used by generate
+    calls = []
+    monkeypatch.setattr(tables_module, "probe", lambda m, h, **k: calls.append(1) or busy)
+    with pytest.warns(UserWarning, match="changed while measuring"):
+        calibrate(model, folder=tmp_path, progress=False)
+    assert calls == [1]  # measured again
 
 
 def test_plain_decoding_is_timed_at_the_forwards_context(tiny_cache, monkeypatch):
     """c(N) divides a forward after PREFIX_LEN cached tokens by a plain step: the plain steps' contexts
     must centre on the same length (a step's attention grows with its context), at every batch size."""
-    import entmtp_hf.costs.probe as probe_module
-
     model = enabled(tiny_cache)
     real, contexts = probe_module._plain_ms, []
 
@@ -246,32 +274,114 @@ def test_plain_decoding_is_timed_at_the_forwards_context(tiny_cache, monkeypatch
     assert all(abs(c - probe_module.PREFIX_LEN) <= 1 for _, c in contexts), contexts
 
 
+def _this_machine(model, heads, forward=None, batch_size: int = 1) -> CostTable:
+    return dataclasses.replace(_with_machine_costs(model, heads, forward or {1: 1.0, 2: 1.0}), batch_size=batch_size)
+
+
+def _fake_probes(monkeypatch, model, heads, calls: list) -> None:
+    monkeypatch.setattr(tables_module, "probe", lambda m, h, **k: calls.append(1) or _this_machine(m, h))
+    monkeypatch.setattr(tables_module, "probe_batch",
+                        lambda m, h, base, b, **k: calls.append(b) or dataclasses.replace(base, batch_size=b))  # fmt: skip
+
+
 def test_the_cache_is_keyed_by_machine_and_model(tiny_cache, tmp_path, monkeypatch):
     model = enabled(tiny_cache)
-    calls = []
-    fake = table({1: 1.0, 2: 1.0})
-    monkeypatch.setattr(cache_module, "probe", lambda m, h: calls.append(1) or fake)
-    first = cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
-    second = cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
-    assert first == second == fake and calls == [1] and len(list(tmp_path.glob("*.json"))) == 1
+    heads, calls = model.entmtp_heads, []
+    _fake_probes(monkeypatch, model, heads, calls)
+    first = calibrate(model, folder=tmp_path, progress=False)
+    second = calibrate(model, folder=tmp_path, progress=False)
+    assert first == second and calls == [1] and len(list(tmp_path.glob("*.json"))) == 1
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # another thread count: another machine
-    cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
+    calibrate(model, folder=tmp_path, progress=False)
     assert calls == [1, 1] and len(list(tmp_path.glob("*.json"))) == 2
     newest = max(tmp_path.glob("*.json"), key=lambda f: f.stat().st_mtime_ns)  # this machine's file
     newest.write_text("{not json")  # a broken file is measured again, not trusted
-    cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path)
+    with pytest.warns(UserWarning, match="ignoring the cached cost table"):
+        calibrate(model, folder=tmp_path, progress=False)
     assert len(calls) == 3
 
 
-def test_refreshing_several_batch_sizes_measures_batch_size_one_once(tiny_cache, tmp_path, monkeypatch):
-    """Every batch size's table builds on the batch-size-1 one; refreshed, each would measure it again."""
+def test_calibrating_several_batch_sizes_measures_batch_size_one_once(tiny_cache, tmp_path, monkeypatch):
+    """Every batch size's table builds on the batch-size-1 one; sizes round down to the powers of two
+    decoding ranks at; bad sizes are refused before anything is measured."""
+    model, calls = enabled(tiny_cache), []
+    _fake_probes(monkeypatch, model, model.entmtp_heads, calls)
+    tables = calibrate(model, batch_sizes=[2, 5], folder=tmp_path, refresh=True, progress=False)
+    assert calls == [1, 2, 4] and sorted(tables) == [1, 2, 4] and tables[4].batch_size == 4
+    calibrate(model, batch_sizes=[8], folder=tmp_path, progress=False)
+    assert calls == [1, 2, 4, 8]  # batch size 1 read from the cache
+    for bad in ([0], [True], [2.0], 4, [], [1000]):
+        with pytest.raises(EntMTPError, match="batch_sizes"):
+            calibrate(model, batch_sizes=bad, folder=tmp_path, progress=False)
+
+
+def test_generate_never_measures(tiny_cache, tmp_path, monkeypatch):
+    """Never measured: the bank's stored choice, with one warning that says how to measure; measured
+    at batch size 1 only: a batch of 4 is ranked with batch size 1's costs (logged)."""
     model = enabled(tiny_cache)
+    heads, ids = model.entmtp_heads, prompts(1)[0]
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    for name in ("probe", "probe_batch"):
+        monkeypatch.setattr(tables_module, name, lambda *a, **k: pytest.fail("generate measured"))
+    config = EntMTPConfig(bank=frontier_bank(), task="t")
+    with pytest.warns(UserWarning, match="never measured") as caught:
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True, entmtp_config=config)
+    assert len([w for w in caught if "never measured" in str(w.message)]) == 1
+    assert set(out.entmtp_stats["tree_sizes"]) == {4}  # the stored static tree
+    fast_three = _this_machine(model, heads, {1: 10.0, 2: 10.0, 3: 10.5, 4: 15.0})
+    table_path(fast_three.key).parent.mkdir(parents=True)
+    table_path(fast_three.key).write_text(json.dumps(fast_three.to_dict()))
+    assert tables_for(model, heads, [1, 2, 4]) == dict.fromkeys([1, 2, 4], fast_three)
+    batch = torch.cat([prompts(1)[0]] * 4)
+    out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=8, do_sample=False,
+                         return_dict_in_generate=True, entmtp_config=config)  # fmt: skip
+    assert {n for row in out.entmtp_stats["rows"] for n in row["tree_sizes"]} == {3}  # ranked on batch size 1's costs
+
+
+@pytest.mark.parametrize("where", ["proc", "file", "directory"])
+def test_an_unusable_cache_folder_warns_once_and_decodes(tiny_cache, tmp_path, monkeypatch, where):
+    model, calls = enabled(tiny_cache), []
+    heads = model.entmtp_heads
+    _fake_probes(monkeypatch, model, heads, calls)
+    folder = {"proc": "/proc/entmtp-hf-cache", "file": str(tmp_path / "f"), "directory": str(tmp_path / "d")}[where]
+    (tmp_path / "f").write_text("not a folder")
+    if where == "directory":  # a folder where this machine's table file goes
+        (tmp_path / "d" / "costs" / f"{key_for(model, heads)}.json").mkdir(parents=True)
+    monkeypatch.setenv("ENTMTP_HF_CACHE", folder)
+    with pytest.warns(UserWarning, match="cannot be used"):
+        tables = calibrate(model, progress=False)
+    assert tables[1].batch_size == 1 and calls == [1]
+    assert not list(tmp_path.rglob(".*.tmp"))
+    ids = prompts(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, entmtp_config=EntMTPConfig(bank=frontier_bank(), task="t"))
+    assert torch.equal(out, model.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+def test_a_foreign_table_under_this_machine_s_key_is_not_trusted(tiny_cache, tmp_path, monkeypatch):
+    model = enabled(tiny_cache)
+    heads = model.entmtp_heads
+    foreign = CostTable({"key": "another-machine"}, "another-model", {1: 1.0, 2: 900.0}, (0.0, 0.0, 0.0), (0.0, 0.0),
+                        1.0, batch_size=1024)  # fmt: skip
+    path = table_path(key_for(model, heads), tmp_path)
+    path.write_text(json.dumps(foreign.to_dict()))
+    with pytest.warns(UserWarning, match="describes 'another-machine-another-model-b1024'"):
+        assert tables_for(model, heads, [1], folder=tmp_path) == {1: None}
     calls = []
-    monkeypatch.setattr(cache_module, "probe", lambda m, h: calls.append(1) or table({1: 1.0, 2: 1.0}))
-    monkeypatch.setattr(cache_module, "probe_batch", lambda m, h, base, b: dataclasses.replace(base, batch_size=b))
-    base = cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path, refresh=True)
-    tables = [cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path, refresh=True, batch_size=b, base=base)
-              for b in (2, 4)]  # fmt: skip
-    assert calls == [1] and [t.batch_size for t in tables] == [2, 4]
-    cache_module.cost_table(model, model.entmtp_heads, folder=tmp_path, refresh=True, batch_size=8)
-    assert calls == [1, 1]  # without a base, a refreshed batch size measures batch size 1 as well
+    _fake_probes(monkeypatch, model, heads, calls)
+    with pytest.warns(UserWarning, match="ignoring"):
+        assert calibrate(model, folder=tmp_path, progress=False)[1].key == key_for(model, heads) and calls == [1]
+
+
+def test_enable_entmtp_calibrates_when_asked(tiny_cache, tmp_path, monkeypatch, capsys):
+    model, calls = enabled(tiny_cache), []
+    _fake_probes(monkeypatch, model, model.entmtp_heads, calls)
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    from entmtp_hf import enable_entmtp
+
+    enable_entmtp(model, model.entmtp_heads)
+    assert calls == []
+    enable_entmtp(model, model.entmtp_heads, calibrate=[1, 4])
+    assert calls == [1, 4]
+    assert "measured this machine's step costs at batch sizes 1, 4" in capsys.readouterr().err

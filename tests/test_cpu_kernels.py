@@ -250,7 +250,9 @@ def test_only_plain_layers_without_a_forward_of_someone_elses_are_taken():
 def test_cost_tables_are_keyed_by_the_kernels_the_layers_run_on(tiny32, tmp_path, monkeypatch):
     """The same machine costs a tree differently on other kernels: a table probed without them
     must not rank trees for a model with them installed (nor the other way round)."""
-    import entmtp_hf.costs.cache as cache_module
+    import entmtp_hf.calibration.tables as tables_module
+    from entmtp_hf.calibration import calibrate
+    from entmtp_hf.calibration.store import key_for
     from entmtp_hf.costs.fingerprint import model_key
     from entmtp_hf.costs.table import CostTable
 
@@ -275,10 +277,15 @@ def test_cost_tables_are_keyed_by_the_kernels_the_layers_run_on(tiny32, tmp_path
     assert len(keys | {dispatched}) == 4
     assert model_key(model, heads) == default  # removed: the default path's key again
     calls = []
-    fake = CostTable({"key": "m"}, "x", {1: 1.0, 2: 1.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 1.0)
-    monkeypatch.setattr(cache_module, "probe", lambda m, h: calls.append(1) or fake)
-    cache_module.cost_table(model, heads, folder=tmp_path)
+
+    def fake(m, h, **k):  # a table filed under the key of the kernels the layers run on now
+        calls.append(1)
+        machine = key_for(m, h).removesuffix(f"-{model_key(m, h)}")
+        return CostTable({"key": machine}, model_key(m, h), {1: 1.0, 2: 1.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 1.0)
+
+    monkeypatch.setattr(tables_module, "probe", fake)
+    calibrate(model, heads, folder=tmp_path, progress=False)
     with K.onednn_linears(model):
-        cache_module.cost_table(model, heads, folder=tmp_path)
-    cache_module.cost_table(model, heads, folder=tmp_path)
+        calibrate(model, heads, folder=tmp_path, progress=False)
+    calibrate(model, heads, folder=tmp_path, progress=False)
     assert calls == [1, 1] and len(list(tmp_path.glob("*.json"))) == 2

@@ -18,8 +18,8 @@ from tiny import VOCAB
 
 
 def test_forward_costs_time_every_size_and_leave_the_cache_alone(tiny_cache):
-    model, _ = tiny_cache("llama", "hydra", "mlp")
-    costs = forward_costs(model, sizes=(1, 3, 8), prefix_len=16, repeats=2)
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    costs = forward_costs(model, sizes=(1, 3, 8), prefix_len=16, repeats=2, heads=heads)
     assert sorted(costs) == [1, 3, 8] and all(v > 0 for v in costs.values())
 
 

@@ -13,6 +13,7 @@ embedded demo in :mod:`entmtp_hf.demo`.
 """
 
 from .assisted import EntropyAdaptiveCandidateGenerator
+from .calibration import calibrate
 from .config import EntMTPConfig
 from .cpu_kernels import CPUKernels
 from .decoding.loop import EntMTPGenerateOutput
@@ -47,6 +48,7 @@ __all__ = [
     "RetrievalConfig",
     "TopologyBank",
     "Tree",
+    "calibrate",
     "disable_entmtp",
     "enable_entmtp",
     "load_heads",

@@ -24,17 +24,16 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .assisted import ACTIVE_EAS_CALL, EASCall, build_candidate_generator
 from .config import EntMTPConfig
-from .costs.cache import batch_bucket, cost_table
+from .calibration import batch_bucket, calibrate as calibrate_costs, tables_for
 from .cpu_kernels import CPUKernels
 from .decoding.attention import restore_attention, use_tree_attention
 from .decoding.loop import EntMTPGenerateOutput, entmtp_decode
 from .decoding.stats import DecodeObserver
 from .errors import EntMTPError
-from .heads import DraftHeads, load_heads
+from .heads import HEADS_ATTR, DraftHeads, load_heads
 from .scheduling.eas import EASConfig
 from .trees.plan import DecodePlan
 
-HEADS_ATTR = "entmtp_heads"
 KERNELS_ATTR = "_entmtp_cpu_kernels"
 
 
@@ -124,16 +123,17 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
 
 def _plans_by_batch_size(model, heads, config: EntMTPConfig, batch_size: int) -> Callable[[int], DecodePlan]:
     """The plan for every live batch size up to ``batch_size``. A bank that adapts ranks its frontier
-    with this machine's step costs at each size's bucket (:func:`~entmtp_hf.costs.cache.batch_bucket`):
-    the bank's entry for the machine, else the disk cache, else measured now (logged)."""
+    with this machine's measured step costs at each size's bucket
+    (:func:`~entmtp_hf.calibration.batch_bucket`): the bank's entry for the machine, else the cache,
+    else the nearest measured size's, else (never measured) the bank's stored choice. Nothing is
+    measured here (:func:`~entmtp_hf.calibration.calibrate` is where that happens)."""
     rows = heads.config.draft_vocab_rows
     if not config.adapts:
         plan = config.resolve(heads.num_heads, rows)
         return lambda b: plan
-    known = config.load_bank().machine_tables()
-    buckets = sorted({batch_bucket(b) for b in range(1, batch_size + 1)})
-    plans = {k: config.resolve(heads.num_heads, rows, cost_table(model, heads, known=known, batch_size=k))
-             for k in buckets}  # fmt: skip
+    buckets = {batch_bucket(b) for b in range(1, batch_size + 1)}
+    tables = tables_for(model, heads, buckets, known=config.load_bank().machine_tables())
+    plans = {k: config.resolve(heads.num_heads, rows, table) for k, table in tables.items()}
     return lambda b: plans[batch_bucket(b)]
 
 
@@ -214,14 +214,18 @@ def _entmtp_class(cls: type) -> type:
 
 
 def enable_entmtp(
-    model, heads: "DraftHeads | str | os.PathLike", *, revision: str | None = None, cpu_kernels: bool = False,
-    **kernel_options: Any,
+    model, heads: "DraftHeads | str | os.PathLike", *, revision: str | None = None,
+    calibrate: bool | Sequence[int] = False, cpu_kernels: bool = False, **kernel_options: Any,
 ) -> Any:
     """Attach draft heads to ``model`` and give its ``generate`` the ``entmtp_config`` option.
 
     ``heads`` is a heads object, a local folder or a Hub repo id (``revision`` pins a Hub
     revision), in this project's format or the published Hydra / Medusa ones; they are checked
     against the model (vocabulary, hidden size) and moved to its LM head's device and dtype.
+    ``calibrate``: measure this machine's step costs now (``True``: at batch size 1; a list: at
+    those batch sizes), which a bank with an acceptance frontier re-ranks its trees by; seconds
+    per batch size with a progress bar, cached (:func:`~entmtp_hf.calibration.calibrate`; read
+    from the cache when measured before). ``generate`` never measures.
     ``cpu_kernels=True`` measures and installs this machine's faster CPU products
     (:class:`~entmtp_hf.cpu_kernels.CPUKernels`; ``kernel_options`` go to it): an explicit,
     CPU-only opt-in that takes a few seconds now. Returns the same model object; calling it
@@ -243,6 +247,8 @@ def enable_entmtp(
     setattr(model, HEADS_ATTR, heads)
     if cpu_kernels:
         vars(model)[KERNELS_ATTR] = CPUKernels(model, heads, **kernel_options)
+    if calibrate is True or (calibrate is not False and calibrate is not None):
+        calibrate_costs(model, heads, batch_sizes=(1,) if calibrate is True else calibrate)
     return model
 
 

@@ -51,25 +51,70 @@ def acceptance_rule(config, generation_config, temperature: float = 1.0) -> Rule
     return Rule(name, pick, config.posterior_threshold, config.posterior_alpha, reference, temperature)
 
 
+def trial_forward(session: DecodeSession, n: int) -> None:
+    """A throwaway verification of ``n`` chained nodes in every live row after the cached prefix,
+    its keys and values cropped again: what compiles a tree size's graph, and what the cost probe
+    times (:mod:`entmtp_hf.calibration.probe`)."""
+    buffers = Tree.chain(n - 1).buffers(session.device, session.dtype)  # a size's graph fits every shape
+    drafts = [Draft(0, row.ids[0, -1:].repeat(n), buffers, None) for row in session.live]
+    session.tree_forward(drafts, int(session.cache.get_seq_length()))  # contiguous, like a drafted tree
+    session.cache.crop(-n)
+
+
 def precompile(session: DecodeSession) -> dict[int, float]:
     """Compile the verification graph of every tree size the session's plan can verify that this
-    compiled call has not run yet at this batch size: a throwaway forward per size over every row,
-    its keys and values cropped again. Returns the seconds each new size took (mostly compiling).
-    A compiled call has a static cache, which keeps every row: the batch size and plan stay."""
+    compiled call has not run yet at this batch size (:func:`trial_forward`). Returns the seconds
+    each new size took (mostly compiling). A compiled call has a static cache, which keeps every
+    row: the batch size and plan stay."""
     done = vars(session.forward).setdefault("_entmtp_tree_sizes", set())  # on the model's compiled call
-    rows, prefix_len = len(session.live), int(session.cache.get_seq_length())
+    rows = len(session.live)
     seconds = {}
     for n in sorted(session.plan.node_counts):
         if (rows, n) in done:
             continue
-        buffers = Tree.chain(n - 1).buffers(session.device, session.dtype)  # a size's graph fits every shape
-        drafts = [Draft(0, row.ids[0, -1:].repeat(n), buffers, None) for row in session.live]
         t0 = time.perf_counter()
-        session.tree_forward(drafts, prefix_len)  # contiguous, like a drafted tree
-        session.cache.crop(-n)
+        trial_forward(session, n)
         seconds[n] = time.perf_counter() - t0
         done.add((rows, n))
     return seconds
+
+
+def open_session(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    *,
+    entmtp_config,
+    plan: DecodePlan,
+    heads,
+    streamer=None,
+    plan_for: Callable[[int], DecodePlan] | None = None,
+    **model_kwargs,
+) -> DecodeSession:
+    """The session of one call (its cache, acceptance rule, drafters and verification forward: the
+    compiled call exactly when transformers' own generate would compile), before its prefill."""
+    if (generation_config.num_beams or 1) > 1:
+        raise EntMTPError("EntMTP decoding does not support beam search")
+    temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
+    rule = acceptance_rule(entmtp_config, generation_config, temperature)
+    plan_for = plan_for or (lambda b: plan)
+    plans = [plan_for(b) for b in range(1, input_ids.shape[0] + 1)]
+    cache = prepare_cache(model, model_kwargs, generation_config.max_length, max(p.max_nodes for p in plans),
+                          getattr(generation_config, "max_cache_len", None))  # fmt: skip
+    compiled = model._valid_auto_compile_criteria({"cache": cache}, generation_config)
+    forward = model.get_compiled_call(generation_config.compile_config) if compiled else None
+
+    def new_drafter(plan: DecodePlan, state) -> EntMTPCandidateGenerator:
+        return EntMTPCandidateGenerator(model, heads, plan, feature_window=entmtp_config.feature_window,
+                                        temperature=temperature, state=state)  # fmt: skip
+
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    return DecodeSession(model, plan_for, new_drafter, rule, cache, input_ids, model_kwargs.get("attention_mask"),
+                         logits_processor, stopping_criteria, pad_token_id=int(pad) if pad is not None else 0,
+                         max_length=generation_config.max_length, streamer=streamer,
+                         verify_forward=forward)  # fmt: skip
 
 
 def entmtp_decode(
@@ -89,35 +134,16 @@ def entmtp_decode(
 ):
     """Tree speculative decoding of one prompt or a batch (see the module docstring); ``plan_for(b)``
     is the plan for ``b`` rows in the forward (default: ``plan`` for every batch size)."""
-    if (generation_config.num_beams or 1) > 1:
-        raise EntMTPError("EntMTP decoding does not support beam search")
     t_start = time.perf_counter()
-    temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
-    rule = acceptance_rule(entmtp_config, generation_config, temperature)
-    plan_for = plan_for or (lambda b: plan)
-    batch = input_ids.shape[0]
-    plans = [plan_for(b) for b in range(1, batch + 1)]
-    cache = prepare_cache(model, model_kwargs, generation_config.max_length, max(p.max_nodes for p in plans),
-                          getattr(generation_config, "max_cache_len", None))  # fmt: skip
-    # exactly when transformers' own generate would compile its forward (a static cache, and CUDA or compile_config)
-    compiled = model._valid_auto_compile_criteria({"cache": cache}, generation_config)
-    forward = model.get_compiled_call(generation_config.compile_config) if compiled else None
-
-    def new_drafter(plan: DecodePlan, state) -> EntMTPCandidateGenerator:
-        return EntMTPCandidateGenerator(model, heads, plan, feature_window=entmtp_config.feature_window,
-                                        temperature=temperature, state=state)  # fmt: skip
-
-    pad = generation_config._pad_token_tensor
-    session = DecodeSession(model, plan_for, new_drafter, rule, cache, input_ids, model_kwargs.get("attention_mask"),
-                            logits_processor, stopping_criteria, pad_token_id=int(pad) if pad is not None else 0,
-                            max_length=generation_config.max_length, streamer=streamer,
-                            verify_forward=forward)  # fmt: skip
+    session = open_session(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                           entmtp_config=entmtp_config, plan=plan, heads=heads, streamer=streamer, plan_for=plan_for,
+                           **model_kwargs)  # fmt: skip
     stats = DecodeStats()
     watchers = (stats, *observers)
     for obs in watchers:
         obs.on_start(session)
     session.prefill()
-    if compiled and not session.finished:  # every tree size's graph before the first step: no compilation while decoding
+    if session.forward is not model and not session.finished:  # every tree size's graph first: none compiles mid-decode
         stats.compile_seconds = precompile(session)
     prefill = time.perf_counter() - t_start
     for obs in watchers:
@@ -133,5 +159,5 @@ def entmtp_decode(
         obs.on_end(total)
     sequences = session.sequences()
     if generation_config.return_dict_in_generate:
-        return EntMTPGenerateOutput(sequences=sequences, cache=cache, entmtp_stats=stats.as_dict())
+        return EntMTPGenerateOutput(sequences=sequences, cache=session.cache, entmtp_stats=stats.as_dict())
     return sequences

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import TextStreamer
 
-from ..costs.cache import cost_table
+from ..calibration import calibrate
 from ..cpu_kernels import CPUKernels
 from ..integration import HEADS_ATTR
 from ..scheduling.policies import POLICIES
@@ -62,7 +62,7 @@ def _rank_banks(model, configs: dict, setting: str = "") -> None:
     print(f"The banks pick their trees for this machine{setting} from its step costs (measured once per machine, "
           "then cached) ...", flush=True)  # fmt: skip
     heads = getattr(model, HEADS_ATTR)
-    table = cost_table(model, heads)
+    table = calibrate(model, heads)[1]
     chosen = []
     for task, config in configs.items():
         bank = config.load_bank()

@@ -14,7 +14,7 @@ Public API:
   :class:`HeadsMismatchError` (heads and a model that do not fit).
 """
 
-from .base import DraftHeads, DraftState, HeadsMismatchError, Proposal
+from .base import HEADS_ATTR, DraftHeads, DraftState, HeadsMismatchError, Proposal
 from .card import DataSource, HeadsCard, TokensPerStep
 from .config import FORMAT_VERSION, HeadsConfig
 from .files import HeadsLoadError
@@ -29,6 +29,7 @@ from .published import load_published_hydra, load_published_medusa  # noqa: F401
 from .registry import HEADS_REGISTRY, detect_format, register_format, register_heads
 
 __all__ = [
+    "HEADS_ATTR",
     "FORMAT_VERSION",
     "HEADS_REGISTRY",
     "DataSource",

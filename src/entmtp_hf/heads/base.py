@@ -44,6 +44,9 @@ WEIGHTS_NAME = "model.safetensors"
 StopFn = Callable[[int, Tensor], bool]
 
 
+#: the attribute an enabled model keeps its draft heads under (``enable_entmtp``)
+HEADS_ATTR = "entmtp_heads"
+
 class HeadsMismatchError(EntMTPError):
     """Heads that do not fit what they are used with: a base model (vocabulary, hidden size,
     drafting ids, prefix layer; see :meth:`DraftHeads.check_fits`) or the family asked for."""

@@ -1,6 +1,6 @@
 """``entmtp-hf calibrate``: a bank ranked for this machine in seconds, checked against the clock.
 
-* The probe (:mod:`entmtp_hf.costs.probe`) measures this machine's step costs for the model and
+* The probe (:mod:`entmtp_hf.calibration.probe`) measures this machine's step costs for the model and
   heads once (seconds; cached), every task of the bank is re-ranked on them, and the machine's
   entry (costs and the scheduler they rank) is written into a local copy of the bank.
 * ``--frontier`` first (re)builds each task's acceptance frontier from greedy runs on its
@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import EntMTPConfig
-from ..costs.cache import cost_table
+from ..calibration import batch_bucket, calibrate as measure_costs
 from ..costs.retrieval import RETRIEVAL_OPTIONS, retrieval_label
 from ..costs.table import CostTable
 from ..trees.bank import TopologyBank, list_local_tasks
@@ -200,7 +200,7 @@ def time_batch_sizes(model, heads, tokenizer, bank_dirs: Sequence[Path], task: s
     bank = TopologyBank.from_pretrained(bank_dirs[0], task=task)
     out = {}
     for b in batch_sizes:
-        table = cost_table(model, heads, batch_size=b)
+        table = measure_costs(model, heads, batch_sizes=[b])[batch_bucket(b)]
         prompts, _ = _calibration_inputs(tokenizer, prompt_source or task, prompts_per_size * b)
         inputs = [torch.tensor([p]) for p in prompts] if b == 1 else _batches(prompts, b, pad)
         check = check_against_clock(model, bank, table, inputs, top, max_new_tokens)
@@ -250,9 +250,8 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     enable_entmtp(model, args.heads or str(DEMO_HEADS))
     heads = getattr(model, HEADS_ATTR)
     t0 = time.perf_counter()
-    base = cost_table(model, heads, refresh=args.refresh)  # measured once: every batch size builds on it
-    tables = [base if b == 1 else cost_table(model, heads, refresh=args.refresh, batch_size=b, base=base)
-              for b in sorted(set(args.batch_sizes))]  # fmt: skip
+    measured = measure_costs(model, heads, batch_sizes=args.batch_sizes, refresh=args.refresh)
+    tables = [measured[b] for b in sorted({batch_bucket(b) for b in args.batch_sizes})]
     table = tables[0]
     probe_s = time.perf_counter() - t0
     report = {"machine": table.fingerprint, "hardware": hardware_string(), "probe_seconds": table.seconds,

@@ -304,7 +304,8 @@ def run_cli(args: argparse.Namespace) -> int:
     chosen = [replays[p.prompt_id] for p in prompts]  # a larger earlier --n left more in the file
     prefix = int(statistics.median(len(r.tokens) for r in chosen))
     depth = heads.num_heads
-    forward = forward_costs(model, list(range(1, depth + 2)), prefix_len=prefix, repeats=args.repeats, progress=True)
+    forward = forward_costs(model, list(range(1, depth + 2)), prefix_len=prefix, repeats=args.repeats, progress=True,
+                            heads=heads)
     costs = Costs(forward, drafting_costs(model, heads, repeats=args.repeats, prefix_len=prefix, progress=True))
     result = calibrate(chosen, costs)
     # the regime EAS was designed for, modelled only: verifying N tokens costs what one does (a GPU)

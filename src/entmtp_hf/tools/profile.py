@@ -30,11 +30,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from ..calibration.probe import forward_ms
 from ..config import EntMTPConfig
-from ..costs.probe import forward_ms
 from ..costs.table import interpolate
 from ..cpu_kernels import onednn_linears
 from ..decoding.stats import PhaseTimer
+from ..integration import HEADS_ATTR
 from .bench.settings import SAMPLING
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -50,13 +51,16 @@ def _prefilled_cache(model, prefix_len: int, g: torch.Generator) -> DynamicCache
 
 
 def forward_costs(
-    model, sizes: Sequence[int] = SIZES, *, prefix_len: int = 256, repeats: int = 7, progress: bool = False
+    model, sizes: Sequence[int] = SIZES, *, prefix_len: int = 256, repeats: int = 7, progress: bool = False,
+    heads=None,
 ) -> dict[int, float]:
     """Median seconds of one verification forward over ``N`` chained tokens after a ``prefix_len``
-    cache: the cost probe's timing (:func:`entmtp_hf.costs.probe.forward_ms`; ``progress``: a bar
-    over the rounds), with the CPU kernels an EntMTP model was enabled with, if any."""
+    cache: the cost probe's timing (:func:`entmtp_hf.calibration.probe.forward_ms`, on a session
+    with ``heads``, default the ones the model is enabled with; ``progress``: a bar over the
+    rounds), with the CPU kernels an EntMTP model was enabled with, if any."""
+    heads = heads if heads is not None else getattr(model, HEADS_ATTR)
     with torch.inference_mode(), tqdm(total=repeats + 1, desc="forward costs", unit="round", disable=not progress) as bar:
-        ms = forward_ms(model, sizes, prefix_len=prefix_len, repeats=repeats, on_round=bar.update)
+        ms = forward_ms(model, heads, sizes, prefix_len=prefix_len, repeats=repeats, on_round=bar.update)
     return {n: v / 1e3 for n, v in ms.items()}
 
 

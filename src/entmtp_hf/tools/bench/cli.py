@@ -100,6 +100,7 @@ def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path,
     with logging_redirect_tqdm():
         ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
                            family_banks=banks, device=args.device)  # fmt: skip
+        ctx.batch_sizes = tuple(sorted(set(args.batch_size)))
         results = run_batched(ctx, settings, sorted(set(args.batch_size)), progress=not args.no_progress,
                               out_path=out / "results.json")  # fmt: skip
     results["environment"]["wall_time_s"] = time.perf_counter() - t0

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ...calibration import calibrate
 from ...config import EntMTPConfig
 from ...cpu_kernels import CPUKernels
 from ...demo import DEMO_EAGLE_BANK, DEMO_EAGLE_HEADS, DEMO_HEADS, DEMO_MEDUSA_HEADS
@@ -59,6 +60,7 @@ class BenchContext:
     bank_tasks: dict[str, str] = field(default_factory=dict)
     model_name: str = ""
     eas_config: str | None = None  # EAS settings file of ``eas-calibrated`` ({task} is replaced)
+    batch_sizes: tuple[int, ...] = (1,)  # what the run decodes at: the step costs banks rank with
     _banks: dict[str, Any] = field(default_factory=dict, repr=False)
     _configs: dict[tuple, EntMTPConfig] = field(default_factory=dict, repr=False)
     _int8_draft: Any = field(default=None, repr=False)
@@ -102,6 +104,12 @@ class BenchContext:
         else:
             kernels.install()
         return kernels
+
+    def calibrated(self, model, heads) -> None:
+        """This machine's step costs for ``model`` as it runs now (its kernels included) and
+        ``heads`` at the run's batch sizes: measured the first time (a progress bar), read from
+        the cache after; called outside the clock before a method whose bank re-ranks its trees."""
+        calibrate(model, heads, batch_sizes=self.batch_sizes)
 
     def kernel_choices(self) -> dict[str, str]:
         """What each measured set of CPU kernels chose (for the result's environment)."""

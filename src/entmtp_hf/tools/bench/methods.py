@@ -88,6 +88,8 @@ class Method:
         if self.entmtp is not None:
             enable_entmtp(ctx.model, ctx.heads[self.heads])  # a heads swap, outside the clock
             kwargs["entmtp_config"] = self._config(ctx, task, mode)
+            if kwargs["entmtp_config"].adapts:
+                ctx.calibrated(ctx.model, ctx.heads[self.heads])
         return generate_runner(ctx, kwargs)
 
 
@@ -157,6 +159,8 @@ class InDtype(Method):
         if self.entmtp is not None:
             enable_entmtp(model, heads[self.heads])
             kwargs["entmtp_config"] = self._config(ctx, task, mode)
+            if kwargs["entmtp_config"].adapts:
+                ctx.calibrated(model, heads[self.heads])
         return generate_runner(ctx, kwargs, model)
 
 
@@ -254,6 +258,8 @@ class MeasuredKernels(Method):
     def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
         run = super().prepare(ctx, task, mode)  # enables the heads first: the kernels dispatch their layers
         ctx.hold(ctx.cpu_kernels(self.heads))
+        if self.entmtp is not None and self._config(ctx, task, mode).adapts:  # the kernels' own costs
+            ctx.calibrated(ctx.model, ctx.heads[self.heads])
         return run
 
 

@@ -114,7 +114,7 @@ def _restart(out: FsPath) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Load the model and heads once, then search every task of ``--task`` (comma-separated) in turn."""
-    from ...costs.cache import cost_table
+    from ...calibration import calibrate
     from ...demo.model import DEMO_NAME, load_base_model
     from ...integration import HEADS_ATTR, enable_entmtp
     from ..data.tasks import calibration_prompts
@@ -142,7 +142,7 @@ def run_cli(args: argparse.Namespace) -> int:
         nodes = result.timed[result.labels[result.choice.static]]["num_nodes"]
         print(f"{search.task}: EntMTP* = {nodes_text(nodes)}; stage seconds {seconds}; outputs in {out}", flush=True)
         folders = [out / "bank", *([FsPath(args.bank_dir)] if args.bank_dir else [])]
-        file_search_machine(folders, search.task, cost_table(model, getattr(model, HEADS_ATTR)))
+        file_search_machine(folders, search.task, calibrate(model, getattr(model, HEADS_ATTR))[1])
         if args.batch_sizes:
             from ..calibrate import time_batch_sizes
 

@@ -87,7 +87,7 @@ class TreeSearch:
         self.measure = measure or generate_measure(model, config)
         self.warmup_measure = measure or generate_measure(model, config, max_new_tokens=8)
         self.sweep_measure = sweep_measure or self.measure
-        self.forward_costs = forward_costs or partial(profile_forward_costs, progress=progress)
+        self.forward_costs = forward_costs or partial(profile_forward_costs, progress=progress, heads=heads)
         self.info = dict(info or {})
         self.progress = progress
         self.max_depth = min(config.max_depth or heads.num_heads, heads.num_heads)
