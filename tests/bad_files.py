@@ -65,7 +65,7 @@ def bank_reproducers(folder: Path) -> dict[str, tuple[Path, str]]:
                "tree 0 has 3999901 nodes, above the limit of 4096"),
         "B4": (write_bank(folder / "b4.safetensors", empty, {"format_version": 1, "task": "b4", "num_trees": 1,
                                                              "scheduler": {"retrieval": {"num_tokens": 10**12}}}),
-               r"RetrievalConfig\.num_tokens: must lie in \[1, 32\], got 1000000000000"),
+               r"RetrievalConfig\.num_tokens: must be an integer in \[1, 32\], got 1000000000000"),
     }  # fmt: skip
 
 
@@ -147,11 +147,11 @@ def heads_reproducers(folder: Path) -> dict[str, tuple[Path, str, str]]:
 
     own_variant("H1 hidden_act", prefix(hidden_act="1"), r"prefix_layer_config\.hidden_act: must be one of")
     own_variant("H1 rope_theta", prefix(rope_theta={}), r"prefix_layer_config\.rope_theta: must be a finite number > 0")
-    own_variant("H1 head_dim", prefix(head_dim=0), r"prefix_layer_config\.head_dim: must be in \[1, 4096\], got 0")
+    own_variant("H1 head_dim", prefix(head_dim=0), r"prefix_layer_config\.head_dim: must be an integer in \[1, 4096\], got 0")
     own_variant("H2 hidden_size", json.dumps({**good, "hidden_size": 100000}),
-                r"HeadsConfig\.hidden_size: must be in \[1, 65536\], got 100000")  # fmt: skip
+                r"HeadsConfig\.hidden_size: must be an integer in \[1, 65536\], got 100000")  # fmt: skip
     for key, value in (("num_heads", 10**5), ("num_layers", 10**6)):
-        own_variant(f"H2 {key}", json.dumps({**good, key: value}), rf"HeadsConfig\.{key}: must be in \[1, 64\]")
+        own_variant(f"H2 {key}", json.dumps({**good, key: value}), rf"HeadsConfig\.{key}: must be an integer in \[1, 64\]")
     own_variant("H3 deep", '{"a": ' + "[" * 5000 + "]" * 5000 + "}", "nests deeper than the limit of 32 levels")
     text = json.dumps({**good, "num_heads": 1234567}).replace("1234567", "9" * 5000)
     own_variant("H3 digits", text, "a number of 5000 digits, above the limit of 100")

@@ -308,7 +308,7 @@ def test_drafting_several_rows_at_once_equals_drafting_each(tiny_cache, family, 
 
 @pytest.mark.parametrize("mode", ["append", "replace"])
 def test_retrieval_rows_are_drafted_together_and_stay_lossless(tiny_cache, monkeypatch, mode):
-    from entmtp_hf.drafting.retrieval import RetrievalConfig
+    from entmtp_hf.trees.retrieval import RetrievalConfig
 
     model = enabled(tiny_cache)
     _, ids, mask = batch_of(lengths=(5, 9, 7, 12), seed=11)

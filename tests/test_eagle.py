@@ -281,7 +281,7 @@ def test_greedy_identical_to_vanilla(tiny_cache, arch, name):
 @pytest.mark.parametrize("mode", ["replace", "append"])
 def test_greedy_identical_with_retrieval(tiny_cache, mode):
     """Replacing steps skip the drafter: the pairs they commit wait and run at its next call."""
-    from entmtp_hf.drafting.retrieval import RetrievalConfig
+    from entmtp_hf.trees.retrieval import RetrievalConfig
 
     model, heads = tiny_cache("llama", "eagle", "eagle")
     enable_entmtp(model, heads)

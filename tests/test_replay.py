@@ -18,7 +18,7 @@ from entmtp_hf.heads import HydraHeads
 from entmtp_hf.tools.search.replay import (
     SIGNALS, accept_table, foresight_rate, replay, retrieval_figures, walk_rate, why_not_replayable,
 )
-from entmtp_hf.drafting.retrieval import RetrievalConfig
+from entmtp_hf.trees.retrieval import RetrievalConfig
 from entmtp_hf.trees.tree import Tree
 from tiny import VOCAB, tiny_model
 

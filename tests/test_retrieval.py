@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.drafting.retrieval import NgramIndex, RetrievalConfig, with_branch
+from entmtp_hf.drafting.retrieval import NgramIndex
+from entmtp_hf.trees.retrieval import RetrievalConfig, with_branch
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 from test_generation import chi_square_p, enabled, prompts, target_joint
 

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from entmtp_hf import FileFormatError, RetrievalConfig, TopologyBank, Tree
 from entmtp_hf.costs.retrieval import RETRIEVAL_OPTIONS, RetrievalFigures, retrieval_label, retrieval_speedup
 from entmtp_hf.costs.table import CostTable
-from entmtp_hf.drafting.retrieval import with_branch
+from entmtp_hf.trees.retrieval import with_branch
 
 FAN = Tree.from_choices([[0], [1]])  # 3 nodes, depth 1
 TREES = [Tree.root_only(), Tree.chain(1), FAN]
@@ -85,7 +85,7 @@ def test_retrieval_figures_round_trip(tmp_path):
 @pytest.mark.parametrize("figures, options, match", [
     ({"replace-9": {"tokens": 9, "drafted": 3, "found": [1]}}, OPTIONS, "must map labels"),
     ({"replace-2": {"tokens": 9, "drafted": 3, "found": [1, 1, 1]}}, OPTIONS, "at most 2 counts"),
-    ({"replace-2": {"tokens": 9, "drafted": -1, "found": [1]}}, OPTIONS, "counts"),
+    ({"replace-2": {"tokens": 9, "drafted": -1, "found": [1]}}, OPTIONS, "drafted must be an integer"),
     ({"replace-2": {"tokens": 2, "drafted": 3, "found": [1]}}, OPTIONS, "every step adds one"),
     ({"replace-2": {"tokens": 9, "drafted": 3}}, OPTIONS, "'tokens', 'drafted' and 'found'"),
     ({"replace-2": {"tokens": 9, "drafted": 3, "found": [1]}}, {"replace-2": {"mode": "swap"}}, "mode"),

@@ -19,7 +19,7 @@ from .cpu_kernels import CPUKernels
 from .decoding.loop import EntMTPGenerateOutput
 from .decoding.stats import PhaseTimer
 from .drafting.candidates import EntMTPCandidateGenerator
-from .drafting.retrieval import RetrievalConfig
+from .trees.retrieval import RetrievalConfig
 from .errors import ConfigError, EntMTPError, FileFormatError
 from .heads import DraftHeads, HydraHeads, MedusaHeads, load_heads
 from .integration import EntMTPGenerationMixin, disable_entmtp, enable_entmtp

@@ -9,48 +9,30 @@ is checked by :meth:`EntMTPConfig.resolve` before any forward pass.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-from .drafting.retrieval import RetrievalConfig
+from .trees.retrieval import RetrievalConfig
 from .errors import ConfigError
 from .scheduling.eas import EASConfig
-from .scheduling.features import FEATURES, TOKEN_FEATURES
-from .scheduling.policies import POLICIES, POLICY_ALIASES
+from .scheduling.features import FEATURES, MAX_FEATURE_WINDOW, TOKEN_FEATURES
+from .scheduling.policies import NEEDS_ENTROPIES, default_policy, get_policy
 from .trees.bank import TopologyBank, check_task_name
 from .costs.table import CostTable
 from .trees.plan import DecodePlan, build_plan
 from .trees.tree import Tree
+from .validation import choice, integer, number, numbers_in, sequence, taus, thresholds
 
 ACCEPTANCE_RULES = ("auto", "greedy", "exact", "typical")
 #: typical acceptance: this project's rule, or the published Hydra/Medusa code's (see ``typical_rule``)
 TYPICAL_RULES = ("project", "reference")
-#: the scheduler's policies plus ``entropy`` (EAS: truncate the tree where the heads are unsure)
-DECODE_POLICIES = (*POLICIES, "entropy")
-MAX_FEATURE_WINDOW = 4096
+#: the most trees one ``trees=`` list may schedule (a bank holds at most 1024)
+MAX_CONFIG_TREES = 1024
 
 
 def _name(field_name: str) -> str:
     return f"EntMTPConfig.{field_name}"
-
-
-def _number(field_name: str, value: Any, low: float, high: float = math.inf, *, open_low: bool = False) -> float:
-    """A finite real number in [low, high] (or (low, high]); bools and strings are refused."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(_name(field_name), f"must be a number, got {type(value).__name__} {value!r}")
-    ok = math.isfinite(value) and (value > low if open_low else value >= low) and value <= high
-    if not ok:
-        bounds = f"{'(' if open_low else '['}{low:g}, {high:g}]"
-        raise ConfigError(_name(field_name), f"{value!r} is outside {bounds}")
-    return float(value)
-
-
-def _sequence(field_name: str, value: Any, of: str) -> list:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ConfigError(_name(field_name), f"must be a list of {of}, got {type(value).__name__} {value!r}")
-    return list(value)
 
 
 def _tree(field_name: str, value: Any) -> Tree:
@@ -58,12 +40,6 @@ def _tree(field_name: str, value: Any) -> Tree:
         return Tree.from_choices(value)
     except ValueError as e:
         raise ConfigError(_name(field_name), str(e)) from None
-
-
-def _choice(field_name: str, value: Any, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ConfigError(_name(field_name), f"must be one of {list(choices)}, got {value!r}")
-    return value
 
 
 @dataclass
@@ -93,7 +69,7 @@ class EntMTPConfig:
     at the depth where the greedy chain's head entropy first crosses the adaptive threshold
     (:mod:`entmtp_hf.scheduling.eas`).
 
-    ``retrieval=True`` (or a :class:`~entmtp_hf.drafting.retrieval.RetrievalConfig`) adds to each
+    ``retrieval=True`` (or a :class:`~entmtp_hf.trees.retrieval.RetrievalConfig`) adds to each
     step's tree a branch copied from earlier text whenever the text's last few tokens recur;
     left unset, a bank's calibrated default decides (off without a bank).
 
@@ -130,8 +106,7 @@ class EntMTPConfig:
     def __post_init__(self) -> None:
         self._check_sources()
         if self.policy is not None:
-            self.policy = POLICY_ALIASES.get(self.policy, self.policy)
-            _choice("policy", self.policy, DECODE_POLICIES)
+            self.policy = get_policy(self.policy, _name("policy")).name
         self._check_schedule()
         self._check_threshold_units()
         self._check_acceptance()
@@ -170,35 +145,24 @@ class EntMTPConfig:
         if self.tree is not None:
             _tree("tree", self.tree)
         if self.trees is not None:
-            trees = _sequence("trees", self.trees, "trees")
+            trees = sequence(self.trees, _name("trees"), of="trees", max_len=MAX_CONFIG_TREES)
             if not trees:
                 raise ConfigError(_name("trees"), "is empty; give at least one tree")
             for i, t in enumerate(trees):
                 _tree(f"trees[{i}]", t)
 
     def _check_schedule(self) -> None:
-        for name in ("tau_on", "tau_off"):
-            if getattr(self, name) is not None:
-                setattr(self, name, _number(name, getattr(self, name), 0.0))
-        if self.tau_on is not None and self.tau_off is not None and self.tau_off > self.tau_on:
-            raise ConfigError(_name("tau_off"), f"({self.tau_off}) must be <= tau_on ({self.tau_on})")
+        self.tau_on, self.tau_off = taus(self.tau_on, self.tau_off, low=0.0, prefix="EntMTPConfig.")
         if self.thresholds is not None:
-            th = [_number(f"thresholds[{i}]", t, 0.0) for i, t in enumerate(_sequence("thresholds", self.thresholds,
-                                                                                     "numbers"))]  # fmt: skip
-            if any(b <= a for a, b in zip(th, th[1:])):
-                raise ConfigError(_name("thresholds"), f"must be strictly increasing, got {th}")
-            self.thresholds = tuple(th)
+            self.thresholds = thresholds(self.thresholds, _name("thresholds"))
         if self.feature is not None:
-            _choice("feature", self.feature, FEATURES)
-        w = self.feature_window
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_FEATURE_WINDOW:
-            raise ConfigError(_name("feature_window"), f"must be an integer in [1, {MAX_FEATURE_WINDOW}], got {w!r}")
+            choice(self.feature, _name("feature"), FEATURES)
+        self.feature_window = integer(self.feature_window, _name("feature_window"), low=1, high=MAX_FEATURE_WINDOW)
         if self.costs is not None:
-            costs = [_number(f"costs[{i}]", c, 0.0, open_low=True) for i, c in enumerate(_sequence("costs", self.costs,
-                                                                                                 "numbers"))]  # fmt: skip
+            costs = numbers_in(self.costs, _name("costs"), low=0.0, low_open=True, max_len=MAX_CONFIG_TREES)
             if self.trees is None or len(costs) != len(self.trees):
                 raise ConfigError(_name("costs"), "must give one positive forward cost per tree in `trees`")
-            self.costs = tuple(costs)
+            self.costs = costs
 
     def _check_threshold_units(self) -> None:
         """Without a bank the feature is known now, so are its units: probabilities in [0, 1],
@@ -209,33 +173,37 @@ class EntMTPConfig:
         feature = self.feature or "best_path_value"
         trees = [self.tree] if self.tree is not None else list(self.trees)
         top = max(Tree.from_choices(t).depth for t in trees) + 1.0 if feature in TOKEN_FEATURES else 1.0
-        for name in ("tau_on", "tau_off"):
-            if getattr(self, name) is not None:
-                _number(name, getattr(self, name), 0.0, top)
-        for i, t in enumerate(self.thresholds or ()):
-            _number(f"thresholds[{i}]", t, 0.0, top)
+        taus(self.tau_on, self.tau_off, low=0.0, high=top, prefix="EntMTPConfig.")
+        if self.thresholds is not None:
+            thresholds(self.thresholds, _name("thresholds"), high=top)
 
     def _check_acceptance(self) -> None:
-        _choice("acceptance", self.acceptance, ACCEPTANCE_RULES)
-        self.posterior_threshold = _number("posterior_threshold", self.posterior_threshold, 0.0, 1.0, open_low=True)
-        self.posterior_alpha = _number("posterior_alpha", self.posterior_alpha, 0.0, open_low=True)
-        _choice("typical_rule", self.typical_rule, TYPICAL_RULES)
+        choice(self.acceptance, _name("acceptance"), ACCEPTANCE_RULES)
+        self.posterior_threshold = number(self.posterior_threshold, _name("posterior_threshold"), low=0.0, high=1.0,
+                                          low_open=True)  # fmt: skip
+        self.posterior_alpha = number(self.posterior_alpha, _name("posterior_alpha"), low=0.0, low_open=True)
+        choice(self.typical_rule, _name("typical_rule"), TYPICAL_RULES)
         if self.typical_rule == "reference" and self.acceptance != "typical":
             raise ConfigError(_name("typical_rule"), f"'reference' is a typical-acceptance rule: it needs "
                               f"acceptance='typical', got acceptance={self.acceptance!r}")  # fmt: skip
 
     def _check_policy_fits(self) -> None:
-        if self.policy == "entropy" and self.trees is not None:
-            raise ConfigError(_name("policy"), "the entropy policy truncates one tree: pass `tree=` (or a `bank`)")
-        if self.policy in ("value", "ladder") and self.tree is not None:
-            raise ConfigError(_name("policy"), f"the {self.policy} policy picks among several trees: pass `trees=` "
-                              "or a `bank`")  # fmt: skip
-        if self.policy == "hysteresis" and self.trees is not None and len(self.trees) < 2:
-            raise ConfigError(_name("policy"), "the hysteresis policy needs two trees (T-, T+) in `trees`")
-        if self.thresholds is not None and self.trees is not None and self.policy in (None, "ladder"):
-            if len(self.trees) > 2 and len(self.thresholds) != len(self.trees) - 1:
-                raise ConfigError(_name("thresholds"), f"a ladder of {len(self.trees)} trees needs "
-                                  f"{len(self.trees) - 1} thresholds, got {len(self.thresholds)}")  # fmt: skip
+        """The trees given suit the policy (as registered: where it takes its trees from, how many)."""
+        source = next(name for name in ("bank", "tree", "trees") if getattr(self, name) is not None)
+        num_trees = len(self.trees) if self.trees is not None else None
+        policy = self.policy or ("entropy" if self.eas is not None else None)
+        policy = policy or (default_policy(num_trees) if num_trees is not None else None)
+        if policy is None:  # the bank's default, checked when the plan is built
+            return
+        spec = get_policy(policy)
+        if source not in spec.sources:
+            given = " or ".join(f"`{s}=`" if s != "bank" else "a `bank`" for s in spec.sources)
+            raise ConfigError(_name("policy"), f"the {spec.name} policy {spec.what}: pass {given}")
+        if num_trees is not None and num_trees < spec.min_trees:
+            raise ConfigError(_name("policy"), f"the {spec.name} policy {spec.what}: `trees` needs at least "
+                              f"{spec.min_trees} trees")  # fmt: skip
+        if self.thresholds is not None and num_trees is not None and "thresholds" in spec.arguments:
+            thresholds(self.thresholds, _name("thresholds"), count=num_trees - 1)
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -272,7 +240,8 @@ class EntMTPConfig:
     # ------------------------------------------------------------------ resolution
     @property
     def entropy_adaptive(self) -> bool:
-        return self.policy == "entropy" or self.eas is not None
+        """Whether the policy reads per-depth entropies (EAS; implied by ``eas``)."""
+        return self.eas is not None or (self.policy is not None and get_policy(self.policy).needs == NEEDS_ENTROPIES)
 
     def load_bank(self) -> TopologyBank:
         """The bank (read once per config object)."""

@@ -30,3 +30,16 @@ class FileFormatError(EntMTPError):
         super().__init__(f"{os.fspath(path)}: {problem}")
         self.path = os.fspath(path)
         self.problem = problem
+
+
+class FieldError(EntMTPError):
+    """A field of a file's data (a bank's metadata, a cost table) out of its type or range.
+
+    Raised where the data is checked, which does not know the file; the reader that does
+    reports it as a :class:`FileFormatError` naming the file and this message.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        self.problem = problem

@@ -14,28 +14,19 @@ import math
 import os
 import posixpath
 import re
-import reprlib
-from typing import Any, Iterable
+from typing import Any
 
 from .errors import FileFormatError
 
 #: Digits allowed in one JSON number: far above any size or count a config holds, far below
 #: where converting the digits to an int costs noticeable time.
 MAX_NUMBER_DIGITS = 100
-_LISTED = 12  # items shown in an error message before eliding
 
 # A JSON string literal (escapes included, the closing quote optional so that an unterminated
 # string swallows the rest, as the parser would), written without nested repetition so the
 # match is linear in the string's length.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
-
-
-def brief_list(items: Iterable[object], limit: int = _LISTED) -> str:
-    """``a, b, c, ... (N more)``: error messages stay short however many items are wrong."""
-    items = [str(i) for i in items]
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
 def nesting_depth(text: str | bytes, limit: int) -> int:
@@ -153,21 +144,3 @@ def resolve_inside(folder: str | os.PathLike[str], name: object, source: str | o
     if os.path.commonpath([root, path]) != root or path == root:
         raise FileFormatError(source, f"file name {name!r} leaves the folder {root}")
     return path
-
-
-class _BriefRepr(reprlib.Repr):
-    """``reprlib`` limits, plus ints too long to print in full (``repr`` would raise on them)."""
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 128:
-            return f"<an integer of {x.bit_length()} bits>"
-        return super().repr_int(x, level)
-
-
-_BRIEF = _BriefRepr()
-_BRIEF.maxstring = _BRIEF.maxother = 80
-
-
-def brief_repr(value: object) -> str:
-    """A short ``repr`` for error messages about values read from files (any size, any depth)."""
-    return _BRIEF.repr(value)

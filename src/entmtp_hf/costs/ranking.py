@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from ..drafting.retrieval import RetrievalConfig
+from ..trees.retrieval import RetrievalConfig
 from ..trees.tree import Tree
 from .retrieval import RetrievalFigures, retrieval_speedup
 from .table import CostTable

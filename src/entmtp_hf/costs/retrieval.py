@@ -1,6 +1,6 @@
 """Retrieval branches priced on one machine: whether copying earlier text pays here, and how.
 
-Whether a retrieval branch (:mod:`entmtp_hf.drafting.retrieval`) speeds decoding up depends on
+Whether a retrieval branch (:mod:`entmtp_hf.trees.retrieval`) speeds decoding up depends on
 the task (how often the text's suffix recurs and how often what followed it comes again) and
 on the machine (what the extra or replacing rows cost). The task's side is a replay of greedy
 decoding with the tree and the setting on the calibration runs (exact under greedy decoding,
@@ -24,8 +24,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from ..drafting.retrieval import RetrievalConfig, with_branch
-from ..files import brief_repr
+from ..trees.retrieval import RetrievalConfig, with_branch
+from ..errors import FieldError
+from ..validation import brief_repr, integer
 from ..trees.tree import Tree
 from .table import CostTable
 
@@ -34,6 +35,10 @@ RETRIEVAL_OPTIONS: dict[str, RetrievalConfig] = {
     **{f"replace-{n}": RetrievalConfig(mode="replace", num_tokens=n) for n in (1, 2, 3)},
     **{f"append-{n}": RetrievalConfig(mode="append", num_tokens=n) for n in (1, 2)},
 }
+
+
+#: tokens and steps one replay counts: far beyond any calibration run, exact in a JSON number
+MAX_COUNT = 2**53
 
 
 def retrieval_label(config: RetrievalConfig | None) -> str:
@@ -53,8 +58,7 @@ class RetrievalFigures:
 
     def __post_init__(self) -> None:
         for name, value in (("tokens", self.tokens), ("drafted", self.drafted), *(("found", n) for n in self.found)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"retrieval figures: {name} must be counts (integers >= 0), got {brief_repr(value)}")
+            integer(value, f"retrieval figures' {name}", low=0, high=MAX_COUNT, error=FieldError)
         if self.steps == 0 or self.tokens < self.steps:
             raise ValueError(f"retrieval figures: {self.tokens} tokens in {self.steps} steps (every step adds one at least)")
 

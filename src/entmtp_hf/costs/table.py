@@ -21,17 +21,19 @@ and the modelled speed-up is the ratio of total tokens/s.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import FileFormatError
+from ..errors import FieldError, FileFormatError
 from ..trees.tree import Tree
+from ..validation import brief_repr, integer, mapping, number, numbers_in
 
 #: the most forward sizes a table may hold (a probe measures about fifteen)
 MAX_SIZES = 256
 FORMAT_VERSION = 1
 MAX_BATCH = 1024
+#: the most nodes one measured forward verifies (a bank's whole node budget)
+MAX_NODES = 2**16
 
 
 def table_key(machine: str, model: str, batch_size: int = 1) -> str:
@@ -118,35 +120,30 @@ class CostTable:
     @classmethod
     def _from_dict(cls, data: Any) -> "CostTable":
         if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"expected a JSON object with format_version {FORMAT_VERSION}")
+            raise FieldError("format_version", f"must be {FORMAT_VERSION} (in a JSON object)")
         forward = data["forward_ms"]
         if not isinstance(forward, dict) or not 2 <= len(forward) <= MAX_SIZES:
-            raise ValueError(f"forward_ms must map 2 to {MAX_SIZES} sizes to milliseconds")
-        sizes = {int(n): _ms(v, f"forward_ms[{n}]") for n, v in forward.items()}
-        if min(sizes) != 1 or any(n < 1 for n in sizes):
-            raise ValueError("forward_ms must start at 1 node")
-        draft = tuple(_finite(v, "draft_ms") for v in data["draft_ms"])
-        overhead = tuple(_finite(v, "overhead_ms") for v in data["overhead_ms"])
+            raise FieldError("forward_ms", f"must map 2 to {MAX_SIZES} sizes to milliseconds")
+        sizes = {_size(n): number(v, f"forward_ms[{n}]", low=0.0, low_open=True, error=FieldError)
+                 for n, v in forward.items()}  # fmt: skip
+        if min(sizes) != 1:
+            raise FieldError("forward_ms", "must start at 1 node")
+        draft = numbers_in(data["draft_ms"], "draft_ms", error=FieldError)
+        overhead = numbers_in(data["overhead_ms"], "overhead_ms", error=FieldError)
         if len(draft) != 3 or len(overhead) != 2:
-            raise ValueError("draft_ms needs 3 numbers and overhead_ms 2")
+            raise FieldError("draft_ms", "needs 3 numbers and overhead_ms 2")
         if not isinstance(data["fingerprint"], dict) or not isinstance(data["model"], str):
-            raise ValueError("fingerprint must be an object and model a string")
-        batch = data.get("batch_size", 1)
-        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
-            raise ValueError(f"batch_size must be an integer in 1..{MAX_BATCH}, got {batch!r}")
-        return cls(dict(data["fingerprint"]), data["model"], sizes, draft, overhead, _ms(data["plain_ms"], "plain_ms"),
-                   _finite(data.get("seconds", 0.0), "seconds"), FORMAT_VERSION, dict(data.get("notes") or {}),
-                   batch)  # fmt: skip
+            raise FieldError("fingerprint", "must be an object and model a string")
+        batch = integer(data.get("batch_size", 1), "batch_size", low=1, high=MAX_BATCH, error=FieldError)
+        plain = number(data["plain_ms"], "plain_ms", low=0.0, low_open=True, error=FieldError)
+        seconds = number(data.get("seconds", 0.0), "seconds", error=FieldError)
+        notes = mapping(data.get("notes"), "notes", optional=True, error=FieldError)
+        return cls(dict(data["fingerprint"]), data["model"], sizes, draft, overhead, plain, seconds, FORMAT_VERSION,
+                   notes, batch)  # fmt: skip
 
 
-def _finite(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _ms(value: Any, name: str) -> float:
-    ms = _finite(value, name)
-    if ms <= 0:
-        raise ValueError(f"{name} must be positive, got {ms}")
-    return ms
+def _size(key: Any) -> int:
+    """A number of nodes, as a JSON object's key (a string of digits) or an int."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= len(str(MAX_NODES)):
+        key = int(key)
+    return integer(key, f"forward_ms key {brief_repr(key)}", low=1, high=MAX_NODES, error=FieldError)

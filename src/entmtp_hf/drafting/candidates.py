@@ -18,12 +18,14 @@ One call the contract does not have: :meth:`EntMTPCandidateGenerator.observe` gi
 the hidden states of newly accepted positions (Hydra conditions on them) and the verifier's
 logits at the next root (the confidence features read them).
 
-How a step picks its tree depends on the plan's policy (a table, not a chain of ifs):
-``static`` drafts its one tree; ``hysteresis`` / ``ladder`` read a scalar feature, before
-drafting when it needs no draft (then only the chosen tree is drafted), else off the drafted
-union of every schedulable tree; ``value`` drafts the union and takes the tree with the most
-path value per unit of cost (probabilities at the sampling temperature); ``entropy`` (EAS)
-drafts depth by depth and stops where the rule ends the chain. A switch between trees is an
+How a step picks its tree depends on what the plan's policy reads (registered with it, see
+:data:`~entmtp_hf.scheduling.policies.NEEDS`; a table, not a chain of ifs): a policy that
+reads nothing (``static``) drafts its one tree; one that reads a scalar feature
+(``hysteresis`` / ``ladder``) reads it before drafting when it needs no draft (then only the
+chosen tree is drafted), else off the drafted union of every schedulable tree; one that reads
+per-tree values (``value``) drafts the union and takes the tree with the most path value per
+unit of cost (probabilities at the sampling temperature); one that reads per-depth entropies
+(``entropy``, EAS) drafts depth by depth and stops where the rule ends the chain. A switch between trees is an
 index lookup: every tree is compiled to buffers when the generator is built. With retrieval
 on, the chosen tree gets one more branch whenever the text's suffix recurs
 (:mod:`entmtp_hf.drafting.retrieval`; in ``replace`` mode the branch is verified instead).
@@ -39,7 +41,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..scheduling.eas import EASController
 from ..scheduling.features import FeatureTracker, top1_and_entropy, tree_values
-from ..scheduling.policies import Scheduler
+from ..scheduling.policies import NEEDS_ENTROPIES, NEEDS_FEATURE, NEEDS_NOTHING, NEEDS_VALUES, Scheduler
 from ..trees.plan import DecodePlan
 from ..trees.tree import TreeBuffers
 from .retrieval import NgramIndex
@@ -101,7 +103,7 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         self.draft_buffers = self.buffers if same else tuple(t.buffers(heads_device, dtype) for t in plan.trees)
         self.node_maps = tuple(torch.tensor(m, dtype=torch.long, device=heads_device) for m in plan.node_maps)
         self.chain_nodes = torch.tensor(plan.chain_nodes, dtype=torch.long, device=heads_device)
-        self.members = self._value_members(heads_device) if plan.policy == "value" else None
+        self.members = self._value_members(heads_device) if self.scheduler.needs == NEEDS_VALUES else None
         # the value policy estimates acceptance: under sampling at T a draft is kept with its probability at T
         self.temperature = temperature if self.members is not None else 1.0
         # the verifier's top-1 probability and entropy, only where the scheduler's feature reads them
@@ -118,10 +120,10 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         first = plan.union.num_nodes  # pool index of the first retrieved token
         self.branch_nodes = tuple(tuple(m.index(first) for _, m in per) for per in plan.branches)
         choosers: dict[str, Callable[[torch.Tensor, bool], _Choice]] = {
-            "static": self._current, "hysteresis": self._by_feature, "ladder": self._by_feature,
-            "value": self._by_value, "entropy": self._by_entropy,
+            NEEDS_NOTHING: self._current, NEEDS_FEATURE: self._by_feature, NEEDS_VALUES: self._by_value,
+            NEEDS_ENTROPIES: self._by_entropy,
         }  # fmt: skip
-        self._choose = choosers[plan.policy]
+        self._choose = choosers[self.scheduler.needs]
         self._drafted: Draft | None = None  # the last draft returned (what update_candidate_strategy scores)
         self._preset = None  # the union's proposal, drafted for this row with the other rows of a batch
 
@@ -201,13 +203,13 @@ class EntMTPCandidateGenerator(CandidateGenerator):
             found = bool(self.index.continuation())
             if found and self.replace:
                 return False
-        policy = self.plan.policy
-        return policy in ("static", "value") or (policy in ("hysteresis", "ladder") and (self.feature.reads_draft or found))
+        needs = self.scheduler.needs
+        return needs in (NEEDS_NOTHING, NEEDS_VALUES) or (needs == NEEDS_FEATURE and (self.feature.reads_draft or found))
 
     @property
     def union_temperature(self) -> float:
         """The temperature this generator drafts the union at (only the value policy reads it)."""
-        return self.temperature if self.plan.policy == "value" else 1.0
+        return self.temperature if self.scheduler.needs == NEEDS_VALUES else 1.0
 
     def preset_union(self, proposal) -> None:
         """The union's proposal for the next draft, drafted already (at :attr:`temperature`)."""
@@ -220,11 +222,11 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         return self.heads.propose(self.state, root, self.union_buffers, **kwargs)
 
     def _current(self, root: torch.Tensor, found: bool) -> _Choice:
-        """``static``: the one tree (the union is that tree)."""
+        """A policy that reads nothing (``static``): its tree (the union is that tree)."""
         return _Choice(self.scheduler.current, self._propose_union(root).tokens)
 
     def _by_feature(self, root: torch.Tensor, found: bool) -> _Choice:
-        """``hysteresis`` / ``ladder``: a scalar feature picks the tree."""
+        """A policy that reads a scalar feature (``hysteresis`` / ``ladder``) picks the tree with it."""
         if not self.feature.reads_draft and not found:  # known before drafting: draft the chosen tree only
             s = self.feature.value(self.p0, self.entropy, [])
             k = self.scheduler.choose(s)
@@ -235,14 +237,15 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         return _Choice(self.scheduler.choose(s), proposal.tokens, s)
 
     def _by_value(self, root: torch.Tensor, found: bool) -> _Choice:
-        """``value``: the tree with the most expected accepted tokens per unit of cost."""
+        """A policy that reads per-tree values (``value``: the tree with the most expected accepted
+        tokens per unit of cost)."""
         proposal = self._propose_union(root, temperature=self.temperature)
         values = tree_values(proposal.probs, self.union_buffers.ancestors, self.members)
-        return _Choice(self.scheduler.choose_value(values.tolist()), proposal.tokens)
+        return _Choice(self.scheduler.choose(values.tolist()), proposal.tokens)
 
     def _by_entropy(self, root: torch.Tensor, found: bool) -> _Choice:
-        """``entropy`` (EAS): the heads draft depth by depth until the rule ends the chain; the
-        chain's length is the index of the truncated tree to verify."""
+        """A policy that reads per-depth entropies (``entropy``, EAS): the heads draft depth by depth
+        until the rule ends the chain; the policy maps the chain's length to the tree to verify."""
         walk, chain = self.eas.walk(), self.plan.chain_nodes
         proposal = self._propose_union(root, until=lambda d, ent: walk.done or walk.feed(float(ent[chain[d - 1]])))
-        return _Choice(walk.close(), proposal.tokens)
+        return _Choice(self.scheduler.choose(walk.close()), proposal.tokens)

@@ -11,14 +11,13 @@ length when a card is built or read.
 
 from __future__ import annotations
 
-import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Callable, Sequence
 
 from huggingface_hub import ModelCardData
 
 from ..errors import ConfigError
-from ..files import brief_repr
+from ..validation import brief_repr, integer, number, numbers_in, sequence
 from ..hub import hub_repo_id
 from .config import HeadsConfig
 from .files import HeadsLoadError, read_json
@@ -33,6 +32,8 @@ MAX_NAME = 200
 MAX_ENTRIES = 64
 #: tokens per step: at least the verifier's own token, at most a whole tree's depth + 1
 MAX_TOKENS_PER_STEP = 65.0
+#: tokens, prompts: far more than any training run or measurement counts, exact in a JSON number
+MAX_COUNT = 2**53
 TAGS = ("entmtp-hf", "speculative-decoding", "draft-heads")
 
 
@@ -44,24 +45,13 @@ def _text(where: str, value: Any, limit: int = MAX_TEXT, required: bool = False)
 
 
 def _count(where: str, value: Any) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ConfigError(where, f"must be a non-negative integer or null, got {brief_repr(value)}")
-    return value
-
-
-def _number(where: str, value: Any, low: float, high: float) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or not low <= value <= high:
-        raise ConfigError(where, f"must be a finite number in [{low:g}, {high:g}], got {brief_repr(value)}")
-    return float(value)
+    return None if value is None else integer(value, where, low=0, high=MAX_COUNT)
 
 
 def _entries(where: str, value: Any, kind: type, build: Callable[[dict], Any]) -> tuple:
     """A tuple of ``kind`` from a sequence of ``kind`` objects or of dicts (as read from JSON)."""
-    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence) or len(value) > MAX_ENTRIES:
-        raise ConfigError(where, f"must be a list of at most {MAX_ENTRIES} entries, got {brief_repr(value)}")
     out = []
-    for i, item in enumerate(value):
+    for i, item in enumerate(sequence(value, where, of="entries", max_len=MAX_ENTRIES)):
         if isinstance(item, dict):
             item = _from_fields(f"{where}[{i}]", kind, item, build)
         if not isinstance(item, kind):
@@ -92,8 +82,8 @@ class DataSource:
 
     def __post_init__(self) -> None:
         _text("HeadsCard.training_data.name", self.name, MAX_NAME, required=True)
-        _count("HeadsCard.training_data.train_tokens", self.train_tokens)
-        _count("HeadsCard.training_data.val_tokens", self.val_tokens)
+        object.__setattr__(self, "train_tokens", _count("HeadsCard.training_data.train_tokens", self.train_tokens))
+        object.__setattr__(self, "val_tokens", _count("HeadsCard.training_data.val_tokens", self.val_tokens))
         _text("HeadsCard.training_data.description", self.description)
 
 
@@ -109,10 +99,10 @@ class TokensPerStep:
 
     def __post_init__(self) -> None:
         _text("HeadsCard.tokens_per_step.tree", self.tree, MAX_NAME, required=True)
-        object.__setattr__(self, "value", _number("HeadsCard.tokens_per_step.value", self.value, 1.0,
-                                                  MAX_TOKENS_PER_STEP))  # fmt: skip
-        _count("HeadsCard.tokens_per_step.prompts", self.prompts)
-        _count("HeadsCard.tokens_per_step.new_tokens", self.new_tokens)
+        object.__setattr__(self, "value", number(self.value, "HeadsCard.tokens_per_step.value", low=1.0,
+                                                 high=MAX_TOKENS_PER_STEP))  # fmt: skip
+        object.__setattr__(self, "prompts", _count("HeadsCard.tokens_per_step.prompts", self.prompts))
+        object.__setattr__(self, "new_tokens", _count("HeadsCard.tokens_per_step.new_tokens", self.new_tokens))
         _text("HeadsCard.tokens_per_step.note", self.note, MAX_NAME)
 
 
@@ -136,11 +126,7 @@ class HeadsCard:
     def __post_init__(self) -> None:
         data = _entries("HeadsCard.training_data", self.training_data, DataSource, lambda d: DataSource(**d))
         taus = _entries("HeadsCard.tokens_per_step", self.tokens_per_step, TokensPerStep, lambda d: TokensPerStep(**d))
-        top1 = self.validation_top1
-        if isinstance(top1, (str, bytes)) or not isinstance(top1, Sequence) or len(top1) > MAX_ENTRIES:
-            raise ConfigError("HeadsCard.validation_top1", f"must be a list of one accuracy per head, got "
-                              f"{brief_repr(top1)}")  # fmt: skip
-        top1 = tuple(_number(f"HeadsCard.validation_top1[{i}]", x, 0.0, 1.0) for i, x in enumerate(top1))
+        top1 = numbers_in(self.validation_top1, "HeadsCard.validation_top1", low=0.0, high=1.0, max_len=MAX_ENTRIES)
         for name in ("recipe", "command", "hardware"):
             _text(f"HeadsCard.{name}", getattr(self, name))
         for name, value in (("training_data", data), ("tokens_per_step", taus), ("validation_top1", top1)):

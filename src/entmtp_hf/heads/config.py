@@ -8,13 +8,12 @@ set of heads can serve every decoding policy.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..files import brief_list, brief_repr
+from ..validation import brief_list, brief_repr, integer, number
 
 #: Version of the on-disk layout written by ``save_pretrained``; bump on breaking changes.
 FORMAT_VERSION = 1
@@ -36,32 +35,8 @@ MAX_HEAD_DIM = 4096
 MAX_INTERMEDIATE_SIZE = 2**20
 MAX_POSITIONS = 2**24
 _FIELD = "HeadsConfig"
+_MAX_VERSION = 2**31 - 1  # any version number; those above FORMAT_VERSION are refused as too new
 _PREFIX = f"{_FIELD}.prefix_layer_config"
-
-
-def _check_int(field: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(field, f"must be an int, got {type(value).__name__} {brief_repr(value)}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-        raise ConfigError(field, f"must be {bound}, got {brief_repr(value)}")
-
-
-def _check_number(field: str, value: Any, low: float, high: float = math.inf, low_open: bool = True) -> None:
-    """A finite number in (low, high] (or [low, high] when ``low_open`` is False)."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float))
-    if ok:
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        ok = math.isfinite(number) and (number > low if low_open else number >= low) and number <= high
-    if not ok:
-        if high == math.inf:
-            span = "" if low == -math.inf else f" {'>' if low_open else '>='} {low:g}"
-        else:
-            span = f" in {'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ConfigError(field, f"must be a finite number{span}, got {brief_repr(value)}")
 
 
 def _check_rope(field: str, rope: Any) -> None:
@@ -76,26 +51,26 @@ def _check_rope(field: str, rope: Any) -> None:
             if not isinstance(value, str):
                 raise ConfigError(where, f"must be a string, got {brief_repr(value)}")
         elif key == "rope_theta" or "factor" in key:  # factor, low_freq_factor, short_factor (a list), ...
-            for number in value if isinstance(value, list) else [value]:
-                _check_number(where, number, 0.0)
+            for x in value if isinstance(value, list) else [value]:
+                number(x, where, low=0.0, low_open=True)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            _check_number(where, value, -math.inf)
+            number(value, where)
 
 
 def _check_attention(cfg: dict[str, Any], hidden_size: int) -> None:
     """Head counts and widths: positive, bounded, and dividing as attention needs them to."""
     heads = cfg.get("num_attention_heads")
     if heads is not None:
-        _check_int(f"{_PREFIX}.num_attention_heads", heads, 1, MAX_ATTENTION_HEADS)
+        integer(heads, f"{_PREFIX}.num_attention_heads", low=1, high=MAX_ATTENTION_HEADS)
         if cfg.get("head_dim") is None and hidden_size % heads:  # head_dim = hidden_size // heads
             raise ConfigError(f"{_PREFIX}.num_attention_heads", f"{heads} does not divide hidden_size {hidden_size}")
     kv = cfg.get("num_key_value_heads")
     if kv is not None:
-        _check_int(f"{_PREFIX}.num_key_value_heads", kv, 1, heads or MAX_ATTENTION_HEADS)
+        integer(kv, f"{_PREFIX}.num_key_value_heads", low=1, high=heads or MAX_ATTENTION_HEADS)
         if heads is not None and heads % kv:
             raise ConfigError(f"{_PREFIX}.num_key_value_heads", f"{kv} does not divide num_attention_heads {heads}")
     if cfg.get("head_dim") is not None:
-        _check_int(f"{_PREFIX}.head_dim", cfg["head_dim"], 1, MAX_HEAD_DIM)
+        integer(cfg["head_dim"], f"{_PREFIX}.head_dim", low=1, high=MAX_HEAD_DIM)
 
 
 def check_prefix_layer_config(cfg: Any, hidden_size: int) -> None:
@@ -115,7 +90,7 @@ def check_prefix_layer_config(cfg: Any, hidden_size: int) -> None:
     for key, maximum in (("intermediate_size", MAX_INTERMEDIATE_SIZE), ("max_position_embeddings", MAX_POSITIONS),
                          ("vocab_size", MAX_VOCAB_SIZE)):  # fmt: skip
         if cfg.get(key) is not None:
-            _check_int(f"{_PREFIX}.{key}", cfg[key], 1, maximum)
+            integer(cfg[key], f"{_PREFIX}.{key}", low=1, high=maximum)
     if "hidden_act" in cfg:
         from transformers.activations import ACT2FN
 
@@ -125,10 +100,10 @@ def check_prefix_layer_config(cfg: Any, hidden_size: int) -> None:
             raise ConfigError(f"{_PREFIX}.hidden_act", f"must be one of [{known}], got {brief_repr(act)}")
     for key in ("rms_norm_eps", "rope_theta"):
         if key in cfg:
-            _check_number(f"{_PREFIX}.{key}", cfg[key], 0.0)
+            number(cfg[key], f"{_PREFIX}.{key}", low=0.0, low_open=True)
     for key in ("attention_dropout", "partial_rotary_factor"):
         if cfg.get(key) is not None:
-            _check_number(f"{_PREFIX}.{key}", cfg[key], 0.0, 1.0, low_open=key == "partial_rotary_factor")
+            number(cfg[key], f"{_PREFIX}.{key}", low=0.0, high=1.0, low_open=key == "partial_rotary_factor")
     for key in ("attention_bias", "mlp_bias"):
         if key in cfg and not isinstance(cfg[key], bool):
             raise ConfigError(f"{_PREFIX}.{key}", f"must be a bool, got {brief_repr(cfg[key])}")
@@ -168,9 +143,9 @@ class HeadsConfig:
             raise ConfigError(f"{_FIELD}.head_arch", f"for {self.family!r} must be one of {archs}, got {got}")
         for name, maximum in (("num_heads", MAX_HEADS), ("num_layers", MAX_LAYERS), ("hidden_size", MAX_HIDDEN_SIZE),
                               ("vocab_size", MAX_VOCAB_SIZE)):  # fmt: skip
-            _check_int(f"{_FIELD}.{name}", getattr(self, name), 1, maximum)
-        _check_int(f"{_FIELD}.draft_vocab_size", self.draft_vocab_size, 0, self.vocab_size)
-        _check_int(f"{_FIELD}.format_version", self.format_version, 1)
+            setattr(self, name, integer(getattr(self, name), f"{_FIELD}.{name}", low=1, high=maximum))
+        self.draft_vocab_size = integer(self.draft_vocab_size, f"{_FIELD}.draft_vocab_size", low=0, high=self.vocab_size)
+        self.format_version = integer(self.format_version, f"{_FIELD}.format_version", low=1, high=_MAX_VERSION)
         if self.format_version > FORMAT_VERSION:
             raise ConfigError(
                 f"{_FIELD}.format_version",
@@ -193,7 +168,7 @@ class HeadsConfig:
                 raise ConfigError(where, "an 'eagle' drafter fuses base hidden states into its feature: a list "
                                   f"of indices ending with -1 (the last state), got {brief_repr(layers)}")
             for index in layers[:-1]:
-                _check_int(where, index, 0, MAX_BASE_LAYERS)
+                integer(index, where, low=0, high=MAX_BASE_LAYERS)
             if len(set(layers)) != len(layers):
                 raise ConfigError(where, f"repeats a hidden state: {layers}")
             return
@@ -204,7 +179,7 @@ class HeadsConfig:
         if not isinstance(layers, list) or len(layers) != 3:
             raise ConfigError(where, f"eagle3 fuses three base hidden states: a list of 3 indices, got {brief_repr(layers)}")
         for index in layers:  # hidden-state indices: 0 is the embeddings' output (checked against a model in check_fits)
-            _check_int(where, index, 0, MAX_BASE_LAYERS)
+            integer(index, where, low=0, high=MAX_BASE_LAYERS)
         if self.num_layers != 1:
             raise ConfigError(f"{_FIELD}.num_layers", f"eagle3 has one decoder layer, got {self.num_layers}")
 

@@ -28,7 +28,8 @@ from huggingface_hub.errors import (
 
 from ..errors import FileFormatError
 from ..hub import missing_revision
-from ..files import brief_list, check_relative_name, read_json_object, resolve_inside
+from ..files import check_relative_name, read_json_object, resolve_inside
+from ..validation import brief_list
 from ..trees.bank_format import METADATA_KEY as BANK_METADATA_KEY
 
 #: ``config.json`` of heads: a few kB (the prefix layer's config included); multimodal base
@@ -214,6 +215,17 @@ def _check_tensors(data: object, path: str) -> dict[str, torch.Tensor]:
     return dict(data)
 
 
+def _pickle_problem(error: Exception) -> str:
+    """torch's reason for refusing a pickle, in one line: the line that names what the pickle
+    asked for, without torch's advice around it (which suggests ``weights_only=False``, the
+    very thing that would run the pickle's code)."""
+    advice = ("Weights only load failed", "Check the documentation", "Please file an issue", "WeightsUnpickler error")
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = next((line for line in lines if not line.startswith(advice)), lines[0] if lines else "")
+    text = f"{type(error).__name__}: {reason}"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def open_pickle(path: str, keys_with_prefix: str | None = None) -> Weights:
     """A pickled state dict, read with ``weights_only=True`` (tensors only, never code) and
     memory-mapped, so nothing is read into memory before the shapes are checked.
@@ -226,11 +238,9 @@ def open_pickle(path: str, keys_with_prefix: str | None = None) -> Weights:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise HeadsLoadError(
-            path,
-            "refused or unreadable pickle; only plain tensor state dicts are loaded "
-            f"(weights_only=True) and nothing in the file was executed ({type(e).__name__}: {e})",
-        ) from e
+        raise HeadsLoadError(path, f"refused or unreadable pickle ({_pickle_problem(e)}); nothing in it was run. "
+                             "Only plain tensor state dicts are read: re-save the tensors from a copy you trust "
+                             "(torch.save of a dict of tensors, or safetensors)") from e  # fmt: skip
     tensors = _check_tensors(data, path)
     kept = {k.removeprefix(keys_with_prefix or ""): stored_tensor(v) for k, v in tensors.items()
             if keys_with_prefix is None or k.startswith(keys_with_prefix)}  # fmt: skip

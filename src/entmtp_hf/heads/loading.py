@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..files import brief_repr
+from ..validation import brief_repr
 from .base import FORMAT_KEY, WEIGHTS_NAME, DraftHeads, check_draft_vocab
 from .card import CARD_NAME, HeadsCard, read_card
 from .config import FORMAT_VERSION, HeadsConfig

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..files import brief_list, brief_repr
+from ..validation import brief_list, brief_repr
 from .config import MAX_HEADS, MAX_LAYERS, HeadsConfig
 from .files import MAX_INDEX_BYTES, HeadsLoadError, Weights, stored_tensor, merge_weights, open_weights, read_json
 from .base import text_config

@@ -39,25 +39,43 @@ draft tokens that were rejected.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections import deque
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from ..errors import ConfigError, FileFormatError
+from ..files import read_json_object
+from ..validation import flag, increasing, integer, number, numbers_in
 from .features import entropy_from_logp
+from .policies import NEEDS_ENTROPIES, register_policy
 
 HALT_CAUSES = ("threshold", "fork", "k_max", "warmup", "length")
+#: the longest chain: far beyond any drafter's useful length (heads: capped at the tree depth)
+MAX_CHAIN = 1024
+#: the most recent entropies one mean is taken over (each chain's start sums them)
+MAX_WINDOW = 4096
+#: more generated tokens than any generation produces (:func:`fixed_length`'s warm-up never ends)
+MAX_TOKENS = 2**62
+MAX_BANDS = 64
+MAX_SETTINGS_BYTES = 2**16
+#: the integer fields' ranges (``fork_min_history`` is also at most ``window``)
+_INTEGER_RANGES = {"k_max": (1, MAX_CHAIN), "window": (1, MAX_WINDOW), "fork_min_history": (1, MAX_WINDOW),
+                   "warmup_tokens": (0, MAX_TOKENS), "warmup_length": (0, MAX_CHAIN),
+                   "min_length": (0, MAX_CHAIN)}  # fmt: skip
+
+
+def _name(field_name: str) -> str:
+    return f"EASConfig.{field_name}"
 
 
 # ============================================================================ config
 @dataclass(frozen=True)
 class EASConfig:
-    """Settings of entropy-adaptive speculation (validated on construction).
+    """Settings of entropy-adaptive speculation (validated on construction: a bad field is a
+    :class:`~entmtp_hf.errors.ConfigError` naming it).
 
     Entropies are in nats of the drafter's raw distribution (temperature 1, no warpers). The
     band defaults are the report's thresholds; the band edges and fork settings are untuned
@@ -83,44 +101,39 @@ class EASConfig:
     )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "thresholds", tuple(float(t) for t in self.thresholds))
-        object.__setattr__(self, "band_edges", tuple(float(e) for e in self.band_edges))
-        minimum = {"k_max": 1, "window": 1, "fork_min_history": 1, "warmup_tokens": 0, "warmup_length": 0,
-                   "min_length": 0}  # fmt: skip
-        for name, low in minimum.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"EASConfig.{name} must be an integer >= {low}, got {value!r}")
-        if not self.thresholds or any(not math.isfinite(t) or t < 0 for t in self.thresholds):
-            raise ValueError(f"EASConfig.thresholds must be finite entropies >= 0, got {list(self.thresholds)}")
-        if len(self.band_edges) != len(self.thresholds) - 1:
-            raise ValueError(
-                f"EASConfig needs {len(self.thresholds) - 1} band_edges for {len(self.thresholds)} thresholds, "
-                f"got {len(self.band_edges)}"
-            )
-        if any(b <= a for a, b in zip(self.band_edges, self.band_edges[1:])):
-            raise ValueError(f"EASConfig.band_edges must be strictly increasing, got {list(self.band_edges)}")
-        if self.fork_margin < 0 or math.isnan(self.fork_margin):
-            raise ValueError(f"EASConfig.fork_margin must be >= 0 nats, got {self.fork_margin}")
-        if self.fork_ratio < 1 or math.isnan(self.fork_ratio):
-            raise ValueError(f"EASConfig.fork_ratio must be >= 1, got {self.fork_ratio}")
+        for name, (low, high) in _INTEGER_RANGES.items():
+            object.__setattr__(self, name, integer(getattr(self, name), _name(name), low=low, high=high))
         if self.fork_min_history > self.window:
-            raise ValueError(f"EASConfig.fork_min_history ({self.fork_min_history}) exceeds window ({self.window})")
+            raise ConfigError(_name("fork_min_history"), f"must be at most window ({self.window}), "
+                              f"got {self.fork_min_history}")  # fmt: skip
+        bands = numbers_in(self.thresholds, _name("thresholds"), low=0.0, max_len=MAX_BANDS)
+        if not bands:
+            raise ConfigError(_name("thresholds"), "needs one entropy threshold per band, at least one")
+        edges = numbers_in(self.band_edges, _name("band_edges"), max_len=MAX_BANDS)
+        if len(edges) != len(bands) - 1:
+            raise ConfigError(_name("band_edges"), f"needs {len(bands) - 1} edges for {len(bands)} thresholds, "
+                              f"got {len(edges)}")  # fmt: skip
+        object.__setattr__(self, "thresholds", bands)
+        object.__setattr__(self, "band_edges", increasing(edges, _name("band_edges")))
+        object.__setattr__(self, "fork_margin", number(self.fork_margin, _name("fork_margin"), low=0.0))
+        object.__setattr__(self, "fork_ratio", number(self.fork_ratio, _name("fork_ratio"), low=1.0))
+        flag(self.detect_forks, _name("detect_forks"))
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "EASConfig":
         """Settings saved as a JSON object of fields (``entmtp-hf eas-calibrate`` writes one);
-        a missing, malformed or invalid file is named in the error."""
+        a missing, malformed or invalid file is a :class:`~entmtp_hf.errors.FileFormatError`
+        naming it."""
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-            unknown = sorted(set(data) - {f.name for f in fields(cls)})
+            data = read_json_object(path, max_bytes=MAX_SETTINGS_BYTES, max_depth=4)
+            unknown = sorted(map(str, set(data) - {f.name for f in fields(cls)}))
             if unknown:
-                raise ValueError(f"unknown fields {unknown}")
+                raise ConfigError("EASConfig", f"unknown fields {unknown}")
             return cls(**data)
-        except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"{path}: not valid EAS settings ({e})") from e
+        except FileFormatError as e:
+            raise FileFormatError(path, f"not valid EAS settings ({e.problem})") from e
+        except ConfigError as e:
+            raise FileFormatError(path, f"not valid EAS settings ({e})") from e
 
     def threshold_for(self, mean: float | None) -> float:
         """The band threshold for a recent mean entropy (the least confident band when unknown)."""
@@ -223,9 +236,9 @@ class EASController:
 
     def __init__(self, config: EASConfig, k_max: int | None = None) -> None:
         self.config = config
-        self.k_max = config.k_max if k_max is None else min(config.k_max, k_max)
-        if self.k_max < 0:
-            raise ValueError(f"k_max must be >= 0, got {self.k_max}")
+        if k_max is not None:
+            k_max = min(config.k_max, integer(k_max, "EASController.k_max", low=0, high=MAX_CHAIN))
+        self.k_max = config.k_max if k_max is None else k_max
         self.recent: deque[float] = deque(maxlen=config.window)
         self.generated = 0
         self.stats = EASStats()
@@ -288,4 +301,25 @@ class EASController:
 def fixed_length(k: int) -> EASConfig:
     """An :class:`EASConfig` that drafts exactly ``k`` tokens every step (the fixed-chain
     baseline of the draft-model form): the warm-up never ends."""
-    return EASConfig(k_max=k, warmup_tokens=2**62, warmup_length=k)
+    return EASConfig(k_max=k, warmup_tokens=MAX_TOKENS, warmup_length=k)
+
+
+# ============================================================================ the policy
+@dataclass
+class EntropyRule:
+    """Policy ``entropy``: ``trees[d]`` is the tree truncated at depth ``d``, and a step verifies
+    the one whose depth is the chain length the halting rule gives (:class:`EASController`
+    reads the entropies). ``current`` stays the whole tree: what a step verifies when a
+    retrieved branch replaces the draft."""
+
+    num_trees: int
+    current: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.current = self.num_trees - 1
+
+    def choose(self, length: int) -> int:
+        return length
+
+
+register_policy("entropy", EntropyRule, needs=NEEDS_ENTROPIES, sources=("bank", "tree"), what="truncates one tree")

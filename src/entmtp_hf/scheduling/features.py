@@ -21,6 +21,9 @@ from typing import Callable
 
 import torch
 
+from ..errors import ConfigError
+from ..validation import brief_repr, integer
+
 #: the features that read the heads' draft; the others are known before the heads run, so only
 #: the chosen tree is drafted (``best_path_value`` is max(p0, p0·p1, ...) = p0: no draft needed)
 DRAFT_FEATURES = ("chain_value", "head_confidence")
@@ -28,6 +31,8 @@ DRAFT_FEATURES = ("chain_value", "head_confidence")
 #: entropy, a softmax over the whole vocabulary per step); ``head_confidence`` reads it only
 #: when nothing is drafted, ``accept_ema`` never
 BASE_FEATURES = ("best_path_value", "chain_value", "base_top1", "confidence", "confidence_ema")
+#: the most recent steps a running average weighs
+MAX_FEATURE_WINDOW = 4096
 #: the one feature whose values are tokens per step (1 .. depth + 1); every other is in [0, 1]
 TOKEN_FEATURES = ("accept_ema",)
 
@@ -101,10 +106,10 @@ class FeatureTracker:
     accept_ema: float | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in FEATURES:
-            raise ValueError(f"unknown scheduler feature {self.name!r}; choose one of {FEATURES}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"feature window must be an integer >= 1, got {self.window!r}")
+        if not isinstance(self.name, str) or self.name not in FEATURES:
+            raise ConfigError("FeatureTracker.name", f"unknown scheduler feature {brief_repr(self.name)}; choose one "
+                              f"of {list(FEATURES)}")  # fmt: skip
+        self.window = integer(self.window, "FeatureTracker.window", low=1, high=MAX_FEATURE_WINDOW)
 
     def observe_accept(self, accept_length: int) -> None:
         self.accept_ema = ema(self.accept_ema, float(accept_length), self.window)

@@ -7,10 +7,12 @@ it was run with, so resuming with other heads or settings is refused instead of 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +29,22 @@ def json_safe(value: Any) -> Any:
 
 
 def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> Path:
-    """Write ``data`` as strict JSON (NaN raises) to ``path`` atomically; returns the path."""
+    """Write ``data`` as strict JSON (NaN raises) to ``path`` atomically; returns the path.
+
+    The text goes to a temporary file beside ``path`` (a name of its own, so concurrent
+    writers never share one), then is renamed over it; the temporary file never outlives a
+    failed write. A path that cannot be written raises the ``OSError``.
+    """
     path = Path(path)
+    text = json.dumps(data, indent=indent, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=indent, allow_nan=False), encoding="utf-8")
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):  # gone already after the rename, or never made
+            tmp.unlink()
     return path
 
 

@@ -85,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:
-        print(f"entmtp-hf {args.command}: error: {e}", file=sys.stderr)
+        one_line = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"entmtp-hf {args.command}: error: {one_line}", file=sys.stderr)
         return 2
     except ImportError as e:
         return _missing_extra(e, args.command)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path as FilePath
 from typing import Any, Callable, Iterator, Mapping
 
+from ..errors import EntMTPError
 from ..trees.bank import SHIPPED_DIR, SchedulerDefaults, TopologyBank, shipped_bank_path
 from ..trees.tree import Path, Tree, canonical_order
 from .checkpoint import write_json
@@ -367,7 +369,7 @@ def scheduler_note(bank: TopologyBank, scheduler: SchedulerDefaults, exported: i
     switched = {"static": f"the static tree {s.static}", "hysteresis": f"trees {s.conservative} and {s.aggressive} "
                 f"(T-/T+) on {s.feature} at tau_on {s.tau_on:g} / tau_off {s.tau_off:g}",
                 "ladder": f"the ladder {list(s.ladder)} on {s.ladder_feature}",
-                "value": f"the value policy's trees {list(s.value)}"}[s.policy]  # fmt: skip
+                "value": f"the value policy's trees {list(s.value)}"}.get(s.policy, f"the {s.policy} policy")  # fmt: skip
     text = (f"The bank's default policy is {s.policy}: in generate it runs {switched}. An engine runs one tree "
             f"(SGLang: one budget) for every step: tree {exported} is exported.")
     return {"policy": s.policy, "static": tree(s.static), "conservative": tree(s.conservative),
@@ -443,7 +445,17 @@ def bank_source(name: str) -> str | FilePath:
     return shipped_bank_path(name)
 
 
+def _write_out(out: str, result: dict[str, Any]) -> FilePath:
+    """The export as JSON in ``out``; a path that cannot be written is refused in one line."""
+    try:
+        return write_json(out, result)
+    except OSError as e:
+        raise EntMTPError(f"--out {out}: cannot write the export there ({e.strerror or e})") from None
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.out and os.path.isdir(args.out):  # refused before any work, like any bad argument
+        raise EntMTPError(f"--out {args.out} is a folder; give the path of the JSON file to write")
     bank = TopologyBank.from_pretrained(bank_source(args.bank), task=args.task, revision=args.revision)
     result = export(bank, args.to, args.drafter, tree=args.tree, machine=args.machine, max_depth=args.max_depth,
                     max_nodes=args.max_nodes, batch_size=args.batch_size)  # fmt: skip
@@ -451,7 +463,7 @@ def _run(args: argparse.Namespace) -> int:
     print("\n".join(report_lines(result)) + "\n")
     print(snippet(result["engine"], result["config"], result["engine_options"]), end="")
     if args.out:
-        print(f"# wrote {write_json(args.out, result)}")
+        print(f"# wrote {_write_out(args.out, result)}")
     return 0
 
 

@@ -36,7 +36,7 @@ from ..errors import EntMTPError
 from ..costs.ranking import Ranking, priced, rank, scheduler_for
 from ..costs.retrieval import RetrievalFigures
 from ..costs.table import CostTable
-from ..drafting.retrieval import RetrievalConfig
+from .retrieval import RetrievalConfig
 from ..hub import missing_revision
 from .bank_card import CARD_NAME, model_card
 from .bank_format import (

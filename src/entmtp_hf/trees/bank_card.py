@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..costs.retrieval import retrieval_label
-from ..drafting.retrieval import RetrievalConfig
+from .retrieval import RetrievalConfig
 from .bank_format import (
     FIGURES,
     SUFFIX,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -34,11 +33,14 @@ from safetensors import SafetensorError, safe_open
 
 from ..costs.retrieval import RetrievalFigures
 from ..costs.table import CostTable
-from ..drafting.retrieval import RetrievalConfig
-from ..errors import FileFormatError
-from ..files import brief_list, brief_repr, nesting_depth, parse_json
+from .retrieval import RetrievalConfig
+from ..errors import EntMTPError, FieldError, FileFormatError
+from ..files import nesting_depth, parse_json
 from ..scheduling.features import FEATURES
-from ..scheduling.policies import POLICIES
+from ..scheduling.policies import get_policy
+from ..validation import (
+    brief_list, brief_repr, choice, increasing, integer, mapping, number, numbers_in, sequence, taus, thresholds,
+)
 from .tree import Tree
 
 FORMAT_VERSION = 1
@@ -87,34 +89,13 @@ def check_task_name(task: object) -> str:
     return task
 
 
-def _as_index(value: object, what: str) -> int:
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            pass
-    raise ValueError(f"{what} must be an integer tree index, got {brief_repr(value)}")
+def _index(value: object, field: str) -> int:
+    """A tree index (checked against the bank's own trees where they are known)."""
+    return integer(value, field, low=0, high=MAX_TREES - 1, error=FieldError)
 
 
-def _as_number(value: object, what: str) -> float:
-    if not isinstance(value, bool) and isinstance(value, (int, float)):
-        try:
-            number = float(value)
-        except OverflowError:  # an int beyond float range
-            number = math.inf
-        if math.isfinite(number):
-            return number
-    raise ValueError(f"{what} must be a finite number, got {brief_repr(value)}")
-
-
-def _as_list(value: object, what: str, of: str) -> Sequence:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ValueError(f"{what} must be a list of {of}, got {brief_repr(value)}")
-    return value
-
-
-def _strictly_increasing(values: Sequence[float]) -> bool:
-    return all(a < b for a, b in zip(values, values[1:]))
+def _finite(value: object, field: str) -> float:
+    return number(value, field, error=FieldError)
 
 
 def default_thresholds(count: int, tau: float = 0.01) -> tuple[float, ...]:
@@ -157,46 +138,39 @@ class SchedulerDefaults:
 
     def __post_init__(self) -> None:
         if self.retrieval is not None and not isinstance(self.retrieval, RetrievalConfig):
-            raise ValueError(f"retrieval must be a RetrievalConfig or None, got {brief_repr(self.retrieval)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {brief_repr(self.policy)}")
+            raise FieldError("retrieval", f"must be a RetrievalConfig or None, got {brief_repr(self.retrieval)}")
+        self._set("policy", get_policy(self.policy, "policy", in_banks=True, error=FieldError).name)
         for name in ("feature", "ladder_feature"):
-            if getattr(self, name) not in FEATURES:
-                raise ValueError(f"{name} must be one of {FEATURES}, got {brief_repr(getattr(self, name))}")
+            choice(getattr(self, name), name, FEATURES, error=FieldError)
         for name in ("static", "conservative", "aggressive"):
-            if _as_index(getattr(self, name), name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        _as_number(self.tau_on, "tau_on")
-        _as_number(self.tau_off, "tau_off")
-        if any(_as_index(i, "value entry") < 0 for i in self.value):
-            raise ValueError(f"value must list tree indices >= 0, got {brief_repr(list(self.value))}")
-        costs = [_as_number(c, "value cost") for c in self.value_costs]
+            self._set(name, _index(getattr(self, name), name))
+        tau_on, tau_off = taus(self.tau_on, self.tau_off, error=FieldError)
+        self._set("tau_on", tau_on)
+        self._set("tau_off", tau_off)
+        self._set("value", tuple(_index(i, "value entry") for i in sequence(self.value, "value", of="tree indices",
+                                                                            max_len=MAX_TREES, error=FieldError)))
+        costs = numbers_in(self.value_costs, "value_costs", max_len=MAX_TREES, error=FieldError)
         if len(costs) != len(self.value) or any(c <= 0 for c in costs):
-            raise ValueError(
-                f"value_costs must give one positive cost per value tree ({len(self.value)}), got {brief_repr(costs)}"
-            )
+            raise FieldError("value_costs", f"must give one positive cost per value tree ({len(self.value)}), "
+                             f"got {brief_repr(list(costs))}")  # fmt: skip
+        self._set("value_costs", costs)
         if self.policy == "value" and not self.value:
-            raise ValueError("policy 'value' needs the trees it picks from in `value`")
-        if self.tau_off > self.tau_on:
-            raise ValueError(f"tau_off ({self.tau_off}) must be <= tau_on ({self.tau_on})")
+            raise FieldError("policy", "'value' needs the trees it picks from in `value`")
         if self.conservative > self.aggressive:
-            raise ValueError(f"conservative ({self.conservative}) must be <= aggressive ({self.aggressive})")
+            raise FieldError("conservative", f"must be <= aggressive ({self.aggressive}), got {self.conservative}")
         self._check_ladder()
 
+    def _set(self, name: str, value: Any) -> None:
+        """Store a checked field in its normal form (an int, a float, a tuple)."""
+        object.__setattr__(self, name, value)
+
     def _check_ladder(self) -> None:
-        if not self.ladder or any(_as_index(i, "ladder entry") < 0 for i in self.ladder):
-            raise ValueError(f"ladder must list one or more tree indices >= 0, got {brief_repr(list(self.ladder))}")
-        if not _strictly_increasing(self.ladder):
-            raise ValueError(f"ladder indices must be strictly increasing, got {brief_repr(list(self.ladder))}")
-        if len(self.thresholds) != len(self.ladder) - 1:
-            raise ValueError(
-                f"a ladder of {len(self.ladder)} trees needs {len(self.ladder) - 1} thresholds, "
-                f"got {len(self.thresholds)}"
-            )
-        for t in self.thresholds:
-            _as_number(t, "threshold")
-        if not _strictly_increasing(self.thresholds):
-            raise ValueError(f"thresholds must be strictly increasing, got {brief_repr(list(self.thresholds))}")
+        ladder = sequence(self.ladder, "ladder", of="tree indices", max_len=MAX_TREES, error=FieldError)
+        if not ladder:
+            raise FieldError("ladder", "must list one or more tree indices")
+        self._set("ladder", increasing(tuple(_index(i, "ladder entry") for i in ladder), "ladder", error=FieldError))
+        self._set("thresholds", thresholds(self.thresholds, "thresholds", low=-math.inf, count=len(ladder) - 1,
+                                           error=FieldError))  # fmt: skip
 
     @classmethod
     def from_metadata(cls, raw: Mapping[str, Any] | None, num_trees: int) -> "SchedulerDefaults":
@@ -207,42 +181,39 @@ class SchedulerDefaults:
         :func:`default_thresholds`, policy ``hysteresis``, features ``best_path_value``,
         no retrieval.
         """
-        raw = dict(raw or {})
+        raw = mapping(raw, "scheduler", optional=True, error=FieldError)
         unknown = sorted(map(str, set(raw) - set(cls.__dataclass_fields__)))
         if unknown:
             allowed = list(cls.__dataclass_fields__)
-            raise ValueError(f"unknown scheduler keys [{brief_list(map(brief_repr, unknown))}]; allowed: {allowed}")
+            raise EntMTPError(f"unknown scheduler keys [{brief_list(map(brief_repr, unknown))}]; allowed: {allowed}")
         last = num_trees - 1
-        tau_on = raw.get("tau_on", raw.get("tau_off", 0.01))
-        ladder = _as_list(raw.get("ladder", range(num_trees)), "ladder", "tree indices")
-        ladder = tuple(_as_index(i, "ladder entry") for i in ladder)
+        tau_on = _finite(raw.get("tau_on", raw.get("tau_off", 0.01)), "tau_on")
+        ladder = sequence(raw.get("ladder", range(num_trees)), "ladder", of="tree indices", max_len=MAX_TREES,
+                          error=FieldError)  # fmt: skip
         thresholds = raw.get("thresholds")
         if thresholds is None:
-            thresholds = default_thresholds(len(ladder) - 1, _as_number(tau_on, "tau_on"))
-        _as_list(thresholds, "thresholds", "numbers")
-        value = _as_list(raw.get("value", ()), "value", "tree indices")
-        value_costs = _as_list(raw.get("value_costs", ()), "value_costs", "numbers")
+            thresholds = default_thresholds(len(ladder) - 1, tau_on)
         sched = cls(
-            static=_as_index(raw.get("static", last), "static"),
-            conservative=_as_index(raw.get("conservative", 0), "conservative"),
-            aggressive=_as_index(raw.get("aggressive", last), "aggressive"),
-            tau_on=_as_number(tau_on, "tau_on"),
-            tau_off=_as_number(raw.get("tau_off", tau_on), "tau_off"),
+            static=raw.get("static", last),
+            conservative=raw.get("conservative", 0),
+            aggressive=raw.get("aggressive", last),
+            tau_on=tau_on,
+            tau_off=raw.get("tau_off", tau_on),
             ladder=ladder,
-            thresholds=tuple(_as_number(t, "threshold") for t in thresholds),
+            thresholds=thresholds,
             policy=raw.get("policy", "hysteresis"),
             feature=raw.get("feature", "best_path_value"),
             ladder_feature=raw.get("ladder_feature", "best_path_value"),
             retrieval=None if raw.get("retrieval") is None else RetrievalConfig.from_dict(raw["retrieval"]),
-            value=tuple(_as_index(i, "value entry") for i in value),
-            value_costs=tuple(_as_number(c, "value cost") for c in value_costs),
+            value=raw.get("value", ()),
+            value_costs=raw.get("value_costs", ()),
         )
         used = {"static": sched.static, "conservative": sched.conservative, "aggressive": sched.aggressive}
         used.update({f"ladder entry {i}": v for i, v in enumerate(sched.ladder)})
         used.update({f"value entry {i}": v for i, v in enumerate(sched.value)})
         for name, index in used.items():
             if index > last:
-                raise ValueError(f"{name} is tree {index}, but the bank has only {num_trees} trees (0..{last})")
+                raise FieldError(name, f"is tree {index}, but the bank has only {num_trees} trees (0..{last})")
         return sched
 
     def to_dict(self) -> dict[str, Any]:
@@ -331,7 +302,7 @@ def check_metadata(metadata: Mapping[str, Any] | None, task: str, trees: tuple[T
                 raise ValueError(f"metadata['trees'][{k}]['num_nodes'] is {got}, tree {k} has {tree.num_nodes}")
             for fig in FIGURES:
                 if fig in info:
-                    _as_number(info[fig], f"metadata['trees'][{k}][{fig!r}]")
+                    _finite(info[fig], f"metadata['trees'][{k}][{fig!r}]")
     _check_frontier(meta, trees)
     _check_retrieval_figures(meta)
     _check_machines(meta, len(trees))
@@ -347,7 +318,7 @@ def _check_frontier(meta: dict[str, Any], trees: tuple[Tree, ...]) -> None:
         raise ValueError("metadata['frontier'] must be a dict whose 'trees' lists tree indices")
     per_tree = meta.get("trees") or []
     for i in frontier["trees"]:
-        k = _as_index(i, "metadata['frontier'] tree")
+        k = _index(i, "metadata['frontier'] tree")
         if not 0 <= k < len(trees):
             raise ValueError(f"metadata['frontier'] names tree {k}, but the bank has {len(trees)} trees")
         if k >= len(per_tree) or "mean_accept_length" not in per_tree[k]:
@@ -407,7 +378,7 @@ def _check_speedups(speedups: object, num_trees: int) -> None:
     for key, value in speedups.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < num_trees):
             raise ValueError(f"'speedups' names tree {brief_repr(key)}, but the bank has {num_trees} trees")
-        _as_number(value, f"'speedups'[{key!r}]")
+        _finite(value, f"'speedups'[{key!r}]")
 
 
 @dataclass(frozen=True, eq=False)
@@ -496,9 +467,7 @@ def _tree_names(meta: Mapping[str, Any], path: Path, present: set[str]) -> list[
     stem = path.name[: -len(SUFFIX)] if path.name.endswith(SUFFIX) else path.stem
     if meta.get("task") != stem:
         raise ValueError(f"metadata task {brief_repr(meta.get('task'))} does not match the file name {path.name!r}")
-    num_trees = meta.get("num_trees")
-    if isinstance(num_trees, bool) or not isinstance(num_trees, int) or not 1 <= num_trees <= MAX_TREES:
-        raise ValueError(f"num_trees must be an integer in [1, {MAX_TREES}], got {brief_repr(num_trees)}")
+    num_trees = integer(meta.get("num_trees"), "num_trees", low=1, high=MAX_TREES, error=FieldError)
     names = [f"tree.{k}" for k in range(num_trees)]
     missing = [n for n in names if n not in present]
     extra = sorted(present - set(names))

@@ -9,16 +9,16 @@ threshold is refused before any compute and a step only looks things up.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..costs.table import CostTable
-from ..drafting.retrieval import RetrievalConfig, with_branch
+from .retrieval import RetrievalConfig, with_branch
 from ..errors import ConfigError
 from ..scheduling.eas import EASConfig
 from ..scheduling.features import TOKEN_FEATURES
-from ..scheduling.policies import FEATURE_POLICIES, Scheduler
+from ..scheduling.policies import NEEDS_FEATURE, PolicySpec, Scheduler, default_policy, get_policy
+from ..validation import number, numbers_in
 from .tree import Tree
 
 if TYPE_CHECKING:
@@ -47,8 +47,8 @@ class DecodePlan:
 
     @property
     def policy(self) -> str:
-        """``entropy`` for EAS plans, else the scheduler's policy."""
-        return "entropy" if self.eas is not None else self.scheduler_args["policy"]
+        """The scheduler's policy."""
+        return self.scheduler_args["policy"]
 
     @property
     def plain(self) -> bool:
@@ -85,61 +85,62 @@ def _switching_plan(config: Any, num_heads: int, costs: CostTable | None) -> Dec
     defaults = bank.scheduler_for(costs) if bank is not None else None
     retrieval = _retrieval(config, defaults)
     if bank is not None:
-        trees, policy, args = _from_bank(config, bank, defaults)
+        trees, spec, args = _from_bank(config, bank, defaults)
         if config.feature is None:
-            feature = defaults.ladder_feature if policy == "ladder" else defaults.feature
+            feature = defaults.ladder_feature if spec.name == "ladder" else defaults.feature
     elif config.tree is not None:
-        trees, policy, args = (Tree.from_choices(config.tree),), config.policy or "static", {}
+        trees, spec, args = (Tree.from_choices(config.tree),), get_policy(config.policy or "static"), {}
     else:
-        trees, policy, args = _from_trees(config)
-    args = {**args, "policy": policy}
+        trees, spec, args = _from_trees(config)
     if config.tau_on is not None:
         args["tau_on"] = config.tau_on
     if config.tau_off is not None:
         args["tau_off"] = config.tau_off
     elif config.tau_on is not None and args.get("tau_off", config.tau_on) > config.tau_on:
         args["tau_off"] = config.tau_on
-    if policy in FEATURE_POLICIES:
+    depth = max(t.depth for t in trees)
+    if spec.needs == NEEDS_FEATURE:
         args.setdefault("tau_off", args.get("tau_on", 0.01))
-        _check_thresholds(feature, args, max(t.depth for t in trees))
+        _check_thresholds(feature, args, depth)
+    args = {"policy": spec.name, **{k: v for k, v in args.items() if k in spec.arguments}}
     try:
         Scheduler(num_trees=len(trees), **args)  # validated now, before any compute
-    except ValueError as e:
-        raise ConfigError("EntMTPConfig", str(e)) from None
-    depth = max(t.depth for t in trees)
-    chain = Tree.chain(depth) if policy in FEATURE_POLICIES else Tree.root_only()  # what features read
+    except ConfigError as e:  # the scheduler's arguments that can be wrong here are the config's fields
+        raise ConfigError(e.field.replace("Scheduler", "EntMTPConfig", 1), e.problem) from None
+    chain = Tree.chain(depth) if spec.needs == NEEDS_FEATURE else Tree.root_only()  # what features read
     return _plan(trees, chain, args, feature=feature, retrieval=retrieval)
 
 
-def _from_trees(config: Any) -> tuple[tuple[Tree, ...], str, dict]:
+def _from_trees(config: Any) -> tuple[tuple[Tree, ...], PolicySpec, dict]:
     trees = tuple(Tree.from_choices(t) for t in config.trees)
-    policy = config.policy or ("static" if len(trees) == 1 else "hysteresis" if len(trees) == 2 else "ladder")
+    spec = get_policy(config.policy or default_policy(len(trees)))
     args: dict = {"low": 0, "high": min(1, len(trees) - 1)}
     if config.costs is not None:
         args["costs"] = tuple(float(c) for c in config.costs)
-    if policy == "ladder":
+    if "thresholds" in spec.arguments:
         if config.thresholds is None:
-            raise ConfigError("EntMTPConfig.thresholds",
-                              f"the ladder over {len(trees)} trees needs {len(trees) - 1} increasing values")  # fmt: skip
+            raise ConfigError("EntMTPConfig.thresholds", f"the {spec.name} policy over {len(trees)} trees needs "
+                              f"{len(trees) - 1} increasing values")  # fmt: skip
         args["thresholds"] = tuple(config.thresholds)
-    return trees, policy, args
+    return trees, spec, args
 
 
-def _from_bank(config: Any, bank: "TopologyBank", d: "SchedulerDefaults") -> tuple[tuple[Tree, ...], str, dict]:
+def _from_bank(config: Any, bank: "TopologyBank", d: "SchedulerDefaults") -> tuple[tuple[Tree, ...], PolicySpec, dict]:
+    """The bank's trees for the policy (its static tree alone when that is the root: plain
+    decoding pays most there), with the policy's arguments from the bank and the config."""
     trees = tuple(bank.trees)
-    policy = config.policy or d.policy
-    if policy == "static" or trees[d.static].num_nodes == 1:  # the root alone: plain decoding pays most here
-        return (trees[d.static],), "static", {}
-    if policy == "hysteresis":
-        low, high = sorted((d.conservative, d.aggressive), key=lambda i: trees[i].num_nodes)
-        return (trees[low], trees[high]), policy, {"low": 0, "high": 1, "tau_on": d.tau_on, "tau_off": d.tau_off}
-    if policy == "value":
-        if not d.value:
-            raise ConfigError("EntMTPConfig.policy", f"the bank for task {bank.task!r} lists no trees for the value policy")
-        return tuple(trees[i] for i in d.value), policy, {"costs": tuple(d.value_costs)}
-    ladder = tuple(trees[i] for i in d.ladder)
-    thresholds = tuple(config.thresholds) if config.thresholds is not None else tuple(d.thresholds)
-    return ladder, policy, {"thresholds": thresholds}
+    spec = get_policy(config.policy or d.policy)
+    if spec.from_bank is None:
+        raise ConfigError("EntMTPConfig.policy", f"the {spec.name} policy takes no trees from a bank's scheduler")
+    if spec.name == "static" or trees[d.static].num_nodes == 1:
+        spec = get_policy("static")
+    indices, args = spec.from_bank(d, trees)
+    if not indices:
+        raise ConfigError("EntMTPConfig.policy", f"the bank for task {bank.task!r} lists no trees for the "
+                          f"{spec.name} policy")  # fmt: skip
+    if config.thresholds is not None and "thresholds" in spec.arguments:
+        args["thresholds"] = tuple(config.thresholds)
+    return tuple(trees[i] for i in indices), spec, args
 
 
 def _entropy_plan(config: Any, num_heads: int, costs: CostTable | None) -> DecodePlan:
@@ -150,7 +151,7 @@ def _entropy_plan(config: Any, num_heads: int, costs: CostTable | None) -> Decod
         defaults = config.load_bank().scheduler_for(costs)
         tree, retrieval = config.load_bank().trees[defaults.static], _retrieval(config, defaults)
     trees = tuple(Tree(tuple(p for p in tree.paths if len(p) <= d)) for d in range(tree.depth + 1))
-    args = {"policy": "static", "static_index": tree.depth}
+    args = {"policy": get_policy(config.policy or "entropy").name}
     return _plan(trees, Tree.chain(tree.depth), args, eas=config.eas or EASConfig(), retrieval=retrieval)
 
 
@@ -164,12 +165,14 @@ def _retrieval(config: Any, defaults: "SchedulerDefaults | None") -> RetrievalCo
 def _check_thresholds(feature: str, args: dict, depth: int) -> None:
     """Thresholds in the feature's units: probabilities in [0, 1], tokens per step in [0, depth + 1]."""
     top = depth + 1.0 if feature in TOKEN_FEATURES else 1.0
-    named = {"tau_on": args.get("tau_on"), "tau_off": args.get("tau_off")}
-    named.update({f"thresholds[{i}]": t for i, t in enumerate(args.get("thresholds", ()))})
-    for name, value in named.items():
-        if value is not None and not (math.isfinite(value) and 0.0 <= value <= top):
-            raise ConfigError(f"EntMTPConfig.{name}", f"{value!r} is outside [0, {top:g}], the range of "
-                              f"feature {feature!r}")  # fmt: skip
+
+    def refuse(field: str, problem: str) -> ConfigError:
+        return ConfigError(field, f"{problem}, the range of feature {feature!r}")
+
+    for name in ("tau_on", "tau_off"):
+        if args.get(name) is not None:
+            number(args[name], f"EntMTPConfig.{name}", low=0.0, high=top, error=refuse)
+    numbers_in(args.get("thresholds", ()), "EntMTPConfig.thresholds", low=0.0, high=top, error=refuse)
 
 
 def _check_trees(trees: tuple[Tree, ...], num_heads: int, draft_rows: int | None) -> None:

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...drafting.retrieval import RetrievalConfig
+from ...trees.retrieval import RetrievalConfig
 from ...scheduling.features import FEATURES
 
 #: hysteresis thresholds and ladder cut points swept per feature, on the probability scale

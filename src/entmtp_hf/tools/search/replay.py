@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 from ...decoding.acceptance import walk_tree
 from ...config import EntMTPConfig
 from ...costs.retrieval import RetrievalFigures
-from ...drafting.retrieval import NgramIndex, RetrievalConfig
+from ...drafting.retrieval import NgramIndex
+from ...trees.retrieval import RetrievalConfig
 from ...scheduling.features import FeatureTracker
 from ...scheduling.policies import FEATURE_POLICIES
 from ...trees.plan import DecodePlan, build_plan

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from ...drafting.retrieval import RetrievalConfig
+from ...trees.retrieval import RetrievalConfig
 from ...trees.bank import default_thresholds
 from ...trees.tree import MC_SIM_7B_63, Tree
 from ...costs.table import interpolate

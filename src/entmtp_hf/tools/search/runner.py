@@ -40,7 +40,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from ...config import EntMTPConfig
-from ...drafting.retrieval import RetrievalConfig
+from ...trees.retrieval import RetrievalConfig
 from ...scheduling.features import threshold
 from ...scheduling.policies import FEATURE_POLICIES
 from ...trees.tree import MC_SIM_7B_63, Tree
