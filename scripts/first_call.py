@@ -38,6 +38,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/first-call.json")
     parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--model-cache", default=None,
+                        help="where the demo model is cached already (default: fetched into the fresh cache folder)")
     args = parser.parse_args()
     os.environ["ENTMTP_HF_CACHE"] = tempfile.mkdtemp(prefix="entmtp-first-call-")  # a fresh cost cache
     from entmtp_hf import calibrate
@@ -45,7 +47,7 @@ def main() -> int:
     from entmtp_hf.tools.machine import hardware_string
 
     t0 = time.perf_counter()
-    model, tokenizer, bank_dir = load_demo()
+    model, tokenizer, bank_dir = load_demo(cache_dir=args.model_cache)
     loaded = time.perf_counter() - t0
     config = config_for(bank_dir, "chat")
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)

@@ -227,7 +227,8 @@ def test_the_probe_times_decoding_s_own_session(tiny_cache, monkeypatch):
 
 def test_the_forward_sizes_shrink_with_the_batch():
     assert probe_module.sizes_at(1) == probe_module.PROBE_SIZES
-    assert probe_module.sizes_at(8) == (1, 2, 3, 4, 6, 8, 12, 16)
+    assert probe_module.sizes_at(4) == (1, 2, 3, 4, 6, 8, 12, 16)
+    assert probe_module.sizes_at(8) == (1, 2, 3, 4, 6, 8)
     assert probe_module.sizes_at(256)[:4] == (1, 2, 3, 4)  # always enough to interpolate the small trees
 
 

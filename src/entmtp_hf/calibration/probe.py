@@ -48,16 +48,20 @@ log = logging.getLogger(__name__)
 PROBE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: at ``B`` rows, sizes above ``MAX_BATCH_NODES / B`` (at least the four smallest) are left to the
 #: extrapolation: a forward of that many tokens is bound by its products, linear in the tokens
-MAX_BATCH_NODES = 128
+MAX_BATCH_NODES = 64
 PREFIX_LEN = 256
-#: tokens of each timed decode (plain and EntMTP)
+#: tokens of the timed plain decode
 DECODE_TOKENS = 24
+#: tokens of each short EntMTP decode that splits a step's time, and of the plain decode timed
+#: again to check the machine stayed steady: a mean over a dozen steps settles these parts well
+#: enough, and the three decodes are the probe's longest stage (at 24 tokens a third of its time)
+STEP_TOKENS = 12
 #: plain decoding's timed prompts: its steps run at contexts centred on the forward's
 #: ``PREFIX_LEN``, because a step's attention grows with its context (on the demo model on a
 #: 2-core CPU a step at 256 cached tokens costs 6-9% more than at 112, the more rows the more)
 PLAIN_PROMPT_LEN = PREFIX_LEN - DECODE_TOKENS // 2
 #: prompts of the short EntMTP decodes that time drafting and the rest of a step
-DECODE_PROMPT_LEN = 96
+DECODE_PROMPT_LEN = 64
 REPEATS = 3
 #: how far two timings of one thing may differ (of the smaller) for :func:`steady`: an idle
 #: machine repeats them within a few percent, a busy one by tens of percent
@@ -121,18 +125,25 @@ def _session(model, heads, ids: torch.Tensor, tree: Tree, tokens: int) -> tuple[
     return open_session(model, ids, **args), args
 
 
+def prefilled(model, heads, *, prefix_len: int = PREFIX_LEN, batch_size: int = 1) -> DecodeSession:
+    """A session of ``batch_size`` random prompts of ``prefix_len`` tokens, prefilled: what
+    :func:`forward_ms` times forwards on (it drafts nothing: its tree is the root alone)."""
+    session, _ = _session(model, heads, _random_prompts(model, batch_size, 0, prefix_len), Tree.root_only(), 1)
+    session.prefill()
+    return session
+
+
 def forward_ms(model, heads, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: int = PREFIX_LEN,
-               repeats: int = REPEATS, batch_size: int = 1, on_round: Callable[[], None] | None = None
-               ) -> dict[int, float]:  # fmt: skip
+               repeats: int = REPEATS, batch_size: int = 1, on_round: Callable[[], None] | None = None,
+               session: DecodeSession | None = None) -> dict[int, float]:  # fmt: skip
     """Median ms of the verification forward of ``N`` chained nodes (in each of ``batch_size`` rows)
     after ``prefix_len`` cached tokens, the sizes timed round-robin so drift hits every size alike.
-    ``heads``: the model's draft heads (the session drafts nothing: its tree is the root alone);
-    ``on_round``: see :func:`_medians`."""
-    ids = _random_prompts(model, batch_size, 0, prefix_len)
-    session, _ = _session(model, heads, ids, Tree.root_only(), 1)
-    session.prefill()
+    ``heads``: the model's draft heads; ``on_round``: see :func:`_medians`; ``session``: one from
+    :func:`prefilled` to time on again (a prefill of a batch costs as much as a dozen forwards;
+    each timed forward leaves its cache as it found it)."""
+    session = session if session is not None else prefilled(model, heads, prefix_len=prefix_len, batch_size=batch_size)
     runs = {n: (lambda n=n: trial_forward(session, n)) for n in sizes}
-    seconds = _medians(runs, repeats, _sync(ids.device), on_round)
+    seconds = _medians(runs, repeats, _sync(session.device), on_round)
     return {n: 1e3 * s for n, s in seconds.items()}
 
 
@@ -190,7 +201,7 @@ def _overhead_fit(rest: dict[int, float]) -> tuple[float, float]:
     return o1 - p * n1, p
 
 
-def step_costs(model, heads, per_node: float, batch_size: int = 1, *, tokens: int = DECODE_TOKENS
+def step_costs(model, heads, per_node: float, batch_size: int = 1, *, tokens: int = STEP_TOKENS
                ) -> tuple[tuple[float, float, float], tuple[float, float]]:  # fmt: skip
     """Per-row drafting ``(a, b, c)`` and overhead ``(o, p)`` at ``batch_size`` rows, from short
     EntMTP decodes: drafting's fixed and per-depth parts from chains one and three deep (a batch
@@ -259,6 +270,8 @@ def _agreeing(measure: Callable[[], tuple], recheck: Callable[[], tuple[float, f
 def _forward_and_plain(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, tick: Tick
                        ) -> tuple[dict[int, float], float, bool]:  # fmt: skip
     plain_ids = _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN)
+    recheck_ids = _random_prompts(model, batch_size, 3, PREFIX_LEN - STEP_TOKENS // 2)  # a shorter decode, centred alike
+    session = prefilled(model, heads, batch_size=batch_size)  # the forwards' and the recheck's
     ticked: set[str] = set()
 
     def once(stage: str) -> None:  # a measurement taken again does not move the bar again
@@ -267,15 +280,15 @@ def _forward_and_plain(model, heads, batch_size: int, sizes: Sequence[int], repe
             tick(stage)
 
     def measure() -> tuple:
-        forward = forward_ms(model, heads, sizes_at(batch_size, sizes), repeats=repeats, batch_size=batch_size)
+        forward = forward_ms(model, heads, sizes_at(batch_size, sizes), repeats=repeats, session=session)
         once("forward")
         plain = _plain_ms(model, plain_ids, DECODE_TOKENS)
         once("plain decoding")
         return forward, plain
 
     def recheck() -> tuple[float, float]:
-        one = forward_ms(model, heads, (1,), repeats=repeats, batch_size=batch_size)[1]
-        return one, _plain_ms(model, plain_ids, DECODE_TOKENS)
+        one = forward_ms(model, heads, (1,), repeats=repeats, session=session)[1]
+        return one, _plain_ms(model, recheck_ids, STEP_TOKENS)
 
     (forward, plain), agree = _agreeing(measure, recheck, batch_size)
     return forward, plain, agree

@@ -10,7 +10,7 @@ an installed wheel. ``python -m entmtp_hf.demo`` (what ``make demo`` runs,
 from __future__ import annotations
 
 from pathlib import Path
-
+from typing import Sequence
 
 from ..config import EntMTPConfig
 from ..integration import enable_entmtp
@@ -52,11 +52,14 @@ def demo_bank_dir(drafter: str = DEFAULT_DRAFTER) -> Path:
     raise FileNotFoundError("no shipped tree bank found in the package")
 
 
-def load_demo(heads: str | Path | None = None, *, cache_dir: str | Path | None = None):
+def load_demo(heads: str | Path | None = None, *, cache_dir: str | Path | None = None,
+              calibrate: bool | Sequence[int] = False):
     """``(model, tokenizer, bank_dir)``: the demo model with shipped heads enabled.
 
     ``heads``: ``"eagle"`` (the EAGLE-style drafter, the default) or ``"hydra"`` (the Hydra
-    heads), each with the banks searched for it, or a heads folder (with the Hydra heads' banks)."""
+    heads), each with the banks searched for it, or a heads folder (with the Hydra heads' banks).
+    ``calibrate``: as :func:`~entmtp_hf.enable_entmtp`'s (measure this machine's step costs now,
+    so that the banks rank their trees for it)."""
     drafter = heads if isinstance(heads, str) and heads in DEMO_DRAFTERS else DEFAULT_DRAFTER if heads is None else None
     heads = DEMO_DRAFTERS[drafter][0] if drafter is not None else Path(heads)
     if not (heads / "config.json").exists():
@@ -64,7 +67,7 @@ def load_demo(heads: str | Path | None = None, *, cache_dir: str | Path | None =
             f"no draft heads at {heads}: train them with `entmtp-hf train-heads` (see docs/training.md)"
         )
     model, tokenizer = load_base_model(cache_dir=cache_dir)
-    enable_entmtp(model, str(heads))
+    enable_entmtp(model, str(heads), calibrate=calibrate)
     return model, tokenizer, demo_bank_dir(drafter or "hydra")  # a heads folder: the Hydra heads' banks
 
 
