@@ -107,10 +107,10 @@ def test_tree_values_sum_path_values_per_tree():
 
 def test_value_policy_weighs_value_by_cost():
     s = Scheduler("value", num_trees=3, costs=(1.0, 1.0, 1.5))
-    assert s.choose_value([0.9, 0.8, 1.5]) == 0
-    assert s.choose_value([0.5, 0.8, 1.5]) == 1  # 1.8 vs 2.5 / 1.5 = 1.67
-    assert s.choose_value([0.5, 0.8, 2.0]) == 2  # 3 / 1.5 = 2
-    assert s.choose_value([0.7, 0.7, 0.0]) == 0  # ties go to the earlier tree
+    assert s.choose([0.9, 0.8, 1.5]) == 0
+    assert s.choose([0.5, 0.8, 1.5]) == 1  # 1.8 vs 2.5 / 1.5 = 1.67
+    assert s.choose([0.5, 0.8, 2.0]) == 2  # 3 / 1.5 = 2
+    assert s.choose([0.7, 0.7, 0.0]) == 0  # ties go to the earlier tree
     assert not s.needs_feature
 
 

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 from .trees.retrieval import RetrievalConfig
 from .errors import ConfigError
 from .scheduling.eas import EASConfig
-from .scheduling.features import FEATURES, MAX_FEATURE_WINDOW, TOKEN_FEATURES
-from .scheduling.policies import NEEDS_ENTROPIES, default_policy, get_policy
+from .scheduling.features import FEATURES, MAX_FEATURE_WINDOW, feature_top
+from .scheduling.policies import NEEDS_ENTROPIES, SOURCES, default_policy, get_policy
 from .trees.bank import TopologyBank, check_task_name
 from .costs.table import CostTable
 from .trees.plan import DecodePlan, build_plan
@@ -172,7 +172,7 @@ class EntMTPConfig:
             return
         feature = self.feature or "best_path_value"
         trees = [self.tree] if self.tree is not None else list(self.trees)
-        top = max(Tree.from_choices(t).depth for t in trees) + 1.0 if feature in TOKEN_FEATURES else 1.0
+        top = feature_top(feature, max(Tree.from_choices(t).depth for t in trees))
         taus(self.tau_on, self.tau_off, low=0.0, high=top, prefix="EntMTPConfig.")
         if self.thresholds is not None:
             thresholds(self.thresholds, _name("thresholds"), high=top)
@@ -189,7 +189,7 @@ class EntMTPConfig:
 
     def _check_policy_fits(self) -> None:
         """The trees given suit the policy (as registered: where it takes its trees from, how many)."""
-        source = next(name for name in ("bank", "tree", "trees") if getattr(self, name) is not None)
+        source = next(name for name in SOURCES if getattr(self, name) is not None)
         num_trees = len(self.trees) if self.trees is not None else None
         policy = self.policy or ("entropy" if self.eas is not None else None)
         policy = policy or (default_policy(num_trees) if num_trees is not None else None)

@@ -24,6 +24,9 @@ from .errors import ConfigError, EntMTPError
 #: builds the error a check raises from the field's name and what is wrong with it
 Refusal = Callable[[str, str], EntMTPError]
 _LISTED = 12  # items shown in an error message before eliding
+#: the bound of a count read from JSON (tokens, prompts, steps): exact in a JSON number, far
+#: beyond any run
+MAX_COUNT = 2**53
 
 
 # ------------------------------------------------------------------ short values in messages

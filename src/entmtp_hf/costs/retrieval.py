@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from ..trees.retrieval import RetrievalConfig, with_branch
 from ..errors import FieldError
-from ..validation import brief_repr, integer
+from ..validation import MAX_COUNT, brief_repr, integer
 from ..trees.tree import Tree
 from .table import CostTable
 
@@ -35,10 +35,6 @@ RETRIEVAL_OPTIONS: dict[str, RetrievalConfig] = {
     **{f"replace-{n}": RetrievalConfig(mode="replace", num_tokens=n) for n in (1, 2, 3)},
     **{f"append-{n}": RetrievalConfig(mode="append", num_tokens=n) for n in (1, 2)},
 }
-
-
-#: tokens and steps one replay counts: far beyond any calibration run, exact in a JSON number
-MAX_COUNT = 2**53
 
 
 def retrieval_label(config: RetrievalConfig | None) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 from huggingface_hub import ModelCardData
 
 from ..errors import ConfigError
-from ..validation import brief_repr, integer, number, numbers_in, sequence
+from ..validation import MAX_COUNT, brief_repr, integer, number, numbers_in, sequence
 from ..hub import hub_repo_id
 from .config import HeadsConfig
 from .files import HeadsLoadError, read_json
@@ -32,8 +32,6 @@ MAX_NAME = 200
 MAX_ENTRIES = 64
 #: tokens per step: at least the verifier's own token, at most a whole tree's depth + 1
 MAX_TOKENS_PER_STEP = 65.0
-#: tokens, prompts: far more than any training run or measurement counts, exact in a JSON number
-MAX_COUNT = 2**53
 TAGS = ("entmtp-hf", "speculative-decoding", "draft-heads")
 
 

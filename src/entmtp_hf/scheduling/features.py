@@ -82,6 +82,12 @@ def tree_values(probs: torch.Tensor, ancestors: torch.Tensor, members: torch.Ten
     return members.double() @ path
 
 
+def feature_top(feature: str, depth: int) -> float:
+    """The largest value ``feature`` takes on trees ``depth`` deep: 1 for a probability,
+    ``depth + 1`` tokens per step for ``accept_ema``."""
+    return depth + 1.0 if feature in TOKEN_FEATURES else 1.0
+
+
 def threshold(feature: str, t: float, depth: int) -> float:
     """A threshold given on the probability scale [0, 1] in ``feature``'s own units: every
     feature is a probability except ``accept_ema`` (tokens per step, 1 to depth + 1)."""

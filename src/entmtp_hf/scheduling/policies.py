@@ -194,10 +194,6 @@ class Scheduler:
         values (``values``), the chain length the entropies give (``entropies``), nothing."""
         return self.rule.choose(reading)
 
-    def choose_value(self, values: list[float]) -> int:
-        """:meth:`choose` for the value policy, named for what it reads."""
-        return self.rule.choose(values)
-
 
 def tree_index(value: Any, name: str, num_trees: int) -> int:
     """An index among ``num_trees`` trees."""

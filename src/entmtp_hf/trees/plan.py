@@ -16,7 +16,7 @@ from ..costs.table import CostTable
 from .retrieval import RetrievalConfig, with_branch
 from ..errors import ConfigError
 from ..scheduling.eas import EASConfig
-from ..scheduling.features import TOKEN_FEATURES
+from ..scheduling.features import feature_top
 from ..scheduling.policies import NEEDS_FEATURE, PolicySpec, Scheduler, default_policy, get_policy
 from ..validation import number, numbers_in
 from .tree import Tree
@@ -164,7 +164,7 @@ def _retrieval(config: Any, defaults: "SchedulerDefaults | None") -> RetrievalCo
 
 def _check_thresholds(feature: str, args: dict, depth: int) -> None:
     """Thresholds in the feature's units: probabilities in [0, 1], tokens per step in [0, depth + 1]."""
-    top = depth + 1.0 if feature in TOKEN_FEATURES else 1.0
+    top = feature_top(feature, depth)
 
     def refuse(field: str, problem: str) -> ConfigError:
         return ConfigError(field, f"{problem}, the range of feature {feature!r}")
