@@ -7,7 +7,7 @@ import torch
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.decoding.attention import tree_inputs
-from entmtp_hf.decoding.cache import accepted_prefix, keep_accepted
+from entmtp_hf.decoding.cache import accepted_slots, additive_mask, keep_accepted
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, target_joint
@@ -167,13 +167,15 @@ def test_keep_accepted_masks_the_slots_a_row_did_not_fill():
     cache = DynamicCache()
     keys = torch.arange(2 * 7, dtype=torch.float64).reshape(2, 1, 7, 1)
     cache.update(keys.clone(), keys.clone() + 100, 0)
-    prefix = torch.zeros(2, 3, dtype=torch.float64)
+    slots = torch.tensor([[0, 1, 2], [-1, 0, 1]])  # row 1 is left-padded
     keep_accepted(cache, 3, [[0, 2, 3], [0]])
-    new = accepted_prefix(prefix, 3, [3, 1])
+    new = accepted_slots(slots, 3, [3, 2], [3, 1])
     assert cache.get_seq_length() == 6
     assert cache.layers[0].keys[0, 0, 3:, 0].tolist() == [3, 5, 6]
     assert cache.layers[0].keys[1, 0, 3, 0].item() == 10
-    assert (new[0] == 0).all() and (new[1, :4] == 0).all() and (new[1, 4:] < -1e300).all()
+    assert new.tolist() == [[0, 1, 2, 3, 4, 5], [-1, 0, 1, 2, -1, -1]]
+    mask = additive_mask(new, torch.float64)
+    assert (mask[0] == 0).all() and mask[1, 0] < -1e300 and (mask[1, 1:4] == 0).all() and (mask[1, 4:] < -1e300).all()
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -208,7 +210,6 @@ def test_exact_sampling_in_a_batch_preserves_every_rows_distribution(tiny_cache)
     [
         (lambda ids, mask: dict(attention_mask=mask.flip(-1)), "left-padded"),
         (lambda ids, mask: dict(num_beams=2), "num_beams"),
-        (lambda ids, mask: dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
         (lambda ids, mask: dict(streamer=object()), "streamers take one sequence"),
     ],
 )

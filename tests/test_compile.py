@@ -55,10 +55,12 @@ def test_compiled_verification_is_lossless_and_never_recompiles_while_decoding(t
 
 
 @pytest.mark.slow
-def test_compiled_verification_of_a_left_padded_batch_equals_plain_batched_generate(tiny_cache):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_compiled_verification_of_a_left_padded_batch_equals_plain_batched_generate(tiny_cache, arch):
     """One session for every batch size: a static cache and compiled verification with several rows,
-    rows ending at different steps (stopped rows stay in the forward, verifying their root alone)."""
-    model, heads = tiny_cache("llama", "hydra", "mlp")
+    rows ending at different steps (stopped rows stay in the forward, verifying their root alone).
+    Gemma 3's sliding layers (window 8, passed three times over) verify with their own mask."""
+    model, heads = tiny_cache(arch, "hydra", "mlp")
     enable_entmtp(model, heads)
     g = torch.Generator().manual_seed(3)
     lengths = (3, 7, 5)

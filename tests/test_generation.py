@@ -141,7 +141,9 @@ def test_static_cache_and_attention_mask(tiny_cache):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2), dict(min_new_tokens=10, eos_token_id=3)],
+    [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2), dict(min_new_tokens=10, eos_token_id=3),
+     dict(bad_words_ids=[[4], [5, 6]]), dict(sequence_bias={(5,): 4.0}), dict(suppress_tokens=[1, 2]),
+     dict(forced_eos_token_id=3, eos_token_id=3), dict(max_time=600.0)],
 )
 def test_logits_processors_see_each_nodes_path(tiny_cache, kwargs):
     model = enabled(tiny_cache)
@@ -424,7 +426,7 @@ def forward_counter(tiny_cache):
     "make_kwargs, message",
     [
         (lambda ids: dict(num_beams=2), "num_beams"),
-        (lambda ids: dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+        (lambda ids: dict(num_return_sequences=2), "num_return_sequences"),  # greedy: refused as plain generate does
         (lambda ids: dict(entmtp_config=EntMTPConfig(tree=CHAIN + [[0, 0, 0, 0, 0]])), "depth 5"),
         (lambda ids: dict(entmtp_config=EntMTPConfig(tree=CHAIN, acceptance="typical")), "do_sample=True"),
         (lambda ids: dict(entmtp_config=EntMTPConfig(bank=DEFAULTS, task="nope")), "nope"),

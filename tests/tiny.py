@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     LlamaConfig,
@@ -40,13 +44,27 @@ ARCHS = {
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 8}),
 }
+#: sliding-window and hybrid attention (window 8 unless named): every layer sliding, mixed layer
+#: types, soft-capping, and a window shorter than the trees' depth
+SLIDING_ARCHS = {
+    "mistral-sliding": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
+    "qwen2-sliding": (Qwen2Config, Qwen2ForCausalLM,
+                      {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "num_hidden_layers": 3}),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {"head_dim": 8, "sliding_window": 8, "num_hidden_layers": 3,
+                                                 "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 8, "sliding_window": 8, "num_hidden_layers": 3,
+                                                     "layer_types": ["sliding_attention", "sliding_attention",
+                                                                     "full_attention"]}),
+    "mistral-window-3": (MistralConfig, MistralForCausalLM, {"sliding_window": 3}),
+}
+ARCHS_ALL = {**ARCHS, **SLIDING_ARCHS}
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, sharpen: float = 4.0):
     """A float64 tiny model; ``sharpen`` scales the LM head so greedy runs are not flat."""
-    config_cls, model_cls, extra = ARCHS[arch]
+    config_cls, model_cls, extra = ARCHS_ALL[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**COMMON, **extra)).double().eval()
+    model = model_cls(config_cls(**{**COMMON, **extra})).double().eval()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
     model.generation_config.pad_token_id = None

@@ -116,9 +116,18 @@ def _prompt(args: tuple, kwargs: dict) -> Any:
     return kwargs["inputs"] if kwargs.get("inputs") is not None else kwargs.get("input_ids")
 
 
+def _copies(kwargs: dict) -> int:
+    """Sequences per prompt (``num_return_sequences``, from the call or its generation config)."""
+    config = kwargs.get("generation_config")
+    k = kwargs.get("num_return_sequences") or getattr(config, "num_return_sequences", None) or 1
+    return int(k)
+
+
 def _batch_size(args: tuple, kwargs: dict) -> int:
+    """Rows the call decodes: prompts times sequences per prompt (transformers expands them first)."""
     prompt = _prompt(args, kwargs)
-    return int(prompt.shape[0]) if isinstance(prompt, torch.Tensor) and prompt.ndim == 2 else 1
+    prompts = int(prompt.shape[0]) if isinstance(prompt, torch.Tensor) and prompt.ndim == 2 else 1
+    return prompts * _copies(kwargs)
 
 
 def _plans_by_batch_size(model, heads, config: EntMTPConfig, batch_size: int) -> Callable[[int], DecodePlan]:
@@ -154,9 +163,9 @@ def check_supported_call(args: tuple, kwargs: dict) -> None:
     inputs = _prompt(args, kwargs)
     if kwargs.get("inputs_embeds") is not None:
         raise EntMTPError("EntMTP decoding needs input_ids, not inputs_embeds")
-    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[0] > 1:
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[0] * _copies(kwargs) > 1:
         _check_batch(inputs, kwargs)
-    for name in ("num_beams", "num_return_sequences", "num_beam_groups"):
+    for name in ("num_beams", "num_beam_groups"):
         if (kwargs.get(name) or 1) > 1:
             raise EntMTPError(f"EntMTP decoding does not support {name}={kwargs[name]}")
     for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):

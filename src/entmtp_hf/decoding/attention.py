@@ -4,6 +4,12 @@ The base model checks every node of the tree in one forward pass. Node ``i`` is 
 absolute position ``prefix_len + depth(i)`` and sees the whole cached prefix plus its own
 ancestors, through a float additive 4D mask (a boolean mask is silently wrong under the
 eager attention of transformers 5): :func:`tree_inputs`, one builder for one row or many.
+Layers with a sliding window see only the tokens less than the window behind the query
+(transformers' rule: key position > query position - window), the tree's own ancestors
+included: :class:`AttentionLayout` turns the tree mask into each layer type's mask, passed as
+one tensor when every layer attends alike and as a dict keyed by layer type when the model
+mixes them (Gemma 2/3, Qwen2 with ``use_sliding_window``, GPT-OSS, ...), which is what those
+models' forwards take.
 
 A verification forward passes a custom 4D mask. With a mask, transformers' ``sdpa``
 attention expands grouped key/value heads to one copy per query head (``repeat_kv``) in
@@ -33,14 +39,57 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..errors import EntMTPError
 from ..trees.tree import TreeBuffers
 
 if TYPE_CHECKING:
     from ..drafting.candidates import Draft
 
 ATTENTION_NAME = "entmtp_sdpa"
+#: the layer types tree verification can mask (transformers' ``config.layer_types`` names)
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How a model's decoder layers attend: ``window``, the sliding layers' window (None: every
+    layer sees the whole text), and ``mixed``, whether full and sliding layers are mixed (a
+    forward then takes one mask per layer type)."""
+
+    window: int | None = None
+    mixed: bool = False
+
+    @classmethod
+    def of(cls, config) -> "AttentionLayout":
+        """The layout of a model's (text) config; refuses layer types a tree mask cannot express."""
+        text = config.get_text_config(decoder=True)
+        types, kwargs = get_layer_types_and_kwargs(text)
+        unknown = sorted(set(types) - {FULL, SLIDING})
+        if unknown:
+            raise EntMTPError(f"EntMTP verifies trees on full and sliding-window attention layers; this model has "
+                             f"{', '.join(unknown)} layers")  # fmt: skip
+        windows = {kw["sliding_window"] for t, kw in zip(types, kwargs) if t == SLIDING}
+        if len(windows) > 1:
+            raise EntMTPError(f"EntMTP supports one sliding window per model; this one has {sorted(windows)}")
+        window = windows.pop() if windows else None
+        return cls(window=window, mixed=window is not None and FULL in types)
+
+    def masks(self, full: torch.Tensor, positions: torch.Tensor, slot_pos: torch.Tensor, dropped: int
+              ) -> torch.Tensor | dict[str, torch.Tensor]:  # fmt: skip
+        """The forward's ``attention_mask`` from the tree mask ``full`` [B, 1, N, S + N] (:func:`tree_inputs`),
+        the nodes' positions [B, N], the cached slots' positions ``slot_pos`` [B, S] (-1: never
+        seen) and the slots the sliding layers dropped from their front."""
+        if self.window is None:
+            return full
+        keys = torch.cat([slot_pos, positions], dim=1)  # [B, S + N]
+        if keys.shape[1] < full.shape[-1]:  # a static cache's unfilled slots (masked in ``full`` already)
+            keys = torch.cat([keys, keys.new_full((keys.shape[0], full.shape[-1] - keys.shape[1]), -1)], dim=1)
+        outside = (positions[:, None, :, None] - keys[:, None, None, :]) >= self.window
+        sliding = full.masked_fill(outside, torch.finfo(full.dtype).min)[..., dropped:]
+        return {FULL: full, SLIDING: sliding} if self.mixed else sliding
 
 def tree_inputs(drafts: Sequence["Draft"], next_pos: Sequence[int], prefix: torch.Tensor, kv_len: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -97,6 +97,11 @@ def open_session(
     compiled call exactly when transformers' own generate would compile), before its prefill."""
     if (generation_config.num_beams or 1) > 1:
         raise EntMTPError("EntMTP decoding does not support beam search")
+    returns = bool(generation_config.return_dict_in_generate)
+    for name in ("output_attentions", "output_hidden_states"):
+        if returns and getattr(generation_config, name, False):
+            raise EntMTPError(f"EntMTP decoding does not return {name[len('output_'):]} (a verified tree's are not "
+                              f"plain decoding's): drop {name}=True")  # fmt: skip
     temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
     rule = acceptance_rule(entmtp_config, generation_config, temperature)
     plan_for = plan_for or (lambda b: plan)
@@ -113,8 +118,9 @@ def open_session(
     pad = getattr(generation_config, "_pad_token_tensor", None)
     return DecodeSession(model, plan_for, new_drafter, rule, cache, input_ids, model_kwargs.get("attention_mask"),
                          logits_processor, stopping_criteria, pad_token_id=int(pad) if pad is not None else 0,
-                         max_length=generation_config.max_length, streamer=streamer,
-                         verify_forward=forward)  # fmt: skip
+                         max_length=generation_config.max_length, streamer=streamer, verify_forward=forward,
+                         keep_scores=returns and bool(generation_config.output_scores),
+                         keep_logits=returns and bool(generation_config.output_logits))  # fmt: skip
 
 
 def entmtp_decode(
@@ -158,6 +164,11 @@ def entmtp_decode(
     for obs in watchers:
         obs.on_end(total)
     sequences = session.sequences()
+    cache = session.release_cache()  # the caller's next turn may continue from it
     if generation_config.return_dict_in_generate:
-        return EntMTPGenerateOutput(sequences=sequences, cache=session.cache, entmtp_stats=stats.as_dict())
+        return EntMTPGenerateOutput(
+            sequences=sequences, cache=cache, entmtp_stats=stats.as_dict(),
+            scores=session.per_token("scores") if session.keep_scores else None,
+            logits=session.per_token("logits") if session.keep_logits else None,
+        )
     return sequences

@@ -32,7 +32,7 @@ row's candidate generator is rebuilt on the new plan, keeping its heads' state.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -40,11 +40,12 @@ from torch import Tensor
 from transformers import StaticCache
 
 from ..drafting.candidates import Draft, EntMTPCandidateGenerator
+from ..errors import EntMTPError
 from ..trees.plan import DecodePlan
 from ..trees.tree import Tree
 from .acceptance import check_pick, reference_typical_flags, typical_accept_flags, typical_best_path, walk_tree
-from .attention import tree_inputs, verifying
-from .cache import accepted_prefix, keep_accepted, select_rows
+from .attention import AttentionLayout, tree_inputs, verifying
+from .cache import accepted_slots, additive_mask, keep_accepted, release, select_rows, slot_positions, trim_windows
 from .processors import for_row, process_tree_scores, row_wise
 from .stats import RowStep, StepRecord
 
@@ -96,7 +97,10 @@ class Row:
     drafter: EntMTPCandidateGenerator
     processors: object  # the call's logits processors as they apply to this row alone
     prompt_len: int
+    pad: int = 0  # the prompt's left padding
     next_pos: int = 0  # position id of the row's next root
+    scores: list[Tensor] = field(default_factory=list)  # [n, V] processed scores of emitted tokens (if kept)
+    logits: list[Tensor] = field(default_factory=list)  # [n, V] raw logits of emitted tokens (if kept)
     stopped_at: int | None = None  # new tokens when a stopping criterion fired
     done: bool = False  # nothing more to decode (stopped, and caught up with the others where needed)
 
@@ -104,13 +108,20 @@ class Row:
     def new_tokens(self) -> int:
         return self.ids.shape[1] - self.prompt_len
 
+    @property
+    def last_pos(self) -> int:
+        """Position of the row's last token (the next root's, unless a criterion stopped the row
+        inside its accepted path)."""
+        return self.ids.shape[1] - 1 - self.pad
+
 
 class DecodeSession:
     """The state of one EntMTP ``generate`` call (built by :func:`~entmtp_hf.decoding.loop.entmtp_decode`)."""
 
     def __init__(self, model, plan_for: Callable[[int], DecodePlan], new_drafter: DrafterFactory, rule: Rule, cache,
                  input_ids: Tensor, attention_mask: Tensor | None, logits_processor, stopping_criteria, *,
-                 pad_token_id: int, max_length: int, streamer=None, verify_forward: Callable | None = None) -> None:  # fmt: skip
+                 pad_token_id: int, max_length: int, streamer=None, verify_forward: Callable | None = None,
+                 keep_scores: bool = False, keep_logits: bool = False) -> None:  # fmt: skip
         self.model, self.rule, self.cache = model, rule, cache
         #: the verification forward: the model's own, or its compiled call (one graph per tree size)
         self.forward = verify_forward or model
@@ -122,6 +133,8 @@ class DecodeSession:
         self.stopping_criteria, self.streamer = stopping_criteria, streamer
         self.row_wise = row_wise(logits_processor)  # decided once: the processors do not change during the call
         self.pad_token_id, self.max_length = pad_token_id, max_length
+        #: generate's output_scores / output_logits: every emitted token's processed scores / raw logits
+        self.keep_scores, self.keep_logits = keep_scores, keep_logits
         #: plain generate pads a stopped row only when an EOS criterion exists; else it decodes on
         self.pads_stopped = any(hasattr(c, "eos_token_id") for c in stopping_criteria or ())
         #: a static cache keeps its batch size (compiled graphs are specialised to it): stopped rows stay
@@ -133,8 +146,10 @@ class DecodeSession:
         self.live = list(self.rows)  # row b of the cache and of every forward is live[b]
         heads = self.rows[0].drafter.heads  # one set of heads for every row
         self.features, self.hidden_request = heads.features, heads.hidden_states_request
-        #: additive mask [B_live, S] over the cached slots: user padding and the slots a row left unfilled
-        self.prefix = torch.zeros(0)
+        #: [B_live, S] the text position of every cached slot of every live row; -1 for user padding
+        #: and the slots a row left unfilled, which it never sees
+        self.slot_pos = torch.zeros(0, dtype=torch.long)
+        self.layout = AttentionLayout.of(model.config)  # sliding-window layers: their masks and trimming
         self._idle = Tree.root_only().buffers(self.device, self.dtype)  # what a stopped row kept in the forward verifies
         self.finished = False
 
@@ -151,25 +166,33 @@ class DecodeSession:
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
     def prefill(self) -> None:
-        """The prompts' forward: the cache, every row's first token and its heads' context."""
+        """The prompts' forward: the cache, every row's first token and its heads' context.
+
+        A cache filled by an earlier turn holds the prompts' first tokens: only the rest are run,
+        and the heads see those (their context starts at this call's new tokens)."""
         ids, mask = self.prompt_ids, self.attention_mask
+        cached = int(self.cache.get_seq_length())
+        if cached >= ids.shape[1]:
+            raise EntMTPError(f"the cache already holds {cached} tokens and the prompt has {ids.shape[1]}: a call "
+                             f"that continues from a filled cache needs at least one new token")  # fmt: skip
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                         use_cache=True, output_hidden_states=self.hidden_request, **keep)  # fmt: skip
+        out = self.model(input_ids=ids[:, cached:], attention_mask=mask, position_ids=positions[:, cached:],
+                         cache=self.cache, use_cache=True, output_hidden_states=self.hidden_request, **keep)  # fmt: skip
         features = self.features(out.hidden_states)
-        self.prefix = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
-        self.prefix.masked_fill_(mask == 0, torch.finfo(self.dtype).min)
+        self.slot_pos = slot_positions(mask)
         last = out.logits[:, -1].float()
         for b, row in enumerate(self.rows):
             scores = row.processors(row.ids, last[b : b + 1])
             root = check_pick(int(self.rule.pick(scores)[0]))
-            seen = mask[b] != 0
+            seen = mask[b, cached:] != 0
             if not bool(seen.any()):  # a row of padding alone: plain generate decodes it too
                 seen[-1] = True
-            row.drafter.observe(features[b][seen], last[b], tokens=ids[b][seen])
+            row.drafter.observe(features[b][seen], last[b], tokens=ids[b, cached:][seen])
             row.next_pos = int(positions[b, -1]) + 1
-            self._emit(row, [root], scores)
+            row.pad = int((mask[b] == 0).sum())
+            self._emit(row, [root], scores, last[b : b + 1])
+        trim_windows(self.cache, self.slot_pos, [row.last_pos for row in self.live])
         self._settle()
 
     # ------------------------------------------------------------------ the step
@@ -202,7 +225,9 @@ class DecodeSession:
         """One forward of every live row's tree appended after the first ``prefix_len`` cached slots."""
         width = max(d.buffers.num_nodes for d in drafts)
         kv_len = self.cache.get_max_length() if isinstance(self.cache, StaticCache) else prefix_len + width
-        tokens, positions, mask = tree_inputs(drafts, [r.next_pos for r in self.live], self.prefix, kv_len)
+        prefix = additive_mask(self.slot_pos, self.dtype)
+        tokens, positions, mask = tree_inputs(drafts, [r.next_pos for r in self.live], prefix, kv_len)
+        mask = self.layout.masks(mask, positions, self.slot_pos, self._dropped())
         with verifying():
             return self.forward(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
                                 use_cache=True, output_hidden_states=self.hidden_request)  # fmt: skip
@@ -218,7 +243,8 @@ class DecodeSession:
     def commit(self, drafts: list[Draft], verified: Verified, accepted: list[Accepted]) -> StepRecord:
         paths = [a.path for a in accepted]
         keep_accepted(self.cache, verified.prefix_len, paths)
-        self.prefix = accepted_prefix(self.prefix, verified.prefix_len, [len(p) for p in paths])
+        self.slot_pos = accepted_slots(self.slot_pos, verified.prefix_len, [r.next_pos for r in self.live],
+                                       [len(p) for p in paths])  # fmt: skip
         active = [b for b, row in enumerate(self.live) if not row.done]
         EntMTPCandidateGenerator.observe_rows(
             [self.live[b].drafter for b in active], [verified.hidden[b, paths[b]] for b in active],
@@ -228,17 +254,20 @@ class DecodeSession:
         for b in active:
             row, draft, path, scores = self.live[b], drafts[b], paths[b], accepted[b].scores
             row.next_pos += len(path)
-            emitted = self._emit(row, draft.tokens[path[1:]].tolist() + [accepted[b].next_token], scores[path])
+            emitted = self._emit(row, draft.tokens[path[1:]].tolist() + [accepted[b].next_token], scores[path],
+                                 verified.logits[b, path])  # fmt: skip
             row.drafter.update_candidate_strategy(row.ids, scores[None], len(path) - 1)
             steps.append(RowStep(row.index, draft, path, emitted))
+        trim_windows(self.cache, self.slot_pos, [r.last_pos for r in self.live])
         self._settle()
         return StepRecord(tuple(steps), forward_rows=len(drafts))
 
     # ------------------------------------------------------------------ rows
-    def _emit(self, row: Row, new_tokens: list[int], scores: Tensor) -> int:
+    def _emit(self, row: Row, new_tokens: list[int], scores: Tensor, logits: Tensor) -> int:
         """Append tokens to ``row`` one at a time up to where a stopping criterion fires; a stopped
         row of a batch that decodes on (no EOS criterion) takes the rest unchecked, up to the call's
-        longest text. Returns how many tokens were appended."""
+        longest text. ``scores`` / ``logits`` [n, V]: each token's processed scores and raw logits,
+        kept for the appended ones when the call returns them. Returns how many tokens were appended."""
         rest = new_tokens
         if row.stopped_at is None:
             row.ids, emitted, stopped = emit_tokens(row.ids, new_tokens, scores, self.stopping_criteria)
@@ -254,6 +283,10 @@ class DecodeSession:
             emitted += len(rest)
         if self.streamer is not None and emitted:
             self.streamer.put(torch.tensor(new_tokens[:emitted]))
+        if self.keep_scores and emitted:
+            row.scores.append(scores[:emitted])
+        if self.keep_logits and emitted:
+            row.logits.append(logits[:emitted].float())
         return emitted
 
     def _settle(self) -> None:
@@ -275,16 +308,46 @@ class DecodeSession:
             return
         self.live = [self.live[b] for b in keep]
         select_rows(self.cache, torch.tensor(keep, device=self.device))
-        self.prefix = self.prefix[keep]
+        self.slot_pos = self.slot_pos[keep]
         plan = self.plan_for(len(self.live))
         if plan is not self.plan:  # this batch size verifies other trees: same heads state, new generators
             self.plan = plan
             for row in self.live:
                 row.drafter = self.new_drafter(plan, row.drafter.state)
 
+    def _dropped(self) -> int:
+        """Slots the sliding layers dropped from their front (all alike: :func:`trim_windows`)."""
+        return next((layer.dropped for layer in self.cache.layers if getattr(layer, "is_sliding", False)), 0)
+
     def _idle_draft(self, row: Row) -> Draft:
         """A done row kept in the forward (a static cache) verifies its last token alone."""
         return Draft(0, row.ids[0, -1:], self._idle, None)
+
+    def release_cache(self):
+        """The cache, handed back for the caller's next turn: with one row it holds the returned
+        text but its last token, as plain ``generate`` leaves it (a row stopped inside its
+        accepted path drops the nodes past its end), in transformers' own layer types. A batch's
+        cache is left as decoding left it (its rows' slots are not aligned with the returned
+        sequences), so it does not continue a batch."""
+        if len(self.rows) == 1 and self.drops_rows:
+            excess = int(self.cache.get_seq_length()) - (self.rows[0].ids.shape[1] - 1)
+            if excess > 0:
+                self.cache.crop(-excess)
+        release(self.cache)
+        return self.cache
+
+    def per_token(self, kind: str) -> tuple[Tensor, ...]:
+        """``generate``'s ``scores`` (``kind="scores"``) or ``logits``: one [B, V] tensor per new token
+        of the returned sequences. A row's entries past its end are those of a forced pad token
+        (0 at ``pad_token_id``, the minimum elsewhere): the row emitted nothing there."""
+        steps = self.sequences().shape[1] - self.prompt_ids.shape[1]
+        per_row = [torch.cat(getattr(row, kind)) if getattr(row, kind) else None for row in self.rows]
+        some = next(t for t in per_row if t is not None)
+        forced = torch.full_like(some[0], torch.finfo(some.dtype).min)
+        forced[self.pad_token_id] = 0.0
+        return tuple(
+            torch.stack([t[i] if t is not None and i < t.shape[0] else forced for t in per_row]) for i in range(steps)
+        )
 
     def sequences(self) -> Tensor:
         """[B, L] every row's text, as plain ``generate`` returns a batch: every row as long as the
