@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from entmtp_hf.heads import EagleHeads
 from entmtp_hf.tools.export import export
+from entmtp_hf.tools.export_heads import export_heads
 from entmtp_hf.trees.bank import SHIPPED_DIR, SUFFIX, TopologyBank
 from entmtp_hf.trees.tree import Tree
 
@@ -39,7 +41,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPAT
 try:
     import vllm
     from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
     from vllm.v1.attention.backends.tree_attn import _prepare_tree_attn_bias
     from vllm.v1.spec_decode.eagle import EagleProposer
 except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip, named
@@ -55,18 +59,19 @@ def test_the_pinned_release_runs():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[str, str]:
-    """A tiny Llama target and an EAGLE-3 draft, as config.json folders (building configs reads no weights)."""
-    from transformers import LlamaConfig
+    """A tiny Llama target (its config.json: building configs reads no weights) and an EAGLE-3 drafter
+    for it written by ``export-heads``, with a pruned draft vocabulary of 64 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("engine-models")
-    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=256, max_position_embeddings=512)  # fmt: skip
-    target = LlamaConfig(num_hidden_layers=4, **sizes)
+    target = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=256, max_position_embeddings=512, num_hidden_layers=8)  # fmt: skip
     target.architectures = ["LlamaForCausalLM"]
     target.save_pretrained(root / "target")
-    draft = LlamaConfig(num_hidden_layers=1, **sizes)
-    draft.architectures, draft.draft_vocab_size = ["LlamaForCausalLMEagle3"], 64
-    draft.save_pretrained(root / "draft")
+    torch.manual_seed(0)
+    heads = EagleHeads.for_model(LlamaForCausalLM(target), num_heads=4, arch="eagle3",
+                                 draft_vocab=torch.randperm(256)[:64].tolist())  # fmt: skip
+    export_heads(heads, "eagle3", root / "draft")
     return str(root / "target"), str(root / "draft")
 
 
@@ -126,3 +131,36 @@ def test_vllm_takes_a_tree_with_unequal_children_and_drafts_another(models):
               "engine_options": {"attention_backend": "TREE_ATTN"}}  # fmt: skip
     proposer = proposer_for(result, models)
     assert proposer.child_drafts_per_level == [2, 1] and rebuilt_tree(proposer) != uneven
+
+
+def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(models, tmp_path):
+    """vLLM's own EAGLE-3 model class takes export-heads' file: every tensor lands where the names say."""
+    from safetensors.torch import load_file
+
+    target, draft = models
+    config = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32",
+                        speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 2},
+                        ).create_engine_config()  # fmt: skip
+    tensors = load_file(Path(draft) / "model.safetensors")
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tmp_path / 'rendezvous'}")  # fmt: skip
+        initialize_model_parallel(1, 1)
+        drafter = Eagle3LlamaForCausalLM(vllm_config=config)
+        drafter.load_weights(tensors.items())  # raises on a name it has no parameter for
+    params = dict(drafter.named_parameters())
+    layer = "model.layers.0."
+    qkv = torch.cat([tensors[f"midlayer.self_attn.{x}_proj.weight"] for x in "qkv"])
+    gate_up = torch.cat([tensors["midlayer.mlp.gate_proj.weight"], tensors["midlayer.mlp.up_proj.weight"]])
+    expected = {"model.fc.weight": tensors["fc.weight"], "model.norm.weight": tensors["norm.weight"],
+                f"{layer}self_attn.qkv_proj.weight": qkv, f"{layer}mlp.gate_up_proj.weight": gate_up,
+                "draft_id_to_target_id": tensors["d2t"]}  # fmt: skip
+    for name in ("self_attn.o_proj", "mlp.down_proj", "hidden_norm", "input_layernorm", "post_attention_layernorm"):
+        expected[f"{layer}{name}.weight"] = tensors[f"midlayer.{name}.weight"]
+    rows = tensors["lm_head.weight"].shape[0]  # vLLM pads the LM head's rows
+    expected["lm_head.weight"] = tensors["lm_head.weight"]
+    assert set(params) - set(expected) == {"model.embed_tokens.weight"}  # shared with the target: not in the file
+    for name, value in expected.items():
+        got = params[name][:rows] if name == "lm_head.weight" else params[name]
+        assert torch.equal(got.data, value), name
+    assert config.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
