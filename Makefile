@@ -33,7 +33,7 @@ test-engines: $(ENGINES_STAMP)
 	ENTMTP_ENGINES=$(ENGINES) $(BIN)/python -m pytest -q -m engines --timeout=600 tests/test_engines.py
 
 # the suite includes building the wheel and decoding from it, installed away from the checkout;
-# then the engine canary, in a process of its own (about 25 s with its install, docs/export.md)
+# then the engine canary, in a process of its own (about 20 s with its install, docs/export.md)
 test: $(STAMP) $(ENGINES_STAMP)
 	$(BIN)/python -m pytest -q -x --timeout=900 tests
 	$(MAKE) test-engines
