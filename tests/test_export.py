@@ -367,7 +367,8 @@ def test_cli_end_to_end_vllm_with_json_file(tmp_path, capsys):
     assert "--attention-backend" not in argv and "speculative_token_tree" not in spec
     tree = [(0,) * d for d in range(1, spec["num_speculative_tokens"] + 1)]
     data = json.loads(out_file.read_text())
-    expected = {"engine", "drafter", "vllm_tree", "task", "bank", "revision", "source_tree", "tree", "config", "engine_options",
+    expected = {"engine", "drafter", "vllm_tree", "task", "bank", "revision", "source_tree", "tree", "config",
+                "engine_options",
                 "dropped", "projection", "tokens_per_step", "scheduler", "machine", "batch_size", "batch_note",
                 "notes", "sources"}  # fmt: skip
     assert set(data) == expected and data["engine"] == "vllm" and data["bank"] == bank and data["vllm_tree"] is False

@@ -61,13 +61,16 @@ def test_eagle3_with_a_pruned_vocabulary_round_trips(tmp_path, model, layers):
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(out / "model.safetensors")
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
-    assert (config["draft_vocab_size"], config["target_hidden_size"], config["vocab_size"]) == (len(DRAFT_IDS), 32, VOCAB)
+    sizes = (config["draft_vocab_size"], config["target_hidden_size"], config["vocab_size"])
+    assert sizes == (len(DRAFT_IDS), 32, VOCAB)
     assert config["eagle_aux_hidden_state_layer_ids"] == sorted(heads.config.feature_layers)  # as engines concat
     assert {k for k in tensors if not k.startswith("midlayer.")} == {"fc.weight", "norm.weight", "lm_head.weight",
                                                                       "d2t", "t2d"}  # fmt: skip
-    assert {"midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "midlayer.self_attn.q_proj.weight"} <= set(tensors)
+    layer = {"midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "midlayer.self_attn.q_proj.weight"}
+    assert layer <= set(tensors)
     assert torch.equal(torch.arange(len(DRAFT_IDS)) + tensors["d2t"], torch.tensor(DRAFT_IDS))
-    assert tensors["t2d"].dtype == torch.bool and torch.equal(tensors["t2d"].nonzero().flatten(), torch.tensor(DRAFT_IDS))
+    assert tensors["t2d"].dtype == torch.bool
+    assert torch.equal(tensors["t2d"].nonzero().flatten(), torch.tensor(DRAFT_IDS))
     again = load_heads(out)  # the published EAGLE-3 reader; the fused layers come from the config
     assert again.config.feature_layers == sorted(heads.config.feature_layers)
     assert torch.equal(again.draft_vocab, heads.draft_vocab)
@@ -90,7 +93,8 @@ def test_eagle1_round_trips(tmp_path, model):
     assert "layers.0.input_layernorm.weight" not in tensors and "lm_head.weight" not in tensors
     again = load_heads(out)
     assert (again.config.head_arch, again.config.use_base_lm_head) == ("eagle", True)
-    for a, b in zip(outputs(model, heads), outputs(model, again)):  # the reader drafts deeper: compare the shared depths
+    # the reader drafts deeper (a published EAGLE-1 checkpoint names no depth): compare the shared depths
+    for a, b in zip(outputs(model, heads), outputs(model, again)):
         assert torch.equal(a, b)
     assert torch.equal(chain_tokens(model, heads), chain_tokens(model, again))
 

@@ -1,8 +1,9 @@
 """``entmtp-hf export``: a bank's tree as the settings of TensorRT-LLM, vLLM or SGLang.
 
 An engine takes one fixed tree (TensorRT-LLM), a chain (vLLM, which verifies drafts as a chain
-whatever tree it drafted) or only a budget (SGLang), and each has rules on the tree's shape. The export takes the bank's EntMTP* tree (``bank.scheduler.static``,
-or a stored machine entry's), projects it onto the largest subtree the engine takes, says which
+whatever tree it drafted) or only a budget (SGLang), and each has rules on the tree's shape. The
+export takes the bank's EntMTP* tree (``bank.scheduler.static``, or a stored machine entry's),
+projects it onto the largest subtree (or chain) the engine takes, says which
 nodes that dropped and what it costs in tokens per step by the bank's acceptance frontier, and
 prints the engine's own keyword arguments and command-line flags. Every rule names the engine
 file it was read from; docs/export.md has the versions and the details.
