@@ -18,6 +18,7 @@ import ast
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ try:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
     from vllm.v1.attention.backends.tree_attn import _prepare_tree_attn_bias
     from vllm.v1.spec_decode.eagle import EagleProposer
@@ -133,21 +135,38 @@ def test_vllm_takes_a_tree_with_unequal_children_and_drafts_another(models):
     assert proposer.child_drafts_per_level == [2, 1] and rebuilt_tree(proposer) != uneven
 
 
-def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(models, tmp_path):
-    """vLLM's own EAGLE-3 model class takes export-heads' file: every tensor lands where the names say."""
+def drafter_config(method: str, target: str, draft: str) -> Any:
+    return EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32",
+                      speculative_config={"method": method, "model": draft, "num_speculative_tokens": 2},
+                      ).create_engine_config()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def distributed(models, tmp_path_factory) -> None:
+    """vLLM's model classes build tensor-parallel layers: one gloo process group of one rank."""
+    rendezvous = tmp_path_factory.mktemp("rendezvous") / "file"
+    with set_current_vllm_config(drafter_config("eagle3", *models)):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{rendezvous}")  # fmt: skip
+        initialize_model_parallel(1, 1)
+
+
+def vllm_drafter(model_cls, method: str, target: str, draft: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """vLLM's drafter model built from its engine config, with the exported file loaded into it."""
     from safetensors.torch import load_file
 
-    target, draft = models
-    config = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32",
-                        speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 2},
-                        ).create_engine_config()  # fmt: skip
+    config = drafter_config(method, target, draft)
     tensors = load_file(Path(draft) / "model.safetensors")
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tmp_path / 'rendezvous'}")  # fmt: skip
-        initialize_model_parallel(1, 1)
-        drafter = Eagle3LlamaForCausalLM(vllm_config=config)
+        drafter = model_cls(vllm_config=config)
         drafter.load_weights(tensors.items())  # raises on a name it has no parameter for
+    return drafter, tensors
+
+
+def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(models, distributed):
+    """vLLM's own EAGLE-3 model class takes export-heads' file: every tensor lands where the names say."""
+    target, draft = models
+    drafter, tensors = vllm_drafter(Eagle3LlamaForCausalLM, "eagle3", target, draft)
     params = dict(drafter.named_parameters())
     layer = "model.layers.0."
     qkv = torch.cat([tensors[f"midlayer.self_attn.{x}_proj.weight"] for x in "qkv"])
@@ -163,4 +182,30 @@ def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(mod
     for name, value in expected.items():
         got = params[name][:rows] if name == "lm_head.weight" else params[name]
         assert torch.equal(got.data, value), name
-    assert config.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+    assert drafter.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+
+
+def test_vllm_loads_an_exported_eagle1_drafter_without_fc_bias(models, distributed, tmp_path):
+    """vLLM's EAGLE-1 model (0.18.0) has no fc bias: a drafter whose bias is zero is written without it."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    target, _ = models
+    torch.manual_seed(1)
+    heads = EagleHeads.for_model(LlamaForCausalLM(AutoConfig.from_pretrained(target)), num_heads=4, arch="eagle",
+                                 use_base_lm_head=True)  # fmt: skip
+    with torch.no_grad():
+        heads.fc.bias.zero_()
+    drafter, tensors = vllm_drafter(EagleLlamaForCausalLM, "eagle", target, str(export_heads(heads, "eagle",
+                                                                                               tmp_path / "e1")))
+    params = dict(drafter.named_parameters())
+    layer = "model.layers.0."
+    expected = {"model.fc.weight": tensors["fc.weight"],
+                f"{layer}self_attn.qkv_proj.weight": torch.cat([tensors[f"layers.0.self_attn.{x}_proj.weight"]
+                                                                for x in "qkv"]),
+                f"{layer}mlp.gate_up_proj.weight": torch.cat([tensors["layers.0.mlp.gate_proj.weight"],
+                                                              tensors["layers.0.mlp.up_proj.weight"]])}  # fmt: skip
+    for name in ("self_attn.o_proj", "mlp.down_proj", "post_attention_layernorm"):
+        expected[f"{layer}{name}.weight"] = tensors[f"layers.0.{name}.weight"]
+    assert set(params) - set(expected) == {"model.embed_tokens.weight"}  # shared with the target
+    for name, value in expected.items():
+        assert torch.equal(params[name].data, value), name

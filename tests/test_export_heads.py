@@ -99,6 +99,17 @@ def test_eagle1_round_trips(tmp_path, model):
     assert torch.equal(chain_tokens(model, heads), chain_tokens(model, again))
 
 
+def test_eagle1_without_fc_bias_is_written_as_the_llama3_drafters_are(tmp_path, model):
+    heads = randomised(EagleHeads.for_model(model, num_heads=3, arch="eagle", use_base_lm_head=True))
+    with torch.no_grad():
+        heads.fc.bias.zero_()
+    out = export_heads(heads, "eagle", tmp_path / "eagle")
+    assert json.loads((out / "config.json").read_text())["bias"] is False
+    assert "fc.bias" not in load_file(out / "model.safetensors")
+    again = load_heads(out)
+    assert all(torch.equal(a, b) for a, b in zip(outputs(model, heads), outputs(model, again)))
+
+
 def test_medusa_round_trips(tmp_path, model):
     heads = randomised(MedusaHeads.for_model(model, num_heads=3, num_layers=2))
     out = export_heads(heads, "medusa", tmp_path / "medusa")

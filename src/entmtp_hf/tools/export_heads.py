@@ -119,8 +119,17 @@ def eagle3_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torc
 
 
 def eagle1_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """config.json and tensors of an EAGLE-1 checkpoint (the base LM head is the engine's)."""
-    return _layer_config(heads, "LlamaForCausalLM"), _weights(heads, lambda k: eagle_published_name(k, "eagle"))
+    """config.json and tensors of an EAGLE-1 checkpoint (the base LM head is the engine's).
+
+    An all-zero ``fc.bias`` is left out with ``"bias": false``, as the LLaMA-3 drafters are
+    published: vLLM's EAGLE-1 model (0.18.0) has an ``fc`` without bias and takes only such files.
+    """
+    config = _layer_config(heads, "LlamaForCausalLM")
+    tensors = _weights(heads, lambda k: eagle_published_name(k, "eagle"))
+    if not tensors["fc.bias"].any():
+        del tensors["fc.bias"]
+        config["bias"] = False
+    return config, tensors
 
 
 def medusa_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
