@@ -196,6 +196,12 @@ def test_best_chain_is_the_shortest_prefix_with_the_best_figure():
     assert result["dropped"] == [[1], [0, 0, 0]] and check_config(result)
 
 
+def test_the_shipped_chat_chain_goes_to_trtllm_eagle_without_eagle_choices(banks):
+    """`export smollm2-135m-cpu --task chat --to trtllm --drafter eagle --tree 1`: the case of #10325."""
+    result = export(banks[("smollm2-135m-cpu", "chat")], "trtllm", "eagle", tree="1")
+    assert result["tree"] == [[0]] and result["config"] == {"decoding_type": "Eagle", "max_draft_len": 1}
+
+
 def test_trtllm_eagle_takes_a_chain_as_max_draft_len_and_a_tree_as_eagle_choices():
     chain = export(synthetic_bank([[0], [0, 0], [0, 0, 0]]), "trtllm", "eagle")
     assert chain["config"] == {"decoding_type": "Eagle", "max_draft_len": 3} and check_config(chain)
