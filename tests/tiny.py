@@ -73,13 +73,15 @@ def tiny_model(arch: str = "llama", seed: int = 0, sharpen: float = 4.0):
     return model
 
 
-def fitted_heads(model, family: str = "hydra", arch: str = "mlp", num_heads: int = 4, steps: int = 60, seed: int = 0):
+def fitted_heads(model, family: str = "hydra", arch: str = "mlp", num_heads: int = 4, steps: int = 60, seed: int = 0,
+                 use_base_lm_head: bool = False):
     """Heads fitted briefly to the model's greedy continuations of random prompts. ``arch``
     "eagle+fuse": an EAGLE-1 drafter fusing the embeddings' and the first layer's states too."""
     torch.manual_seed(seed)
     layers = [0, 1, -1] if arch == "eagle+fuse" else None
     arch = "eagle" if layers else arch
-    heads = HEADS_REGISTRY[family].for_model(model, num_heads=num_heads, arch=arch, feature_layers=layers).double()
+    heads = HEADS_REGISTRY[family].for_model(model, num_heads=num_heads, arch=arch, feature_layers=layers,
+                                             use_base_lm_head=use_base_lm_head).double()
     if layers:  # a zero projection would hide a wrong fusion: start it random
         torch.nn.init.normal_(heads.fuse.weight, std=0.1)
     g = torch.Generator().manual_seed(seed)

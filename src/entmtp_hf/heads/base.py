@@ -107,6 +107,14 @@ def text_config(config: Any) -> Any:
 
 
 
+def replicated(t: Tensor | None) -> Tensor | None:
+    """A tensor-parallel (DTensor) weight gathered whole, anything else as it is: the heads run
+    replicated on every rank and multiply by the base LM head as a plain tensor (a collective:
+    every rank gathers at the same point of its generate call)."""
+    gather = getattr(t, "full_tensor", None)
+    return gather() if callable(gather) else t
+
+
 def check_draft_vocab(draft_vocab: Tensor | list[int] | None, vocab_size: int) -> Tensor | None:
     """Validate a drafting vocabulary: 1-D, unique ids in ``[0, vocab_size)``."""
     if draft_vocab is None:
@@ -250,7 +258,7 @@ class DraftHeads(nn.Module, ModelHubMixin):
             head = model_or_head.get_output_embeddings()
         if head is None or not isinstance(getattr(head, "weight", None), Tensor):
             raise ValueError("the base model exposes no output embeddings (LM head) with a weight")
-        weight, bias = head.weight, getattr(head, "bias", None)
+        weight, bias = replicated(head.weight), replicated(getattr(head, "bias", None))
         if weight.shape[-1] != self.config.hidden_size or weight.shape[0] < self.config.vocab_size:
             raise ValueError(
                 f"base LM head of shape {tuple(weight.shape)} does not fit hidden_size={self.config.hidden_size}, "

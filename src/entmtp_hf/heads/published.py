@@ -18,7 +18,8 @@ Facts about the layouts (key names, quirks) are in docs/DESIGN §2. In short:
   the base LM head. EAGLE-3 (``cnets.py``): ``fc.weight`` [H, 3H], ``midlayer.*`` (q/k/v read
   2H), ``norm.weight``, its own ``lm_head.weight`` [V', H] and ``d2t`` (target id = draft id +
   d2t[draft id]; ``t2d`` is its inverse, ignored); the fused states are the inputs of base
-  layers 2, L/2 and L-3, so the base config is needed (``base_config``).
+  layers 2, L/2 and L-3, so the base config is needed (``base_config``) unless the config names
+  them (``eagle_aux_hidden_state_layer_ids``, vLLM's key, which ``export-heads`` writes).
 
 Importing this module registers both formats. Pickles are read weights-only and memory-mapped;
 shard names from an index are refused when they leave the folder or repo; every size read off
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from ..validation import brief_list, brief_repr
-from .config import MAX_HEADS, MAX_LAYERS, HeadsConfig
+from .config import MAX_BASE_LAYERS, MAX_HEADS, MAX_LAYERS, HeadsConfig
 from .files import MAX_INDEX_BYTES, HeadsLoadError, Weights, stored_tensor, merge_weights, open_weights, read_json
 from .base import text_config
 from .eagle import EagleHeads, eagle3_feature_layers
@@ -51,7 +52,7 @@ MEDUSA2_PREFIX = "medusa_head."
 EAGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 EAGLE_IGNORED = ("embed_tokens.weight", "t2d", "rotary_emb.inv_freq")
 #: published EAGLE config keys that are not the layer's architecture
-EAGLE_CONFIG_KEYS = ("bias", "draft_vocab_size", "target_hidden_size", "qkv_bias")
+EAGLE_CONFIG_KEYS = ("bias", "draft_vocab_size", "target_hidden_size", "qkv_bias", "eagle_aux_hidden_state_layer_ids")
 #: tree depth a published EAGLE drafter may draft to (its checkpoints do not say; EAGLE's own trees go to 5-8)
 EAGLE_MAX_DEPTH = 12
 _MISSING = object()
@@ -313,7 +314,7 @@ def load_published_eagle(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, 
             tensors["fc.bias"] = stored_tensor(torch.zeros(hidden, dtype=tensors["fc.weight"].dtype or torch.float32))
     else:
         d2t = _check_d2t(weights, vocab)
-        fields.update(draft_vocab_size=int(d2t.numel()), feature_layers=_eagle3_layers(base_config, cfg_path))
+        fields.update(draft_vocab_size=int(d2t.numel()), feature_layers=_eagle3_layers(base_config, cfg_path, cfg))
         tensors["draft_vocab"] = stored_tensor(torch.arange(d2t.numel()) + d2t)
         del tensors["d2t"]
     config = _sized_config(weights, cfg_path, **fields)
@@ -333,8 +334,17 @@ def _check_d2t(weights: Weights, vocab: int) -> torch.Tensor:
     return d2t.long()
 
 
-def _eagle3_layers(base_config: Any, cfg_path: str) -> list[int]:
-    """The fused layers of an EAGLE-3 drafter for the base model of ``base_config`` (a config or its dict)."""
+def _eagle3_layers(base_config: Any, cfg_path: str, cfg: dict[str, Any] | None = None) -> list[int]:
+    """The fused layers of an EAGLE-3 drafter: those its config names (vLLM's
+    ``eagle_aux_hidden_state_layer_ids``), else the default for the base model of ``base_config``
+    (a config or its dict)."""
+    named = (cfg or {}).get("eagle_aux_hidden_state_layer_ids")
+    if named is not None:
+        if not isinstance(named, list) or len(named) != 3 or not all(
+                type(i) is int and 0 <= i <= MAX_BASE_LAYERS for i in named):  # fmt: skip
+            raise HeadsLoadError(cfg_path, f"eagle_aux_hidden_state_layer_ids must list 3 hidden-state indices in "
+                                 f"[0, {MAX_BASE_LAYERS}], got {brief_repr(named)}")  # fmt: skip
+        return list(named)
     if isinstance(base_config, dict):
         depth = base_config.get("num_hidden_layers")
     else:

