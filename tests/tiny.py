@@ -19,6 +19,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -55,6 +57,7 @@ SLIDING_ARCHS = {
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 8, "sliding_window": 8, "num_hidden_layers": 3,
                                                      "layer_types": ["sliding_attention", "sliding_attention",
                                                                      "full_attention"]}),
+    "phi3-sliding": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 8}),
     "mistral-window-3": (MistralConfig, MistralForCausalLM, {"sliding_window": 3}),
 }
 ARCHS_ALL = {**ARCHS, **SLIDING_ARCHS}
