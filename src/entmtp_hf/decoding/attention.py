@@ -8,7 +8,7 @@ Layers with a sliding window see only the tokens less than the window behind the
 (transformers' rule: key position > query position - window), the tree's own ancestors
 included: :class:`AttentionLayout` turns the tree mask into each layer type's mask, passed as
 one tensor when every layer attends alike and as a dict keyed by layer type when the model
-mixes them (Gemma 2/3, Qwen2 with ``use_sliding_window``, GPT-OSS, ...), which is what those
+mixes them (Gemma 2/3, Qwen2 with ``use_sliding_window``, ...), which is what those
 models' forwards take.
 
 A verification forward passes a custom 4D mask. With a mask, transformers' ``sdpa``

@@ -11,7 +11,7 @@ tokens and cropping is a shorter view. The buffers grow :data:`GROWTH_STEP` slot
 per forward, and at most that many unused slots per row, so a large ``max_new_tokens`` with an
 early end costs no memory it does not use.
 
-**Sliding-window layers** (Mistral, Qwen2 with ``use_sliding_window``, Gemma 2/3, GPT-OSS, ...)
+**Sliding-window layers** (Mistral, Qwen2 with ``use_sliding_window``, Gemma 2/3, ...)
 are preallocated layers too, with their ``sliding_window``: a verified tree appends to them like
 to any layer (the 4D mask applies the window), and after each step :func:`trim_windows` drops the
 front slots no row can see any more, so with one row such a layer ends every step holding the
