@@ -1,0 +1,83 @@
+"""The break-even guard: its rule, without a model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from entmtp_hf.errors import ConfigError
+from entmtp_hf.scheduling.guard import BACKOFF_MAX, BACKOFF_START, MIN_STEPS, BreakEvenGuard
+
+
+def run(guard: BreakEvenGuard, taus: list[int], cost: float) -> str:
+    """Feed ``taus`` as the accept lengths of tree steps costing ``cost`` (a root-alone step adds 1
+    token at cost 1): 'T' for every tree step, 'R' for every root-alone step."""
+    modes = []
+    for tau in taus:
+        alone = guard.root_alone
+        modes.append("R" if alone else "T")
+        guard.observe(1 if alone else tau, 1.0 if alone else cost)
+    return "".join(modes)
+
+
+def runs(modes: str, kind: str) -> list[int]:
+    """Lengths of the stretches of ``kind`` in ``modes``."""
+    return [len(r) for r in modes.replace("T" if kind == "R" else "R", " ").split()]
+
+
+# ----------------------------------------------------------------------------- the rule
+def test_trees_above_break_even_are_never_dropped():
+    guard = BreakEvenGuard()
+    assert run(guard, [3, 2] * 100, cost=2.4) == "T" * 200  # e = 2.5 / 2.4 > 1
+    assert guard.drops == 0 and guard.efficiency == pytest.approx(2.5 / 2.4)
+
+
+def test_below_break_even_drops_after_min_steps_with_a_doubling_capped_wait():
+    guard = BreakEvenGuard()
+    modes = run(guard, [1] * 400, cost=1.5)  # nothing accepted: every tree step loses a third
+    assert modes.startswith("T" * MIN_STEPS + "R" * BACKOFF_START + "T")
+    waits = runs(modes, "R")[:-1]  # the last stretch is cut by the end of the feed
+    assert waits[:5] == [BACKOFF_START * 2**i for i in range(5)] and set(waits[5:]) == {BACKOFF_MAX}
+    assert set(runs(modes, "T")) == {MIN_STEPS}  # every probe is judged after MIN_STEPS steps
+    assert modes.count("R") > 0.85 * len(modes)
+
+
+def test_break_even_is_tokens_per_step_against_the_cost_ratio():
+    """τ = 2 pays at r = 1.9 and loses at r = 2.1: the threshold is c(N)/c(1), nothing else."""
+    assert "R" not in run(BreakEvenGuard(), [2] * 50, cost=1.9)
+    assert run(BreakEvenGuard(), [2] * 50, cost=2.1).startswith("T" * MIN_STEPS + "R")
+
+
+def test_the_trees_come_back_when_acceptance_recovers():
+    guard = BreakEvenGuard()
+    losing = run(guard, [1] * 60, cost=2.0)
+    assert guard.backoff > BACKOFF_START and losing.endswith("R")
+    winning = run(guard, [4] * 200, cost=2.0)
+    back = winning.index("T")
+    assert back <= BACKOFF_MAX and "R" not in winning[back:]  # back at the next probe, for good
+    assert guard.backoff == BACKOFF_START  # a clear win: the next drop waits the shortest again
+    # the window still holds the good steps: six bad ones bring it below break-even (26 / 16 < 2)
+    assert run(guard, [1] * 12, cost=2.0) == "T" * 6 + "R" * BACKOFF_START + "TT"
+
+
+def test_near_break_even_the_guard_does_not_flap():
+    """A prompt hovering just below break-even (e ≈ 0.9, noisy): every decision holds for at least
+    MIN_STEPS tree steps or BACKOFF_START root-alone steps, and the band between break-even and
+    ``recover`` keeps the waits growing; without the band the guard switches far more often."""
+    rng = random.Random(0)
+    taus = [rng.choice([1, 2, 2, 2, 2]) for _ in range(1500)]
+    modes = run(BreakEvenGuard(), taus, cost=2.0)
+    assert min(runs(modes, "T")) >= MIN_STEPS and min(runs(modes, "R")[:-1]) >= BACKOFF_START
+    no_band = run(BreakEvenGuard(recover=1.0), taus, cost=2.0)
+    assert modes.count("TR") * 2 < no_band.count("TR")
+    assert modes.count("R") > 0.8 * len(modes)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(window=0), "window"), (dict(min_steps=9), "min_steps"), (dict(backoff_start=8, backoff_max=4), "backoff_max"),
+    (dict(recover=0.9), "recover"),
+])  # fmt: skip
+def test_invalid_guard(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        BreakEvenGuard(**kwargs)
