@@ -1,4 +1,4 @@
-"""The break-even guard: its rule, without a model."""
+"""The break-even guard: its rule without a model, and where its prices come from."""
 
 from __future__ import annotations
 
@@ -6,8 +6,13 @@ import random
 
 import pytest
 
+from entmtp_hf import EntMTPConfig
+from entmtp_hf.costs.table import CostTable
 from entmtp_hf.errors import ConfigError
 from entmtp_hf.scheduling.guard import BACKOFF_MAX, BACKOFF_START, MIN_STEPS, BreakEvenGuard
+from entmtp_hf.trees.tree import Tree
+from test_costs import frontier_bank, table
+from test_generation import CHAIN
 
 
 def run(guard: BreakEvenGuard, taus: list[int], cost: float) -> str:
@@ -81,3 +86,39 @@ def test_near_break_even_the_guard_does_not_flap():
 def test_invalid_guard(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         BreakEvenGuard(**kwargs)
+
+
+# ----------------------------------------------------------------------------- prices and the config field
+def test_a_bank_ranked_with_measured_costs_is_guarded_by_default():
+    machine = table({1: 10.0, 2: 10.0, 3: 10.5, 4: 15.0})
+    machine = CostTable(machine.fingerprint, "x", machine.forward_ms, (1.0, 0.5, 0.1), (2.0, 0.25), 10.0)
+    bank = frontier_bank().with_machine(machine)
+    plan = EntMTPConfig(bank=bank, task="t").resolve(4, costs=machine)
+    root = machine.step(Tree.root_only())
+    assert plan.guarded and plan.step_costs == tuple(machine.step(t) / root for t in plan.trees)
+    assert not EntMTPConfig(bank=bank, task="t", guard=False).resolve(4, costs=machine).guarded
+    assert not EntMTPConfig(bank=bank, task="t").resolve(4).guarded  # never measured: no prices, no guard
+    with pytest.raises(ConfigError, match="EntMTPConfig.guard"):
+        EntMTPConfig(bank=bank, task="t", guard=True).resolve(4)
+    # retrieval branches are priced as the trees they extend plus their nodes
+    plan = EntMTPConfig(bank=bank, task="t", retrieval=True).resolve(4, costs=machine)
+    assert plan.branch_costs == tuple(tuple(machine.step(b) / root for b, _ in per) for per in plan.branches)
+
+
+def test_explicit_trees_are_guarded_only_when_asked_with_costs():
+    assert not EntMTPConfig(tree=CHAIN).resolve(4).guarded
+    assert not EntMTPConfig(trees=[CHAIN[:2], CHAIN], costs=[1.2, 1.8]).resolve(4).guarded
+    plan = EntMTPConfig(trees=[CHAIN[:2], CHAIN], costs=[1.2, 1.8], guard=True).resolve(4)
+    assert plan.step_costs == (1.2, 1.8)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tree=CHAIN, guard="yes"), "EntMTPConfig.guard: must be None, True or False"),
+    (dict(tree=CHAIN, guard=1), "EntMTPConfig.guard: must be None, True or False"),
+    (dict(tree=CHAIN, guard=True), "EntMTPConfig.guard: True needs each tree's step cost"),
+    (dict(trees=[CHAIN], guard=True), "EntMTPConfig.guard: True needs each tree's step cost"),
+    (dict(bank=frontier_bank(), task="t", adapt=False, guard=True), "EntMTPConfig.guard: True prices trees"),
+])  # fmt: skip
+def test_invalid_guard_field(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        EntMTPConfig(**kwargs)

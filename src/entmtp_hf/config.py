@@ -22,7 +22,7 @@ from .trees.bank import TopologyBank, check_task_name
 from .costs.table import CostTable
 from .trees.plan import DecodePlan, build_plan
 from .trees.tree import Tree
-from .validation import choice, integer, number, numbers_in, sequence, taus, thresholds
+from .validation import brief_repr, choice, integer, number, numbers_in, sequence, taus, thresholds
 
 ACCEPTANCE_RULES = ("auto", "greedy", "exact", "typical")
 #: typical acceptance: this project's rule, or the published Hydra/Medusa code's (see ``typical_rule``)
@@ -79,6 +79,12 @@ class EntMTPConfig:
     the tree with the highest modelled speed-up, or plain decoding when none beats it
     (:mod:`entmtp_hf.costs`). ``None`` (default): re-rank where the bank allows it;
     ``False``: the bank's stored choice; ``True``: the bank must allow it.
+
+    ``guard``: the break-even guard (:mod:`entmtp_hf.scheduling.guard`): while the trees' tokens
+    per step fall below their cost relative to a root-alone step, steps verify the root alone
+    and draft nothing, re-trying the trees after a wait that doubles while they keep losing.
+    ``None`` (default): on where the plan is priced with this machine's measured step costs (a
+    bank that adapts); ``True``: on, priced with those or with ``costs`` (``trees=``); ``False``: off.
     """
 
     bank: Any = None
@@ -100,6 +106,7 @@ class EntMTPConfig:
     eas: EASConfig | None = None
     retrieval: RetrievalConfig | bool | None = None
     adapt: bool | None = None
+    guard: bool | None = None
     _resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _bank: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -121,6 +128,7 @@ class EntMTPConfig:
             raise ConfigError(_name("adapt"), f"must be None, True or False, got {self.adapt!r}")
         if self.adapt is not None and self.bank is None:
             raise ConfigError(_name("adapt"), "re-ranks a bank's trees: give a `bank`")
+        self._check_guard()
         if self.retrieval is True:
             self.retrieval = RetrievalConfig()
         elif self.retrieval not in (None, False) and not isinstance(self.retrieval, RetrievalConfig):
@@ -150,6 +158,19 @@ class EntMTPConfig:
                 raise ConfigError(_name("trees"), "is empty; give at least one tree")
             for i, t in enumerate(trees):
                 _tree(f"trees[{i}]", t)
+
+    def _check_guard(self) -> None:
+        """The guard needs prices: measured ones come with a bank that adapts, else ``costs``."""
+        if self.guard is not None and not isinstance(self.guard, bool):  # not 0, 1 or "no"
+            raise ConfigError(_name("guard"), f"must be None, True or False, got {brief_repr(self.guard)}")
+        if self.guard is not True:
+            return
+        if self.bank is not None and self.adapt is False:
+            raise ConfigError(_name("guard"), "True prices trees with this machine's measured step costs, which "
+                              "adapt=False leaves out: drop adapt=False")  # fmt: skip
+        if self.bank is None and self.costs is None:
+            raise ConfigError(_name("guard"), "True needs each tree's step cost relative to one token: pass `trees=` "
+                              "with `costs=` (or a bank, priced by this machine's measured costs)")  # fmt: skip
 
     def _check_schedule(self) -> None:
         self.tau_on, self.tau_off = taus(self.tau_on, self.tau_off, low=0.0, prefix="EntMTPConfig.")

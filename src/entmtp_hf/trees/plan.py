@@ -5,11 +5,16 @@ whole draft), index maps from each tree into the union, the greedy chain the con
 feature reads, the scheduler's settings and, with retrieval on, every tree with a retrieved
 branch of each length. Everything here is built before the prefill, so a bad tree, bank or
 threshold is refused before any compute and a step only looks things up.
+
+With the break-even guard on (:mod:`entmtp_hf.scheduling.guard`), the plan also prices every
+tree it may verify relative to a root-alone step, ``c(T) / c(1)``: from this machine's measured
+step costs (a bank that adapts), or from the user's ``costs`` (relative to one token, so a
+root-alone step costs 1).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..costs.table import CostTable
@@ -41,6 +46,15 @@ class DecodePlan:
     #: with retrieval: ``branches[k][L - 1]`` = (tree k plus a retrieved chain of L tokens, where
     #: each of its nodes' tokens comes from: index < union size = union node, else retrieved token)
     branches: tuple[tuple[tuple[Tree, tuple[int, ...]], ...], ...] = ()
+    #: the break-even guard's prices (None: the guard is off): each tree's step cost over a
+    #: root-alone step's, and ``branch_costs[k][L - 1]`` that of ``branches[k][L - 1]``
+    step_costs: tuple[float, ...] | None = None
+    branch_costs: tuple[tuple[float, ...], ...] = ()
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the break-even guard runs (the plan is priced)."""
+        return self.step_costs is not None
 
     def new_scheduler(self) -> Scheduler:
         return Scheduler(num_trees=len(self.trees), **self.scheduler_args)
@@ -76,7 +90,29 @@ def build_plan(config: Any, num_heads: int, draft_rows: int | None = None, costs
     else:
         plan = _switching_plan(config, num_heads, costs)
     _check_trees(plan.trees, num_heads, draft_rows)
-    return plan
+    return _priced(plan, config, costs)
+
+
+def _priced(plan: DecodePlan, config: Any, costs: CostTable | None) -> DecodePlan:
+    """The plan with the break-even guard's prices where the guard is on: ``guard=None`` turns it
+    on with measured costs, ``True`` with measured costs or the config's ``costs``."""
+    if config.guard is False or plan.plain or (config.guard is None and costs is None):
+        return plan
+    if costs is not None:
+        root = costs.step(Tree.root_only())
+
+        def price(tree: Tree, k: int) -> float:
+            return costs.step(tree) / root
+    elif config.costs is not None:  # the user's, relative to one token; a tree's branches at its tree's price
+
+        def price(tree: Tree, k: int) -> float:
+            return float(config.costs[k])
+    else:
+        raise ConfigError("EntMTPConfig.guard", "True needs each tree's step cost: this machine's measured costs "
+                          "(a bank that adapts, after calibrate(model)) or `costs=` with `trees=`")  # fmt: skip
+    step_costs = tuple(price(t, k) for k, t in enumerate(plan.trees))
+    branch_costs = tuple(tuple(price(b, k) for b, _ in per) for k, per in enumerate(plan.branches))
+    return replace(plan, step_costs=step_costs, branch_costs=branch_costs)
 
 
 def _switching_plan(config: Any, num_heads: int, costs: CostTable | None) -> DecodePlan:
