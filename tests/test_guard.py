@@ -1,18 +1,24 @@
-"""The break-even guard: its rule without a model, and where its prices come from."""
+"""The break-even guard: its rule without a model, where its prices come from, and decoding with it on."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
+import torch
 
-from entmtp_hf import EntMTPConfig
+import entmtp_hf.drafting.candidates as candidates
+from entmtp_hf import EntMTPConfig, enable_entmtp
 from entmtp_hf.costs.table import CostTable
 from entmtp_hf.errors import ConfigError
+from entmtp_hf.heads import HEADS_REGISTRY
 from entmtp_hf.scheduling.guard import BACKOFF_MAX, BACKOFF_START, MIN_STEPS, BreakEvenGuard
-from entmtp_hf.trees.tree import Tree
-from test_costs import frontier_bank, table
-from test_generation import CHAIN
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
+from test_batch import PAD, batch_of
+from test_costs import _with_machine_costs, frontier_bank, table
+from test_generation import CHAIN, SAMPLING_TREE, chi_square_p, enabled, prompts, target_joint
+from tiny import tiny_model
 
 
 def run(guard: BreakEvenGuard, taus: list[int], cost: float) -> str:
@@ -122,3 +128,83 @@ def test_explicit_trees_are_guarded_only_when_asked_with_costs():
 def test_invalid_guard_field(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         EntMTPConfig(**kwargs)
+
+
+# ----------------------------------------------------------------------------- decoding with the guard on
+#: a guard that switches within a few steps, so short calls run both kinds of step
+QUICK = functools.partial(BreakEvenGuard, min_steps=1, backoff_start=1, backoff_max=2)
+#: each tree at a price near what the fitted heads accept, so the guard drops them now and then
+GUARDED = {
+    "chain": lambda: EntMTPConfig(trees=[CHAIN], costs=[2.5], guard=True),
+    "mc_sim": lambda: EntMTPConfig(trees=[MC_SIM_7B_63], costs=[4.0], guard=True),
+}
+
+
+@pytest.mark.parametrize("name", list(GUARDED))
+def test_greedy_with_the_guard_is_plain_generate(tiny_cache, monkeypatch, name):
+    monkeypatch.setattr(candidates, "BreakEvenGuard", QUICK)
+    model = enabled(tiny_cache)
+    alone = longest = 0
+    for ids in prompts():
+        ref = model.generate(ids, max_new_tokens=40, do_sample=False)
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=GUARDED[name](),
+                             return_dict_in_generate=True)  # fmt: skip
+        assert torch.equal(out.sequences, ref)
+        stats = out.entmtp_stats
+        alone += stats["root_alone_steps"]
+        assert stats["tree_sizes"].count(1) == stats["root_alone_steps"]
+        longest = max(longest, max(stats["accept_lengths"]))
+    assert alone > 0 and longest >= 3, "both kinds of step should run for the test to mean anything"
+
+
+@pytest.mark.parametrize("name", list(GUARDED))
+def test_a_left_padded_batch_with_the_guard_is_plain_generate(tiny_cache, monkeypatch, name):
+    monkeypatch.setattr(candidates, "BreakEvenGuard", QUICK)
+    model = enabled(tiny_cache)
+    _, ids, mask = batch_of()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD,
+                         entmtp_config=GUARDED[name](), return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    per_row = [r["root_alone_steps"] for r in out.entmtp_stats["rows"]]
+    assert sum(per_row) > 0 and any(max(r["accept_lengths"]) >= 3 for r in out.entmtp_stats["rows"])
+
+
+def test_exact_sampling_with_the_guard_keeps_the_distribution(tiny_cache, monkeypatch):
+    monkeypatch.setattr(candidates, "BreakEvenGuard", QUICK)
+    model = enabled(tiny_cache)
+    ids = prompts(1, seed=3)[0]
+    probs = target_joint(model, ids, temperature=0.7, top_k=4)
+    n, counts, guarded, long_paths = 1000, {}, 0, 0
+    torch.manual_seed(1234)
+    for _ in range(n):
+        out = model.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=4,
+                             return_dict_in_generate=True,
+                             entmtp_config=EntMTPConfig(trees=[SAMPLING_TREE], costs=[2.0], guard=True))  # fmt: skip
+        key = tuple(out.sequences[0, ids.shape[1] :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        guarded += out.entmtp_stats["root_alone_steps"] > 0
+        long_paths += max(out.entmtp_stats["accept_lengths"]) >= 2
+    assert guarded > n // 4 and long_paths > n // 6  # both kinds of step, often enough for the test to have power
+    assert chi_square_p(counts, probs, n) > 1e-3
+
+
+def test_heads_that_never_accept_decode_mostly_root_alone(tiny_cache):
+    """Unfitted heads on a bank ranked with this machine's costs (the guard on by default): after
+    the first probes almost every step verifies the root alone, and the text is plain generate's."""
+    model = tiny_model("llama", seed=0)
+    heads = HEADS_REGISTRY["hydra"].for_model(model, num_heads=4, arch="mlp").double().eval()
+    enable_entmtp(model, heads)
+    # the ranking picks the 3-node chain, a step at 1.4 root-alone steps: break-even at 1.4 tokens per step
+    bank = frontier_bank().with_machine(_with_machine_costs(model, heads, {1: 10.0, 2: 13.0, 3: 14.0, 4: 20.0}))
+    ids = prompts(1)[0]
+    ref = model.generate(ids, max_new_tokens=80, do_sample=False)
+    out = model.generate(ids, max_new_tokens=80, do_sample=False, return_dict_in_generate=True,
+                         entmtp_config=EntMTPConfig(bank=bank, task="t"))  # fmt: skip
+    stats = out.entmtp_stats
+    assert torch.equal(out.sequences, ref) and set(stats["tree_sizes"]) == {1, 3}
+    assert stats["root_alone_steps"] > 0.6 * stats["steps"]
+    off = model.generate(ids, max_new_tokens=80, do_sample=False, return_dict_in_generate=True,
+                         entmtp_config=EntMTPConfig(bank=bank, task="t", guard=False))  # fmt: skip
+    assert torch.equal(off.sequences, ref) and off.entmtp_stats["root_alone_steps"] == 0
+    assert off.entmtp_stats["mean_accept_length"] < 1.2  # the heads do draft badly

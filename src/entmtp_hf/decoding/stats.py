@@ -61,6 +61,7 @@ class RowStats:
     features: list[float | None] = field(default_factory=list)
     retrieval_steps: int = 0  # steps whose tree carried a retrieval branch
     retrieval_accepted: int = 0  # drafted tokens accepted from retrieval branches
+    root_alone_steps: int = 0  # steps the break-even guard verified the root alone (the trees were losing)
     eas: dict | None = None  # EAS statistics (policy ``entropy`` only)
 
     def add(self, step: RowStep) -> None:
@@ -69,6 +70,7 @@ class RowStats:
         self.tree_indices.append(draft.tree_index)
         self.tree_sizes.append(draft.buffers.num_nodes)
         self.features.append(draft.feature)
+        self.root_alone_steps += draft.guarded
         if draft.branch_node is not None:
             self.retrieval_steps += 1
             if len(path) > 1 and path[1] == draft.branch_node:

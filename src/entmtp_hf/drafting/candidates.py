@@ -29,6 +29,11 @@ unit of cost (probabilities at the sampling temperature); one that reads per-dep
 index lookup: every tree is compiled to buffers when the generator is built. With retrieval
 on, the chosen tree gets one more branch whenever the text's suffix recurs
 (:mod:`entmtp_hf.drafting.retrieval`; in ``replace`` mode the branch is verified instead).
+
+With a priced plan the break-even guard (:mod:`entmtp_hf.scheduling.guard`) sits above the
+policy: while it says the trees lose to root-alone steps, ``get_candidates`` returns the root
+alone and drafts nothing, and those steps feed neither the features nor EAS (a plain step says
+nothing about the heads); the heads still see every accepted position.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..scheduling.eas import EASController
 from ..scheduling.features import FeatureTracker, top1_and_entropy, tree_values
+from ..scheduling.guard import BreakEvenGuard
 from ..scheduling.policies import NEEDS_ENTROPIES, NEEDS_FEATURE, NEEDS_NOTHING, NEEDS_VALUES, Scheduler
 from ..trees.plan import DecodePlan
-from ..trees.tree import TreeBuffers
+from ..trees.tree import Tree, TreeBuffers
 from .retrieval import NgramIndex
 
 
@@ -56,6 +62,7 @@ class Draft:
     buffers: TreeBuffers
     feature: float | None
     branch_node: int | None = None  # the retrieval branch's first node (None: no branch this step)
+    guarded: bool = False  # the break-even guard's root alone: nothing drafted, ``tree_index`` the policy's tree
 
 
 class TreeCandidates(tuple):
@@ -124,6 +131,8 @@ class EntMTPCandidateGenerator(CandidateGenerator):
             NEEDS_ENTROPIES: self._by_entropy,
         }  # fmt: skip
         self._choose = choosers[self.scheduler.needs]
+        self.guard = BreakEvenGuard() if plan.guarded else None
+        self.root_buffers = Tree.root_only().buffers(device, dtype) if self.guard is not None else None
         self._drafted: Draft | None = None  # the last draft returned (what update_candidate_strategy scores)
         self._preset = None  # the union's proposal, drafted for this row with the other rows of a batch
 
@@ -140,17 +149,33 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         followed by the drafted nodes in canonical order, no logits, and the tree (``.draft``)."""
         if self.index is not None:
             self.index.extend(input_ids[0, len(self.index.tokens) :].tolist())
-        draft = self._drafted = self._draft(input_ids[0, -1])
-        self._preset = None
+        if self.guard is not None and self.guard.root_alone:  # the trees lose here: a plain step
+            draft = Draft(self.scheduler.current, input_ids[0, -1:].to(self.device), self.root_buffers, None,
+                          guarded=True)  # fmt: skip
+        else:
+            draft = self._draft(input_ids[0, -1])
+        self._drafted, self._preset = draft, None
         return TreeCandidates(torch.cat([input_ids, draft.tokens[1:].to(input_ids.device)[None]], dim=-1), None, draft)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         """After verification of the last draft: ``scores`` [1, N, V] of its nodes, ``num_matches``
         drafted tokens accepted."""
         accept_length = int(num_matches) + 1
+        if self.guard is not None:
+            self.guard.observe(accept_length, 1.0 if self._drafted.guarded else self._price(self._drafted))
+        if self._drafted.guarded:  # a plain step: nothing about the heads or the policy's trees
+            return
         self.feature.observe_accept(accept_length)
         if self.eas is not None:
             self.eas.observe_verified(self._drafted.buffers.num_nodes - 1, int(num_matches), accept_length)
+
+    def _price(self, draft: Draft) -> float:
+        """A drafted step's cost over a root-alone step's, as the plan priced it."""
+        k = draft.tree_index
+        if draft.branch_node is None:
+            return self.plan.step_costs[k]
+        base = 1 if self.replace else self.plan.trees[k].num_nodes  # the branch's tree holds base + L nodes
+        return self.plan.branch_costs[k][draft.buffers.num_nodes - base - 1]
 
     def observe(self, hidden: torch.Tensor, root_logits: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
         """Features [T, F] of newly accepted positions (the heads condition on them), the ids at those
@@ -195,7 +220,7 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         """Whether the next draft after ``input_ids`` [1, L] is the union's, drafted by the heads
         alone (so a batch can draft it for several rows at once: :meth:`preset_union`); a found
         retrieval continuation that replaces the draft needs no heads."""
-        if self.eas is not None:
+        if self.eas is not None or (self.guard is not None and self.guard.root_alone):
             return False
         found = False
         if self.index is not None:
