@@ -26,7 +26,7 @@ probe) and:
 * ``wait`` starts at ``backoff_start`` and doubles with every drop, up to ``backoff_max``, so a
   prompt that keeps losing pays for a probe ever more rarely (at most ``min_steps`` tree steps
   per ``wait`` root-alone steps);
-* **recovers** (``wait`` back to ``backoff_start``) only when ``e ≥ recover`` (> 1): between
+* **recovers** (``wait`` back to ``backoff_start``) only when ``e ≥ recover`` (1.1): between
   ``1`` and ``recover`` the trees keep running but a later drop waits longer. This band is the
   hysteresis: a prompt hovering at break-even (where either choice costs the same) cannot flap
   at a fixed short period.
@@ -67,7 +67,6 @@ class BreakEvenGuard:
     recover: float = RECOVER
     wait: int = field(init=False, default=0)  # root-alone steps still to run before the next probe
     backoff: int = field(init=False)  # the wait the next drop starts
-    drops: int = field(init=False, default=0)  # how often the trees were dropped this call
     #: (τ, r) of the last ``window`` tree steps since the trees last started
     _recent: deque = field(init=False, repr=False)
 
@@ -106,7 +105,7 @@ class BreakEvenGuard:
             return
         e = self.efficiency
         if e < 1.0:  # the trees lose to root-alone steps: drop them for a while, longer each time
-            self.wait, self.drops = self.backoff, self.drops + 1
+            self.wait = self.backoff
             self.backoff = min(2 * self.backoff, self.backoff_max)
         elif e >= self.recover:  # a clear win: the next drop starts short again
             self.backoff = self.backoff_start
