@@ -94,9 +94,9 @@ def build_plan(config: Any, num_heads: int, draft_rows: int | None = None, costs
 
 
 def _priced(plan: DecodePlan, config: Any, costs: CostTable | None) -> DecodePlan:
-    """The plan with the break-even guard's prices where the guard is on: ``guard=None`` turns it
-    on with measured costs, ``True`` with measured costs or the config's ``costs``."""
-    if config.guard is False or plan.plain or (config.guard is None and costs is None):
+    """The plan with the break-even guard's prices where the guard is on (``guard=True``): this
+    machine's measured costs, else the config's ``costs``."""
+    if not config.guard or plan.plain:
         return plan
     if costs is not None:
         root = costs.step(Tree.root_only())
