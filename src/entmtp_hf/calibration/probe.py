@@ -88,6 +88,9 @@ BUDGET_S = 30.0
 #: where one pass alone takes longer than the budget (a large model), the retry may still add this
 #: share of the pass
 RETRY_SHARE = 0.1
+#: the first forward grid's checks fit this share of the budget (:func:`retry_seconds`): plain
+#: decoding, the short decodes and the recheck after the grid take most of a pass
+CHECK_SHARE = 1 / 3
 #: the two trees whose short decodes split a step's time (2 and 10 nodes)
 OVERHEAD_TREES = (Tree.chain(1), Tree.chain(1).union(Tree.from_choices([[i] for i in range(8)])))
 
@@ -205,23 +208,23 @@ def forward_ms(model, heads, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: 
 
 def forward_grid(session: DecodeSession, sizes: Sequence[int], repeats: int = REPEATS, *,
                  on_round: Callable[[], None] | None = None, warm_up: bool = True,
-                 deadline: float | None = None) -> tuple[dict[int, float], set[int]]:  # fmt: skip
+                 seconds_left: Callable[[], float] = lambda: float("inf")) -> tuple[dict[int, float], set[int]]:  # fmt: skip
     """Median ms of the verification forward of each of ``sizes`` on ``session``, timed
     round-robin so drift hits every size alike, the doubtful ones timed again (:func:`settle`)
-    while their rounds end before ``deadline`` (a ``time.perf_counter()``; default: as long again
-    as the grid took); and the sizes timed again. ``on_round``, ``warm_up``: see :func:`_timings`."""
+    while their rounds fit ``seconds_left()`` and take no longer than the grid took; and the
+    sizes timed again. ``on_round``, ``warm_up``: see :func:`_timings`."""
     runs, sync = {n: (lambda n=n: trial_forward(session, n)) for n in sizes}, _sync(session.device)
     t0 = time.perf_counter()
     samples = _timings(runs, repeats, sync, on_round, warm_up=warm_up)
-    end = deadline if deadline is not None else 2 * time.perf_counter() - t0
+    end = 2 * time.perf_counter() - t0
 
-    def seconds_left() -> float:
-        return end - time.perf_counter()
+    def left() -> float:
+        return min(seconds_left(), end - time.perf_counter())
 
     def time_again(doubted: set[int], rounds: int) -> dict[int, list[float]]:
         return _timings({n: runs[n] for n in sorted(doubted)}, rounds, sync, warm_up=False)
 
-    again = settle(samples, time_again, seconds_left)
+    again = settle(samples, time_again, left)
     return {n: 1e3 * statistics.median(v) for n, v in samples.items()}, again
 
 
@@ -332,7 +335,8 @@ def steady(first: float, *others: float) -> bool:
 
 def retry_seconds(elapsed: float, budget_s: float = BUDGET_S) -> float:
     """Seconds a part measured again may take after ``elapsed`` seconds of measuring: what is left
-    of ``budget_s``, or :data:`RETRY_SHARE` of ``elapsed`` where one pass alone took about as long."""
+    of ``budget_s``, or :data:`RETRY_SHARE` of ``elapsed`` where measuring took about as long
+    already (a large model: it still gets a bounded second look)."""
     return max(budget_s - elapsed, RETRY_SHARE * elapsed)
 
 
@@ -343,7 +347,8 @@ def _measure(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, 
     (:func:`steady`) measured again if it fits :func:`retry_seconds` of the time since
     ``started``; and the table's notes on it."""
     session = prefilled(model, heads, batch_size=batch_size)  # the forwards' and the recheck's
-    forward, timed_again = forward_grid(session, sizes_at(batch_size, sizes), repeats)
+    checks_left = lambda: retry_seconds(time.perf_counter() - started, CHECK_SHARE * budget_s)  # noqa: E731
+    forward, timed_again = forward_grid(session, sizes_at(batch_size, sizes), repeats, seconds_left=checks_left)
     tick("forward")
     t0 = time.perf_counter()
     plain = _plain_ms(model, _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN), DECODE_TOKENS)
@@ -354,12 +359,14 @@ def _measure(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, 
     recheck_ids = _random_prompts(model, batch_size, 3, PREFIX_LEN - STEP_TOKENS // 2)  # a shorter decode, centred alike
     one, plain_then = forward_grid(session, (1,), repeats)[0][1], _plain_ms(model, recheck_ids, STEP_TOKENS)
     deadline = time.perf_counter() + retry_seconds(time.perf_counter() - started, budget_s)
+    retry_left = lambda: deadline - time.perf_counter()  # noqa: E731
     forward_ok, plain_ok, again = steady(forward[1], one), steady(plain, plain_then), []
-    if not forward_ok and repeats * sum(forward.values()) / 1e3 <= deadline - time.perf_counter():
+    if not forward_ok and repeats * sum(forward.values()) / 1e3 <= retry_left():
         first, again = forward[1], again + ["forward"]
-        forward, more = forward_grid(session, sizes_at(batch_size, sizes), repeats, warm_up=False, deadline=deadline)
+        forward, more = forward_grid(session, sizes_at(batch_size, sizes), repeats, warm_up=False,
+                                     seconds_left=retry_left)  # fmt: skip
         forward_ok, timed_again = steady(forward[1], first, one), timed_again | more
-    if not plain_ok and plain_s <= deadline - time.perf_counter():
+    if not plain_ok and plain_s <= retry_left():
         first, again = plain, again + ["plain decoding"]
         plain = _plain_ms(model, _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN), DECODE_TOKENS)
         plain_ok = steady(plain, first, plain_then)
