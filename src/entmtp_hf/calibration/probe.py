@@ -347,8 +347,8 @@ def _measure(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, 
     (:func:`steady`) measured again if it fits :func:`retry_seconds` of the time since
     ``started``; and the table's notes on it."""
     session = prefilled(model, heads, batch_size=batch_size)  # the forwards' and the recheck's
-    checks_left = lambda: retry_seconds(time.perf_counter() - started, CHECK_SHARE * budget_s)  # noqa: E731
-    forward, timed_again = forward_grid(session, sizes_at(batch_size, sizes), repeats, seconds_left=checks_left)
+    forward, timed_again = forward_grid(session, sizes_at(batch_size, sizes), repeats, seconds_left=lambda: retry_seconds(
+        time.perf_counter() - started, CHECK_SHARE * budget_s))  # fmt: skip
     tick("forward")
     t0 = time.perf_counter()
     plain = _plain_ms(model, _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN), DECODE_TOKENS)
@@ -359,7 +359,10 @@ def _measure(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, 
     recheck_ids = _random_prompts(model, batch_size, 3, PREFIX_LEN - STEP_TOKENS // 2)  # a shorter decode, centred alike
     one, plain_then = forward_grid(session, (1,), repeats)[0][1], _plain_ms(model, recheck_ids, STEP_TOKENS)
     deadline = time.perf_counter() + retry_seconds(time.perf_counter() - started, budget_s)
-    retry_left = lambda: deadline - time.perf_counter()  # noqa: E731
+
+    def retry_left() -> float:
+        return deadline - time.perf_counter()
+
     forward_ok, plain_ok, again = steady(forward[1], one), steady(plain, plain_then), []
     if not forward_ok and repeats * sum(forward.values()) / 1e3 <= retry_left():
         first, again = forward[1], again + ["forward"]
