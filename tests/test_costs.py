@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import warnings
 
 import pytest
@@ -232,20 +233,33 @@ def test_the_forward_sizes_shrink_with_the_batch():
     assert probe_module.sizes_at(256)[:4] == (1, 2, 3, 4)  # always enough to interpolate the small trees
 
 
-def test_a_probe_on_a_busy_machine_measures_again_and_says_so(tiny_cache, tmp_path, monkeypatch):
-    """The one-node forward and the plain step are timed twice; a disagreement (a busy machine)
-    measures again; a table that never agreed is kept with a note and measured again by the next
-    calibrate call (generate uses it meanwhile)."""
+def _flat_grid(ms: float = 10.0, counts: list | None = None):
+    """A fake :func:`forward_grid`: every size ``ms``; ``counts`` gets the sizes of each call."""
+    def grid(session, sizes, repeats=3, **kwargs):
+        counts is not None and counts.append(tuple(sizes))
+        return {n: ms for n in sizes}, set()
+
+    return grid
+
+
+def test_a_probe_on_a_busy_machine_measures_again_what_changed_and_says_so(tiny_cache, tmp_path, monkeypatch):
+    """The one-node forward and the plain step are timed twice; the one that disagrees (a busy
+    machine) is measured again, alone; steady when the new timing agrees with one of the two; a
+    table that never agreed is kept with a note and measured again by the next calibrate call
+    (generate uses it meanwhile)."""
     model = enabled(tiny_cache)
     assert probe_module.steady(10.0, 12.0) and not probe_module.steady(10.0, 15.0)
+    assert probe_module.steady(10.0, 15.0, 11.0) and not probe_module.steady(10.0, 15.0, 5.0)
     # every timing injected (a real one could disagree on a loaded machine and measure again)
-    monkeypatch.setattr(probe_module, "forward_ms", lambda m, h, sizes, **k: {n: 10.0 for n in sizes})
-    plains = iter([50.0, 32.0, 33.0, 33.0])  # busy during the first measurement, idle after
+    grids = []
+    monkeypatch.setattr(probe_module, "forward_grid", _flat_grid(10.0, grids))
+    plains = iter([50.0, 32.0, 33.0])  # busy during the first measurement, idle after
     monkeypatch.setattr(probe_module, "_plain_ms", lambda *a, **k: next(plains))
     monkeypatch.setattr(probe_module, "step_costs", lambda m, h, per_node, b=1: ((0.0, 0.0, per_node), (0.1, 0.0)))
     t = probe(model, model.entmtp_heads, sizes=(1, 2), repeats=1)
     assert t.plain_ms == 33.0 and t.notes["timings_steady"] is True  # the second measurement agreed
-    always_busy = iter([10.0, 30.0] * 10)  # every plain timing far from the one before it
+    assert t.notes["measured_again"] == ["plain decoding"] and grids == [(1, 2), (1,)]  # the forwards agreed
+    always_busy = iter([10.0, 20.0, 40.0] * 10)  # every plain timing far from those before it
     monkeypatch.setattr(probe_module, "_plain_ms", lambda *a, **k: next(always_busy))
     with pytest.warns(UserWarning, match="changed while measuring"):
         busy = calibrate(model, folder=tmp_path, progress=False)[1]
@@ -256,6 +270,82 @@ def test_a_probe_on_a_busy_machine_measures_again_and_says_so(tiny_cache, tmp_pa
     with pytest.warns(UserWarning, match="changed while measuring"):
         calibrate(model, folder=tmp_path, progress=False)
     assert calls == [1]  # measured again
+
+
+def test_a_retry_that_does_not_fit_the_budget_is_left_out(tiny_cache, monkeypatch):
+    """A forward grid that disagrees with its recheck is measured again only if a pass fits what is
+    left of the budget; otherwise the table keeps the first grid and says it was never steady."""
+    model = enabled(tiny_cache)
+    ones = iter([1e3, 1e3, 2e3, 1e3, 1e3])  # the grid's one-node forward, then its recheck twice as slow
+    grids = []
+
+    def grid(session, sizes, repeats=3, **kwargs):
+        grids.append(tuple(sizes))
+        return {n: next(ones) * n for n in sizes}, {2} if len(sizes) > 1 else set()
+
+    monkeypatch.setattr(probe_module, "forward_grid", grid)
+    monkeypatch.setattr(probe_module, "_plain_ms", lambda *a, **k: 30.0)
+    monkeypatch.setattr(probe_module, "step_costs", lambda m, h, per_node, b=1: ((0.0, 0.0, per_node), (0.1, 0.0)))
+    base = probe(model, model.entmtp_heads, sizes=(1, 2), repeats=1, budget_s=1e6)
+    assert grids == [(1, 2), (1,), (1, 2)] and base.notes["measured_again"] == ["forward"]
+    assert base.notes["timings_steady"] is True and base.notes["timed_again"] == [2]
+    ones, grids[:] = iter([1e3, 1e3, 2e3]), []  # a pass of 3 s does not fit a tenth of a fast probe's time
+    t = probe_batch(model, model.entmtp_heads, base, 2, sizes=(1, 2), repeats=1, budget_s=0.0)
+    assert grids == [(1, 2), (1,)] and t.notes["measured_again"] == [] and t.notes["timings_steady"] is False
+    assert t.forward_ms == {1: 1e3, 2: 2e3}  # the first grid, kept
+
+
+def test_the_retry_budget():
+    assert probe_module.retry_seconds(22.0) == pytest.approx(probe_module.BUDGET_S - 22.0)
+    assert probe_module.retry_seconds(300.0) == pytest.approx(probe_module.RETRY_SHARE * 300.0)  # a large model
+    assert probe_module.retry_seconds(29.0, budget_s=30.0) == pytest.approx(2.9)
+
+
+# the batch-4 grid of the demo model seen on a shared 2-core VM: F(8) timed below F(6), while six
+# later timings of the 8-node forward gave 189-215 ms
+NOISY_B4 = {1: 100.0, 2: 110.0, 3: 120.0, 4: 130.0, 6: 172.3, 8: 169.7, 12: 250.0, 16: 320.0}
+
+
+def test_the_check_doubts_a_size_below_its_smaller_neighbour_or_off_their_line():
+    doubtful = probe_module.doubtful
+    assert doubtful({n: 50.0 + 10.0 * n for n in (1, 2, 3, 4, 6, 8, 12, 16)}) == set()  # a line
+    assert doubtful({1: 40.0, 2: 39.8, 3: 40.1, 4: 40.3, 6: 43.0, 8: 46.0}) == set()  # flat within noise
+    assert doubtful(NOISY_B4) == {4, 6, 8, 12}  # 6 and 8 off their lines, 8 below 6
+    assert doubtful({1: 40.0, 2: 36.0, 3: 41.0}) == {1, 2, 3}  # a drop of 10%
+    assert doubtful({1: 40.0, 2: 60.0}) == set()  # two sizes have no line to be off
+    assert doubtful({1: 40.0}) == set()
+
+
+def _fake_timer(true_ms: dict[int, float], calls: list):
+    """``time_again`` for :func:`settle`: every further round of a size takes its true seconds."""
+    def time_again(sizes, rounds):
+        calls.append((tuple(sorted(sizes)), rounds))
+        return {n: [true_ms[n] / 1e3] * rounds for n in sizes}
+
+    return time_again
+
+
+def test_a_noisy_median_is_timed_again_until_it_agrees_with_its_neighbours():
+    true = {**NOISY_B4, 6: 160.0, 8: 200.0}
+    samples = {n: [ms / 1e3] * 3 for n, ms in NOISY_B4.items()}  # three rounds each
+    calls = []
+    again = probe_module.settle(samples, _fake_timer(true, calls))
+    assert again == {4, 6, 8, 12} and calls == [((4, 6, 8, 12), probe_module.CHECK_ROUNDS)]  # settled in one check
+    medians = {n: 1e3 * statistics.median(v) for n, v in samples.items()}
+    assert medians[8] == pytest.approx(200.0) and medians[6] == pytest.approx(160.0)
+    assert probe_module.doubtful(medians) == set()
+    assert all(len(samples[n]) == 3 for n in samples if n not in again)  # the rest are left alone
+
+
+def test_a_kink_that_holds_is_kept_and_the_checks_are_bounded():
+    kink = {1: 40.0, 2: 41.0, 3: 42.0, 4: 36.0, 6: 38.0, 8: 40.0}  # a kernel's small-row path ends at 4 rows
+    samples, calls = {n: [ms / 1e3] * 3 for n, ms in kink.items()}, []
+    again = probe_module.settle(samples, _fake_timer(kink, calls))
+    assert again == {3, 4, 6} and len(calls) == probe_module.CHECKS  # timed again, still there: kept
+    assert {n: 1e3 * statistics.median(v) for n, v in samples.items()} == pytest.approx(kink)
+    samples, calls = {n: [ms / 1e3] * 3 for n, ms in kink.items()}, []
+    assert probe_module.settle(samples, _fake_timer(kink, calls), lambda: 0.4) == set() and calls == []
+    # a check's 4 rounds of 3, 4 and 6 nodes would take 0.46 s: over the 0.4 s left
 
 
 def test_plain_decoding_is_timed_at_the_forwards_context(tiny_cache, monkeypatch):

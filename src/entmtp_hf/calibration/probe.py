@@ -15,9 +15,15 @@ through decoding's own session (:mod:`entmtp_hf.decoding.loop`), so what it time
    caches and skip the conditioning on the accepted tokens: the EAGLE-style drafter's
    depth-one draft took 0.8 ms there against 4.6 ms inside decoding on the demo model.
 
+A grid of forward medians is checked against itself (:func:`doubtful`): a size that costs less
+than the size below it, or lies far off the line through its neighbours, is timed again with
+more rounds, with its neighbours (:func:`settle`). The check only chooses where more rounds go;
+the medians stay what was measured, so a real kink of the kernels holds.
+
 The one-node forward and the plain step are timed again after everything else; where the two
-timings of either disagree (:func:`steady`) something else was using the cores, so all is
-measured again, and a table whose timings never agreed says so in its notes.
+timings of either disagree (:func:`steady`) something else was using the cores, so that part
+(and only it) is measured again, in what is left of the time budget (:func:`retry_seconds`),
+and a table whose timings never agreed says so in its notes.
 
 The result is a :class:`~entmtp_hf.costs.table.CostTable` (see there for the model).
 """
@@ -27,7 +33,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
@@ -63,11 +69,28 @@ PLAIN_PROMPT_LEN = PREFIX_LEN - DECODE_TOKENS // 2
 #: prompts of the short EntMTP decodes that time drafting and the rest of a step
 DECODE_PROMPT_LEN = 64
 REPEATS = 3
+#: how far a forward size's median may lie off the line through its two neighbours' medians (of
+#: that line) before :func:`doubtful` doubts the three: a median of a few rounds on a busy machine
+#: strays by tens of percent, an idle machine's by a few
+OFF_LINE = 0.10
+#: how much less than the size below it a size may cost before :func:`doubtful` doubts both: more
+#: nodes are the same work and more, so a drop is a noisy median or a kink of the kernels
+DROP = 0.01
+#: rounds added to the doubted sizes per check (:func:`settle`), and the most checks of one grid
+CHECK_ROUNDS = 4
+CHECKS = 2
 #: how far two timings of one thing may differ (of the smaller) for :func:`steady`: an idle
 #: machine repeats them within a few percent, a busy one by tens of percent
 STEADY = 0.25
-#: measurements repeated when they disagree, before the table is kept with a note
-RETRIES = 1
+#: seconds one batch size's measuring should stay under: a part measured again after the recheck
+#: (:func:`retry_seconds`) runs only if it fits what is left
+BUDGET_S = 30.0
+#: where one pass alone takes longer than the budget (a large model), the retry may still add this
+#: share of the pass
+RETRY_SHARE = 0.1
+#: the first forward grid's checks fit this share of the budget (:func:`retry_seconds`): plain
+#: decoding, the short decodes and the recheck after the grid take most of a pass
+CHECK_SHARE = 1 / 3
 #: the two trees whose short decodes split a step's time (2 and 10 nodes)
 OVERHEAD_TREES = (Tree.chain(1), Tree.chain(1).union(Tree.from_choices([[i] for i in range(8)])))
 
@@ -78,21 +101,60 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def _medians(runs: dict, repeats: int, sync: Callable[[], None], on_round: Callable[[], None] | None = None) -> dict:
-    """Median seconds of each ``runs[key]()`` over ``repeats`` interleaved rounds after a warm-up
-    round (``on_round`` is called after each round: a progress bar's)."""
+def _timings(runs: dict, repeats: int, sync: Callable[[], None], on_round: Callable[[], None] | None = None,
+             *, warm_up: bool = True) -> dict[Any, list[float]]:  # fmt: skip
+    """Seconds of each ``runs[key]()`` in ``repeats`` interleaved rounds, after a warm-up round
+    unless ``warm_up`` is False (``on_round`` is called after each round: a progress bar's)."""
     times: dict = {k: [] for k in runs}
-    for r in range(repeats + 1):
+    for r in range(repeats + warm_up):
         for key, run in runs.items():
             sync()
             t0 = time.perf_counter()
             run()
             sync()
-            if r:
+            if r or not warm_up:
                 times[key].append(time.perf_counter() - t0)
         if on_round is not None:
             on_round()
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def _medians(runs: dict, repeats: int, sync: Callable[[], None], on_round: Callable[[], None] | None = None) -> dict:
+    """Median seconds of each ``runs[key]()`` (see :func:`_timings`)."""
+    return {k: statistics.median(v) for k, v in _timings(runs, repeats, sync, on_round).items()}
+
+
+def doubtful(medians: dict[int, float]) -> set[int]:
+    """The forward sizes whose medians disagree with their neighbours': a size more than
+    :data:`DROP` cheaper than the size below it (both doubted), or more than :data:`OFF_LINE` off
+    the line through its two neighbours (the three doubted: any of them may be the stray one)."""
+    sizes, out = sorted(medians), set()
+    for lo, n in zip(sizes, sizes[1:]):
+        if medians[n] < (1 - DROP) * medians[lo]:
+            out |= {lo, n}
+    for lo, n, hi in zip(sizes, sizes[1:], sizes[2:]):
+        line = medians[lo] + (medians[hi] - medians[lo]) * (n - lo) / (hi - lo)
+        if abs(medians[n] - line) > OFF_LINE * line:
+            out |= {lo, n, hi}
+    return out
+
+
+def settle(samples: dict[int, list[float]], time_again: Callable[[set[int], int], dict[int, list[float]]],
+           seconds_left: Callable[[], float] = lambda: float("inf")) -> set[int]:  # fmt: skip
+    """Time the sizes :func:`doubtful` doubts again, :data:`CHECK_ROUNDS` more rounds each (their
+    samples pooled), up to :data:`CHECKS` times, while a check's rounds fit ``seconds_left()``
+    (``time_again(sizes, rounds)`` returns the new samples). ``samples`` grow in place; the sizes
+    timed again are returned. Medians are never replaced by a fit: a kink that holds stays."""
+    again: set[int] = set()
+    for _ in range(CHECKS):
+        medians = {n: statistics.median(v) for n, v in samples.items()}
+        sizes = doubtful(medians)
+        if not sizes or CHECK_ROUNDS * sum(medians[n] for n in sizes) > seconds_left():
+            break
+        for n, more in time_again(sizes, CHECK_ROUNDS).items():
+            samples[n].extend(more)
+        again |= sizes
+    return again
 
 
 def _random_prompts(model, batch_size: int, seed: int, length: int) -> torch.Tensor:
@@ -137,14 +199,33 @@ def forward_ms(model, heads, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: 
                repeats: int = REPEATS, batch_size: int = 1, on_round: Callable[[], None] | None = None,
                session: DecodeSession | None = None) -> dict[int, float]:  # fmt: skip
     """Median ms of the verification forward of ``N`` chained nodes (in each of ``batch_size`` rows)
-    after ``prefix_len`` cached tokens, the sizes timed round-robin so drift hits every size alike.
-    ``heads``: the model's draft heads; ``on_round``: see :func:`_medians`; ``session``: one from
-    :func:`prefilled` to time on again (a prefill of a batch costs as much as a dozen forwards;
-    each timed forward leaves its cache as it found it)."""
+    after ``prefix_len`` cached tokens (:func:`forward_grid`). ``heads``: the model's draft heads;
+    ``session``: one from :func:`prefilled` to time on again (a prefill of a batch costs as much
+    as a dozen forwards; each timed forward leaves its cache as it found it)."""
     session = session if session is not None else prefilled(model, heads, prefix_len=prefix_len, batch_size=batch_size)
-    runs = {n: (lambda n=n: trial_forward(session, n)) for n in sizes}
-    seconds = _medians(runs, repeats, _sync(session.device), on_round)
-    return {n: 1e3 * s for n, s in seconds.items()}
+    return forward_grid(session, sizes, repeats, on_round=on_round)[0]
+
+
+def forward_grid(session: DecodeSession, sizes: Sequence[int], repeats: int = REPEATS, *,
+                 on_round: Callable[[], None] | None = None, warm_up: bool = True,
+                 seconds_left: Callable[[], float] = lambda: float("inf")) -> tuple[dict[int, float], set[int]]:  # fmt: skip
+    """Median ms of the verification forward of each of ``sizes`` on ``session``, timed
+    round-robin so drift hits every size alike, the doubtful ones timed again (:func:`settle`)
+    while their rounds fit ``seconds_left()`` and take no longer than the grid took; and the
+    sizes timed again. ``on_round``, ``warm_up``: see :func:`_timings`."""
+    runs, sync = {n: (lambda n=n: trial_forward(session, n)) for n in sizes}, _sync(session.device)
+    t0 = time.perf_counter()
+    samples = _timings(runs, repeats, sync, on_round, warm_up=warm_up)
+    end = 2 * time.perf_counter() - t0
+
+    def left() -> float:
+        return min(seconds_left(), end - time.perf_counter())
+
+    def time_again(doubted: set[int], rounds: int) -> dict[int, list[float]]:
+        return _timings({n: runs[n] for n in sorted(doubted)}, rounds, sync, warm_up=False)
+
+    again = settle(samples, time_again, left)
+    return {n: 1e3 * statistics.median(v) for n, v in samples.items()}, again
 
 
 def sizes_at(batch_size: int, sizes: Sequence[int] = PROBE_SIZES) -> tuple[int, ...]:
@@ -246,52 +327,60 @@ def plain_batch_ms(model, batch_size: int, *, tokens: int = DECODE_TOKENS) -> fl
     return _plain_ms(model, _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN), tokens)
 
 
-def steady(first: float, second: float) -> bool:
-    """Whether two timings of the same thing, taken apart, agree within :data:`STEADY`."""
-    return abs(first - second) <= STEADY * min(first, second)
+def steady(first: float, *others: float) -> bool:
+    """Whether a timing agrees within :data:`STEADY` with one of ``others``, the same thing timed
+    apart: then at least one pair of timings saw the machine alike."""
+    return any(abs(first - other) <= STEADY * min(first, other) for other in others)
 
 
-def _agreeing(measure: Callable[[], tuple], recheck: Callable[[], tuple[float, float]],
-              batch_size: int) -> tuple[tuple, bool]:  # fmt: skip
-    """``measure()`` (its first two results: forward ms by size and plain ms), checked against
-    ``recheck()`` (the one-node forward and plain ms timed again right after) and measured again up
-    to :data:`RETRIES` times while they disagree; the last result, and whether it agreed."""
-    for attempt in range(RETRIES + 1):
-        result = measure()
-        forward, plain = recheck()
-        if steady(result[0][1], forward) and steady(result[1], plain):
-            return result, True
-        log.warning("entmtp-hf: step costs at batch size %d changed while measuring (one-node forward %.1f then "
-                    "%.1f ms, plain step %.1f then %.1f ms): the machine looks busy; %s", batch_size, result[0][1],
-                    forward, result[1], plain, "measuring again" if attempt < RETRIES else "keeping the last")  # fmt: skip
-    return result, False
+def retry_seconds(elapsed: float, budget_s: float = BUDGET_S) -> float:
+    """Seconds a part measured again may take after ``elapsed`` seconds of measuring: what is left
+    of ``budget_s``, or :data:`RETRY_SHARE` of ``elapsed`` where measuring took about as long
+    already (a large model: it still gets a bounded second look)."""
+    return max(budget_s - elapsed, RETRY_SHARE * elapsed)
 
 
-def _forward_and_plain(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, tick: Tick
-                       ) -> tuple[dict[int, float], float, bool]:  # fmt: skip
-    plain_ids = _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN)
-    recheck_ids = _random_prompts(model, batch_size, 3, PREFIX_LEN - STEP_TOKENS // 2)  # a shorter decode, centred alike
+def _measure(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, per_node: float, tick: Tick,
+             started: float, budget_s: float) -> tuple[dict[int, float], float, tuple, tuple, dict]:  # fmt: skip
+    """The forward grid, plain ms, per-row drafting and overhead at ``batch_size`` rows; then the
+    one-node forward and the plain step timed again, and the one of them that disagrees
+    (:func:`steady`) measured again if it fits :func:`retry_seconds` of the time since
+    ``started``; and the table's notes on it."""
     session = prefilled(model, heads, batch_size=batch_size)  # the forwards' and the recheck's
-    ticked: set[str] = set()
+    forward, timed_again = forward_grid(session, sizes_at(batch_size, sizes), repeats, seconds_left=lambda: retry_seconds(
+        time.perf_counter() - started, CHECK_SHARE * budget_s))  # fmt: skip
+    tick("forward")
+    t0 = time.perf_counter()
+    plain = _plain_ms(model, _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN), DECODE_TOKENS)
+    plain_s = time.perf_counter() - t0
+    tick("plain decoding")
+    draft, overhead = step_costs(model, heads, per_node, batch_size)
+    tick("drafting")
+    recheck_ids = _random_prompts(model, batch_size, 3, PREFIX_LEN - STEP_TOKENS // 2)  # a shorter decode, centred alike
+    one, plain_then = forward_grid(session, (1,), repeats)[0][1], _plain_ms(model, recheck_ids, STEP_TOKENS)
+    deadline = time.perf_counter() + retry_seconds(time.perf_counter() - started, budget_s)
 
-    def once(stage: str) -> None:  # a measurement taken again does not move the bar again
-        if stage not in ticked:
-            ticked.add(stage)
-            tick(stage)
+    def retry_left() -> float:
+        return deadline - time.perf_counter()
 
-    def measure() -> tuple:
-        forward = forward_ms(model, heads, sizes_at(batch_size, sizes), repeats=repeats, session=session)
-        once("forward")
-        plain = _plain_ms(model, plain_ids, DECODE_TOKENS)
-        once("plain decoding")
-        return forward, plain
-
-    def recheck() -> tuple[float, float]:
-        one = forward_ms(model, heads, (1,), repeats=repeats, session=session)[1]
-        return one, _plain_ms(model, recheck_ids, STEP_TOKENS)
-
-    (forward, plain), agree = _agreeing(measure, recheck, batch_size)
-    return forward, plain, agree
+    forward_ok, plain_ok, again = steady(forward[1], one), steady(plain, plain_then), []
+    if not forward_ok and repeats * sum(forward.values()) / 1e3 <= retry_left():
+        first, again = forward[1], again + ["forward"]
+        forward, more = forward_grid(session, sizes_at(batch_size, sizes), repeats, warm_up=False,
+                                     seconds_left=retry_left)  # fmt: skip
+        forward_ok, timed_again = steady(forward[1], first, one), timed_again | more
+    if not plain_ok and plain_s <= retry_left():
+        first, again = plain, again + ["plain decoding"]
+        plain = _plain_ms(model, _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN), DECODE_TOKENS)
+        plain_ok = steady(plain, first, plain_then)
+    unsettled = [part for part, ok in (("forward", forward_ok), ("plain step", plain_ok)) if not ok]
+    if unsettled:
+        log.warning("entmtp-hf: at batch size %d the %s changed while measuring (one-node forward %.1f then %.1f ms, "
+                    "plain step %.1f then %.1f ms; measured again: %s): the machine looks busy; keeping the last",
+                    batch_size, " and ".join(unsettled), forward[1], one, plain, plain_then,
+                    ", ".join(again) or "nothing, no time left")  # fmt: skip
+    notes = {"timings_steady": forward_ok and plain_ok, "measured_again": again, "timed_again": sorted(timed_again)}
+    return forward, plain, draft, overhead, notes
 
 
 def _noop(stage: str) -> None:
@@ -300,33 +389,30 @@ def _noop(stage: str) -> None:
 
 @torch.no_grad()
 def probe_batch(model, heads, base: CostTable, batch_size: int, *, sizes: Sequence[int] = PROBE_SIZES,
-                repeats: int = REPEATS, tick: Tick = _noop) -> CostTable:
+                repeats: int = REPEATS, tick: Tick = _noop, budget_s: float = BUDGET_S) -> CostTable:  # fmt: skip
     """``base`` (this machine's batch-size-1 table) at ``batch_size`` rows: the verification forward,
     plain batched decoding and the per-row drafting and overhead measured anew. ``tick(stage)`` is
-    called as each stage ends (a progress bar's)."""
+    called as each stage ends (a progress bar's); ``budget_s``: see :data:`BUDGET_S`."""
     t0 = time.perf_counter()
-    forward, plain, agree = _forward_and_plain(model, heads, batch_size, sizes, repeats, tick)
-    draft, overhead = step_costs(model, heads, base.draft_ms[2], batch_size)
-    tick("drafting")
+    forward, plain, draft, overhead, notes = _measure(model, heads, batch_size, sizes, repeats, base.draft_ms[2], tick,
+                                                      t0, budget_s)  # fmt: skip
     seconds = time.perf_counter() - t0
     return CostTable(base.fingerprint, base.model, forward, draft, overhead, plain, seconds,
-                     notes={**base.notes, "timings_steady": agree}, batch_size=batch_size)  # fmt: skip
+                     notes={**base.notes, **notes}, batch_size=batch_size)  # fmt: skip
 
 
 @torch.no_grad()
-def probe(model, heads, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = REPEATS, tick: Tick = _noop
-          ) -> CostTable:  # fmt: skip
+def probe(model, heads, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = REPEATS, tick: Tick = _noop,
+          budget_s: float = BUDGET_S) -> CostTable:  # fmt: skip
     """Measure this machine's batch-size-1 :class:`CostTable` for ``model`` (enabled with ``heads``)."""
     t0 = time.perf_counter()
     lm = model.get_output_embeddings().weight
     fingerprint = machine_fingerprint(lm.device, lm.dtype)
     shape, fit_error = draft_fit(model, heads, repeats=repeats)
     tick("heads")
-    forward, plain, agree = _forward_and_plain(model, heads, 1, sizes, repeats, tick)
-    draft, overhead = step_costs(model, heads, shape[2])
-    tick("drafting")
+    forward, plain, draft, overhead, notes = _measure(model, heads, 1, sizes, repeats, shape[2], tick, t0, budget_s)
     seconds = time.perf_counter() - t0
-    notes = {"draft_fit_max_error": fit_error, "prefix_len": PREFIX_LEN, "timings_steady": agree}
+    notes = {"draft_fit_max_error": fit_error, "prefix_len": PREFIX_LEN, **notes}
     return CostTable({**fingerprint.to_dict(), "key": fingerprint.key()}, model_key(model, heads), forward, draft,
                      overhead, plain, seconds, notes=notes)  # fmt: skip
 
