@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.decoding.attention import AttentionLayout
-from entmtp_hf.decoding.cache import PreallocatedLayer, preallocate, trim_windows
+from entmtp_hf.decoding.cache import PreallocatedLayer, preallocate, sliding_layers, trim_windows
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63
 from test_generation import CHAIN, SAMPLING_TREE, chi_square_p, random_choices, sample_counts, target_joint
@@ -114,7 +114,7 @@ def test_trim_windows_keeps_what_every_row_still_sees():
     cache.update(keys, keys + 100, 0)
     # row 0: positions 0..7; row 1: two pad slots, then 0..3 with a hole (-1) at slot 6
     slots = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [-1, -1, 0, 1, 2, 3, -1, 4]])
-    trim_windows(cache, slots, [8, 5])  # row 0 needs positions 6.., row 1 positions 3.. (slot 5)
+    trim_windows(sliding_layers(cache), slots, [8, 5])  # row 0 needs positions 6.., row 1 positions 3.. (slot 5)
     layer = cache.layers[0]
     assert isinstance(layer, PreallocatedLayer) and layer.dropped == 5 and layer.get_seq_length() == 8
     assert layer.keys[0, 0, :, 0].tolist() == [5, 6, 7] and layer.get_mask_sizes(2) == (5, 5)

@@ -226,26 +226,30 @@ def unroll_static_windows(cache: StaticCache, length: int) -> None:
             cache.layers[i] = StaticLayer(max_cache_len=length)
 
 
-def trim_windows(cache, slot_pos: torch.Tensor, next_pos: list[int]) -> None:
-    """Drop the front slots of every sliding layer that no row can attend to any more.
+def sliding_layers(cache) -> list[PreallocatedLayer]:
+    """The cache's preallocated sliding-window layers (what :func:`trim_windows` trims)."""
+    return [layer for layer in cache.layers if isinstance(layer, PreallocatedLayer) and layer.is_sliding]
+
+
+def trim_windows(layers: list[PreallocatedLayer], slot_pos: torch.Tensor, next_pos: list[int]) -> None:
+    """Drop the front slots of the sliding ``layers`` (:func:`sliding_layers`) that no row can
+    attend to any more.
 
     ``slot_pos`` [B, S] is the text position of every cached slot of every row (-1: padding or a
     slot the row left unfilled), ``next_pos[b]`` the position of row ``b``'s next root. Row ``b``
     still needs the slots at positions ``>= next_pos[b] - window + 1``; a layer keeps everything
     from the first slot any row needs. With one row that is exactly the ``window - 1`` tokens
     plain decoding keeps."""
-    windows = {layer.sliding_window for layer in cache.layers if getattr(layer, "dropped", None) is not None
-               and layer.is_sliding}  # fmt: skip
-    if not windows or slot_pos.shape[1] == 0:
+    if not layers or slot_pos.shape[1] == 0:
         return
     nxt = torch.tensor(next_pos, device=slot_pos.device)[:, None]
     slots = torch.arange(slot_pos.shape[1], device=slot_pos.device)
-    for window in windows:
+    for window in {layer.sliding_window for layer in layers}:
         needed = slot_pos >= nxt - window + 1  # [B, S]
         first = torch.where(needed, slots, slot_pos.shape[1]).min(dim=1).values  # per row; S when none
         keep_from = int(first.min())
-        for layer in cache.layers:
-            if getattr(layer, "sliding_window", None) == window and isinstance(layer, PreallocatedLayer):
+        for layer in layers:
+            if layer.sliding_window == window:
                 layer.drop_front(keep_from - layer.dropped)
 
 

@@ -45,7 +45,8 @@ from ..trees.plan import DecodePlan
 from ..trees.tree import Tree
 from .acceptance import check_pick, reference_typical_flags, typical_accept_flags, typical_best_path, walk_tree
 from .attention import AttentionLayout, tree_inputs, verifying
-from .cache import accepted_slots, additive_mask, keep_accepted, release, select_rows, slot_positions, trim_windows
+from .cache import (accepted_slots, additive_mask, keep_accepted, release, select_rows, sliding_layers, slot_positions,
+                    trim_windows)
 from .processors import for_row, process_tree_scores, row_wise
 from .stats import RowStep, StepRecord
 
@@ -149,7 +150,9 @@ class DecodeSession:
         #: [B_live, S] the text position of every cached slot of every live row; -1 for user padding
         #: and the slots a row left unfilled, which it never sees
         self.slot_pos = torch.zeros(0, dtype=torch.long)
-        self.layout = AttentionLayout.of(model.config)  # sliding-window layers: their masks and trimming
+        self.layout = AttentionLayout.of(model.config)  # sliding-window layers: their masks
+        #: the cache's sliding layers this session trims (found once: decoding keeps the layer objects)
+        self.sliding = sliding_layers(cache)
         self._idle = Tree.root_only().buffers(self.device, self.dtype)  # what a stopped row kept in the forward verifies
         self.finished = False
 
@@ -175,12 +178,12 @@ class DecodeSession:
         if cached >= ids.shape[1]:
             raise EntMTPError(f"the cache already holds {cached} tokens and the prompt has {ids.shape[1]}: a call "
                              f"that continues from a filled cache needs at least one new token")  # fmt: skip
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        self.slot_pos = slot_positions(mask)
+        positions = self.slot_pos.clamp(min=0)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         out = self.model(input_ids=ids[:, cached:], attention_mask=mask, position_ids=positions[:, cached:],
                          cache=self.cache, use_cache=True, output_hidden_states=self.hidden_request, **keep)  # fmt: skip
         features = self.features(out.hidden_states)
-        self.slot_pos = slot_positions(mask)
         last = out.logits[:, -1].float()
         for b, row in enumerate(self.rows):
             scores = row.processors(row.ids, last[b : b + 1])
@@ -192,7 +195,7 @@ class DecodeSession:
             row.next_pos = int(positions[b, -1]) + 1
             row.pad = int((mask[b] == 0).sum())
             self._emit(row, [root], scores, last[b : b + 1])
-        trim_windows(self.cache, self.slot_pos, [row.last_pos for row in self.live])
+        trim_windows(self.sliding, self.slot_pos, [row.last_pos for row in self.live])
         self._settle()
 
     # ------------------------------------------------------------------ the step
@@ -227,7 +230,7 @@ class DecodeSession:
         kv_len = self.cache.get_max_length() if isinstance(self.cache, StaticCache) else prefix_len + width
         prefix = additive_mask(self.slot_pos, self.dtype)
         tokens, positions, mask = tree_inputs(drafts, [r.next_pos for r in self.live], prefix, kv_len)
-        mask = self.layout.masks(mask, positions, self.slot_pos, self._dropped())
+        mask = self.layout.masks(mask, positions, self.slot_pos, self.sliding[0].dropped if self.sliding else 0)
         with verifying():
             return self.forward(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
                                 use_cache=True, output_hidden_states=self.hidden_request)  # fmt: skip
@@ -258,7 +261,7 @@ class DecodeSession:
                                  verified.logits[b, path])  # fmt: skip
             row.drafter.update_candidate_strategy(row.ids, scores[None], len(path) - 1)
             steps.append(RowStep(row.index, draft, path, emitted))
-        trim_windows(self.cache, self.slot_pos, [r.last_pos for r in self.live])
+        trim_windows(self.sliding, self.slot_pos, [r.last_pos for r in self.live])
         self._settle()
         return StepRecord(tuple(steps), forward_rows=len(drafts))
 
@@ -315,10 +318,6 @@ class DecodeSession:
             for row in self.live:
                 row.drafter = self.new_drafter(plan, row.drafter.state)
 
-    def _dropped(self) -> int:
-        """Slots the sliding layers dropped from their front (all alike: :func:`trim_windows`)."""
-        return next((layer.dropped for layer in self.cache.layers if getattr(layer, "is_sliding", False)), 0)
-
     def _idle_draft(self, row: Row) -> Draft:
         """A done row kept in the forward (a static cache) verifies its last token alone."""
         return Draft(0, row.ids[0, -1:], self._idle, None)
@@ -340,7 +339,7 @@ class DecodeSession:
         """``generate``'s ``scores`` (``kind="scores"``) or ``logits``: one [B, V] tensor per new token
         of the returned sequences. A row's entries past its end are those of a forced pad token
         (0 at ``pad_token_id``, the minimum elsewhere): the row emitted nothing there."""
-        steps = self.sequences().shape[1] - self.prompt_ids.shape[1]
+        steps = self.returned_new_tokens
         per_row = [torch.cat(getattr(row, kind)) if getattr(row, kind) else None for row in self.rows]
         some = next(t for t in per_row if t is not None)
         forced = torch.full_like(some[0], torch.finfo(some.dtype).min)
@@ -349,10 +348,15 @@ class DecodeSession:
             torch.stack([t[i] if t is not None and i < t.shape[0] else forced for t in per_row]) for i in range(steps)
         )
 
+    @property
+    def returned_new_tokens(self) -> int:
+        """New tokens per row of the returned sequences: as many as the row that stopped last."""
+        return max(row.stopped_at or row.new_tokens for row in self.rows)
+
     def sequences(self) -> Tensor:
         """[B, L] every row's text, as plain ``generate`` returns a batch: every row as long as the
         one that stopped last, a stopped row padded with ``pad_token_id`` where an EOS criterion exists."""
-        length = self.prompt_ids.shape[1] + max(row.stopped_at or row.new_tokens for row in self.rows)
+        length = self.prompt_ids.shape[1] + self.returned_new_tokens
         out = self.prompt_ids.new_full((len(self.rows), length), self.pad_token_id)
         for row in self.rows:
             kept = row.ids[0, :length]
