@@ -617,3 +617,16 @@ def test_batched_bench_groups_interleaves_and_checks_every_row(tmp_path):
 
     assert main(["bench-report", str(tmp_path / "results.json"), "--out", str(tmp_path / "report")]) == 0
     assert {p.name for p in (tmp_path / "report").iterdir()} == {"table.md", "summary.json", "throughput_by_batch_size.png"}
+
+
+def test_a_compile_backend_that_is_not_installed_is_skipped_with_its_name(tmp_path):
+    from entmtp_hf.tools.bench.methods import CompiledWith, compiled_kwargs
+
+    model, tok = tiny_llama(), tiny_tokenizer()
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS)
+    method = CompiledWith("vanilla-nowhere", "test", generate_kwargs=compiled_kwargs("nowhere"),
+                          backend_module="entmtp_hf_no_such_backend")  # fmt: skip
+    assert "the entmtp_hf_no_such_backend backend is not installed" in method.unavailable(ctx, "delta", "greedy")
+    frozen = compiled_kwargs(freezing=True)["compile_config"]
+    assert frozen.options == {"freezing": True} and frozen.mode is None  # torch takes a mode or options, not both
+    assert METHODS["vanilla-compiled"].generate_kwargs["compile_config"].mode == "default"

@@ -20,8 +20,8 @@ from tiny import VOCAB
 TREES = [Tree.chain(1).choices, Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices]
 
 
-def compile_config() -> CompileConfig:
-    config = CompileConfig(fullgraph=False, dynamic=False, backend="inductor", mode="default")
+def compile_config(**options) -> CompileConfig:
+    config = CompileConfig(fullgraph=False, dynamic=False, backend="inductor", **({"mode": "default"} | options))
     config._compile_all_devices = True  # transformers compiles on CUDA by itself; on a CPU when asked
     return config
 
@@ -78,3 +78,34 @@ def test_compiled_verification_of_a_left_padded_batch_equals_plain_batched_gener
     assert torch.equal(out.sequences, model.generate(ids, **plain_kwargs))
     assert set(out.entmtp_stats["compile_seconds"]) == {len(t) + 1 for t in TREES}
     assert set(out.entmtp_stats["live_batch_sizes"]) == {len(lengths)}
+
+
+@pytest.mark.slow
+def test_verification_compiled_with_frozen_weights_is_lossless(tiny_cache):
+    """Inductor's freezing (the weights constants of each graph, prepacked where oneDNN takes
+    them): the CPU fast path the benchmark measures as ``*-compiled-frozen``."""
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    enable_entmtp(model, heads)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=16, do_sample=False)
+    frozen = compile_config(mode=None, options={"freezing": True})
+    with torch.no_grad():
+        out = model.generate(ids, **kwargs, cache_implementation="static", compile_config=frozen,
+                             entmtp_config=EntMTPConfig(tree=TREES[1]))  # fmt: skip
+    assert torch.equal(out, model.generate(ids, **kwargs))
+
+
+@pytest.mark.slow
+def test_more_graphs_than_dynamo_compiles_are_warned_of_and_stay_lossless(tiny_cache, monkeypatch):
+    """Past ``torch._dynamo.config.recompile_limit`` a new shape of the forward runs uncompiled:
+    slower, not wrong, and said once."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    model, heads = tiny_cache("llama", "hydra", "mlp", seed=7)  # a model no other test compiled
+    enable_entmtp(model, heads)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(9))
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    config = EntMTPConfig(trees=TREES, tau_on=0.1, tau_off=0.09, feature="base_top1")
+    with pytest.warns(UserWarning, match="recompile_limit"):
+        out = model.generate(ids, **kwargs, cache_implementation="static", compile_config=compile_config(),
+                             entmtp_config=config)  # fmt: skip
+    assert torch.equal(out, model.generate(ids, **kwargs))

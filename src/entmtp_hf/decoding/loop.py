@@ -12,6 +12,7 @@ here, before the first step: the step only calls the forward it was given.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -69,9 +70,16 @@ def precompile(session: DecodeSession) -> dict[int, float]:
     done = vars(session.forward).setdefault("_entmtp_tree_sizes", set())  # on the model's compiled call
     rows = len(session.live)
     seconds = {}
-    for n in sorted(session.plan.node_counts):
-        if (rows, n) in done:
-            continue
+    todo = [n for n in sorted(session.plan.node_counts) if (rows, n) not in done]
+    limit = torch._dynamo.config.recompile_limit
+    if todo and len(done) + len(todo) + 1 > limit and not vars(session.forward).get("_entmtp_warned"):
+        # one graph per (rows, size) and plain decoding's: past dynamo's limit a new shape runs eagerly
+        warnings.warn(f"entmtp-hf: compiled verification needs {len(done) + len(todo) + 1} graphs of the model's forward "
+                      f"(one per batch size and tree size, and plain decoding's), more than torch._dynamo.config."
+                      f"recompile_limit ({limit}): the shapes beyond it run uncompiled; raise the limit to compile "
+                      f"them all", stacklevel=2)  # fmt: skip
+        vars(session.forward)["_entmtp_warned"] = True
+    for n in todo:
         t0 = time.perf_counter()
         trial_forward(session, n)
         seconds[n] = time.perf_counter() - t0

@@ -170,12 +170,32 @@ class InDtype(Method):
 COMPILED_CACHE_LEN = 2048
 
 
-def compiled_kwargs() -> dict[str, Any]:
+def compiled_kwargs(backend: str = "inductor", *, freezing: bool = False) -> dict[str, Any]:
     """``generate`` kwargs of the compiled methods: a static cache and transformers' own compile switch
-    (``compile_config``; on a CPU it needs ``_compile_all_devices``, CUDA compiles by itself)."""
-    config = CompileConfig(fullgraph=False, dynamic=False, backend="inductor", mode="default")
+    (``compile_config``; on a CPU it needs ``_compile_all_devices``, CUDA compiles by itself).
+    ``freezing``: inductor's weight freezing (the weights become constants of the graph, prepacked
+    for oneDNN on a CPU); torch takes either a mode or options, so it replaces the default mode."""
+    options = {"mode": None, "options": {"freezing": True}} if freezing else {"mode": "default"}
+    config = CompileConfig(fullgraph=False, dynamic=False, backend=backend, **options)
     config._compile_all_devices = True
     return {"cache_implementation": "static", "compile_config": config, "max_cache_len": COMPILED_CACHE_LEN}
+
+
+@dataclass(frozen=True)
+class CompiledWith(Method):
+    """A compiled method whose ``torch.compile`` backend comes from an extension module (imported
+    before the first call: importing it registers the backend), skipped when it is not installed."""
+
+    backend_module: str = ""
+
+    def unavailable(self, ctx: BenchContext, task: str, mode: str) -> str | None:
+        import importlib
+
+        try:
+            importlib.import_module(self.backend_module)
+        except ImportError as e:
+            return f"the {self.backend_module} backend is not installed ({e})"
+        return super().unavailable(ctx, task, mode)
 
 
 # ============================================================================ EntMTP configs
@@ -294,10 +314,26 @@ register_method(MeasuredKernels("vanilla-kernels", "plain generate with this mac
 register_method(InDtype("vanilla-bf16", "plain generate on a bfloat16 copy of the model"))
 register_method(InDtype("entmtp-static-bf16", "EntMTP* on a bfloat16 copy of the model and heads", heads="hydra",
                         entmtp=_bank_policy("static"), reference="vanilla-bf16"))
+register_method(InDtype("eagle-static-bf16", "EntMTP* with the EAGLE-style drafter and its bank on a bfloat16 copy of "
+                        "the model and drafter", heads="eagle", entmtp=_bank_policy("static", "eagle"),
+                        reference="vanilla-bf16"))  # fmt: skip
 register_method(Method("vanilla-compiled", "plain generate, static cache and the forward compiled (inductor)",
                        generate_kwargs=compiled_kwargs()))
 register_method(Method("entmtp-static-compiled", "EntMTP*, static cache and the verification compiled (one graph per "
                        "tree size)", heads="hydra", entmtp=_bank_policy("static"), generate_kwargs=compiled_kwargs()))
+register_method(Method("vanilla-compiled-frozen", "plain generate, static cache, the forward compiled by inductor with "
+                       "its weights frozen (prepacked for oneDNN)", generate_kwargs=compiled_kwargs(freezing=True)))
+register_method(Method("eagle-static-compiled", "EntMTP* with the EAGLE-style drafter, static cache and the verification "
+                       "compiled (inductor)", heads="eagle", entmtp=_bank_policy("static", "eagle"),
+                       generate_kwargs=compiled_kwargs()))  # fmt: skip
+register_method(Method("eagle-static-compiled-frozen", "EntMTP* with the EAGLE-style drafter, the verification compiled "
+                       "by inductor with frozen weights", heads="eagle", entmtp=_bank_policy("static", "eagle"),
+                       generate_kwargs=compiled_kwargs(freezing=True)))  # fmt: skip
+register_method(CompiledWith("vanilla-zentorch", "plain generate, static cache, the forward compiled by AMD's zentorch "
+                             "backend", generate_kwargs=compiled_kwargs("zentorch"), backend_module="zentorch"))
+register_method(CompiledWith("eagle-static-zentorch", "EntMTP* with the EAGLE-style drafter, the verification compiled "
+                             "by AMD's zentorch backend", heads="eagle", entmtp=_bank_policy("static", "eagle"),
+                             generate_kwargs=compiled_kwargs("zentorch"), backend_module="zentorch"))  # fmt: skip
 register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10},
                        default=True))  # fmt: skip
 register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="medusa", entmtp=_default_tree))
