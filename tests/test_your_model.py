@@ -194,6 +194,16 @@ def test_load_demo_without_a_model_is_unchanged(monkeypatch):
     assert calls == [None, demo.DEMO_EAGLE_HEADS.name] and bank_dir == demo.demo_bank_dir("eagle")
 
 
+def test_load_demo_takes_the_banks_beside_a_heads_folder_of_the_default_model(built, monkeypatch):
+    import entmtp_hf.demo as demo
+
+    monkeypatch.setattr(demo, "load_base_model", lambda model=None, **kw: ("m", "t"))
+    monkeypatch.setattr(demo, "enable_entmtp", lambda m, heads, **kw: None)
+    out = built["root"] / "out"
+    assert demo.load_demo(heads=out)[2] == out / "banks"
+    assert demo.load_demo(heads=out, banks="elsewhere")[2] == Path("elsewhere")
+
+
 def test_push_to_hub_sends_the_heads_and_every_bank(built, monkeypatch):
     from entmtp_hf.heads import DraftHeads
 
@@ -202,3 +212,21 @@ def test_push_to_hub_sends_the_heads_and_every_bank(built, monkeypatch):
     monkeypatch.setattr(TopologyBank, "push_to_hub", lambda self, repo, **kw: pushed.append((self.task, repo)))
     assert bd.push_to_hub(built["root"] / "out", "me/drafter") == {"heads": "me/drafter", "banks": "me/drafter-banks"}
     assert pushed == [("heads", "me/drafter"), ("gsm8k", "me/drafter-banks")]
+
+
+@pytest.mark.parametrize("family, arch", [("eagle", "eagle"), ("hydra", "prefix-mlp")])
+def test_drafters_with_a_decoder_layer_fit_gemma_3(family, arch):
+    """Gemma 3's text config names its classes without "Text", its rotary embedding takes a layer
+    type and its MLP a hidden_activation: the drafter a base Gemma 3 gets, lossless."""
+    from entmtp_hf import MC_SIM_7B_63
+    from tiny import VOCAB, fitted_heads, tiny_model
+
+    model = tiny_model("gemma3", seed=1)
+    enable_entmtp(model, fitted_heads(model, family, arch, steps=20))
+    try:
+        ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+        plain = model.generate(ids, max_new_tokens=40, do_sample=False)
+        tree = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+        assert torch.equal(plain, tree)
+    finally:
+        disable_entmtp(model)

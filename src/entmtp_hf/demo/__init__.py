@@ -60,7 +60,8 @@ def load_demo(heads: str | Path | None = None, *, model: str | None = None, bank
     ``model``: ``None`` (SmolLM2-135M-Instruct), a name of :data:`~entmtp_hf.demo.model.DEMO_MODELS`
     (``"gemma-3-270m"``), a Hub id or a local folder. For SmolLM2, ``heads`` is ``"eagle"`` (the
     EAGLE-style drafter, the default) or ``"hydra"`` (the Hydra heads), each with the banks searched
-    for it, or a heads folder (with the Hydra heads' banks unless ``banks`` is given). No drafter
+    for it, or a heads folder (with the banks in its ``banks/`` if there, else ``banks``, else the
+    Hydra heads'). No drafter
     ships for any other model: ``heads`` is then the folder ``entmtp-hf build-drafter`` wrote, and
     the banks are ``banks`` or that folder's ``banks/``.
     ``calibrate``: as :func:`~entmtp_hf.enable_entmtp`'s (measure this machine's step costs now,
@@ -72,6 +73,9 @@ def load_demo(heads: str | Path | None = None, *, model: str | None = None, bank
     else:
         drafter = heads if isinstance(heads, str) and heads in DEMO_DRAFTERS else DEFAULT_DRAFTER if heads is None else None
         heads = DEMO_DRAFTERS[drafter][0] if drafter is not None else Path(heads)
+        beside = heads / "banks"  # where build-drafter puts a drafter's banks
+        if banks is None and drafter is None and any(beside.glob("*.safetensors")):
+            banks = beside
         bank_dir = Path(banks) if banks is not None else demo_bank_dir(drafter or "hydra")  # a folder: the Hydra heads' banks
     if not (heads / "config.json").exists():
         raise FileNotFoundError(

@@ -100,6 +100,9 @@ class BuildOptions:
         if self.timing_prompts > self.search_prompts:
             raise ValueError(f"--timing-prompts ({self.timing_prompts}) must not exceed --search-prompts "
                              f"({self.search_prompts}): the timed prompts are the first calibration prompts")
+        if self.tau_prompts > 0 and self.depth < 4:
+            raise ValueError(f"--tau-prompts checks the drafter with mc_sim_7b_63, a tree of depth 4, deeper than "
+                             f"--depth {self.depth}: use --depth 4 or more, or --tau-prompts 0")
         if not any(n <= self.nodes for n in self.timed_sizes):
             raise ValueError(f"--timed-sizes {list(self.timed_sizes)} has no size within --nodes {self.nodes}")
 
@@ -305,6 +308,7 @@ class _Build:
 
     def search(self, deadline: float | None) -> tuple[bool, dict[str, Any], str]:
         from .search.cli import search_tasks, task_name
+        from .search.result import nodes_text
 
         model, tokenizer = self.with_heads()
         done = dict((self.state.stage("search").get("result") or {}).get("tasks", {}))  # tasks of earlier calls
@@ -322,13 +326,14 @@ class _Build:
                                          "stage_seconds": {k: round(v, 1) for k, v in result.elapsed.items()}}
         except OutOfTime as stop:
             return False, {"tasks": done}, f"{len(done)} of {len(self.opts.tasks)} tasks searched; {stop}"
-        text = "; ".join(f"{t}: EntMTP* {r['entmtp_star_nodes']} nodes" for t, r in done.items())
+        text = "; ".join(f"{t}: EntMTP* {nodes_text(r['entmtp_star_nodes'])}" for t, r in done.items())
         return True, {"tasks": done}, text
 
     # ------------------------------------------------------------------ 4. calibrate
     def calibrate(self, deadline: float | None) -> tuple[bool, dict[str, Any], str]:
         from .calibrate import calibrate, calibrate_options
         from .search.cli import task_name, task_search
+        from .search.result import nodes_text
 
         o = self.opts
         model, tokenizer = self.with_heads()
@@ -341,7 +346,7 @@ class _Build:
                                  budget=o.nodes)  # fmt: skip
         report = calibrate(args, loaded=(model, tokenizer), searches=searches)
         chosen = {t: r.get("num_nodes") for t, r in report["tasks"].items()}
-        text = "this machine's EntMTP*: " + ", ".join(f"{t} {n} nodes" for t, n in chosen.items())
+        text = "this machine's EntMTP*: " + ", ".join(f"{t} {nodes_text(n)}" for t, n in chosen.items())
         return True, {"entmtp_star_nodes": chosen, "probe_seconds": report.get("probe_seconds")}, text
 
     # ------------------------------------------------------------------ 5. publish
