@@ -121,7 +121,7 @@ class BuildOptions:
                           "seed"),
             "search": pick("tasks", "search_prompts", "timing_prompts", "search_new_tokens", "timed_sizes", "nodes",
                            "cost_repeats", "seed"),
-            "calibrate": pick("tasks", "nodes"),
+            "calibrate": pick("tasks", "nodes", "out"),  # it writes OUT/banks
             "publish": pick("out", "push_to_hub", "banks_repo"),
         }  # fmt: skip
 
