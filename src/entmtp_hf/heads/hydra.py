@@ -10,6 +10,7 @@ depth over that depth's expanded nodes.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 import torch
@@ -54,17 +55,32 @@ def build_prefix_config(data: dict[str, Any]) -> Any:
 
 
 def _architecture_classes(config: Any) -> tuple[type, type, type]:
-    """DecoderLayer, RMSNorm and RotaryEmbedding classes of the config's architecture."""
+    """DecoderLayer, RMSNorm and RotaryEmbedding classes of the config's architecture (a text
+    config of a multimodal family, e.g. ``Gemma3TextConfig``, names its classes without "Text")."""
     name = type(config).__name__.removesuffix("Config")
     module_name = type(config).__module__.replace(".configuration_", ".modeling_")
+    parts = ("DecoderLayer", "RMSNorm", "RotaryEmbedding")
     try:
         module = importlib.import_module(module_name)
-        return tuple(getattr(module, f"{name}{part}") for part in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
-    except (ImportError, AttributeError) as e:
-        raise ValueError(
-            f"prefix-mlp heads need a Llama-like architecture (DecoderLayer, RMSNorm, RotaryEmbedding); "
-            f"{config.model_type!r} does not provide them ({e})"
-        ) from e
+    except ImportError as e:
+        raise ValueError(f"heads with a decoder layer need the base architecture's module; {config.model_type!r} "
+                         f"has none ({e})") from e  # fmt: skip
+    for prefix in dict.fromkeys((name, name.removesuffix("Text"))):
+        if all(hasattr(module, f"{prefix}{part}") for part in parts):
+            return tuple(getattr(module, f"{prefix}{part}") for part in parts)
+    raise ValueError(
+        f"prefix-mlp and EAGLE-style heads need a Llama-like architecture (DecoderLayer, RMSNorm, RotaryEmbedding); "
+        f"{config.model_type!r} does not provide them as {name}DecoderLayer, ... in {module_name}"
+    )
+
+
+def rope_kwargs(rope_cls: type, config: Any) -> dict[str, str]:
+    """What a call of the architecture's rotary embedding needs besides (x, position_ids): the
+    layer type where the architecture keeps one RoPE per type (Gemma 3: local and global); a
+    one-layer config's only layer gives it."""
+    if "layer_type" not in inspect.signature(rope_cls.forward).parameters:
+        return {}
+    return {"layer_type": config.layer_types[0]}
 
 
 def causal_mask(q_len: int, past: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -90,6 +106,7 @@ class PrefixLayer(nn.Module):
         self.layers = nn.ModuleList([layer_cls(config, layer_idx=0)])
         self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = rope_cls(config=config)  # buffers are non-persistent: not saved
+        self._rope_kwargs = rope_kwargs(rope_cls, config)
 
     def forward(self, hidden: Tensor, past: int = 0, cache: Any = None) -> Tensor:
         """Run causally over ``hidden`` [B, T, H] at positions past..past+T-1, appending to ``cache``."""
@@ -102,7 +119,7 @@ class PrefixLayer(nn.Module):
             position_ids=position_ids,
             cache=cache,
             use_cache=cache is not None,
-            position_embeddings=self.rotary_emb(hidden, position_ids),
+            position_embeddings=self.rotary_emb(hidden, position_ids, **self._rope_kwargs),
         )
         return self.norm(out)
 
@@ -141,7 +158,7 @@ class PrefixLayer(nn.Module):
                 keys[b, :, past - pasts[b] :], values[b, :, past - pasts[b] :] = layer.keys[0], layer.values[0]
             joint.update(keys, values, 0)
         out = self.norm(self.layers[0](x, attention_mask=mask, position_ids=positions, cache=joint, use_cache=True,
-                                       position_embeddings=self.rotary_emb(x, positions)))  # fmt: skip
+                                       position_embeddings=self.rotary_emb(x, positions, **self._rope_kwargs)))  # fmt: skip
         new_keys, new_values = joint.layers[0].keys[:, :, past:], joint.layers[0].values[:, :, past:]
         for b, (h, cache) in enumerate(zip(hiddens, caches)):
             t = h.shape[0]

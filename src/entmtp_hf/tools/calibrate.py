@@ -237,8 +237,13 @@ def _calibration_inputs(tokenizer, task: str, n: int) -> tuple[list[list[int]], 
     return [p.render(tokenizer) for p in prompts], [p.prompt_id for p in prompts]
 
 
-def calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    """Load the model and heads, probe, (re)build frontiers if asked, rank, check, write."""
+def calibrate(args: argparse.Namespace, *, loaded: tuple[Any, Any] | None = None,
+              searches: dict[str, TreeSearch] | None = None) -> dict[str, Any]:
+    """Load the model and heads, probe, (re)build frontiers if asked, rank, check, write.
+
+    ``loaded``: ``(model, tokenizer)`` with the heads already enabled (``--model`` and ``--heads``
+    are then not read); ``searches``: per task, the search whose checkpointed first two stages
+    give the frontier (instead of new greedy runs in ``--work``)."""
     from ..demo import DEMO_HEADS
     from ..demo.model import load_base_model
     from ..integration import HEADS_ATTR, enable_entmtp
@@ -246,8 +251,11 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     source, out = Path(args.bank), Path(args.out)
     tasks = args.tasks or list_local_tasks(source)
-    model, tokenizer = load_base_model(args.model)
-    enable_entmtp(model, args.heads or str(DEMO_HEADS))
+    if loaded is None:
+        model, tokenizer = load_base_model(args.model)
+        enable_entmtp(model, args.heads or str(DEMO_HEADS))
+    else:
+        model, tokenizer = loaded
     heads = getattr(model, HEADS_ATTR)
     t0 = time.perf_counter()
     measured = measure_costs(model, heads, batch_sizes=args.batch_sizes, refresh=args.refresh)
@@ -266,9 +274,11 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         bank = TopologyBank.from_pretrained(source, task=task)
         if args.frontier:
             searched = search_machine_costs(bank)  # read before the frontier moves the search's figures aside
-            cfg = SearchConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, budget=args.budget)
-            prompts, ids = _calibration_inputs(tokenizer, task, cfg.num_prompts)
-            search = TreeSearch(model, heads, prompts, Path(args.work) / task, cfg, task=task, prompt_ids=ids)
+            search = (searches or {}).get(task)
+            if search is None:
+                cfg = SearchConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, budget=args.budget)
+                prompts, ids = _calibration_inputs(tokenizer, task, cfg.num_prompts)
+                search = TreeSearch(model, heads, prompts, Path(args.work) / task, cfg, task=task, prompt_ids=ids)
             bank = bank.with_frontier(*frontier_of(search))
             if searched is not None:  # the search machine, with the trees that search chose by timing
                 bank = bank.with_machine(searched, bank.scheduler)
@@ -317,6 +327,20 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1], metavar="B",
                    help="also probe c(N, B) and rank the frontier at these batch sizes (an entry per size)")
     p.set_defaults(func=_run)
+
+
+def calibrate_options(bank: str | Path, out: str | Path, **values: Any) -> argparse.Namespace:
+    """The options of ``entmtp-hf calibrate BANK --out OUT`` with the command line's defaults,
+    ``values`` (by attribute name, e.g. ``frontier=True``) set on them; an unknown name is refused."""
+    parser = argparse.ArgumentParser(prog="entmtp-hf")
+    add_subcommand(parser.add_subparsers())
+    args = parser.parse_args(["calibrate", str(bank), "--out", str(out)])
+    unknown = sorted(set(values) - set(vars(args)))
+    if unknown:
+        raise ValueError(f"calibrate has no options {unknown}")
+    for name, value in values.items():
+        setattr(args, name, value)
+    return args
 
 
 def _run(args: argparse.Namespace) -> int:

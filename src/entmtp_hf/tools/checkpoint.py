@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -66,3 +67,14 @@ def heads_fingerprint(heads) -> str:
         h.update(name.encode())
         h.update(tensor.detach().double().sum().item().hex().encode())
     return h.hexdigest()[:16]
+
+
+class OutOfTime(Exception):
+    """A resumable tool reached its deadline right after writing a checkpoint: the same call again continues."""
+
+
+def check_deadline(deadline: float | None, where: str) -> None:
+    """Raise :class:`OutOfTime` once ``time.perf_counter()`` is past ``deadline`` (None: no deadline).
+    Call it only where everything done so far is checkpointed."""
+    if deadline is not None and time.perf_counter() > deadline:
+        raise OutOfTime(f"{where}: stopped at the deadline with its checkpoint written; run it again to continue")

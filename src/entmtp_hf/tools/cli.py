@@ -45,6 +45,7 @@ def subcommands() -> list[Registrar]:
     """Every subcommand's registrar, in help order (imported here: the tools load only when the CLI runs)."""
     from .acceptance_table import add_subcommand as acceptance
     from .bench.cli import add_subcommand as bench
+    from .build_drafter import add_subcommand as build_drafter
     from .calibrate import add_subcommand as calibrate
     from .eas_calibration import add_subcommand as eas_calibrate
     from .export import add_subcommand as export
@@ -55,7 +56,7 @@ def subcommands() -> list[Registrar]:
     from .search.cli import add_subcommand as search
     from .training.cli import add_subcommand as train_heads
 
-    return [_add_convert_heads, export_generate, train_heads, search, calibrate, export, export_heads, bench, regime,
+    return [_add_convert_heads, export_generate, build_drafter, train_heads, search, calibrate, export, export_heads, bench, regime,
             profile, acceptance, eas_calibrate]
 
 

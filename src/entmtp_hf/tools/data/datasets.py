@@ -379,12 +379,58 @@ def interleave(pools: dict[str, list[Prompt]], chunk: int, seed: int = 0) -> lis
 
 
 def gsm8k_train_chats(tokenizer, gsm8k_dir: str | Path = GSM8K_DIR) -> list[str]:
-    """Real text: GSM8K train question + cleaned reference answer as one chat string."""
+    """Real text: GSM8K train question + cleaned reference answer as one chat string (a
+    tokenizer without a chat template, a base model's: the completion form ``Question: ...
+    Answer: ...``)."""
     rows = read_jsonl(Path(gsm8k_dir) / "train.jsonl")
+    if not has_chat_template(tokenizer):
+        return [f"{question_answer(r['question'].strip())} {gsm8k_answer_text(r['answer'])}" for r in rows]
     return [tokenizer.apply_chat_template(
         [{"role": "user", "content": r["question"].strip()},
          {"role": "assistant", "content": gsm8k_answer_text(r["answer"])}], tokenize=False)
         for r in rows]
+
+
+# --------------------------------------------------------------------- base models
+
+_CODE_PROMPT = re.compile(r"Write a Python (?:function|method) `(?:(\w+)\.)?(\w+)\((.*)\)` that: (.*)", re.S)
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether prompts go to this model as chats (an instruction-tuned model) or as text to
+    continue (a base model, whose tokenizer has no chat template)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def question_answer(question: str) -> str:
+    """The completion form of a question: a base model answers what follows ``Answer:``."""
+    return f"Question: {question}\nAnswer:"
+
+
+def completion_text(prompt: Prompt) -> str:
+    """What a base model continues instead of ``prompt``'s chat: a math question as
+    ``Question: ...\nAnswer:``, a code prompt as the function's signature and docstring (a
+    method inside its class), anything else as the text and a blank line."""
+    if prompt.source == "math":
+        return question_answer(prompt.text)
+    found = _CODE_PROMPT.fullmatch(prompt.text) if prompt.source == "code" else None
+    if found is None:
+        return f"{prompt.text}\n\n"
+    owner, name, args, doc = found.groups()
+    indent = "    " if owner else ""
+    head = f"class {owner}:\n" if owner else ""
+    return f'{head}{indent}def {name}({args}):\n{indent}    """{doc}"""\n'
+
+
+def render_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of ``prompt`` for this model: the chat template with the generation prompt
+    when the tokenizer has one, else :func:`completion_text` (with the tokenizer's special
+    tokens, e.g. a BOS)."""
+    if not has_chat_template(tokenizer):
+        return list(tokenizer(completion_text(prompt))["input_ids"])
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def environment() -> dict:

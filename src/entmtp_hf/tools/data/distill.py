@@ -1,6 +1,6 @@
-"""Self-distillation: the demo model's own greedy answers to math, code and chat prompts.
+"""Self-distillation: a base model's own greedy answers to math, code and chat prompts.
 
-    python -m entmtp_hf.tools.data.distill --out data/distill
+    python -m entmtp_hf.tools.data.distill --out data/distill [--model gemma-3-270m]
 
 Prompts come from :mod:`entmtp_hf.tools.data.datasets`: GSM8K train (math), standard-library
 docstrings (code), Spec-Bench chat rows and prompts the model writes itself (chat: it
@@ -11,11 +11,14 @@ line per prompt is appended to ``OUT/distill-<source>.jsonl``::
 
     {"source": "math", "prompt_id": "gsm8k-train-12", "prompt_ids": [...], "response_ids": [...]}
 
-``prompt_ids`` is the chat-templated prompt; ``response_ids`` ends with EOS unless the
+``prompt_ids`` is the chat-templated prompt (for a model without a chat template, a base
+model, the prompt's completion form: :func:`~entmtp_hf.tools.data.datasets.completion_text`);
+``response_ids`` ends with EOS unless the
 answer hit ``--max-new-tokens``. Runs resume: prompts already on disk are skipped,
 so an interrupted run is restarted with the same command. Progress goes to
 ``OUT/progress.log``; the disjointness check against the evaluation prompts to
-``OUT/disjointness.json``.
+``OUT/disjointness.json``. :func:`distill` is the same run as a function (what
+``entmtp-hf build-drafter`` calls), with a deadline.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import os
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,12 +66,6 @@ def append_records(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                        add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 @torch.inference_mode()
@@ -217,9 +215,112 @@ def build_pool(out: Path, log: Log, window: int, seed: int, self_openers: bool, 
     return D.interleave(kept, window, seed), index, report
 
 
+@dataclass
+class DistillConfig:
+    """One distillation run (what :func:`distill` and ``python -m entmtp_hf.tools.data.distill`` take)."""
+
+    out: Path
+    model: str | None = None  # a demo model's name, a Hub id or a folder; None: the default demo model
+    batch_size: int = 48
+    window: int = 1
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 1024
+    limit: int | None = None
+    self_questions: bool = True
+    sources: tuple[str, ...] = SOURCES
+    question_rounds: int = 1
+    seed: int = 1234
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        self.out, self.sources = Path(self.out), tuple(self.sources)
+        check_sources(self.sources)
+        if self.question_rounds < 1:
+            raise ValueError(f"question_rounds must be >= 1, got {self.question_rounds}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+
+def distill(cfg: DistillConfig, model=None, tok=None, *, deadline: float | None = None,
+            progress: bool = True) -> dict:
+    """Answer the pool's prompts (resuming what ``cfg.out`` holds) until done, or until
+    ``time.perf_counter()`` passes ``deadline`` (checked after each batch, whose lines are on
+    disk by then). ``model``/``tok``: an already loaded model (else ``cfg.model`` is loaded in
+    ``cfg.dtype``). A tokenizer without a chat template (a base model's) gets every prompt in
+    completion form (:func:`~entmtp_hf.tools.data.datasets.completion_text`) and no
+    self-written questions (they need a user turn). Returns what was done."""
+    from tqdm.auto import tqdm
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    log = Log(cfg.out / "progress.log")
+    if model is None:
+        model, tok = load_base_model(model_id=cfg.model, dtype=getattr(torch, cfg.dtype))
+    chat = D.has_chat_template(tok)
+    log(f"answering in {next(model.parameters()).dtype}, batches of {cfg.batch_size}, "
+        f"{'chat template' if chat else 'completion prompts (no chat template)'}")
+    window = cfg.window * cfg.batch_size
+    order, index, report = build_pool(cfg.out, log, window, cfg.seed, cfg.self_questions and chat,
+                                      sources=cfg.sources, question_rounds=cfg.question_rounds)  # fmt: skip
+    order = order[: cfg.limit]
+    selfs = SelfPrompts(model, tok, cfg.out, index, cfg.batch_size, cfg.seed, log, report)
+
+    done: set[tuple[str, str]] = set()
+    for path in sorted(cfg.out.glob("distill-*.jsonl")):
+        done.update((r["source"], r["prompt_id"]) for r in read_records(path))
+    todo = [p for p in order if (p.source, p.prompt_id) not in done]
+    log(f"start: {len(order)} prompts, {len(order) - len(todo)} already done, {len(todo)} to go")
+
+    t_start, n_tok, n_done, stopped = time.perf_counter(), 0, 0, False
+    bar = tqdm(total=len(order), initial=len(order) - len(todo), desc="distill", unit="prompt", disable=not progress)
+    for w in range(0, len(todo), window):
+        if stopped:
+            break
+        # A window holds one source (interleave() takes `window` prompts per source).
+        prompts = todo[w:w + window]
+        is_self = [p.prompt_id.startswith("self-") for p in prompts]
+        selfs.ensure([p for p, s in zip(prompts, is_self) if s])
+        prompts = [selfs.resolve(p) if s else p for p, s in zip(prompts, is_self)]
+        skipped = sum(p is None for p in prompts)
+        chunk = [(p, D.render_prompt(tok, p)) for p in prompts if p is not None]
+        skipped += sum(len(ids) > cfg.max_prompt_tokens for _, ids in chunk)
+        n_done += skipped
+        bar.update(skipped)
+        chunk = sorted((c for c in chunk if len(c[1]) <= cfg.max_prompt_tokens), key=lambda c: len(c[1]))
+        for b in range(0, len(chunk), cfg.batch_size):
+            batch = chunk[b:b + cfg.batch_size]
+            answers = generate_batch(model, [ids for _, ids in batch], cfg.max_new_tokens,
+                                     tok.pad_token_id, tok.eos_token_id)
+            recs = [{"source": p.source, "prompt_id": p.prompt_id, "prompt_ids": ids,
+                     "response_ids": a} for (p, ids), a in zip(batch, answers)]
+            by_source: dict[str, list[dict]] = {}
+            for r in recs:
+                by_source.setdefault(r["source"], []).append(r)
+            for source, rs in by_source.items():
+                append_records(cfg.out / f"distill-{source}.jsonl", rs)
+            n_done += len(batch)
+            n_tok += sum(map(len, answers))
+            bar.update(len(batch))
+            rate = n_tok / (time.perf_counter() - t_start)
+            left = len(todo) - n_done
+            eta_h = left * (n_tok / n_done) / rate / 3600
+            log(f"{batch[0][0].source:4s} prompts {len(order) - left}/{len(order)}  "
+                f"tokens {n_tok} this run  {rate:.0f} tok/s  ETA {eta_h:.1f} h")
+            if deadline is not None and time.perf_counter() > deadline and left > 0:
+                log(f"stopping at the deadline: {left} prompts left (run again to continue)")
+                stopped = True
+                break
+    bar.close()
+    if not stopped:
+        log("done")
+    return {"prompts": len(order), "answered_this_run": n_done, "tokens_this_run": n_tok, "complete": not stopped}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder (resumed if present)")
+    ap.add_argument("--model", default=None,
+                    help="base model: a demo model's name (gemma-3-270m), a Hub id or a folder; default: the "
+                         "demo model SmolLM2-135M-Instruct. Without a chat template the prompts go in completion form")
     ap.add_argument("--batch-size", type=int, default=48)
     ap.add_argument("--window", type=int, default=1,
                     help="batches per source in turn; prompts are length-sorted inside a window")
@@ -246,55 +347,12 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--sources {args.sources!r}: {e}")
     if args.question_rounds < 1:
         ap.error(f"--question-rounds must be >= 1, got {args.question_rounds}")
-
     torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = Log(args.out / "progress.log")
-    model, tok = load_base_model(dtype=getattr(torch, args.dtype))
-    log(f"answering in {args.dtype}, batches of {args.batch_size}")
-    window = args.window * args.batch_size
-    order, index, report = build_pool(args.out, log, window, args.seed, not args.no_self_questions,
-                                      sources=sources, question_rounds=args.question_rounds)  # fmt: skip
-    order = order[: args.limit]
-    selfs = SelfPrompts(model, tok, args.out, index, args.batch_size, args.seed, log, report)
-
-    done: set[tuple[str, str]] = set()
-    for path in sorted(args.out.glob("distill-*.jsonl")):
-        done.update((r["source"], r["prompt_id"]) for r in read_records(path))
-    todo = [p for p in order if (p.source, p.prompt_id) not in done]
-    log(f"start: {len(order)} prompts, {len(order) - len(todo)} already done, {len(todo)} to go")
-
-    t_start, n_tok, n_done = time.perf_counter(), 0, 0
-    for w in range(0, len(todo), window):
-        # A window holds one source (interleave() takes `window` prompts per source).
-        prompts = todo[w:w + window]
-        is_self = [p.prompt_id.startswith("self-") for p in prompts]
-        selfs.ensure([p for p, s in zip(prompts, is_self) if s])
-        prompts = [selfs.resolve(p) if s else p for p, s in zip(prompts, is_self)]
-        n_done += sum(p is None for p in prompts)
-        chunk = [(p, chat_ids(tok, p.text)) for p in prompts if p is not None]
-        n_done += sum(len(ids) > args.max_prompt_tokens for _, ids in chunk)
-        chunk = sorted((c for c in chunk if len(c[1]) <= args.max_prompt_tokens), key=lambda c: len(c[1]))
-        for b in range(0, len(chunk), args.batch_size):
-            batch = chunk[b:b + args.batch_size]
-            answers = generate_batch(model, [ids for _, ids in batch], args.max_new_tokens,
-                                     tok.pad_token_id, tok.eos_token_id)
-            recs = [{"source": p.source, "prompt_id": p.prompt_id, "prompt_ids": ids,
-                     "response_ids": a} for (p, ids), a in zip(batch, answers)]
-            by_source: dict[str, list[dict]] = {}
-            for r in recs:
-                by_source.setdefault(r["source"], []).append(r)
-            for source, rs in by_source.items():
-                append_records(args.out / f"distill-{source}.jsonl", rs)
-            n_done += len(batch)
-            n_tok += sum(map(len, answers))
-            rate = n_tok / (time.perf_counter() - t_start)
-            left = len(todo) - n_done
-            eta_h = left * (n_tok / n_done) / rate / 3600
-            log(f"{batch[0][0].source:4s} prompts {len(order) - left}/{len(order)}  "
-                f"tokens {n_tok} this run  {rate:.0f} tok/s  ETA {eta_h:.1f} h")
-    log("done")
+    distill(DistillConfig(
+        args.out, args.model, args.batch_size, args.window, args.max_new_tokens, args.max_prompt_tokens, args.limit,
+        not args.no_self_questions, sources, args.question_rounds, args.seed, args.dtype))
 
 
 if __name__ == "__main__":
     main()
+

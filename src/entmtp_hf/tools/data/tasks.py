@@ -9,6 +9,10 @@ Every task's rows are shuffled once with seed 123; the last ``CALIBRATION_SIZE[t
 are the calibration split (used by the tree search) and the rest the evaluation pool (the
 benchmark draws its baskets from it). The two never overlap, and neither overlaps the
 heads' training data (see docs/training-data.md).
+
+A base model (a tokenizer without a chat template) gets each prompt in completion form:
+HumanEval's function head as it is, a GSM8K question as ``Question: ...\nAnswer:``, any
+other prompt as its text and a blank line.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import require
-from .datasets import GSM8K_DIR, humaneval_problems, mt_bench_rows, read_jsonl
+from .datasets import GSM8K_DIR, has_chat_template, humaneval_problems, mt_bench_rows, question_answer, read_jsonl
 
 SEED = 123
 BUILTIN_TASKS = ("humaneval", "gsm8k", "chat")
@@ -29,20 +33,24 @@ PROMPT_FIELDS = ("prompt", "question", "instruction", "input", "text")
 
 @dataclass(frozen=True)
 class TaskPrompt:
-    """One prompt: a stable id and the chat messages to send."""
+    """One prompt: a stable id, the chat messages to send, and the text a base model continues
+    instead (``None``: the messages' text and a blank line)."""
 
     task: str
     prompt_id: str
     messages: tuple[dict, ...]
+    completion: str | None = None
 
     def render(self, tokenizer) -> list[int]:
-        """Token ids with the tokenizer's chat template (generation prompt added)."""
-        if getattr(tokenizer, "chat_template", None):
+        """Token ids with the tokenizer's chat template (generation prompt added), or, for a
+        tokenizer without one (a base model's), of the completion form."""
+        if has_chat_template(tokenizer):
             ids = tokenizer.apply_chat_template(list(self.messages), add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return list(ids)
-        return tokenizer("\n\n".join(m["content"] for m in self.messages))["input_ids"]
+        text = self.completion if self.completion is not None else "\n\n".join(m["content"] for m in self.messages) + "\n\n"
+        return list(tokenizer(text)["input_ids"])
 
 
 def _user(text: str) -> tuple[dict, ...]:
@@ -55,6 +63,7 @@ def _humaneval() -> list[TaskPrompt]:
             "humaneval",
             p["task_id"],
             _user("Complete the following Python function.\n\n```python\n" + p["prompt"] + "```"),
+            p["prompt"],
         )
         for p in humaneval_problems()
     ]
@@ -62,7 +71,8 @@ def _humaneval() -> list[TaskPrompt]:
 
 def _gsm8k() -> list[TaskPrompt]:
     rows = read_jsonl(Path(GSM8K_DIR) / "test.jsonl")
-    return [TaskPrompt("gsm8k", f"test-{i}", _user(r["question"])) for i, r in enumerate(rows)]
+    return [TaskPrompt("gsm8k", f"test-{i}", _user(r["question"]), question_answer(r["question"].strip()))
+            for i, r in enumerate(rows)]
 
 
 def _chat() -> list[TaskPrompt]:

@@ -114,10 +114,8 @@ def _restart(out: FsPath) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Load the model and heads once, then search every task of ``--task`` (comma-separated) in turn."""
-    from ...calibration import calibrate
     from ...demo.model import DEMO_NAME, load_base_model
-    from ...integration import HEADS_ATTR, enable_entmtp
-    from ..data.tasks import calibration_prompts
+    from ...integration import enable_entmtp
 
     config = config_from_args(args)
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
@@ -127,29 +125,65 @@ def run_cli(args: argparse.Namespace) -> int:
     model, tokenizer = load_base_model(args.model)
     heads, heads_name = _load_heads(args, model)
     enable_entmtp(model, heads)
+    search_tasks(model, tokenizer, tasks, args.out, config, heads_name=heads_name, base_model=args.model or DEMO_NAME,
+                 bank_dir=args.bank_dir, restart=args.restart, progress=not args.no_progress,
+                 batch_sizes=args.batch_sizes)  # fmt: skip
+    return 0
+
+
+def search_tasks(model, tokenizer, tasks: list[str], out: str, config: SearchConfig, *, heads_name: str,
+                 base_model: str, bank_dir: str | None = None, restart: bool = False, progress: bool = True,
+                 batch_sizes: list[int] | None = None, deadline: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Search each task in turn with the heads ``model`` is enabled with: the work folder ``out``
+    (``{task}`` becomes the task's name), the bank into ``out/bank`` and ``bank_dir``, this
+    machine's entry filed in both. ``deadline`` (a ``time.perf_counter()`` time): a search stops
+    after its next checkpoint once past it (:class:`~entmtp_hf.tools.checkpoint.OutOfTime`).
+    Returns each task's :class:`~.result.SearchResult`."""
+    from ...calibration import calibrate
+    from ...integration import HEADS_ATTR
+
+    results = {}
     for task in tasks:
-        out = FsPath(args.out.replace("{task}", FsPath(task).stem))
-        if args.restart:
-            _restart(out)
-        prompts = calibration_prompts(task, config.num_prompts)
-        search = TreeSearch(
-            model, getattr(model, HEADS_ATTR), [p.render(tokenizer) for p in prompts], out, config,
-            task=FsPath(task).stem if FsPath(task).exists() else task, prompt_ids=[p.prompt_id for p in prompts],
-            info={"base_model": args.model or DEMO_NAME, "heads": heads_name}, progress=not args.no_progress,
-        )  # fmt: skip
-        result = search.run(args.bank_dir)
+        folder = FsPath(out.replace("{task}", FsPath(task).stem))
+        if restart:
+            _restart(folder)
+        search = task_search(model, tokenizer, task, folder, config, heads_name=heads_name, base_model=base_model,
+                             progress=progress, deadline=deadline)  # fmt: skip
+        result = search.run(bank_dir)
         seconds = json.dumps({k: round(v) for k, v in result.elapsed.items()})
         nodes = result.timed[result.labels[result.choice.static]]["num_nodes"]
-        print(f"{search.task}: EntMTP* = {nodes_text(nodes)}; stage seconds {seconds}; outputs in {out}", flush=True)
-        folders = [out / "bank", *([FsPath(args.bank_dir)] if args.bank_dir else [])]
-        file_search_machine(folders, search.task, calibrate(model, getattr(model, HEADS_ATTR))[1])
-        if args.batch_sizes:
+        print(f"{search.task}: EntMTP* = {nodes_text(nodes)}; stage seconds {seconds}; outputs in {folder}", flush=True)
+        folders = [folder / "bank", *([FsPath(bank_dir)] if bank_dir else [])]
+        file_search_machine(folders, search.task, calibrate(model, getattr(model, HEADS_ATTR), progress=progress)[1])
+        if batch_sizes:
             from ..calibrate import time_batch_sizes
 
             timed = time_batch_sizes(model, getattr(model, HEADS_ATTR), tokenizer, folders, search.task,
-                                     sorted(set(args.batch_sizes)), prompt_source=task)  # fmt: skip
-            (out / "batch_sizes.json").write_text(json.dumps(timed, indent=1, default=str), encoding="utf-8")
+                                     sorted(set(batch_sizes)), prompt_source=task)  # fmt: skip
+            (folder / "batch_sizes.json").write_text(json.dumps(timed, indent=1, default=str), encoding="utf-8")
             for b, r in timed.items():
                 print(f"{search.task} B={b}: tree {r['static']} ({r['trees'].get(r['static'], {}).get('num_nodes', 1)} nodes)"
                       f"; measured {json.dumps({k: round(v['measured'], 2) for k, v in r['trees'].items()})}", flush=True)
-    return 0
+        results[search.task] = result
+    return results
+
+
+def task_search(model, tokenizer, task: str, folder: str | FsPath, config: SearchConfig, *, heads_name: str,
+                base_model: str, progress: bool = True, deadline: float | None = None) -> TreeSearch:  # fmt: skip
+    """The search of ``task`` (a built-in task, or a JSONL file named by its stem) in ``folder``
+    with the heads ``model`` is enabled with, on the task's rendered calibration prompts: what
+    ``entmtp-hf search`` runs, and what reads its checkpoints back (the same settings)."""
+    from ...integration import HEADS_ATTR
+    from ..data.tasks import calibration_prompts
+
+    prompts = calibration_prompts(task, config.num_prompts)
+    return TreeSearch(
+        model, getattr(model, HEADS_ATTR), [p.render(tokenizer) for p in prompts], folder, config,
+        task=task_name(task), prompt_ids=[p.prompt_id for p in prompts],
+        info={"base_model": base_model, "heads": heads_name}, progress=progress, deadline=deadline,
+    )  # fmt: skip
+
+
+def task_name(task: str) -> str:
+    """The bank's name for ``task``: a JSONL file's stem, else the task as given."""
+    return FsPath(task).stem if FsPath(task).exists() else task

@@ -44,7 +44,7 @@ from ...trees.retrieval import RetrievalConfig
 from ...scheduling.features import threshold
 from ...scheduling.policies import FEATURE_POLICIES
 from ...trees.tree import MC_SIM_7B_63, Tree
-from ..checkpoint import config_fingerprint, heads_fingerprint, read_json, write_json
+from ..checkpoint import check_deadline, config_fingerprint, heads_fingerprint, read_json, write_json
 from ..profile import forward_costs as profile_forward_costs
 from .choose import Choice, value_costs, value_sets
 from .config import REFERENCE, RETRIEVAL_RUNS, VANILLA, SearchConfig
@@ -75,7 +75,7 @@ class TreeSearch:
         self, model, heads, prompts: Sequence[Sequence[int]], work_dir: str | os.PathLike, config: SearchConfig,
         *, task: str = "task", prompt_ids: Sequence[str] | None = None, measure: Measure | None = None,
         sweep_measure: Measure | None = None, forward_costs: CostFn | None = None, info: dict | None = None,
-        progress: bool = True,
+        progress: bool = True, deadline: float | None = None,
     ) -> None:  # fmt: skip
         if len(prompts) < 1:
             raise ValueError("the search needs at least one calibration prompt")
@@ -90,6 +90,7 @@ class TreeSearch:
         self.forward_costs = forward_costs or partial(profile_forward_costs, progress=progress, heads=heads)
         self.info = dict(info or {})
         self.progress = progress
+        self.deadline = deadline  # perf_counter time: past it, a stage stops after its next checkpoint (OutOfTime)
         self.max_depth = min(config.max_depth or heads.num_heads, heads.num_heads)
         self.max_rank = min(heads.config.draft_vocab_rows, config.budget)
         self._check_settings()
@@ -118,6 +119,13 @@ class TreeSearch:
         self.elapsed[stage] = self.elapsed.get(stage, 0.0) + time.perf_counter() - t0
         self.stages_run.append(stage)
         write_json(self.path("elapsed"), self.elapsed)
+
+    def _stop_if_late(self, t0: float | None, stage: str) -> None:
+        """Past the deadline (everything so far checkpointed): count the stage's time, raise OutOfTime."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            if t0 is not None:
+                self._timed(stage, t0)
+            check_deadline(self.deadline, f"search {self.task}, {stage}")
 
     # ---------------------------------------------------------------- stage 1
     def trajectories(self) -> list[Trajectory]:
@@ -149,6 +157,8 @@ class TreeSearch:
                                                  "tuples": tuples, "signals": signals}  # fmt: skip
             saved["seconds"] += time.perf_counter() - t1
             write_json(self.path("trajectories"), saved)
+            if i != todo[-1]:
+                self._stop_if_late(t0, "trajectories")
         self._timed("trajectories", t0)
         return [Trajectory(**saved["done"][pid]) for pid in self.prompt_ids]
 
@@ -230,6 +240,7 @@ class TreeSearch:
                 saved.setdefault(lab, {})[str(p)] = {k: r[k] for k in RUN_KEYS if k in r}
                 write_json(self.path(name), {**saved, "_configs": configs})
                 bar.update(1)
+                self._stop_if_late(None, name)
         bar.close()
         return {lab: saved[lab] for lab in runs if lab in saved}, True
 

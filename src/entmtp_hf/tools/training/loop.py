@@ -19,10 +19,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ...demo.model import base_model_id
 from ...heads import HEADS_REGISTRY, DraftHeads
 from .. import require
 from .card import heads_card
-from .config import DEMO_HUB_ID, SOURCES, SPLIT_TRAIN, SPLIT_VAL, TrainConfig
+from .config import SOURCES, SPLIT_TRAIN, SPLIT_VAL, TrainConfig
 from .objective import HeadsObjective, evaluate_heads, measure_tau, tau_prompts
 from .teacher import (
     TeacherCache,
@@ -209,7 +210,7 @@ def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftH
         k = cache.split(SPLIT_TRAIN)[:50]
         sample = np.concatenate([cache.hidden[o : o + n] for o, n in cache.seqs[k, :2]]).astype(np.float32)
         warm_start(heads, float(np.sqrt((sample**2).mean(-1)).mean()))
-    heads.config.base_model_name_or_path = cfg.model or DEMO_HUB_ID
+    heads.config.base_model_name_or_path = base_model_id(cfg.model)
     return heads, dv
 
 

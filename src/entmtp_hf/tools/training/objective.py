@@ -115,7 +115,7 @@ def evaluate_heads(heads: DraftHeads, embed: nn.Module, lm_head: nn.Module, cach
 
 
 def tau_prompts(cache: TeacherCache, tokenizer, count: int, seed: int, val_fraction: float) -> list[list[int]]:
-    """Held-out chat prompts: half from held-out distilled records, the rest held-out GSM8K train questions."""
+    """Held-out prompts: half from held-out distilled records, the rest held-out GSM8K train questions."""
     from ..data import datasets as D
 
     ks = [k for k in cache.split(SPLIT_VAL) if cache.seqs[k, 4] == SOURCES.index("distill")]
@@ -124,9 +124,7 @@ def tau_prompts(cache: TeacherCache, tokenizer, count: int, seed: int, val_fract
         if len(out) >= count:
             break
         if held_out(f"gsm8k-train-{i}", val_fraction, seed):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                                tokenize=True)
-            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+            out.append(D.render_prompt(tokenizer, p))  # a base model's: the question in completion form
     return out
 
 
