@@ -62,6 +62,17 @@ def trial_forward(session: DecodeSession, n: int) -> None:
     session.cache.crop(-n)
 
 
+def _recompile_limit() -> int | None:
+    """dynamo's graphs per compiled function (None where this torch hides or lacks the setting)."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        try:
+            return int(getattr(config, name))
+        except (AttributeError, TypeError, ValueError):
+            continue
+    return None
+
+
 def precompile(session: DecodeSession) -> dict[int, float]:
     """Compile the verification graph of every tree size the session's plan can verify that this
     compiled call has not run yet at this batch size (:func:`trial_forward`). Returns the seconds
@@ -71,8 +82,8 @@ def precompile(session: DecodeSession) -> dict[int, float]:
     rows = len(session.live)
     seconds = {}
     todo = [n for n in sorted(session.plan.node_counts) if (rows, n) not in done]
-    limit = torch._dynamo.config.recompile_limit
-    if todo and len(done) + len(todo) + 1 > limit and not vars(session.forward).get("_entmtp_warned"):
+    limit = _recompile_limit()
+    if limit and todo and len(done) + len(todo) + 1 > limit and not vars(session.forward).get("_entmtp_warned"):
         # one graph per (rows, size) and plain decoding's: past dynamo's limit a new shape runs eagerly
         warnings.warn(f"entmtp-hf: compiled verification needs {len(done) + len(todo) + 1} graphs of the model's forward "
                       f"(one per batch size and tree size, and plain decoding's), more than torch._dynamo.config."
