@@ -82,10 +82,10 @@ def precompile(session: DecodeSession) -> dict[int, float]:
     rows = len(session.live)
     seconds = {}
     todo = [n for n in sorted(session.plan.node_counts) if (rows, n) not in done]
-    limit = _recompile_limit()
-    if limit and todo and len(done) + len(todo) + 1 > limit and not vars(session.forward).get("_entmtp_warned"):
-        # one graph per (rows, size) and plain decoding's: past dynamo's limit a new shape runs eagerly
-        warnings.warn(f"entmtp-hf: compiled verification needs {len(done) + len(todo) + 1} graphs of the model's forward "
+    graphs, limit = len(done) + len(todo) + 1, _recompile_limit()  # one per (rows, size), and plain decoding's
+    if todo and limit and graphs > limit and not vars(session.forward).get("_entmtp_warned"):
+        # past dynamo's limit a new shape runs eagerly
+        warnings.warn(f"entmtp-hf: compiled verification needs {graphs} graphs of the model's forward "
                       f"(one per batch size and tree size, and plain decoding's), more than torch._dynamo.config."
                       f"recompile_limit ({limit}): the shapes beyond it run uncompiled; raise the limit to compile "
                       f"them all", stacklevel=2)  # fmt: skip

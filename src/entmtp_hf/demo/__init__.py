@@ -4,8 +4,9 @@
 default drafter enabled (:data:`DEFAULT_DRAFTER`), its tokenizer and the folder of the tree
 banks searched for that drafter; the drafters and banks are package data, so this works from
 an installed wheel. ``load_demo(model="gemma-3-270m", heads=FOLDER)`` does the same for another
-model with a drafter built by ``entmtp-hf build-drafter`` (its banks in ``FOLDER/banks``). ``python -m entmtp_hf.demo`` (what ``make demo`` runs,
-:mod:`entmtp_hf.demo.run`) streams three answers and measures the speed-up.
+model with a drafter built by ``entmtp-hf build-drafter`` (its banks in ``FOLDER/banks``).
+``python -m entmtp_hf.demo`` (what ``make demo`` runs, :mod:`entmtp_hf.demo.run`) streams three
+answers and measures the speed-up.
 """
 
 from __future__ import annotations
@@ -61,9 +62,8 @@ def load_demo(heads: str | Path | None = None, *, model: str | None = None, bank
     (``"gemma-3-270m"``), a Hub id or a local folder. For SmolLM2, ``heads`` is ``"eagle"`` (the
     EAGLE-style drafter, the default) or ``"hydra"`` (the Hydra heads), each with the banks searched
     for it, or a heads folder (with the banks in its ``banks/`` if there, else ``banks``, else the
-    Hydra heads'). No drafter
-    ships for any other model: ``heads`` is then the folder ``entmtp-hf build-drafter`` wrote, and
-    the banks are ``banks`` or that folder's ``banks/``.
+    Hydra heads'). No drafter ships for any other model: ``heads`` is then the folder
+    ``entmtp-hf build-drafter`` wrote, and the banks are ``banks`` or that folder's ``banks/``.
     ``calibrate``: as :func:`~entmtp_hf.enable_entmtp`'s (measure this machine's step costs now,
     so that the banks rank their trees for it)."""
     from .model import DEFAULT_DEMO

@@ -9,6 +9,7 @@ mc_sim_7b_63, EntMTP* and EntMTPτ); ``entmtp-hf bench --methods ...`` picks any
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -189,8 +190,6 @@ class CompiledWith(Method):
     backend_module: str = ""
 
     def unavailable(self, ctx: BenchContext, task: str, mode: str) -> str | None:
-        import importlib
-
         try:
             importlib.import_module(self.backend_module)
         except ImportError as e:
