@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -316,11 +317,13 @@ def test_packed_methods_pack_outside_the_clock_and_unpack_before_the_next_method
     assert "no layer of the model could be packed" in results["skipped"]["vanilla-packed"]["zeta"]
 
 
-def test_kernel_methods_measure_once_and_install_only_around_their_timed_calls(tmp_path, monkeypatch):
-    """``vanilla-kernels`` and ``entmtp-static-kernels`` run with the measured CPU kernels (float32:
-    oneDNN takes it), built once per context each and installed only for their own calls; every
-    other method runs on the model's own layers, whose weights come back bit for bit. On a
-    float64 model the kernels stay off and the methods run without them."""
+def test_kernels_are_measured_once_and_applied_only_in_the_calls_that_use_them(tmp_path, monkeypatch):
+    """EntMTP methods run on the measured CPU kernels as ``enable_entmtp``'s default does (float32:
+    oneDNN takes it), ``entmtp-static-mkl`` without them, ``vanilla-kernels`` is plain generate on
+    them; each set is measured once per context (model and heads), and plain ``vanilla`` runs
+    ``F.linear`` throughout on weights that never change. On a float64 model the kernels stay off
+    and the methods run without them."""
+    import entmtp_hf.cpu_kernels as K
     import entmtp_hf.tools.bench.context as context
 
     built = []
@@ -331,34 +334,55 @@ def test_kernel_methods_measure_once_and_install_only_around_their_timed_calls(t
             super().__init__(*args, **kwargs, rows=(1, 2, 4), repeats=1)
 
     monkeypatch.setattr(context, "CPUKernels", Counted)
+    # oneDNN measured fastest everywhere: some layer is routed whatever this machine's timings
+    monkeypatch.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "onednn") for c in choices})
     model, tok = tiny_llama().float(), tiny_tokenizer()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": random_heads(model, "hydra").float()})
-    seen = []
+    heads = random_heads(model, "hydra").float()
+    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": heads})
+    seen, mkl = [], []
 
-    class Spy(Method):  # vanilla, noting whether every layer runs its own forward on dense weights
+    def applied_here() -> bool:
+        return any(isinstance(f := vars(m).get("forward"), K._Dispatch) and f.owner.active() for m in model.modules())
+
+    class Spy(Method):  # notes whether any layer runs a measured kernel in its timed call
         def prepare(self, ctx_, task, mode):
             run = super().prepare(ctx_, task, mode)
-            plain = lambda: all("forward" not in vars(m) for m in model.modules()) and all(  # noqa: E731
-                p.numel() for p in model.parameters())
-            return lambda ids, kw: seen.append(plain()) or run(ids, kw)
+            return lambda ids, kw: seen.append(applied_here()) or run(ids, kw)
 
-    names = ("vanilla", "vanilla-kernels", "entmtp-static", "entmtp-static-kernels")
+    kernel_calls = []
+
+    class SpyKernels(METHODS["vanilla-kernels"].__class__):
+        def prepare(self, ctx_, task, mode):
+            run = super().prepare(ctx_, task, mode)
+            return lambda ids, kw: kernel_calls.append(applied_here()) or run(ids, kw)
+
+    class SpyMKL(Method):
+        def prepare(self, ctx_, task, mode):
+            run = super().prepare(ctx_, task, mode)
+            return lambda ids, kw: mkl.append(K.kernels_of(model)) or run(ids, kw)
+
+    names = ("vanilla", "vanilla-kernels", "entmtp-static", "entmtp-static-mkl")
     settings = BenchSettings(tasks=(write_task(tmp_path, "theta", 7),), num_prompts=2, max_new_tokens=8,
                              methods=names, perplexity=False)  # fmt: skip
     monkeypatch.setitem(METHODS, "vanilla", Spy("vanilla", "plain generate, watched"))
+    monkeypatch.setitem(METHODS, "vanilla-kernels", SpyKernels("vanilla-kernels", "plain generate on the kernels"))
+    mkl_method = METHODS["entmtp-static-mkl"]
+    monkeypatch.setitem(METHODS, "entmtp-static-mkl", SpyMKL(**{f.name: getattr(mkl_method, f.name)
+                                                                for f in dataclasses.fields(mkl_method)}))  # fmt: skip
     results = run_benchmark(ctx, settings)
     assert not results["skipped"] and {r["method"] for r in results["records"]} == set(names)
-    assert len(built) == 2 and set(ctx._kernels) == {None, "hydra"} and ctx._kernels["hydra"].active
+    assert len(built) == 2 and set(ctx._kernels) == {(id(model), id(None)), (id(model), id(heads))}
+    assert all(k.active for k in ctx._kernels.values())
     assert set(results["environment"]["cpu_kernels"]) == {"model", "hydra"}
-    assert seen and all(seen) and all("forward" not in vars(m) for m in model.modules())
+    assert seen and not any(seen) and mkl and not any(mkl) and kernel_calls and all(kernel_calls)
     after = model.state_dict()  # the heads have joined the model since: compare the model's own
     assert all(torch.equal(v, after[k]) for k, v in before.items())
     ctx64 = BenchContext(tiny_llama(), tok, bank_folder=DEFAULTS)
     results = run_benchmark(ctx64, BenchSettings(tasks=settings.tasks, num_prompts=1, max_new_tokens=4,
                                                  methods=("vanilla", "vanilla-kernels"), perplexity=False))  # fmt: skip
     assert not results["skipped"] and len(results["records"]) == 2
-    assert not ctx64._kernels[None].active and "off" in results["environment"]["cpu_kernels"]["model"]
+    assert not any(k.active for k in ctx64._kernels.values()) and "off" in results["environment"]["cpu_kernels"]["model"]
 
 
 def test_one_progress_bar_counts_every_measured_generation(tmp_path, capsys):
@@ -630,3 +654,12 @@ def test_a_compile_backend_that_is_not_installed_is_skipped_with_its_name(tmp_pa
     frozen = compiled_kwargs(freezing=True)["compile_config"]
     assert frozen.options == {"freezing": True} and frozen.mode is None  # torch takes a mode or options, not both
     assert METHODS["vanilla-compiled"].generate_kwargs["compile_config"].mode == "default"
+
+
+def test_another_demo_model_benchmarks_its_own_shipped_drafter():
+    from entmtp_hf.demo import SHIPPED_DRAFTERS
+    from entmtp_hf.tools.bench.context import DEFAULT_HEADS, default_drafters
+
+    heads, banks = default_drafters("gemma-3-270m")
+    assert heads == {"eagle": SHIPPED_DRAFTERS["gemma-3-270m"][0]} and banks["eagle"].name == "gemma-3-270m-cpu-eagle"
+    assert banks["eagle"].is_dir() and default_drafters(None)[0] == DEFAULT_HEADS

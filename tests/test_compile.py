@@ -7,6 +7,8 @@ same compiled call. On this CPU with inductor, a tiny model's graph takes second
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
@@ -96,16 +98,34 @@ def test_verification_compiled_with_frozen_weights_is_lossless(tiny_cache):
 
 
 @pytest.mark.slow
-def test_more_graphs_than_dynamo_compiles_are_warned_of_and_stay_lossless(tiny_cache, monkeypatch):
+def test_more_graphs_than_dynamo_compiles_are_warned_of_and_stay_lossless(tiny_cache):
     """Past ``torch._dynamo.config.recompile_limit`` a new shape of the forward runs uncompiled:
     slower, not wrong, and said once."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     model, heads = tiny_cache("llama", "hydra", "mlp", seed=7)  # a model no other test compiled
     enable_entmtp(model, heads)
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(9))
     kwargs = dict(max_new_tokens=12, do_sample=False)
     config = EntMTPConfig(trees=TREES, tau_on=0.1, tau_off=0.09, feature="base_top1")
-    with pytest.warns(UserWarning, match="recompile_limit"):
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning, match="recompile_limit"):
         out = model.generate(ids, **kwargs, cache_implementation="static", compile_config=compile_config(),
                              entmtp_config=config)  # fmt: skip
     assert torch.equal(out, model.generate(ids, **kwargs))
+
+
+@pytest.mark.slow
+def test_compiled_verification_on_a_model_with_cpu_kernels_is_lossless(tiny_cache):
+    """A float32 model gets its CPU kernels from ``enable_entmtp``; a compiled graph traces plain
+    ``F.linear`` through their dispatchers (the graph brings its own kernels), eager steps use them."""
+    from entmtp_hf.cpu_kernels import kernels_of
+
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    model, heads = copy.deepcopy(model).float(), copy.deepcopy(heads).float()  # the cached float64 pair stays
+    enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1, pack=True)
+    assert kernels_of(model) is not None and kernels_of(model).kinds() == ["by row count", "packed"]
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(max_new_tokens=16, do_sample=False)
+    config = EntMTPConfig(tree=TREES[1])
+    out = model.generate(ids, **kwargs, cache_implementation="static", compile_config=compile_config(),
+                         entmtp_config=config)  # fmt: skip
+    plain = model.generate(ids, **kwargs)
+    assert torch.equal(out, plain) and torch.equal(model.generate(ids, **kwargs, entmtp_config=config), plain)

@@ -295,6 +295,24 @@ def test_a_retry_that_does_not_fit_the_budget_is_left_out(tiny_cache, monkeypatc
     assert t.forward_ms == {1: 1e3, 2: 2e3}  # the first grid, kept
 
 
+def test_a_doubted_size_never_timed_again_leaves_the_table_unsteady(tiny_cache, monkeypatch):
+    """Sizes that disagree with their neighbours and found no time for its second look is a
+    guess: the table says which and is measured again by the next calibrate; one that was timed
+    again and held is a kink of the kernels, kept."""
+    model = enabled(tiny_cache)
+    monkeypatch.setattr(probe_module, "_plain_ms", lambda *a, **k: 30.0)
+    monkeypatch.setattr(probe_module, "step_costs", lambda m, h, per_node, b=1: ((0.0, 0.0, per_node), (0.1, 0.0)))
+    dip = {1: 10.0, 2: 12.0, 3: 9.0}
+    for timed_again, steady in ((set(), False), ({1, 2, 3}, True)):
+        def grid(session, sizes, repeats=3, timed_again=timed_again, **kwargs):
+            return {n: dip[n] for n in sizes}, timed_again if len(sizes) > 1 else set()
+
+        monkeypatch.setattr(probe_module, "forward_grid", grid)
+        t = probe(model, model.entmtp_heads, sizes=(1, 2, 3), repeats=1)
+        assert t.notes["timings_steady"] is steady
+        assert t.notes["unchecked_sizes"] == ([] if steady else [1, 2, 3])
+
+
 def test_the_retry_budget():
     assert probe_module.retry_seconds(22.0) == pytest.approx(probe_module.BUDGET_S - 22.0)
     assert probe_module.retry_seconds(300.0) == pytest.approx(probe_module.RETRY_SHARE * 300.0)  # a large model

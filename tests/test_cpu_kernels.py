@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import entmtp_hf.cpu_kernels as K
-from entmtp_hf import CPUKernels, EntMTPConfig, disable_entmtp, enable_entmtp
+from entmtp_hf import CPUKernels, EntMTPConfig, EntMTPError, disable_entmtp, enable_entmtp
 from entmtp_hf.heads import HydraHeads
 from entmtp_hf.trees.tree import MC_SIM_7B_63
 from tiny import VOCAB, tiny_model
@@ -25,7 +25,7 @@ def tiny32():
     """A float32 tiny model with random heads (oneDNN takes float32; the float64 models keep MKL)."""
     model = tiny_model(seed=5).float()
     torch.manual_seed(5)
-    return enable_entmtp(model, HydraHeads.for_model(model, num_heads=4, arch="mlp"))
+    return enable_entmtp(model, HydraHeads.for_model(model, num_heads=4, arch="mlp"), cpu_kernels=False)
 
 
 def _ids(n: int, seed: int = 2) -> torch.Tensor:
@@ -37,7 +37,7 @@ def _dense(model) -> dict[str, torch.Tensor]:
 
 
 def _untouched(model) -> bool:
-    return all("forward" not in vars(m) and K.PACKED_ATTR not in vars(m) for m in model.modules())
+    return all("forward" not in vars(m) for m in model.modules()) and K.kernels_of(model) is None
 
 
 def _greedy(model, ids, **kwargs):
@@ -65,11 +65,43 @@ def test_layouts_compute_the_same_product(n, bias, dtype):
 def test_by_rows_fills_the_gaps_with_the_next_measured_count():
     table = K._by_rows({1: "linear", 4: "onednn", 8: "linear"})
     assert table == ["linear", "linear", "onednn", "onednn", "onednn", "linear", "linear", "linear", "linear"]
-    layer = torch.nn.Linear(3, 2)
-    dispatch = K._Dispatch(layer, table)
-    for rows in (0, 1, 5, 40):  # 40 rows: above the largest measured, its choice
-        x = torch.randn(rows, 3)
-        torch.testing.assert_close(dispatch(x), layer(x))
+
+
+@ONEDNN
+def test_a_dispatcher_runs_its_kernels_only_inside_applied_and_only_on_the_measured_weight():
+    layer = torch.nn.Linear(16, 8)
+    routes = K._Routes({layer: (["linear", "onednn", K.PACKED, K.PACKED], K._pack(layer.weight))})
+    routes.install()
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def counted(*args):
+        calls.append(args[1] is routes.tables[layer][1])
+        return real(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
+        for rows in (0, 1, 2, 3, 40):  # 40 rows: above the largest measured, its choice
+            x = torch.randn(rows, 16)
+            want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+            seen = len(calls)
+            torch.testing.assert_close(layer(x), want)  # outside: F.linear, nothing else
+            assert len(calls) == seen
+            with routes.applied():
+                torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        assert calls == [False, True, True, True]  # 1 row on the plain weight, 2, 3 and 40 on the packed copy
+        with torch.no_grad():
+            layer.weight.mul_(2.0)  # written after packing: the copy is stale
+        with routes.applied():
+            x = torch.randn(3, 16)
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert calls == [False, True, True, True]
+    layer.to(torch.float64)  # another dtype: F.linear on the weight as it is now
+    with routes.applied():
+        x = torch.randn(3, 16, dtype=torch.float64)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    routes.remove()
+    assert "forward" not in vars(layer)
 
 
 @ONEDNN
@@ -77,46 +109,62 @@ def test_the_choices_follow_the_measured_times(tiny32, monkeypatch):
     """Synthetic timings: oneDNN faster from two rows on, packing slower, so ``auto`` does not pack."""
     def fake(run, choices, repeats):
         rows = fake.rows
-        if choices == ("packed",):
-            return {"packed": 10.0}
         if "transposed" in choices:
             return {c: (1.0 if c == "transposed" else 2.0) for c in choices}
-        return {"linear": 1.0, "onednn": 0.5 if rows > 1 else 2.0}
+        return {"linear": 1.0, "onednn": 0.5 if rows > 1 else 2.0, K.PACKED: 10.0}
 
     real_pass = CPUKernels._decoder_pass
 
-    def decoder_pass(self, layers, rows, packed=False):
+    def decoder_pass(self, layers, packed, rows):
         fake.rows = rows
-        return real_pass(self, layers, rows, packed)
+        return real_pass(self, layers, packed, rows)
 
     monkeypatch.setattr(K, "_timed_median", fake)
     monkeypatch.setattr(CPUKernels, "_decoder_pass", decoder_pass)
     kernels = CPUKernels(tiny32, rows=(1, 2, 4), pack="auto")
-    assert kernels.active and not kernels.packed
+    assert kernels.active and not kernels.packed and kernels.kinds() == ["by row count"]
     assert kernels.decoder == {1: "linear", 2: "onednn", 4: "onednn"}
     assert set(kernels.lm_head.values()) == {"transposed"}
     assert "onednn at 2-4 rows" in kernels.describe()
-    kernels.remove()
+    monkeypatch.setattr(K, "_available_bytes", lambda: 1000)  # packed copies would not fit the memory
+    assert "not packed" in CPUKernels(tiny32, rows=(1, 2), pack="auto").describe()
     assert _untouched(tiny32)
 
 
 @ONEDNN
 @pytest.mark.parametrize("pack", [False, True])
-def test_greedy_output_is_vanillas_and_everything_comes_back(tiny32, pack):
+def test_greedy_output_is_vanillas_and_the_model_stays_as_it_was(tiny32, pack, tmp_path):
+    """Installed, the kernels change nothing a user reads from the model: its state dict (every
+    weight dense and equal), ``save_pretrained``, and plain ``generate`` (F.linear throughout);
+    EntMTP calls run on them and decode vanilla's tokens."""
     model = tiny32
     before, ids = _dense(model), _ids(6)
     ref = _greedy(model, ids)
     tree = _greedy(model, ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
     with CPUKernels(model, model.entmtp_heads, rows=(1, 2, 4, 8), pack=pack, repeats=1) as kernels:
-        assert kernels.active and kernels.packed == pack
-        if pack:
-            assert all(m.weight.numel() == 0 for m in model.get_decoder().modules() if type(m) is torch.nn.Linear)
-            with pytest.raises(RuntimeError, match="packed"):
-                model.state_dict()
-        assert torch.equal(_greedy(model, ids), ref)
-        assert torch.equal(_greedy(model, ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63)), tree)
+        assert kernels.active and kernels.packed == pack and K.kernels_of(model) is kernels
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        model.save_pretrained(tmp_path / "saved")
+        used = []
+        with pytest.MonkeyPatch.context() as mp:
+            real = K.project
+            mp.setattr(K, "project", lambda *a: used.append(a[-1]) or real(*a))
+            assert torch.equal(_greedy(model, ids), ref) and used == []  # plain generate: untouched
+            assert torch.equal(_greedy(model, ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63)), tree)
     assert torch.equal(tree, ref) and _untouched(model)
     assert all(torch.equal(before[k], v) for k, v in _dense(model).items())
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+
+
+@ONEDNN
+def test_a_model_cast_to_bfloat16_after_measuring_still_generates(tiny32):
+    model = tiny32
+    enable_entmtp(model, model.entmtp_heads, rows=(1, 2, 4), repeats=1, pack=True)
+    assert K.kernels_of(model).packed
+    model.to(torch.bfloat16)
+    out = _greedy(model, _ids(6))  # plain generate in the new dtype: the stale copies are never read
+    with K.kernels_of(model).applied():
+        assert torch.equal(_greedy(model, _ids(6)), out)
 
 
 def test_float64_models_and_other_devices_are_left_alone(tiny_cache):
@@ -137,11 +185,16 @@ def test_bfloat16_either_runs_or_says_why():
 @ONEDNN
 def test_enable_and_disable_install_and_remove_them(tiny32):
     model, heads = tiny32, tiny32.entmtp_heads
-    enable_entmtp(model, heads, cpu_kernels=True, rows=(1, 2), repeats=1)
-    assert vars(model)["_entmtp_cpu_kernels"].active
-    enable_entmtp(model, heads)  # enabling again without kernels removes them
-    assert "_entmtp_cpu_kernels" not in vars(model) and _untouched(model)
-    enable_entmtp(model, heads, cpu_kernels=True, rows=(1, 2), repeats=1, pack=True)
+    enable_entmtp(model, heads, rows=(1, 2), repeats=1)
+    assert K.kernels_of(model).active  # enable_entmtp's default on a CPU float model
+    enable_entmtp(model, heads, cpu_kernels=False)
+    assert K.kernels_of(model) is None and _untouched(model)
+    enable_entmtp(model, heads, rows=(1, 2), repeats=1, pack=True)
+    measured = K.kernels_of(model)
+    enable_entmtp(model, heads, cpu_kernels=measured)  # measured before: installed again, not measured
+    assert K.kernels_of(model) is measured
+    with pytest.raises(EntMTPError, match="another model"):
+        enable_entmtp(tiny_model(seed=9).float(), HydraHeads.for_model(model, num_heads=2), cpu_kernels=measured)
     disable_entmtp(model)
     assert _untouched(model) and model.config._attn_implementation == "sdpa"
 
@@ -150,9 +203,13 @@ def test_enable_and_disable_install_and_remove_them(tiny32):
 @pytest.mark.parametrize("kernels_on", [False, True])
 def test_threads_decode_at_once_and_leave_nothing_behind(tiny32, kernels_on):
     """Two threads in EntMTP generate on one model: each gets vanilla's output, and no module
-    is left with a forward it did not have before (nothing is swapped per call)."""
+    is left with a forward it did not have before (nothing is swapped per call: the kernels are
+    applied per thread)."""
     model, heads = tiny32, tiny32.entmtp_heads
-    enable_entmtp(model, heads, cpu_kernels=kernels_on, rows=(1, 2, 4, 5), repeats=1)
+    if kernels_on:
+        enable_entmtp(model, heads, rows=(1, 2, 4, 5), repeats=1)
+    else:
+        enable_entmtp(model, heads, cpu_kernels=False)
     installed = {id(m): vars(m).get("forward") for m in model.modules()}
     prompts = [_ids(6, seed) for seed in (11, 12)]
     refs = [_greedy(model, ids) for ids in prompts]
@@ -186,64 +243,41 @@ def test_onednn_linears_runs_every_linear_and_keeps_the_output(tiny32):
 
 
 @ONEDNN
-def test_packed_linears_decode_like_vanilla_and_give_the_exact_weights_back(tiny32):
-    """The benchmark's packed reference: same products, saving refused while packed, the weights
-    back bit for bit, the LM head (tied or not) never packed."""
+def test_packed_linears_decode_like_vanilla_and_leave_the_weights_alone(tiny32):
+    """The benchmark's packed reference: same products on packed copies, the state dict readable
+    and unchanged meanwhile, the LM head (tied or not) never packed; the model's own kernels are
+    lifted for the block and put back after, also on errors."""
     model = tiny32
     before, ids = _dense(model), _ids(6, 7)
     ref = _greedy(model, ids)
     decoder_linears = [m for m in model.get_decoder().modules() if type(m) is torch.nn.Linear]
     with K.packed_linears(model) as n:
         assert n == len(decoder_linears) > 0
-        assert model.get_output_embeddings().weight.numel() > 0
-        with pytest.raises(RuntimeError, match="packed"):
-            model.state_dict()
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         plain = _greedy(model, ids)
         tree = _greedy(model, ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
-    assert torch.equal(plain, ref) and torch.equal(tree, ref)
-    assert all(torch.equal(before[k], v) for k, v in _dense(model).items()) and _untouched(model)
+    assert torch.equal(plain, ref) and torch.equal(tree, ref) and _untouched(model)
+    kernels = CPUKernels(model, rows=(1, 2), repeats=1, pack=True).install()
+    def routing():
+        return {id(m): getattr(vars(m).get("forward"), "owner", None) for m in model.modules()}
 
-
-@ONEDNN
-def test_packing_gives_every_weight_back_on_errors(tiny32):
-    model = tiny32
-    before = _dense(model)
+    own = routing()
+    assert set(own.values()) == {None, kernels._routes}
     with pytest.raises(KeyError):
         with K.packed_linears(model):
+            assert all(f.owner is not kernels._routes for m in model.modules()
+                       if isinstance(f := vars(m).get("forward"), K._Dispatch))  # fmt: skip
             raise KeyError("boom")
-    assert all(torch.equal(before[k], v) for k, v in _dense(model).items())
-    calls, real = [], torch.nn.Module.register_state_dict_pre_hook
-
-    def fail_on_the_third(self, hook):  # a failure halfway through packing
-        calls.append(self)
-        if len(calls) == 3:
-            raise RuntimeError("hook refused")
-        return real(self, hook)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.nn.Module, "register_state_dict_pre_hook", fail_on_the_third)
-        with pytest.raises(RuntimeError, match="hook refused"):
-            with K.packed_linears(model):
-                pass
-    assert all(torch.equal(before[k], v) for k, v in _dense(model).items()) and _untouched(model)
-
-
-@ONEDNN
-def test_a_weight_shared_with_another_module_is_not_packed():
-    model = tiny_model(seed=3).float()
-    layer = next(m for m in model.get_decoder().modules() if type(m) is torch.nn.Linear)
-    other = torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
-    other.weight = layer.weight  # tied to a module outside the decoder
-    model.add_module("tied_probe", other)
-    with K.packed_linears(model) as n:
-        assert layer.weight.numel() > 0 and n == sum(type(m) is torch.nn.Linear for m in model.get_decoder().modules()) - 1
+    assert routing() == own
+    kernels.remove()
+    assert _untouched(model)
 
 
 def test_only_plain_layers_without_a_forward_of_someone_elses_are_taken():
     plain, hooked = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     hooked.forward = lambda x: x  # someone else's instance forward (an offloading hook, say)
-    assert K._plain_linears([plain, hooked]) == [plain]
-    assert K._plain_linears([plain.double()]) == []  # oneDNN takes float32 and bfloat16
+    assert K._linears([plain, hooked]) == [plain]
+    assert K._linears([plain.double()]) == []  # oneDNN takes float32 and bfloat16
 
 
 @ONEDNN
@@ -260,12 +294,12 @@ def test_cost_tables_are_keyed_by_the_kernels_the_layers_run_on(tiny32, tmp_path
     assert K.kernel_routing(model, heads) == []
     default = model_key(model, heads)
     keys = {default}
-    with K.onednn_linears(model):
-        assert K.kernel_routing(model, heads) == ["entmtp_hf.cpu_kernels._onednn_forward"]
-        keys.add(model_key(model, heads))
+    with K.onednn_linears(model):  # a reference for plain decoding: not what EntMTP calls run on
+        assert model_key(model, heads) == default
     with CPUKernels(model, heads, rows=(1, 2), pack=True, repeats=1):
+        assert K.kernel_routing(model, heads) == ["by row count", "packed"]
         keys.add(model_key(model, heads))
-    with monkeypatch.context() as m:  # oneDNN measured faster from two rows on: dispatchers, not packing
+    with monkeypatch.context() as m:  # oneDNN measured faster from two rows on: dense kernels, no packing
         m.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "onednn") for c in choices})
         with CPUKernels(model, heads, rows=(1, 2), pack=False, repeats=1) as kernels:
             assert K.kernel_routing(model, heads) == ["by row count"] and kernels.active
@@ -274,7 +308,7 @@ def test_cost_tables_are_keyed_by_the_kernels_the_layers_run_on(tiny32, tmp_path
         with CPUKernels(model, heads, rows=(1, 2), pack=False, repeats=1):  # other choices (the LM head only), same kinds
             assert K.kernel_routing(model, heads) == ["by row count"]
             assert model_key(model, heads) == dispatched  # a near-tie flipping does not measure again
-    assert len(keys | {dispatched}) == 4
+    assert len(keys | {dispatched}) == 3
     assert model_key(model, heads) == default  # removed: the default path's key again
     calls = []
 
@@ -285,7 +319,26 @@ def test_cost_tables_are_keyed_by_the_kernels_the_layers_run_on(tiny32, tmp_path
 
     monkeypatch.setattr(tables_module, "probe", fake)
     calibrate(model, heads, folder=tmp_path, progress=False)
-    with K.onednn_linears(model):
+    with CPUKernels(model, heads, rows=(1, 2), pack=True, repeats=1):
         calibrate(model, heads, folder=tmp_path, progress=False)
     calibrate(model, heads, folder=tmp_path, progress=False)
     assert calls == [1, 1] and len(list(tmp_path.glob("*.json"))) == 2
+
+
+@ONEDNN
+def test_the_demo_times_plain_and_entmtp_on_and_off_the_kernels(tiny32, monkeypatch):
+    """``make demo``'s methods: plain generate, plain on the kernels (applied around the call),
+    EntMTP as enabled (on them) and EntMTP with them lifted for the call, put back after."""
+    from entmtp_hf.demo import run
+
+    monkeypatch.setattr(K, "_timed_median", lambda run_, choices, repeats: {c: float(c != "onednn") for c in choices})
+    model = enable_entmtp(tiny32, tiny32.entmtp_heads, rows=(1, 2), repeats=1)
+    kernels = K.kernels_of(model)
+    methods = run._methods({"t": EntMTPConfig(tree=TREE)}, kernels)
+    assert list(methods) == [run.PLAIN, run.PLAIN_K, run.ENTMTP, run.ENTMTP_F]
+    with methods[run.PLAIN_K][0]():
+        assert kernels._routes.active()
+    with methods[run.ENTMTP_F][0]():
+        assert K.kernels_of(model) is None
+    assert K.kernels_of(model) is kernels and not kernels._routes.active()
+    assert list(run._methods({"t": EntMTPConfig(tree=TREE)}, None)) == [run.PLAIN, run.ENTMTP]

@@ -143,10 +143,11 @@ def test_the_shipped_hydra_heads_are_lossless_and_draft(demo):
 
 
 def test_the_shipped_banks_machine_entries_keep_matching_the_default_path(demo):
-    """Cost tables are keyed by machine and by model, heads and kernels: on the default path
-    (no kernel opt-in) the key must stay what the shipped banks' machine entries were filed
-    under, or every machine they name would probe again."""
+    """Cost tables are keyed by machine and by model, heads and kernels: with F.linear throughout
+    (``cpu_kernels=False``, or kernels that route nothing) the key must stay what the shipped
+    banks' machine entries were filed under, or every machine they name would probe again."""
     from entmtp_hf import TopologyBank
+    from entmtp_hf.cpu_kernels import kernels_of
     from entmtp_hf.costs.fingerprint import model_key
     from entmtp_hf.integration import HEADS_ATTR
     from entmtp_hf.tools.calibrate import SEARCH_MODEL_KEY
@@ -154,4 +155,11 @@ def test_the_shipped_banks_machine_entries_keep_matching_the_default_path(demo):
     model, _, bank_dir = demo
     tables = [t for f in sorted(bank_dir.glob("*.safetensors")) for t in TopologyBank.from_file(f).machine_tables()]
     probed = {t.model for t in tables if t.model != SEARCH_MODEL_KEY}  # not the search machine's, rebuilt from its timings
-    assert probed == {model_key(model, getattr(model, HEADS_ATTR))}
+    kernels = kernels_of(model)
+    if kernels is not None:
+        kernels.remove()
+    try:
+        assert probed == {model_key(model, getattr(model, HEADS_ATTR))}
+    finally:
+        if kernels is not None:
+            kernels.install()

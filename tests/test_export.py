@@ -32,6 +32,25 @@ SHIPPED = sorted((folder.name, f.name[: -len(SUFFIX)]) for folder in SHIPPED_DIR
 TARGETS = [(engine, drafter) for engine, drafters in DRAFTERS.items() for drafter in drafters]
 
 
+def _stored_choice_is_plain(name: str, task: str) -> bool:
+    bank = TopologyBank.from_pretrained(shipped_bank_path(name), task)
+    return bank.trees[bank.scheduler.static].num_nodes == 1
+
+
+#: the shipped banks whose stored EntMTP* is a tree (Gemma 3 270M's search machine, on F.linear,
+#: kept plain decoding on every task: its banks re-rank where they run, and export says so)
+SHIPPED_TREES = [bank for bank in SHIPPED if not _stored_choice_is_plain(*bank)]
+SHIPPED_PLAIN = [bank for bank in SHIPPED if bank not in SHIPPED_TREES]
+
+
+@pytest.mark.parametrize("engine,drafter", TARGETS)
+def test_a_shipped_bank_whose_choice_is_plain_decoding_exports_nothing_to_set_up(banks, engine, drafter):
+    assert ("gemma-3-270m-cpu-eagle", "chat") in SHIPPED_PLAIN
+    for name, task in SHIPPED_PLAIN:
+        result = export(banks[(name, task)], engine, drafter)
+        assert result["config"] == {} and result["engine_options"] == {}
+
+
 def test_every_shipped_bank_is_listed():
     assert ("published-defaults", "default") in SHIPPED and ("smollm2-135m-cpu-eagle", "gsm8k") in SHIPPED
     assert len(SHIPPED) >= 7
@@ -119,7 +138,7 @@ def check_config(result: dict) -> frozenset:
 
 # ============================================================================ the shipped banks
 @pytest.mark.parametrize("engine,drafter", TARGETS)
-@pytest.mark.parametrize("name,task", SHIPPED)
+@pytest.mark.parametrize("name,task", SHIPPED_TREES)
 def test_shipped_banks_export_to_every_engine(banks, name, task, engine, drafter):
     bank = banks[(name, task)]
     result = export(bank, engine, drafter)
@@ -133,7 +152,7 @@ def test_shipped_banks_export_to_every_engine(banks, name, task, engine, drafter
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS["vllm"])
-@pytest.mark.parametrize("name,task", SHIPPED)
+@pytest.mark.parametrize("name,task", SHIPPED_TREES)
 def test_every_shipped_bank_goes_to_vllm_as_a_chain(banks, name, task, drafter):
     """vLLM verifies drafts as a chain: no bank may hand it a branching tree or the tree backend."""
     bank = banks[(name, task)]
@@ -166,7 +185,7 @@ def brute_force_vllm(source: Tree, frontier) -> frozenset:
     return best
 
 
-@pytest.mark.parametrize("name,task", [bank for bank in SHIPPED if bank[0] != "published-defaults"])  # enumerable
+@pytest.mark.parametrize("name,task", [bank for bank in SHIPPED_TREES if bank[0] != "published-defaults"])  # enumerable
 def test_vllm_tree_option_is_the_largest_uniform_subtree(banks, name, task):
     bank = banks[(name, task)]
     source = bank.trees[bank.scheduler.static]

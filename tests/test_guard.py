@@ -95,14 +95,16 @@ def test_invalid_guard(kwargs, message):
 
 
 # ----------------------------------------------------------------------------- prices and the config field
-def test_a_bank_ranked_with_measured_costs_is_guarded_when_asked():
+def test_a_bank_ranked_with_measured_costs_is_guarded_by_default():
     machine = table({1: 10.0, 2: 10.0, 3: 10.5, 4: 15.0})
     machine = CostTable(machine.fingerprint, "x", machine.forward_ms, (1.0, 0.5, 0.1), (2.0, 0.25), 10.0)
     bank = frontier_bank().with_machine(machine)
     plan = EntMTPConfig(bank=bank, task="t", guard=True).resolve(4, costs=machine)
     root = machine.step(Tree.root_only())
     assert plan.guarded and plan.step_costs == tuple(machine.step(t) / root for t in plan.trees)
-    assert not EntMTPConfig(bank=bank, task="t").resolve(4, costs=machine).guarded  # opt-in until benchmarked
+    assert EntMTPConfig(bank=bank, task="t").resolve(4, costs=machine).step_costs == plan.step_costs  # the default
+    assert not EntMTPConfig(bank=bank, task="t", guard=False).resolve(4, costs=machine).guarded
+    assert not EntMTPConfig(bank=bank, task="t").resolve(4).guarded  # a machine never measured: nothing to price with
     with pytest.raises(ConfigError, match="EntMTPConfig.guard"):
         EntMTPConfig(bank=bank, task="t", guard=True).resolve(4)
     # retrieval branches are priced as the trees they extend plus their nodes
@@ -118,8 +120,8 @@ def test_explicit_trees_are_guarded_only_when_asked_with_costs():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tree=CHAIN, guard="yes"), "EntMTPConfig.guard: must be True or False"),
-    (dict(tree=CHAIN, guard=1), "EntMTPConfig.guard: must be True or False"),
+    (dict(tree=CHAIN, guard="yes"), "EntMTPConfig.guard: must be None, True or False"),
+    (dict(tree=CHAIN, guard=1), "EntMTPConfig.guard: must be None, True or False"),
     (dict(tree=CHAIN, guard=True), "EntMTPConfig.guard: True needs each tree's step cost"),
     (dict(trees=[CHAIN], guard=True), "EntMTPConfig.guard: True needs each tree's step cost"),
     (dict(bank=frontier_bank(), task="t", adapt=False, guard=True), "EntMTPConfig.guard: True prices trees"),
@@ -203,7 +205,10 @@ def test_heads_that_never_accept_decode_mostly_root_alone(tiny_cache):
     stats = out.entmtp_stats
     assert torch.equal(out.sequences, ref) and set(stats["tree_sizes"]) == {1, 3}
     assert stats["root_alone_steps"] > 0.6 * stats["steps"]
+    default = model.generate(ids, max_new_tokens=80, do_sample=False, return_dict_in_generate=True,
+                             entmtp_config=EntMTPConfig(bank=bank, task="t"))  # fmt: skip
+    assert default.entmtp_stats["root_alone_steps"] == stats["root_alone_steps"]  # on by default, priced here
     off = model.generate(ids, max_new_tokens=80, do_sample=False, return_dict_in_generate=True,
-                         entmtp_config=EntMTPConfig(bank=bank, task="t"))  # fmt: skip
+                         entmtp_config=EntMTPConfig(bank=bank, task="t", guard=False))  # fmt: skip
     assert torch.equal(off.sequences, ref) and off.entmtp_stats["root_alone_steps"] == 0
     assert off.entmtp_stats["mean_accept_length"] < 1.2  # the heads do draft badly

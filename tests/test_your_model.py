@@ -174,13 +174,32 @@ def test_a_budget_stops_a_stage_at_a_checkpoint_and_the_next_call_resumes(tiny_b
 def test_a_model_without_a_shipped_drafter_needs_heads(tmp_path):
     from entmtp_hf.demo import own_drafter
 
-    with pytest.raises(FileNotFoundError, match="build-drafter --model gemma-3-270m"):
-        own_drafter("gemma-3-270m", None, None)
+    with pytest.raises(FileNotFoundError, match="build-drafter --model my/model"):
+        own_drafter("my/model", None, None)
     with pytest.raises(FileNotFoundError, match="SmolLM2"):
-        own_drafter("gemma-3-270m", "eagle", None)
+        own_drafter("my/model", "eagle", None)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no banks/ folder"):
-        own_drafter("gemma-3-270m", tmp_path, None)
+        own_drafter("my/model", tmp_path, None)
+
+
+def test_gemma_3_270m_gets_its_shipped_drafter_and_banks(monkeypatch):
+    """The package holds Gemma 3 270M's drafter (float16, under 20 MB) and its three task banks,
+    and ``load_demo(model="gemma-3-270m")`` enables them (the loader replaced: no download)."""
+    import entmtp_hf.demo as demo
+    from entmtp_hf import TopologyBank
+    from entmtp_hf.heads import load_heads
+
+    heads_dir, bank = demo.SHIPPED_DRAFTERS["gemma-3-270m"]
+    heads = load_heads(str(heads_dir))
+    assert heads.config.base_model_name_or_path == "google/gemma-3-270m" and heads.config.draft_vocab_size == 8192
+    assert (heads_dir / "model.safetensors").stat().st_size < 20 * 2**20
+    calls = []
+    monkeypatch.setattr(demo, "load_base_model", lambda model=None, **kw: calls.append(model) or ("m", "t"))
+    monkeypatch.setattr(demo, "enable_entmtp", lambda m, heads, **kw: calls.append(Path(heads)))
+    _, _, bank_dir = demo.load_demo(model="gemma-3-270m")
+    assert calls == ["gemma-3-270m", heads_dir] and bank_dir.name == bank
+    assert sorted(TopologyBank.list_tasks(bank_dir)) == ["chat", "gsm8k", "humaneval"]
 
 
 def test_load_demo_without_a_model_is_unchanged(monkeypatch):

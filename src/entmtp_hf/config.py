@@ -83,9 +83,9 @@ class EntMTPConfig:
     ``guard``: the break-even guard (:mod:`entmtp_hf.scheduling.guard`): while the trees' tokens
     per step fall below their cost relative to a root-alone step, steps verify the root alone
     and draft nothing, re-trying the trees after a wait that doubles while they keep losing.
-    ``True``: on, priced with this machine's measured step costs (a bank that adapts) or with
-    ``costs`` (``trees=``); ``False`` (default): off, until an interleaved bench shows what its
-    probes cost on prompts the heads draft well.
+    ``None`` (default): on wherever this machine's measured step costs price the trees (a bank
+    that adapts, on a measured machine), off elsewhere; ``True``: on, priced with those or with
+    ``costs`` (``trees=``), an error without either; ``False``: off.
     """
 
     bank: Any = None
@@ -107,7 +107,7 @@ class EntMTPConfig:
     eas: EASConfig | None = None
     retrieval: RetrievalConfig | bool | None = None
     adapt: bool | None = None
-    guard: bool = False
+    guard: bool | None = None
     _resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _bank: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -162,8 +162,8 @@ class EntMTPConfig:
 
     def _check_guard(self) -> None:
         """The guard needs prices: measured ones come with a bank that adapts, else ``costs``."""
-        if not isinstance(self.guard, bool):  # not None, 0, 1 or "no"
-            raise ConfigError(_name("guard"), f"must be True or False, got {brief_repr(self.guard)}")
+        if self.guard is not None and not isinstance(self.guard, bool):  # not 0, 1 or "no"
+            raise ConfigError(_name("guard"), f"must be None, True or False, got {brief_repr(self.guard)}")
         if self.guard is not True:
             return
         if self.bank is not None and self.adapt is False:

@@ -1,26 +1,27 @@
-"""Faster CPU products for tree decoding: one explicit, measured, CPU-only opt-in.
+"""Faster CPU products for EntMTP calls: measured once per model, used only inside them.
 
 A verification forward multiplies N rows (the tree's nodes) by every weight of the model, and
 how a CPU's BLAS treats a few rows differs from machine to machine: on some CPUs MKL's
 ``F.linear`` costs nearly as much per row for 2-4 rows as for one (so a small tree costs
-several plain steps), on others it is the fastest kernel at every row count. Nothing here runs
-unless asked for: the default path uses only public PyTorch and transformers calls.
+several plain steps), on others it is the fastest kernel at every row count.
 
-:class:`CPUKernels` (``enable_entmtp(model, heads, cpu_kernels=True)``, or on its own as a
-context manager) measures this machine once, when it is built, and then routes every product
-by its row count:
+:class:`CPUKernels` measures, for one model (and its heads) on this machine, which product is
+fastest at each row count: MKL (``F.linear``), oneDNN's linear on the plain weight, or oneDNN's
+linear on a packed copy of the weight (``pack``); for the LM head also ``(W @ h.T).T``; for the
+heads' one-row products MKL or oneDNN. ``enable_entmtp`` measures them by default on a CPU
+model (seconds, said once) and installs them (:func:`kernels_of`): each routed ``nn.Linear``
+gets a dispatcher as its instance ``forward`` that runs ``F.linear`` exactly as before except
+inside :meth:`CPUKernels.applied`, which every EntMTP call on the model (and the cost probe)
+enters in its own thread. So a plain ``generate`` runs as it did, concurrent calls are safe,
+and nothing of the weights changes: ``state_dict()``, ``save_pretrained`` and ``model.to(...)``
+work at all times, and a weight changed after measuring (a new dtype, a loaded state dict) runs
+``F.linear`` on the weight as it is now rather than a stale packed copy. Every choice computes
+the same products and, like verifying several tokens at once, may round differently from the
+one-token forward.
 
-* the decoder's plain ``nn.Linear`` layers: MKL (``F.linear``) or oneDNN's linear on the plain
-  weight, per row count; or, when packing is chosen (``pack="auto"`` packs if a packed pass is
-  faster over the measured row counts), every layer's weight reordered in place into oneDNN's
-  packed layout (no copy; reading the state dict raises while packed);
-* the LM head: ``F.linear``, ``(W @ h.T).T`` or oneDNN, per row count;
-* the draft heads' layers (one-row products): MKL or oneDNN.
-
-Each layer's ``forward`` is replaced once, by a dispatcher that reads the measured table, and
-given back by :meth:`CPUKernels.remove` (weights bit-exact); nothing changes per call, so
-concurrent ``generate`` calls are safe. Every choice computes the same products and, like
-verifying several tokens at once, may round differently from the one-token forward.
+Why instance forwards and not a :class:`~torch.overrides.TorchFunctionMode` or module hooks:
+on the demo model (2-core AMD EPYC, fp32) a mode that sees every torch call added 8-10 ms to a
+60-70 ms tree forward, per-layer hooks that enter a mode 4-7 ms, the dispatchers under 1 ms.
 
 :func:`onednn_linears` and :func:`packed_linears` are the benchmark's kernel references for
 plain decoding (``vanilla-onednn``, ``vanilla-packed``).
@@ -28,11 +29,11 @@ plain decoding (``vanilla-onednn``, ``vanilla-packed``).
 
 from __future__ import annotations
 
-import collections
 import logging
+import os
 import statistics
+import threading
 import time
-import types
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -41,13 +42,16 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-DECODER_KERNELS = ("linear", "onednn")
+DENSE_KERNELS = ("linear", "onednn")
+PACKED = "packed"
 HEAD_LAYOUTS = ("linear", "transposed", "onednn")
 #: row counts measured by default: plain steps, small trees, larger trees, a prompt's prefill
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 16, 64)
 PACK_CHOICES = (True, False, "auto")
-#: where a packed layer keeps its packed weight while the layer holds none
-PACKED_ATTR = "_entmtp_packed_weight"
+#: the share of the memory available now that the packed copies of the decoder's weights may take
+PACK_MEMORY_SHARE = 0.25
+#: where a model keeps its measured kernels (:func:`kernels_of`)
+KERNELS_ATTR = "_entmtp_cpu_kernels"
 
 
 # ============================================================================ primitives
@@ -88,11 +92,24 @@ def _works(layout: str, weight: torch.Tensor) -> bool:
         return False
 
 
-def _plain_linears(modules: Iterable[torch.nn.Module], exclude: torch.nn.Module | None = None) -> list[torch.nn.Linear]:
-    """The plain CPU float ``nn.Linear`` modules with no instance-level ``forward`` of anyone's
-    (accelerate's offloading hooks, for instance, install one)."""
+def _linears(modules: Iterable[torch.nn.Module], exclude: torch.nn.Module | None = None) -> list[torch.nn.Linear]:
+    """The plain CPU float ``nn.Linear`` layers oneDNN may take, with no instance-level ``forward``
+    of anyone else's (accelerate's offloading hooks, for instance, install one)."""
     return [m for m in modules if type(m) is torch.nn.Linear and m is not exclude and _onednn_takes(m.weight)
-            and "forward" not in vars(m)]  # fmt: skip
+            and isinstance(vars(m).get("forward"), (type(None), _Dispatch))]  # fmt: skip
+
+
+def _pack(weight: torch.Tensor, rows: int = 4) -> torch.Tensor:
+    """A copy of ``weight`` reordered into oneDNN's packed layout (the weight itself is untouched)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+def _available_bytes() -> int | None:
+    """Memory available now (Linux), or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _timed_median(run: Callable[[str], object], choices: Sequence[str], repeats: int) -> dict[str, float]:
@@ -119,83 +136,99 @@ def _by_rows(table: dict[int, str]) -> list[str]:
     return out
 
 
-class _Dispatch:
-    """A linear layer's forward that picks its kernel by the input's row count (a shared table;
-    counts above the largest measured take its choice)."""
+def _signature(weight: torch.Tensor) -> tuple:
+    """What changes when a weight is replaced or written to: its storage, version and dtype."""
+    return weight.data_ptr(), weight._version, weight.dtype
 
-    def __init__(self, module: torch.nn.Linear, kernels: list[str]) -> None:
-        self.module, self.kernels = module, kernels
+
+# ============================================================================ routing
+class _Routes:
+    """Each layer's kernel per row count (counts above the largest measured take its choice) and
+    packed copy, installed as the layers' instance ``forward`` and used only in the threads that
+    are inside :meth:`applied` (elsewhere each layer runs ``F.linear`` as before)."""
+
+    def __init__(self, tables: dict[torch.nn.Linear, tuple[list[str], torch.Tensor | None]]) -> None:
+        self.tables = tables
+        self._local = threading.local()
+
+    def active(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+
+    def install(self) -> None:
+        for m, (kernels, packed) in self.tables.items():
+            if "forward" not in vars(m):
+                vars(m)["forward"] = _Dispatch(m, kernels, packed, self)
+
+    def remove(self) -> None:
+        for m in self.tables:
+            forward = vars(m).get("forward")
+            if isinstance(forward, _Dispatch) and forward.owner is self:
+                del vars(m)["forward"]
+
+
+class _Dispatch:
+    """A layer's forward: its kernel for the input's row count inside :meth:`_Routes.applied`
+    while its weight is the one measured (same storage, version and dtype), ``F.linear`` otherwise
+    (and in a graph ``torch.compile`` traces)."""
+
+    __slots__ = ("module", "kernels", "packed", "signature", "owner")
+
+    def __init__(self, module: torch.nn.Linear, kernels: list[str], packed: torch.Tensor | None,
+                 owner: _Routes) -> None:  # fmt: skip
+        self.module, self.kernels, self.packed, self.owner = module, kernels, packed, owner
+        self.signature = _signature(module.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if torch.compiler.is_compiling() or not self.owner.active():  # a compiled graph brings its own kernels
+            return F.linear(x, m.weight, m.bias)
         rows = x.numel() // x.shape[-1]
         kernel = self.kernels[min(rows, len(self.kernels) - 1)]
-        m = self.module
-        if kernel == "linear":
+        if kernel == "linear" or rows == 0 or _signature(m.weight) != self.signature:
             return F.linear(x, m.weight, m.bias)
-        return project(x.reshape(rows, x.shape[-1]), m.weight, m.bias, kernel).reshape(*x.shape[:-1], -1)
-
-
-def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` on the weight :func:`_pack` reordered for oneDNN."""
-    rows = x.numel() // x.shape[-1]
-    if rows == 0:
-        return x.new_zeros(*x.shape[:-1], self.out_features)
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), vars(self)[PACKED_ATTR], self.bias,
-                                             "none", [], "")  # fmt: skip
-    return out.reshape(*x.shape[:-1], -1)
-
-
-def _refuse_while_packed(module, *args, **kwargs) -> None:
-    raise RuntimeError("this layer's weight is packed for oneDNN (entmtp_hf.cpu_kernels); unpack it "
-                       "(remove the kernels or leave the block) before saving or reading the state dict")  # fmt: skip
-
-
-def _pack(layers: list[torch.nn.Linear], rows: int = 4) -> list[tuple]:
-    """Reorder each layer's weight in place into oneDNN's packed layout; returns what :func:`_unpack`
-    needs. A layer is in the returned list before its weight is emptied, so a failure halfway
-    leaves every weight recoverable."""
-    done: list[tuple] = []
-    try:
-        for m in layers:
-            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows)
-            hook = m.register_state_dict_pre_hook(_refuse_while_packed)  # nothing of m changed before here
-            done.append((m, hook, vars(m).get("forward")))
-            vars(m)[PACKED_ATTR] = packed
-            m.weight.data = m.weight.data.new_empty(0)
-            vars(m)["forward"] = types.MethodType(_packed_forward, m)
-    except Exception:
-        _unpack(done)
-        raise
-    return done
-
-
-def _unpack(done: list[tuple]) -> None:
-    for m, hook, before in done:
-        hook.remove()
-        if before is None:
-            vars(m).pop("forward", None)
+        flat = x.reshape(rows, x.shape[-1])
+        if kernel == PACKED:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, m.bias, "none", [], "")
         else:
-            vars(m)["forward"] = before
-        m.weight.data = vars(m).pop(PACKED_ATTR).to_dense()
+            out = project(flat, m.weight, m.bias, kernel)
+        return out.reshape(*x.shape[:-1], -1)
 
 
-def _unshared(model, layers: list[torch.nn.Linear]) -> list[torch.nn.Linear]:
-    """Layers whose weight no other module uses (a shared weight must keep its dense form)."""
-    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    return [m for m in layers if uses[id(m.weight)] == 1]
+def kernels_of(model) -> "CPUKernels | None":
+    """The kernels attached to ``model`` (:meth:`CPUKernels.install`), or None."""
+    return vars(model).get(KERNELS_ATTR) if model is not None else None
 
 
-# ============================================================================ the opt-in
+def kernel_routing(model, heads=None) -> list[str]:
+    """What kinds of product the EntMTP calls of ``model`` run on (empty: ``F.linear`` throughout).
+    A step's cost depends on it as much as on the processor, so it is part of a cost table's key
+    (:func:`~entmtp_hf.costs.fingerprint.model_key`). The kinds, not the choice per row count:
+    those flip between near-equal kernels from one measurement to the next, and each flip would
+    measure the step costs again."""
+    kernels = kernels_of(model)
+    return kernels.kinds() if kernels is not None and kernels.active else []
+
+
+# ============================================================================ the measured kernels
 class CPUKernels:
-    """The measured kernel choices of one model (and its heads) on this machine, installed.
+    """The measured kernel choices of one model (and its heads) on this machine.
 
-    Built by ``enable_entmtp(..., cpu_kernels=True)`` or directly; ``rows``: the row counts to
-    measure (a product of more rows uses the largest's choice); ``pack``: ``True``, ``False`` or
-    ``"auto"`` (pack when measured faster); ``repeats``: interleaved timing rounds. Measuring
-    takes a few seconds, once, and is logged; the choices are installed right after it, and
-    :meth:`remove` / :meth:`install` take them off and put them back without measuring again.
-    A model on another device or in another dtype, or a torch without oneDNN, is left as it is
-    (:attr:`active` is False, :attr:`reason` says why).
+    ``rows``: the row counts to measure (a product of more rows uses the largest's choice);
+    ``pack``: ``"auto"`` (a packed copy where it measures faster and fits
+    :data:`PACK_MEMORY_SHARE` of the free memory), ``True`` (packed at every row count) or
+    ``False``; ``repeats``: interleaved timing rounds. Measuring takes a few seconds, once, and is
+    logged. :meth:`install` attaches the choices to the model for its EntMTP calls,
+    :meth:`remove` takes them off; :meth:`applied` runs any block on them. A model on another
+    device or in another dtype, or a torch without oneDNN, gets none (:attr:`active` is False,
+    :attr:`reason` says why).
     """
 
     def __init__(self, model, heads=None, *, rows: Sequence[int] = DEFAULT_ROWS, pack: bool | str = "auto",
@@ -209,22 +242,31 @@ class CPUKernels:
         self.decoder: dict[int, str] = {}
         self.lm_head: dict[int, str] = {}
         self.drafting = "linear"
-        self.packed = False
+        self.pack_note = ""
         self.seconds = 0.0
         self.reason = self._unavailable()
-        self._installed: list[tuple[torch.nn.Module, object]] = []
-        self._packed: list[tuple] = []
+        self._routes = _Routes({})
         if self.reason is None:
             t0 = time.perf_counter()
             with torch.no_grad():
                 self._measure(pack, repeats)
             self.seconds = time.perf_counter() - t0
-            log.info("entmtp-hf CPU kernels: %s", self.describe())
-            self.install()
 
     @property
     def active(self) -> bool:
         return self.reason is None
+
+    @property
+    def packed(self) -> bool:
+        """Whether some row count runs the decoder on packed copies."""
+        return PACKED in self.decoder.values()
+
+    def kinds(self) -> list[str]:
+        """``"by row count"`` where some layer is routed, and ``"packed"`` where a packed copy is;
+        empty where every measured choice is ``F.linear`` (the default path's costs)."""
+        if not self._routes.tables:
+            return []
+        return ["by row count"] + (["packed"] if any(p is not None for _, p in self._routes.tables.values()) else [])
 
     def _unavailable(self) -> str | None:
         head = self.model.get_output_embeddings()
@@ -239,37 +281,49 @@ class CPUKernels:
 
     def _layers(self) -> list[torch.nn.Linear]:
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
-        return _plain_linears(decoder.modules(), exclude=self.model.get_output_embeddings())
+        return _linears(decoder.modules(), exclude=self.model.get_output_embeddings())
 
     # ------------------------------------------------------------------ measuring
     def _measure(self, pack: bool | str, repeats: int) -> None:
         layers = self._layers()
-        dense = {r: _timed_median(self._decoder_pass(layers, r), DECODER_KERNELS, repeats) for r in self.rows}
-        self.decoder = {r: min(t, key=t.get) for r, t in dense.items()}
-        if pack is not False and layers:
-            faster = self._measure_packing(layers, sum(min(t.values()) for t in dense.values()), repeats)
-            self.packed = bool(self._packed) and (pack is True or faster)
-            _unpack(self._packed)
-            self._packed = []
+        packed = self._packed_copies(layers, pack)
+        choices = DENSE_KERNELS + ((PACKED,) if packed else ())
+        times = {r: _timed_median(self._decoder_pass(layers, packed, r), choices, repeats) for r in self.rows}
+        if pack is True and packed:
+            self.decoder = dict.fromkeys(self.rows, PACKED)
+        else:
+            self.decoder = {r: min(t, key=t.get) for r, t in times.items()}
+        table, keep = _by_rows(self.decoder), packed if self.packed else {}
+        tables = {m: (table, keep.get(id(m.weight))) for m in layers}
         head = self.model.get_output_embeddings()
         layouts = [lay for lay in HEAD_LAYOUTS if _works(lay, head.weight)]
         self.lm_head = {r: self._fastest_head(head, r, layouts, repeats) for r in self.rows}
+        if _linears([head]):
+            tables[head] = (_by_rows(self.lm_head), None)
         if self.heads is not None:
             self.drafting = self._measure_drafting(repeats)
+            for m in _linears(self.heads.modules()):
+                tables[m] = (_by_rows({1: self.drafting}), None)
+        self._routes = _Routes({m: t for m, t in tables.items() if set(t[0]) != {"linear"}})
 
-    def _measure_packing(self, layers: list[torch.nn.Linear], best_dense: float, repeats: int) -> bool:
-        """Whether a packed pass over the measured row counts beats the best dense kernels
-        (packed here for the timing; :meth:`_measure` unpacks)."""
+    def _packed_copies(self, layers: list[torch.nn.Linear], pack: bool | str) -> dict[int, torch.Tensor]:
+        """Packed copies of the decoder's weights to measure (and keep where chosen), if asked for,
+        available on this CPU and dtype, and within :data:`PACK_MEMORY_SHARE` of the free memory."""
+        if pack is False or not layers:
+            return {}
+        size, free = sum(m.weight.numel() * m.weight.element_size() for m in layers), _available_bytes()
+        if pack == "auto" and free is not None and size > PACK_MEMORY_SHARE * free:
+            self.pack_note = (f"not packed: copies of {size / 2**30:.1f} GiB would take over {PACK_MEMORY_SHARE:.0%} "
+                              "of the free memory")  # fmt: skip
+            return {}
         try:
-            self._packed = _pack(_unshared(self.model, layers))
+            return {id(m.weight): _pack(m.weight) for m in layers}
         except RuntimeError as e:  # no packed primitive for this dtype on this CPU
-            log.info("entmtp-hf CPU kernels: packing unavailable (%s)", e)
-            return False
-        packed = sum(_timed_median(self._decoder_pass(layers, r, packed=True), ("packed",), repeats)["packed"]
-                     for r in self.rows)  # fmt: skip
-        return packed < best_dense
+            self.pack_note = f"not packed: {e}".splitlines()[0]
+            return {}
 
-    def _decoder_pass(self, layers: list[torch.nn.Linear], rows: int, packed: bool = False) -> Callable[[str], None]:
+    def _decoder_pass(self, layers: list[torch.nn.Linear], packed: dict[int, torch.Tensor],
+                      rows: int) -> Callable[[str], None]:  # fmt: skip
         """One pass of ``rows`` rows over every decoder weight, as a forward reads them."""
         g = torch.Generator().manual_seed(rows)
         inputs = {n: torch.randn(rows, n, generator=g).to(layers[0].weight.dtype)
@@ -278,7 +332,10 @@ class CPUKernels:
         def run(kernel: str) -> None:
             for m in layers:
                 x = inputs[m.in_features]
-                m(x) if packed else project(x, m.weight, m.bias, kernel)
+                if kernel == PACKED:
+                    torch.ops.mkldnn._linear_pointwise(x, packed[id(m.weight)], m.bias, "none", [], "")
+                else:
+                    project(x, m.weight, m.bias, kernel)
 
         return run
 
@@ -290,7 +347,7 @@ class CPUKernels:
     def _measure_drafting(self, repeats: int) -> str:
         """The faster kernel for the heads' one-row products: their layers, and the base LM rows
         they draft from."""
-        layers = _plain_linears(self.heads.modules())
+        layers = _linears(self.heads.modules())
         lm_rows = self.model.get_output_embeddings().weight[: self.heads.config.draft_vocab_rows]
         weights = [(m.weight, m.bias) for m in layers] + [(lm_rows, None)]
         g = torch.Generator().manual_seed(1)
@@ -300,42 +357,32 @@ class CPUKernels:
             for (w, b), x in zip(weights, inputs):
                 project(x, w, b, kernel)
 
-        times = _timed_median(draft_pass, DECODER_KERNELS, repeats)
-        return min(DECODER_KERNELS, key=times.get)
+        times = _timed_median(draft_pass, DENSE_KERNELS, repeats)
+        return min(DENSE_KERNELS, key=times.get)
 
-    # ------------------------------------------------------------------ installing
-    def install(self) -> None:
-        """Put the measured choices on the model (and heads); a no-op when already installed."""
-        if not self.active or self._installed or self._packed:
-            return
-        layers = self._layers()
-        self._dispatch(self.model.get_output_embeddings(), self.lm_head)
-        if self.packed:
-            self._packed = _pack(_unshared(self.model, layers))
-        else:
-            for m in layers:
-                self._dispatch(m, self.decoder)
-        if self.heads is not None and self.drafting != "linear":
-            for m in _plain_linears(self.heads.modules()):
-                self._dispatch(m, {1: self.drafting})
-            self.heads.lm_kernel = self.drafting
+    # ------------------------------------------------------------------ using them
+    def applied(self):
+        """A context in which this thread's calls of the model (and heads) run on the choices
+        (installed ones: :meth:`install`)."""
+        return self._routes.applied()
 
-    def _dispatch(self, module: torch.nn.Module, table: dict[int, str]) -> None:
-        if all(k == "linear" for k in table.values()):
-            return
-        self._installed.append((module, vars(module).get("forward")))
-        vars(module)["forward"] = _Dispatch(module, _by_rows(table))
+    def install(self) -> "CPUKernels":
+        """Put the choices on the model's layers for its EntMTP calls (and the cost probe)."""
+        if self.active:
+            other = kernels_of(self.model)
+            if other is not None and other is not self:
+                other.remove()
+            self._routes.install()
+            vars(self.model)[KERNELS_ATTR] = self
+            if self.heads is not None and self.drafting != "linear":
+                self.heads.lm_kernel = self.drafting
+        return self
 
     def remove(self) -> None:
-        """Give every layer its own forward and dense weight back (bit-exact)."""
-        for module, before in reversed(self._installed):
-            if before is None:
-                vars(module).pop("forward", None)
-            else:
-                vars(module)["forward"] = before
-        self._installed = []
-        _unpack(self._packed)
-        self._packed = []
+        """Give every layer its own forward back (the weights were never changed)."""
+        self._routes.remove()
+        if vars(self.model).get(KERNELS_ATTR) is self:
+            del vars(self.model)[KERNELS_ATTR]
         if self.heads is not None and "lm_kernel" in vars(self.heads):
             del self.heads.lm_kernel
 
@@ -343,12 +390,12 @@ class CPUKernels:
         """One line: what was chosen, and how long measuring took."""
         if not self.active:
             return f"off ({self.reason})"
-        decoder = "packed for oneDNN" if self.packed else _runs(self.decoder)
-        return (f"decoder {decoder}; LM head {_runs(self.lm_head)}; drafting {self.drafting} "
+        note = f" ({self.pack_note})" if self.pack_note else ""
+        return (f"decoder {_runs(self.decoder)}{note}; LM head {_runs(self.lm_head)}; drafting {self.drafting} "
                 f"(measured {self.rows[0]}-{self.rows[-1]} rows in {self.seconds:.1f} s)")  # fmt: skip
 
     def __enter__(self) -> "CPUKernels":
-        return self
+        return self.install()
 
     def __exit__(self, *exc) -> None:
         self.remove()
@@ -366,61 +413,38 @@ def _runs(table: dict[int, str]) -> str:
     return ", ".join(parts) + " rows"
 
 
-def kernel_routing(*modules: torch.nn.Module | None) -> list[str]:
-    """Which kinds of forward the linear layers of ``modules`` (a model, its heads) run where
-    something replaced ``nn.Linear.forward`` on the instance (:class:`CPUKernels`' row-count
-    dispatchers or packed weights, the benchmark's references, anyone's): empty on the default
-    path. A step's cost depends on it as much as on the processor, so it is part of a cost
-    table's key (:func:`~entmtp_hf.costs.fingerprint.model_key`). The kinds, not the choice per
-    row count: those flip between near-equal kernels from one measurement to the next, and each
-    flip would measure the step costs again."""
-    kinds = set()
-    for root in modules:
-        for m in root.modules() if root is not None else ():
-            forward = vars(m).get("forward") if isinstance(m, torch.nn.Linear) else None
-            if isinstance(forward, _Dispatch):
-                kinds.add("by row count")
-            elif forward is not None:
-                func = getattr(forward, "__func__", forward)
-                kinds.add(f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}")
-    return sorted(kinds)
-
-
 # ============================================================================ benchmark references
-def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` by oneDNN's linear (empty inputs keep ``F.linear``)."""
-    rows = x.numel() // x.shape[-1]
-    if rows == 0:
-        return F.linear(x, self.weight, self.bias)
-    return project(x.reshape(rows, x.shape[-1]), self.weight, self.bias, "onednn").reshape(*x.shape[:-1], -1)
-
-
 @contextmanager
-def onednn_linears(model) -> Iterator[None]:
-    """Inside the block every plain CPU float ``nn.Linear`` of ``model``, its LM head included,
-    runs on oneDNN at any row count: the benchmark's kernel reference for plain decoding
-    (``vanilla-onednn``). A layer whose forward someone else replaced is left alone."""
-    layers = _plain_linears(model.modules()) if onednn_available() else []
-    for m in layers:
-        vars(m)["forward"] = types.MethodType(_onednn_forward, m)
+def _references(model, tables: dict[torch.nn.Linear, tuple[list[str], torch.Tensor | None]]) -> Iterator[int]:
+    """``tables`` installed and applied in this thread for the block, with the model's own
+    kernels (if any) off their layers meanwhile. Yields the number of layers routed."""
+    own = kernels_of(model)
+    if own is not None:
+        own._routes.remove()
+    routes = _Routes(tables)
+    routes.install()
     try:
-        yield
+        with routes.applied():
+            yield len(tables)
     finally:
-        for m in layers:
-            vars(m).pop("forward", None)
+        routes.remove()
+        if own is not None:
+            own._routes.install()
 
 
-@contextmanager
-def packed_linears(model, rows: int = 4) -> Iterator[int]:
-    """Inside the block the decoder's plain CPU float ``nn.Linear`` layers hold their weights in
-    oneDNN's packed layout, in place (the benchmark's ``vanilla-packed`` reference, and
-    :class:`CPUKernels`' packing on its own). Reading the state dict raises while packed; the
-    exact weights come back when the block ends, also on errors. Yields the number of layers packed."""
+def onednn_linears(model):
+    """Inside the block this thread's products by every plain CPU float ``nn.Linear`` of ``model``,
+    its LM head included, run on oneDNN at any row count: the benchmark's kernel reference for
+    plain decoding (``vanilla-onednn``). Yields the number of layers routed."""
+    layers = _linears(model.modules()) if onednn_available() else []
+    return _references(model, {m: (["linear", "onednn"], None) for m in layers})
+
+
+def packed_linears(model, rows: int = 4):
+    """Inside the block this thread's products by the decoder's plain CPU float ``nn.Linear``
+    layers run on packed copies of their weights (the benchmark's ``vanilla-packed`` reference);
+    the weights themselves are untouched. Yields the number of layers packed."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    layers = _unshared(model, _plain_linears(decoder.modules(), exclude=head)) if onednn_available() else []
-    done = _pack(layers, rows)
-    try:
-        yield len(done)
-    finally:
-        _unpack(done)
+    layers = _linears(decoder.modules(), exclude=head) if onednn_available() else []
+    return _references(model, {m: (["linear", PACKED], _pack(m.weight, rows)) for m in layers})

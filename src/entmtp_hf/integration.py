@@ -13,9 +13,12 @@ folder (``entmtp-hf export-generate``) receives the call with its EntMTP argumen
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import logging
 import os
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,7 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .assisted import ACTIVE_EAS_CALL, EASCall, build_candidate_generator
 from .config import EntMTPConfig
 from .calibration import batch_bucket, calibrate as calibrate_costs, tables_for
-from .cpu_kernels import CPUKernels
+from .cpu_kernels import CPUKernels, kernels_of
 from .decoding.attention import restore_attention, use_tree_attention
 from .decoding.loop import EntMTPGenerateOutput, entmtp_decode
 from .decoding.stats import DecodeObserver
@@ -34,7 +37,7 @@ from .heads import HEADS_ATTR, DraftHeads, load_heads
 from .scheduling.eas import EASConfig
 from .trees.plan import DecodePlan
 
-KERNELS_ATTR = "_entmtp_cpu_kernels"
+log = logging.getLogger(__name__)
 
 
 class EntMTPGenerationMixin:
@@ -68,13 +71,15 @@ class EntMTPGenerationMixin:
         batch_size = _batch_size(args, kwargs)
         plan_for = _plans_by_batch_size(self, heads, entmtp_config, batch_size)  # before the prefill
         plan = plan_for(batch_size)
-        if entmtp_config.adapts and plan.plain:  # this machine's ranking: nothing beats plain decoding here
-            return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
-        _stop_strings_by_hand(self, kwargs)
-        loop = functools.partial(entmtp_decode, entmtp_config=entmtp_config, plan=plan, heads=heads,
-                                 streamer=kwargs.get("streamer"), observers=tuple(entmtp_observers),
-                                 plan_for=plan_for)  # fmt: skip
-        return super().generate(*args, custom_generate=loop, **kwargs)
+        kernels = kernels_of(self)
+        with kernels.applied() if kernels is not None else contextlib.nullcontext():
+            if entmtp_config.adapts and plan.plain:  # this machine's ranking: nothing beats plain decoding here
+                return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
+            _stop_strings_by_hand(self, kwargs)
+            loop = functools.partial(entmtp_decode, entmtp_config=entmtp_config, plan=plan, heads=heads,
+                                     streamer=kwargs.get("streamer"), observers=tuple(entmtp_observers),
+                                     plan_for=plan_for)  # fmt: skip
+            return super().generate(*args, custom_generate=loop, **kwargs)
 
     def _eas_generate(self, args: tuple, kwargs: dict, eas_config: EASConfig):
         """Assisted generation with the EAS candidate generator (see :mod:`entmtp_hf.assisted`)."""
@@ -224,7 +229,7 @@ def _entmtp_class(cls: type) -> type:
 
 def enable_entmtp(
     model, heads: "DraftHeads | str | os.PathLike", *, revision: str | None = None,
-    calibrate: bool | Sequence[int] = False, cpu_kernels: bool = False, **kernel_options: Any,
+    calibrate: bool | Sequence[int] = False, cpu_kernels: bool | CPUKernels = True, **kernel_options: Any,
 ) -> Any:
     """Attach draft heads to ``model`` and give its ``generate`` the ``entmtp_config`` option.
 
@@ -235,10 +240,12 @@ def enable_entmtp(
     those batch sizes), which a bank with an acceptance frontier re-ranks its trees by; seconds
     per batch size with a progress bar, cached (:func:`~entmtp_hf.calibration.calibrate`; read
     from the cache when measured before). ``generate`` never measures.
-    ``cpu_kernels=True`` measures and installs this machine's faster CPU products
-    (:class:`~entmtp_hf.cpu_kernels.CPUKernels`; ``kernel_options`` go to it): an explicit,
-    CPU-only opt-in that takes a few seconds now. Returns the same model object; calling it
-    again replaces the heads (and the kernels).
+    ``cpu_kernels`` (on a CPU model in float32 or bfloat16): measure which product is fastest at
+    each row count on this machine (a few seconds now, logged; ``kernel_options`` go to
+    :class:`~entmtp_hf.cpu_kernels.CPUKernels`) and run this model's EntMTP calls on them; the
+    model's weights and its plain ``generate`` stay as they are. ``False``: ``F.linear``
+    throughout; a :class:`~entmtp_hf.cpu_kernels.CPUKernels` measured before for this model: those.
+    Returns the same model object; calling it again replaces the heads (and the kernels).
     """
     if getattr(model.config, "is_encoder_decoder", False):
         raise EntMTPError("EntMTP supports decoder-only models; this model is an encoder-decoder")
@@ -254,15 +261,31 @@ def enable_entmtp(
         model.__class__ = _entmtp_class(type(model))
         use_tree_attention(model)
     setattr(model, HEADS_ATTR, heads)
-    if cpu_kernels:
-        vars(model)[KERNELS_ATTR] = CPUKernels(model, heads, **kernel_options)
+    if cpu_kernels is not False:
+        _install_kernels(model, heads, cpu_kernels, kernel_options)
     if calibrate is True or (calibrate is not False and calibrate is not None):
         calibrate_costs(model, heads, batch_sizes=(1,) if calibrate is True else calibrate)
     return model
 
 
+def _install_kernels(model, heads: DraftHeads, kernels: bool | CPUKernels, options: dict) -> None:
+    if isinstance(kernels, CPUKernels):
+        if kernels.model is not model or kernels.heads not in (None, heads):
+            raise EntMTPError("cpu_kernels: these CPUKernels were measured for another model or other heads")
+    elif kernels is True:
+        kernels = CPUKernels(model, heads, **options)
+        if kernels.active:  # a few seconds the user waited for: said whatever logging's level
+            message = (f"entmtp-hf: measured this machine's CPU kernels: {kernels.describe()}; EntMTP calls run on "
+                       "them (enable_entmtp(..., cpu_kernels=False): F.linear throughout)")  # fmt: skip
+            print(message, file=sys.stderr)
+            log.info(message)
+    else:
+        raise EntMTPError(f"cpu_kernels must be True, False or a CPUKernels, got {kernels!r}")
+    kernels.install()
+
+
 def _remove_kernels(model) -> None:
-    kernels = vars(model).pop(KERNELS_ATTR, None)
+    kernels = kernels_of(model)
     if kernels is not None:
         kernels.remove()
 

@@ -3,7 +3,8 @@
 ``load_demo()`` returns SmolLM2-135M-Instruct (see :mod:`entmtp_hf.demo.model`) with its
 default drafter enabled (:data:`DEFAULT_DRAFTER`), its tokenizer and the folder of the tree
 banks searched for that drafter; the drafters and banks are package data, so this works from
-an installed wheel. ``load_demo(model="gemma-3-270m", heads=FOLDER)`` does the same for another
+an installed wheel. ``load_demo(model="gemma-3-270m")`` does the same for Gemma 3 270M with its
+shipped drafter (:data:`SHIPPED_DRAFTERS`), and ``load_demo(model=..., heads=FOLDER)`` for any
 model with a drafter built by ``entmtp-hf build-drafter`` (its banks in ``FOLDER/banks``).
 ``python -m entmtp_hf.demo`` (what ``make demo`` runs, :mod:`entmtp_hf.demo.run`) streams three
 answers and measures the speed-up.
@@ -38,6 +39,9 @@ DEMO_PROMPTS = (
 
 #: the shipped drafters by name, with the banks searched for each
 DEMO_DRAFTERS = {"hydra": (DEMO_HEADS, DEMO_BANK), "eagle": (DEMO_EAGLE_HEADS, DEMO_EAGLE_BANK)}
+#: the drafters shipped for the other demo models (model name -> heads, bank), each built with
+#: ``entmtp-hf build-drafter`` (docs/your-model.md)
+SHIPPED_DRAFTERS = {"gemma-3-270m": (ASSETS / "gemma-3-270m-eagle", "gemma-3-270m-cpu-eagle")}
 #: what ``load_demo()`` enables: the drafter the benchmark shows faster (EntMTP* with the
 #: EAGLE-style drafter ran 1.03-1.05x EntMTP* with the Hydra heads per prompt on every task,
 #: docs/results.md); ``load_demo(heads="hydra")`` gives the Hydra heads
@@ -62,13 +66,17 @@ def load_demo(heads: str | Path | None = None, *, model: str | None = None, bank
     (``"gemma-3-270m"``), a Hub id or a local folder. For SmolLM2, ``heads`` is ``"eagle"`` (the
     EAGLE-style drafter, the default) or ``"hydra"`` (the Hydra heads), each with the banks searched
     for it, or a heads folder (with the banks in its ``banks/`` if there, else ``banks``, else the
-    Hydra heads'). No drafter ships for any other model: ``heads`` is then the folder
-    ``entmtp-hf build-drafter`` wrote, and the banks are ``banks`` or that folder's ``banks/``.
+    Hydra heads'). Gemma 3 270M gets its shipped EAGLE-style drafter and banks without ``heads``.
+    For any other model (or another drafter) ``heads`` is the folder ``entmtp-hf build-drafter``
+    wrote, and the banks are ``banks`` or that folder's ``banks/``.
     ``calibrate``: as :func:`~entmtp_hf.enable_entmtp`'s (measure this machine's step costs now,
     so that the banks rank their trees for it)."""
     from .model import DEFAULT_DEMO
 
-    if model is not None and model != DEFAULT_DEMO:
+    if model in SHIPPED_DRAFTERS and heads in (None, "eagle"):
+        heads, bank = SHIPPED_DRAFTERS[model]
+        bank_dir = Path(banks) if banks is not None else Path(shipped_bank_path(bank))
+    elif model is not None and model != DEFAULT_DEMO:
         heads, bank_dir = own_drafter(model, heads, banks)
     else:
         drafter = heads if isinstance(heads, str) and heads in DEMO_DRAFTERS else DEFAULT_DRAFTER if heads is None else None

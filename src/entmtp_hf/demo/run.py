@@ -1,12 +1,13 @@
 """``python -m entmtp_hf.demo`` (what ``make demo`` runs): EntMTP on the embedded demo model.
 
 It streams EntMTP's answers to a coding, a math and a chat prompt, then measures on this
-machine, in one run with the methods interleaved: plain ``generate``, plain ``generate`` with
-the CPU kernel opt-in (:class:`~entmtp_hf.cpu_kernels.CPUKernels`, measured once up front and
-said so), EntMTP on the default path and EntMTP with the CPU kernels. Warm-up runs are
-excluded, every greedy output is compared with plain ``generate``'s token for token (a
-divergence is named with the base model's logit gap there), and the result is said in words:
-the speed-up over plain ``generate`` and over the fastest plain decoding measured.
+machine, in one run with the methods interleaved: plain ``generate``, plain ``generate`` on the
+CPU kernels ``enable_entmtp`` measured (:class:`~entmtp_hf.cpu_kernels.CPUKernels`: the fastest
+plain decoding here), EntMTP as ``enable_entmtp`` sets it up (on those kernels) and EntMTP with
+``F.linear`` throughout (``cpu_kernels=False``). Warm-up runs are excluded, every greedy output
+is compared with plain ``generate``'s token for token (a divergence is named with the base
+model's logit gap there), and the result is said in words: the speed-up over plain
+``generate`` and over the fastest plain decoding measured.
 """
 
 from __future__ import annotations
@@ -14,20 +15,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from typing import Callable, ContextManager, Iterator
 
 import torch
 from tqdm.auto import tqdm
 from transformers import TextStreamer
 
 from ..calibration import calibrate
-from ..cpu_kernels import CPUKernels
+from ..cpu_kernels import CPUKernels, kernels_of
 from ..integration import HEADS_ATTR
 from ..scheduling.policies import POLICIES
 from . import DEFAULT_DRAFTER, DEMO_PROMPTS, config_for, load_demo
 from .compare import find_mismatch, mismatch_text
 
-PLAIN, PLAIN_K, ENTMTP, ENTMTP_K = "plain generate", "plain generate + CPU kernels", "EntMTP", "EntMTP + CPU kernels"
+PLAIN, PLAIN_K, ENTMTP, ENTMTP_F = "plain generate", "plain generate + CPU kernels", "EntMTP", "EntMTP, F.linear only"
 
 
 def _encode(tokenizer, text: str) -> torch.Tensor:
@@ -37,22 +39,24 @@ def _encode(tokenizer, text: str) -> torch.Tensor:
     return ids["input_ids"]
 
 
-def _methods(configs: dict, kernels: CPUKernels) -> dict:
-    """name -> (kernels to install or None, generate kwargs per task)."""
+def _methods(configs: dict, kernels: CPUKernels | None) -> dict[str, tuple[Callable[[], ContextManager], dict]]:
+    """name -> (the context of its calls, generate kwargs per task)."""
     plain = {task: {} for task in configs}
     tree = {task: {"entmtp_config": cfg, "return_dict_in_generate": True} for task, cfg in configs.items()}
-    methods = {PLAIN: (None, plain), ENTMTP: (None, tree)}
-    if kernels.active:
-        methods = {PLAIN: (None, plain), PLAIN_K: (kernels, plain), ENTMTP: (None, tree), ENTMTP_K: (kernels, tree)}
-    return methods
-
-
-def _installed(kernels: CPUKernels | None):
-    """The kernels installed for one call (outside the clock), removed right after."""
     if kernels is None:
-        return nullcontext()
-    kernels.install()
-    return kernels
+        return {PLAIN: (nullcontext, plain), ENTMTP: (nullcontext, tree)}
+    return {PLAIN: (nullcontext, plain), PLAIN_K: (kernels.applied, plain), ENTMTP: (nullcontext, tree),
+            ENTMTP_F: (lambda: _lifted(kernels), tree)}  # fmt: skip
+
+
+@contextmanager
+def _lifted(kernels: CPUKernels) -> Iterator[None]:
+    """The model without its CPU kernels for one call (``cpu_kernels=False``), outside the clock."""
+    kernels.remove()
+    try:
+        yield
+    finally:
+        kernels.install()
 
 
 def _rank_banks(model, configs: dict, setting: str = "") -> None:
@@ -87,9 +91,9 @@ def _measure(model, inputs, methods: dict, greedy: dict, repeats: int) -> dict:
         for r in range(repeats):
             order = list(methods)[r % len(methods):] + list(methods)[: r % len(methods)]  # rotate who goes first
             for name in order:
-                kernels, kwargs = methods[name]
+                context, kwargs = methods[name]
                 bar.set_postfix_str(f"{task}: {name}")
-                with _installed(kernels):
+                with context():
                     t0 = time.perf_counter()
                     out = model.generate(ids, **greedy, **kwargs[task])
                     seconds = time.perf_counter() - t0
@@ -146,17 +150,14 @@ def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = N
     _rank_banks(model, configs)
     _stream(model, tokenizer, inputs, configs, greedy)
 
-    print("Measuring on this machine. First, the CPU kernel opt-in measures which kernel multiplies fastest "
-          "here for each row count (once, a few seconds):")  # fmt: skip
-    kernels = CPUKernels(model, getattr(model, HEADS_ATTR))
-    kernels.remove()  # installed only around the calls that use it
-    print(f"  {kernels.describe()}")
-    if kernels.active:
-        with _installed(kernels):
-            _rank_banks(model, configs, " with these kernels")
+    kernels = kernels_of(model)
+    if kernels is not None:  # measured by enable_entmtp in load_demo (said there)
+        print(f"EntMTP runs on the CPU kernels measured here: {kernels.describe()}")
+        with _lifted(kernels):
+            _rank_banks(model, configs, " with F.linear only (cpu_kernels=False)")
     methods = _methods(configs, kernels)
-    for name, (k, kwargs) in methods.items():  # warm-up, outside the timings
-        with _installed(k):
+    for name, (context, kwargs) in methods.items():  # warm-up, outside the timings
+        with context():
             model.generate(inputs[0][1], max_new_tokens=8, do_sample=False, **kwargs[inputs[0][0]])
     print(f"Then {repeats} timed run(s) per prompt and method, interleaved; warm-up runs excluded.")
     runs = _measure(model, inputs, methods, greedy, repeats)

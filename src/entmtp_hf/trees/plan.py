@@ -94,9 +94,10 @@ def build_plan(config: Any, num_heads: int, draft_rows: int | None = None, costs
 
 
 def _priced(plan: DecodePlan, config: Any, costs: CostTable | None) -> DecodePlan:
-    """The plan with the break-even guard's prices where the guard is on (``guard=True``): this
-    machine's measured costs, else the config's ``costs``."""
-    if not config.guard or plan.plain:
+    """The plan with the break-even guard's prices where the guard is on: this machine's measured
+    costs, else (``guard=True``) the config's ``costs``. ``guard=None`` guards where measured
+    costs price the trees and leaves the plan as it is elsewhere."""
+    if config.guard is False or plan.plain or (config.guard is None and costs is None):
         return plan
     if costs is not None:
         root = costs.step(Tree.root_only())

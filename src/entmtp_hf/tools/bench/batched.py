@@ -23,7 +23,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ...demo.compare import find_mismatch
-from ...integration import enable_entmtp
 from ..data.tasks import evaluation_basket
 from .context import BenchContext, log
 from .memory import PeakMemory
@@ -61,7 +60,7 @@ def _kwargs(ctx: BenchContext, method: Method, task: str, mode: str) -> dict:
     """What ``generate`` gets for ``method`` (its heads attached now, outside the clock)."""
     kwargs = dict(method.generate_kwargs)
     if method.entmtp is not None:
-        enable_entmtp(ctx.model, ctx.heads[method.heads])
+        ctx.enable(method.heads, kernels=method.cpu_kernels)
         kwargs["entmtp_config"] = method._config(ctx, task, mode)
     return kwargs
 

@@ -21,7 +21,7 @@ import torch
 from ...calibration import calibrate
 from ...config import EntMTPConfig
 from ...cpu_kernels import CPUKernels
-from ...demo import DEMO_EAGLE_BANK, DEMO_EAGLE_HEADS, DEMO_HEADS, DEMO_MEDUSA_HEADS
+from ...demo import DEMO_EAGLE_BANK, DEMO_EAGLE_HEADS, DEMO_HEADS, DEMO_MEDUSA_HEADS, SHIPPED_DRAFTERS
 from ...trees.bank import SHIPPED_DIR, TopologyBank
 
 log = logging.getLogger("entmtp_hf.tools.bench")
@@ -64,7 +64,8 @@ class BenchContext:
     _banks: dict[str, Any] = field(default_factory=dict, repr=False)
     _configs: dict[tuple, EntMTPConfig] = field(default_factory=dict, repr=False)
     _int8_draft: Any = field(default=None, repr=False)
-    _kernels: dict[str | None, CPUKernels] = field(default_factory=dict, repr=False)
+    #: (model, heads) -> their measured CPU kernels (the ids of the context's objects, which it keeps alive)
+    _kernels: dict[tuple[int, int], CPUKernels] = field(default_factory=dict, repr=False)
     _copies: dict[torch.dtype, tuple[Any, dict[str, Any]]] = field(default_factory=dict, repr=False)
     #: what a method's :meth:`~.methods.Method.prepare` set up for its timed call (packed weights,
     #: installed kernels), undone by :meth:`release` right after that call: outside the clock both ways
@@ -95,15 +96,24 @@ class BenchContext:
             self._copies[dtype] = (copy.deepcopy(self.model).to(dtype), heads)
         return self._copies[dtype]
 
-    def cpu_kernels(self, family: str | None = None) -> CPUKernels:
-        """The model's measured CPU kernels (with the ``family`` heads' drafting products),
-        installed: measured once, when first asked for, and put back on without measuring after."""
-        kernels = self._kernels.get(family)
-        if kernels is None:  # measures, then installs
-            kernels = self._kernels[family] = CPUKernels(self.model, self.heads[family] if family else None)
-        else:
-            kernels.install()
-        return kernels
+    def cpu_kernels(self, model=None, heads=None) -> CPUKernels:
+        """The measured CPU kernels of ``model`` (default the context's) with ``heads`` (None: the
+        model alone), measured once, when first asked for."""
+        model = model if model is not None else self.model
+        key = (id(model), id(heads))
+        if key not in self._kernels:
+            self._kernels[key] = CPUKernels(model, heads)
+        return self._kernels[key]
+
+    def enable(self, family: str, model=None, heads=None, *, kernels: bool = True) -> None:
+        """Attach ``heads`` (default the ``family`` heads) to ``model`` (default the context's), on
+        their measured CPU kernels as ``enable_entmtp``'s default runs (measured once), or on
+        ``F.linear`` throughout; outside the clock."""
+        from ...integration import enable_entmtp
+
+        model = model if model is not None else self.model
+        heads = heads if heads is not None else self.heads[family]
+        enable_entmtp(model, heads, cpu_kernels=self.cpu_kernels(model, heads) if kernels else False)
 
     def calibrated(self, model, heads) -> None:
         """This machine's step costs for ``model`` as it runs now (its kernels included) and
@@ -113,7 +123,14 @@ class BenchContext:
 
     def kernel_choices(self) -> dict[str, str]:
         """What each measured set of CPU kernels chose (for the result's environment)."""
-        return {family or "model": k.describe() for family, k in self._kernels.items()}
+        names = {id(h): family for family, h in self.heads.items()}
+        names.update({id(h): family for _, heads in self._copies.values() for family, h in heads.items()})
+        dtypes = {id(m): str(dtype).removeprefix("torch.") for dtype, (m, _) in self._copies.items()}
+        out = {}
+        for (model, heads), k in self._kernels.items():
+            name = names.get(heads, "model") + (f" ({dtypes[model]})" if model in dtypes else "")
+            out[name] = k.describe()
+        return out
 
     def bank(self, task: str, family: str = "hydra") -> TopologyBank:
         """The bank of ``task`` for methods on ``family``'s heads, falling back to the folder's
@@ -183,6 +200,16 @@ def _load_family(ctx: BenchContext, family: str, source, given: bool, random_mis
         log.warning("using RANDOM %s heads: %s", family, ctx.missing_heads.pop(family))
 
 
+def default_drafters(model_id: str | None) -> tuple[dict[str, Path], dict[str, Path]]:
+    """The heads each family loads and the banks searched for them when none are given: the demo
+    model's three families, another demo model's shipped drafter alone, none for other models
+    (whose SmolLM2 heads would not fit anyway: they are tried and reported)."""
+    if model_id in SHIPPED_DRAFTERS:
+        heads, bank = SHIPPED_DRAFTERS[model_id]
+        return {"eagle": heads}, {"eagle": SHIPPED_DIR / bank}
+    return dict(DEFAULT_HEADS), dict(DEFAULT_FAMILY_BANKS)
+
+
 def load_context(
     model_id: str | None = None,
     *,
@@ -199,11 +226,15 @@ def load_context(
     model, tokenizer = load_base_model(model_id)
     model.to(device)
     ctx = BenchContext(model, tokenizer, model_name=model_id or "SmolLM2-135M-Instruct (demo, fp32)")
-    for family, default in DEFAULT_HEADS.items():
-        given = (heads or {}).get(family)
-        _load_family(ctx, family, given or default, bool(given), random_missing, seed)
+    default_heads, default_banks = default_drafters(model_id)
+    for family in DEFAULT_HEADS:
+        given, default = (heads or {}).get(family), default_heads.get(family)
+        if given or default is not None:
+            _load_family(ctx, family, given or default, bool(given), random_missing, seed)
+        else:
+            ctx.missing_heads[family] = f"no {family} heads ship for {model_id} (pass --{family}-heads)"
     ctx.bank_folder = Path(bank) if bank is not None else default_bank_folder()
-    ctx.family_banks = {f: Path((family_banks or {}).get(f) or folder) for f, folder in DEFAULT_FAMILY_BANKS.items()}
+    ctx.family_banks = {f: Path((family_banks or {}).get(f) or folder) for f, folder in default_banks.items()}
     if bank is None and ctx.bank_folder != DEFAULT_BANKS[0]:
         log.info("no bank at %s (run the tree search for this machine): using %s", DEFAULT_BANKS[0], ctx.bank_folder)
     log.info("heads: %s; bank: %s", ctx.heads_sources or "none", ctx.bank_folder)

@@ -9,6 +9,7 @@ mc_sim_7b_63, EntMTP* and EntMTPτ); ``entmtp-hf bench --methods ...`` picks any
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,9 @@ class Method:
     default: bool = False  # part of the default method list
     #: the method whose greedy output this one must equal token for token (another dtype: its own plain run)
     reference: str = "vanilla"
+    #: EntMTP calls on this machine's measured CPU kernels, as ``enable_entmtp``'s default runs them
+    #: (False: ``F.linear`` throughout); plain methods never use them
+    cpu_kernels: bool = True
 
     def unavailable(self, ctx: BenchContext, task: str, mode: str) -> str | None:
         """Why this method cannot run on ``task`` (None when it can)."""
@@ -66,7 +70,10 @@ class Method:
             return ctx.missing_heads.get(self.heads, f"no {self.heads} heads")
         if self.entmtp is not None:
             try:
-                self._config(ctx, task, mode).resolve(ctx.heads[self.heads].num_heads)
+                config = self._config(ctx, task, mode)
+                if config.guard:  # priced by the step costs prepare measures (calibrate): checked there
+                    config = dataclasses.replace(config, guard=False)
+                config.resolve(ctx.heads[self.heads].num_heads)
             except (ValueError, OSError) as e:
                 return str(e)
         return None
@@ -83,11 +90,9 @@ class Method:
 
     def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
         """Set the model up for this method; returns ``run(input_ids, generate_kwargs)``."""
-        from ...integration import enable_entmtp
-
         kwargs = dict(self.generate_kwargs)
         if self.entmtp is not None:
-            enable_entmtp(ctx.model, ctx.heads[self.heads])  # a heads swap, outside the clock
+            ctx.enable(self.heads, kernels=self.cpu_kernels)  # a heads swap, outside the clock
             kwargs["entmtp_config"] = self._config(ctx, task, mode)
             if kwargs["entmtp_config"].adapts:
                 ctx.calibrated(ctx.model, ctx.heads[self.heads])
@@ -153,12 +158,10 @@ class InDtype(Method):
         return ctx.in_dtype(self.dtype)[0]
 
     def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
-        from ...integration import enable_entmtp
-
         model, heads = ctx.in_dtype(self.dtype)
         kwargs = dict(self.generate_kwargs)
         if self.entmtp is not None:
-            enable_entmtp(model, heads[self.heads])
+            ctx.enable(self.heads, model, heads[self.heads], kernels=self.cpu_kernels)
             kwargs["entmtp_config"] = self._config(ctx, task, mode)
             if kwargs["entmtp_config"].adapts:
                 ctx.calibrated(model, heads[self.heads])
@@ -180,6 +183,12 @@ def compiled_kwargs(backend: str = "inductor", *, freezing: bool = False) -> dic
     config = CompileConfig(fullgraph=False, dynamic=False, backend=backend, **options)
     config._compile_all_devices = True
     return {"cache_implementation": "static", "compile_config": config, "max_cache_len": COMPILED_CACHE_LEN}
+
+
+def _compiled(method: Method) -> Method:
+    """A compiled method, registered without the measured CPU kernels: its graphs bring their own
+    (the kernels' dispatchers trace as ``F.linear``), so it measures compilation alone."""
+    return register_method(dataclasses.replace(method, cpu_kernels=False))
 
 
 @dataclass(frozen=True)
@@ -268,17 +277,15 @@ class PackedKernelReference(PackedWeights, KernelReference):
 
 @dataclass(frozen=True)
 class MeasuredKernels(Method):
-    """The method run with this machine's measured CPU kernels installed
-    (:class:`~entmtp_hf.cpu_kernels.CPUKernels`, with the method's heads when it has any):
-    measured once per context, installed before the clock starts and removed right after the
-    timed call, as a model enabled with ``cpu_kernels=True`` would run. Where the kernels do
-    not apply (another device or dtype, no oneDNN) the method runs without them."""
+    """Plain ``generate`` on this machine's measured CPU kernels
+    (:meth:`~entmtp_hf.cpu_kernels.CPUKernels.applied`, measured once per context): the fastest
+    plain decoding the kernels give, the reference EntMTP on them is held against. Where they do
+    not apply (another device or dtype, no oneDNN) it runs plain ``generate`` as it is."""
 
     def prepare(self, ctx: BenchContext, task: str, mode: str) -> Run:
-        run = super().prepare(ctx, task, mode)  # enables the heads first: the kernels dispatch their layers
-        ctx.hold(ctx.cpu_kernels(self.heads))
-        if self.entmtp is not None and self._config(ctx, task, mode).adapts:  # the kernels' own costs
-            ctx.calibrated(ctx.model, ctx.heads[self.heads])
+        run = super().prepare(ctx, task, mode)
+        kernels = ctx.hold(ctx.cpu_kernels())  # installed on the model's layers until release
+        ctx.hold(kernels.applied())  # and applied in this thread, which times the call
         return run
 
 
@@ -300,7 +307,7 @@ class DraftMethod(Method):
         from ...integration import EntMTPGenerationMixin, enable_entmtp
 
         if not isinstance(ctx.model, EntMTPGenerationMixin):  # the heads are not used, only the generate hook
-            enable_entmtp(ctx.model, next(iter(ctx.heads.values())))
+            enable_entmtp(ctx.model, next(iter(ctx.heads.values())), cpu_kernels=False)
         return generate_runner(ctx, {"assistant_model": ctx.int8_draft(), "eas_config": self.eas})
 
 
@@ -316,21 +323,21 @@ register_method(InDtype("entmtp-static-bf16", "EntMTP* on a bfloat16 copy of the
 register_method(InDtype("eagle-static-bf16", "EntMTP* with the EAGLE-style drafter and its bank on a bfloat16 copy of "
                         "the model and drafter", heads="eagle", entmtp=_bank_policy("static", "eagle"),
                         reference="vanilla-bf16"))  # fmt: skip
-register_method(Method("vanilla-compiled", "plain generate, static cache and the forward compiled (inductor)",
+_compiled(Method("vanilla-compiled", "plain generate, static cache and the forward compiled (inductor)",
                        generate_kwargs=compiled_kwargs()))
-register_method(Method("entmtp-static-compiled", "EntMTP*, static cache and the verification compiled (one graph per "
+_compiled(Method("entmtp-static-compiled", "EntMTP*, static cache and the verification compiled (one graph per "
                        "tree size)", heads="hydra", entmtp=_bank_policy("static"), generate_kwargs=compiled_kwargs()))
-register_method(Method("vanilla-compiled-frozen", "plain generate, static cache, the forward compiled by inductor with "
+_compiled(Method("vanilla-compiled-frozen", "plain generate, static cache, the forward compiled by inductor with "
                        "its weights frozen (prepacked for oneDNN)", generate_kwargs=compiled_kwargs(freezing=True)))
-register_method(Method("eagle-static-compiled", "EntMTP* with the EAGLE-style drafter, static cache and the verification "
+_compiled(Method("eagle-static-compiled", "EntMTP* with the EAGLE-style drafter, static cache and the verification "
                        "compiled (inductor)", heads="eagle", entmtp=_bank_policy("static", "eagle"),
                        generate_kwargs=compiled_kwargs()))  # fmt: skip
-register_method(Method("eagle-static-compiled-frozen", "EntMTP* with the EAGLE-style drafter, the verification compiled "
+_compiled(Method("eagle-static-compiled-frozen", "EntMTP* with the EAGLE-style drafter, the verification compiled "
                        "by inductor with frozen weights", heads="eagle", entmtp=_bank_policy("static", "eagle"),
                        generate_kwargs=compiled_kwargs(freezing=True)))  # fmt: skip
-register_method(CompiledWith("vanilla-zentorch", "plain generate, static cache, the forward compiled by AMD's zentorch "
+_compiled(CompiledWith("vanilla-zentorch", "plain generate, static cache, the forward compiled by AMD's zentorch "
                              "backend", generate_kwargs=compiled_kwargs("zentorch"), backend_module="zentorch"))
-register_method(CompiledWith("eagle-static-zentorch", "EntMTP* with the EAGLE-style drafter, the verification compiled "
+_compiled(CompiledWith("eagle-static-zentorch", "EntMTP* with the EAGLE-style drafter, the verification compiled "
                              "by AMD's zentorch backend", heads="eagle", entmtp=_bank_policy("static", "eagle"),
                              generate_kwargs=compiled_kwargs("zentorch"), backend_module="zentorch"))  # fmt: skip
 register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10},
@@ -351,13 +358,16 @@ register_method(Method("entmtp-static-stored", "EntMTP*: the tree the bank store
 register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis"),
                        default=True))  # fmt: skip
 register_method(PackedWeights("entmtp-static-packed", "EntMTP*, the decoder's layers packed for oneDNN", heads="hydra",
-                              entmtp=_bank_policy("static")))  # fmt: skip
-register_method(MeasuredKernels("entmtp-static-kernels", "EntMTP* with this machine's measured CPU kernels",
-                                heads="hydra", entmtp=_bank_policy("static")))  # fmt: skip
-register_method(MeasuredKernels("eagle-static-kernels", "EntMTP* with the EAGLE-style drafter, its bank and this "
-                                "machine's measured CPU kernels", heads="eagle", entmtp=_bank_policy("static", "eagle")))
-register_method(MeasuredKernels("entmtp-static-stored-kernels", "the bank's stored EntMTP* with this machine's "
-                                "measured CPU kernels", heads="hydra", entmtp=_bank_policy("static", adapt=False)))
+                              entmtp=_bank_policy("static"), cpu_kernels=False))  # fmt: skip
+register_method(Method("eagle-static-guard", "EntMTP* with the EAGLE-style drafter and its bank, and the break-even "
+                       "guard demanded (the root alone while a prompt's trees lose to plain steps)", heads="eagle",
+                       entmtp=_bank_policy("static", "eagle", guard=True)))  # fmt: skip
+register_method(Method("eagle-static-no-guard", "EntMTP* with the EAGLE-style drafter and its bank, the break-even guard "
+                       "off", heads="eagle", entmtp=_bank_policy("static", "eagle", guard=False)))  # fmt: skip
+register_method(Method("entmtp-static-mkl", "EntMTP* without the measured CPU kernels (cpu_kernels=False: F.linear "
+                       "throughout)", heads="hydra", entmtp=_bank_policy("static"), cpu_kernels=False))
+register_method(Method("eagle-static-mkl", "EntMTP* with the EAGLE-style drafter and its bank, without the measured CPU "
+                       "kernels", heads="eagle", entmtp=_bank_policy("static", "eagle"), cpu_kernels=False))
 register_method(Method("entmtp-value", "EntMTP-v: per step, the bank's value tree with the most path value",
                        heads="hydra", entmtp=_bank_policy("value")))  # fmt: skip
 register_method(Method("entmtp-ladder", "EntMTP-l: threshold ladder", heads="hydra", entmtp=_bank_policy("ladder")))
