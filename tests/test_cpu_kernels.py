@@ -291,22 +291,22 @@ def test_cost_tables_are_keyed_by_the_kernels_the_layers_run_on(tiny32, tmp_path
     from entmtp_hf.costs.table import CostTable
 
     model, heads = tiny32, tiny32.entmtp_heads
-    assert K.kernel_routing(model, heads) == []
+    assert K.kernel_routing(model) == []
     default = model_key(model, heads)
     keys = {default}
     with K.onednn_linears(model):  # a reference for plain decoding: not what EntMTP calls run on
         assert model_key(model, heads) == default
     with CPUKernels(model, heads, rows=(1, 2), pack=True, repeats=1):
-        assert K.kernel_routing(model, heads) == ["by row count", "packed"]
+        assert K.kernel_routing(model) == ["by row count", "packed"]
         keys.add(model_key(model, heads))
     with monkeypatch.context() as m:  # oneDNN measured faster from two rows on: dense kernels, no packing
         m.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "onednn") for c in choices})
         with CPUKernels(model, heads, rows=(1, 2), pack=False, repeats=1) as kernels:
-            assert K.kernel_routing(model, heads) == ["by row count"] and kernels.active
+            assert K.kernel_routing(model) == ["by row count"] and kernels.active
             dispatched = model_key(model, heads)
         m.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "transposed") for c in choices})
         with CPUKernels(model, heads, rows=(1, 2), pack=False, repeats=1):  # other choices (the LM head only), same kinds
-            assert K.kernel_routing(model, heads) == ["by row count"]
+            assert K.kernel_routing(model) == ["by row count"]
             assert model_key(model, heads) == dispatched  # a near-tie flipping does not measure again
     assert len(keys | {dispatched}) == 3
     assert model_key(model, heads) == default  # removed: the default path's key again

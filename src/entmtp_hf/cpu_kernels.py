@@ -207,7 +207,7 @@ def kernels_of(model) -> "CPUKernels | None":
     return vars(model).get(KERNELS_ATTR) if model is not None else None
 
 
-def kernel_routing(model, heads=None) -> list[str]:
+def kernel_routing(model) -> list[str]:
     """What kinds of product the EntMTP calls of ``model`` run on (empty: ``F.linear`` throughout).
     A step's cost depends on it as much as on the processor, so it is part of a cost table's key
     (:func:`~entmtp_hf.costs.fingerprint.model_key`). The kinds, not the choice per row count:

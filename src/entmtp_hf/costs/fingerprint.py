@@ -97,7 +97,7 @@ def model_key(model, heads) -> str:
         "heads": {k: v for k, v in heads.config.to_dict().items() if k not in ("base_model_name_or_path",
                                                                               "prefix_layer_config")},
     }  # fmt: skip
-    routing = kernel_routing(model, heads)
+    routing = kernel_routing(model)
     if routing:  # only off the default path, so tables measured there keep their keys
         shape["kernels"] = routing
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
