@@ -43,6 +43,17 @@ for task, text in DEMO_PROMPTS:
 print(json.dumps({{"leaked": leaked, "same": same}}))
 """
 
+# the tools read their offline data sets from the installed package, not from a checkout
+TOOLS_DATA = """
+import sys
+from entmtp_hf.tools.data import datasets, tasks
+assert str(datasets.DATA_DIR).startswith(sys.argv[1]), datasets.DATA_DIR
+texts = datasets.evaluation_texts()
+assert len(texts["gsm8k_test"]) == 1319 and len(texts["mt_bench"]) == 160, {{k: len(v) for k, v in texts.items()}}
+assert len(datasets.gsm8k_train_prompts()) > 7000
+print(len(tasks.all_prompts("gsm8k")), len(tasks.all_prompts("chat")))
+"""
+
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kwargs)
@@ -60,12 +71,17 @@ def test_the_wheel_installs_and_decodes_away_from_the_checkout(tmp_path):
     assert "banks/smollm2-135m-cpu/gsm8k.safetensors" in packaged
     assert "demo/assets/smollm2-135m-hydra/model.safetensors" in packaged
     assert "tools/metrics/perplexity/perplexity.py" in packaged
+    assert {"tools/data/sets/gsm8k/test.jsonl", "tools/data/sets/gsm8k/LICENSE",
+            "tools/data/sets/spec_bench/question.jsonl"} <= packaged
 
     third_party = sysconfig.get_paths()["purelib"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), third_party])}
+    env.pop("ENTMTP_HF_DATA", None)
     script = SMOKE.format(tools=repr(TOOLS_DEPENDENCIES))
     run = _run([sys.executable, "-S", "-c", script, str(site)], cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     result = __import__("json").loads(run.stdout.strip().splitlines()[-1])
     assert result["leaked"] == [], f"import entmtp_hf imported {result['leaked']}"
     assert all(result["same"].values()), result["same"]
+    tools = _run([sys.executable, "-S", "-c", TOOLS_DATA.format(), str(site)], cwd=tmp_path, env=env)
+    assert tools.returncode == 0, tools.stderr[-3000:]

