@@ -245,6 +245,14 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, model):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_tau_check_needs_heads_as_deep_as_its_tree():
+    # refused before any training, not after it (the check decodes with mc_sim_7b_63, depth 4)
+    with pytest.raises(ValueError, match="mc_sim_7b_63, a tree of depth 4, deeper than num_heads 3"):
+        TrainConfig(num_heads=3, tau_prompts=2)
+    assert TrainConfig(num_heads=3, tau_prompts=0).num_heads == 3
+    assert TrainConfig(num_heads=4, tau_prompts=2).tau_prompts == 2
+
+
 def test_the_eagle_arch_implies_its_family():
     assert TrainConfig(arch="eagle").family == "eagle" and TrainConfig().family == "hydra"
 

@@ -100,9 +100,11 @@ class BuildOptions:
         if self.timing_prompts > self.search_prompts:
             raise ValueError(f"--timing-prompts ({self.timing_prompts}) must not exceed --search-prompts "
                              f"({self.search_prompts}): the timed prompts are the first calibration prompts")
-        if self.tau_prompts > 0 and self.depth < 4:
-            raise ValueError(f"--tau-prompts checks the drafter with mc_sim_7b_63, a tree of depth 4, deeper than "
-                             f"--depth {self.depth}: use --depth 4 or more, or --tau-prompts 0")
+        from .training.config import TAU_TREE_DEPTH
+
+        if self.tau_prompts > 0 and self.depth < TAU_TREE_DEPTH:
+            raise ValueError(f"--tau-prompts checks the drafter with mc_sim_7b_63, a tree of depth {TAU_TREE_DEPTH}, "
+                             f"deeper than --depth {self.depth}: use --depth {TAU_TREE_DEPTH} or more, or --tau-prompts 0")
         if not any(n <= self.nodes for n in self.timed_sizes):
             raise ValueError(f"--timed-sizes {list(self.timed_sizes)} has no size within --nodes {self.nodes}")
 

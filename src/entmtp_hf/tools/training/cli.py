@@ -66,6 +66,8 @@ def _train_command(args: argparse.Namespace) -> int:
     values["sources"] = tuple(s for s in values["sources"].split(",") if s)
     values["feature_layers"] = tuple(int(s) for s in values["feature_layers"].split(",") if s)
     values["max_steps"] = int(values["max_steps"]) if values["max_steps"] else None
+    if args.no_tau:  # no tau check: nothing for tau_prompts to ask of the heads' depth
+        values["tau_prompts"] = 0
     cfg = TrainConfig(**values)
     command = "entmtp-hf " + shlex.join(sys.argv[1:]) if sys.argv and "train-heads" in sys.argv else None
     if args.extract_only:

@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 
 from ...heads import HEADS_REGISTRY
 from ...heads.config import HEAD_ARCHS
+from ...trees.tree import MC_SIM_7B_63
 
 DEMO_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SOURCES = ("distill", "gsm8k", "stdlib")
+#: depth of mc_sim_7b_63, the tree the final tau check decodes with: fewer heads cannot draft it
+TAU_TREE_DEPTH = max(len(path) for path in MC_SIM_7B_63)
 SPLIT_TRAIN, SPLIT_VAL = 0, 1
 
 
@@ -79,6 +82,9 @@ class TrainConfig:
             raise ValueError(f"unknown data sources {sorted(bad)}; choose from {SOURCES}")
         if self.num_heads < 1 or self.batch_tokens < self.max_seq_len or self.draft_vocab_size < 1:
             raise ValueError("need num_heads >= 1, batch_tokens >= max_seq_len and draft_vocab_size >= 1")
+        if self.tau_prompts > 0 and self.num_heads < TAU_TREE_DEPTH:
+            raise ValueError(f"tau_prompts checks the heads with mc_sim_7b_63, a tree of depth {TAU_TREE_DEPTH}, deeper "
+                             f"than num_heads {self.num_heads}: use {TAU_TREE_DEPTH} heads or more, or tau_prompts 0")
         self.sources = tuple(self.sources)
         self.feature_layers = tuple(int(i) for i in self.feature_layers)
         if self.feature_layers:
