@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
@@ -105,6 +106,11 @@ def test_a_bank_ranked_with_measured_costs_is_guarded_by_default():
     assert EntMTPConfig(bank=bank, task="t").resolve(4, costs=machine).step_costs == plan.step_costs  # the default
     assert not EntMTPConfig(bank=bank, task="t", guard=False).resolve(4, costs=machine).guarded
     assert not EntMTPConfig(bank=bank, task="t").resolve(4).guarded  # a machine never measured: nothing to price with
+    # a batch's forward is padded to its widest row: one row's root alone saves nothing of it
+    batch = dataclasses.replace(machine, draft_ms=(0.0, 0.0, 0.0), overhead_ms=(0.0, 0.0), batch_size=4)
+    unguarded = EntMTPConfig(bank=bank, task="t").resolve(4, costs=batch)
+    assert not unguarded.plain and not unguarded.guarded
+    assert EntMTPConfig(bank=bank, task="t", guard=True).resolve(4, costs=batch).guarded
     with pytest.raises(ConfigError, match="EntMTPConfig.guard"):
         EntMTPConfig(bank=bank, task="t", guard=True).resolve(4)
     # retrieval branches are priced as the trees they extend plus their nodes

@@ -96,8 +96,12 @@ def build_plan(config: Any, num_heads: int, draft_rows: int | None = None, costs
 def _priced(plan: DecodePlan, config: Any, costs: CostTable | None) -> DecodePlan:
     """The plan with the break-even guard's prices where the guard is on: this machine's measured
     costs, else (``guard=True``) the config's ``costs``. ``guard=None`` guards where measured
-    costs price the trees and leaves the plan as it is elsewhere."""
-    if config.guard is False or plan.plain or (config.guard is None and costs is None):
+    costs price the trees for a forward of one row, and leaves the plan as it is elsewhere: a
+    batch's forward is padded to its widest row, so one row verifying its root alone saves none
+    of it and only loses that row's drafted tokens."""
+    if config.guard is False or plan.plain:
+        return plan
+    if config.guard is None and (costs is None or costs.batch_size > 1):
         return plan
     if costs is not None:
         root = costs.step(Tree.root_only())
