@@ -34,7 +34,7 @@ import os
 import statistics
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -205,6 +205,12 @@ class _Dispatch:
 def kernels_of(model) -> "CPUKernels | None":
     """The kernels attached to ``model`` (:meth:`CPUKernels.install`), or None."""
     return vars(model).get(KERNELS_ATTR) if model is not None else None
+
+
+def applied_kernels(model) -> AbstractContextManager:
+    """A block that runs on ``model``'s kernels (:meth:`CPUKernels.applied`), if it has any."""
+    kernels = kernels_of(model)
+    return kernels.applied() if kernels is not None else nullcontext()
 
 
 def kernel_routing(model) -> list[str]:

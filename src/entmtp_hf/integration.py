@@ -13,7 +13,6 @@ folder (``entmtp-hf export-generate``) receives the call with its EntMTP argumen
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -28,7 +27,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .assisted import ACTIVE_EAS_CALL, EASCall, build_candidate_generator
 from .config import EntMTPConfig
 from .calibration import batch_bucket, calibrate as calibrate_costs, tables_for
-from .cpu_kernels import CPUKernels, kernels_of
+from .cpu_kernels import CPUKernels, applied_kernels, kernels_of
 from .decoding.attention import restore_attention, use_tree_attention
 from .decoding.loop import EntMTPGenerateOutput, entmtp_decode
 from .decoding.stats import DecodeObserver
@@ -71,8 +70,7 @@ class EntMTPGenerationMixin:
         batch_size = _batch_size(args, kwargs)
         plan_for = _plans_by_batch_size(self, heads, entmtp_config, batch_size)  # before the prefill
         plan = plan_for(batch_size)
-        kernels = kernels_of(self)
-        with kernels.applied() if kernels is not None else contextlib.nullcontext():
+        with applied_kernels(self):
             if entmtp_config.adapts and plan.plain:  # this machine's ranking: nothing beats plain decoding here
                 return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
             _stop_strings_by_hand(self, kwargs)

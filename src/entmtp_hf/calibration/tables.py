@@ -10,7 +10,6 @@ was never measured. No ``generate`` call measures anything.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Iterable, Sequence
 from tqdm.auto import tqdm
 
 from ..costs.table import CostTable
-from ..cpu_kernels import kernels_of
+from ..cpu_kernels import applied_kernels
 from ..errors import EntMTPError
 from ..heads import HEADS_ATTR
 from .probe import STAGES, probe, probe_batch
@@ -64,7 +63,7 @@ def calibrate(model, heads=None, *, batch_sizes: Sequence[int] = (1,), refresh: 
             todo.append(b)
     if not todo:
         return tables
-    t0, kernels = time.perf_counter(), kernels_of(model)
+    t0 = time.perf_counter()
     stages = len(STAGES) * len(todo) - (len(todo) - (1 in todo))  # batch sizes above 1 skip the heads' stage
     with tqdm(total=stages, desc="entmtp-hf: measuring step costs", unit="stage", disable=not progress) as bar:
         for b in todo:
@@ -72,7 +71,7 @@ def calibrate(model, heads=None, *, batch_sizes: Sequence[int] = (1,), refresh: 
                 bar.set_postfix_str(f"batch size {b}: {stage} done")
                 bar.update()
 
-            with kernels.applied() if kernels is not None else contextlib.nullcontext():  # what its calls run on
+            with applied_kernels(model):  # what its calls run on
                 table = probe(model, heads, tick=tick) if b == 1 else probe_batch(model, heads, tables[1], b, tick=tick)
             tables[b] = table
             write_table(table, table_path(table.key, folder))
