@@ -17,7 +17,7 @@ from entmtp_hf.calibration import calibrate, tables_for
 from entmtp_hf.calibration.probe import probe, probe_batch
 from entmtp_hf.calibration.store import key_for, table_path
 from entmtp_hf.costs.fingerprint import machine_fingerprint, model_key
-from entmtp_hf.costs.ranking import MARGIN, rank
+from entmtp_hf.costs.ranking import BATCH_TIE, MARGIN, rank
 from entmtp_hf.costs.table import CostTable, interpolate
 from entmtp_hf.trees.bank import published_defaults_bank
 from test_generation import enabled, prompts
@@ -69,6 +69,17 @@ def test_the_ranking_follows_the_injected_costs():
     assert r.speedups[2] == pytest.approx(2.0 / 1.05) and 0 not in r.speedups  # the root is plain decoding
     flat = table({1: 10.0, 4: 10.0})  # every size costs one: the largest tree wins
     assert rank(CHAIN, taus, flat).static == 3
+
+
+def test_in_a_batch_a_near_tie_goes_to_the_fewest_nodes_and_alone_to_the_faster():
+    taus = {1: 1.6, 2: 2.0, 3: 2.2}
+    costs = {1: 10.0, 2: 10.0, 3: 10.0, 4: 11.0}  # 4 nodes: 2.2 / 1.1 = 2.0, just above the 3-node 2.0 / 1.0
+    costs[4] = 11.0 * (1 - BATCH_TIE / 2)  # the larger tree leads by half the tie
+    one_row, four_rows = table(costs), dataclasses.replace(table(costs), batch_size=4)
+    assert rank(CHAIN, taus, one_row).static == 3  # one row: the faster tree, however slightly
+    assert rank(CHAIN, taus, four_rows).static == 2  # a batch: the tie goes to the smaller tree
+    clear = dataclasses.replace(four_rows, forward_ms={**costs, 4: 11.0 * (1 - 2 * BATCH_TIE)})
+    assert rank(CHAIN, taus, clear).static == 3  # a lead larger than the tie stands in a batch too
 
 
 def test_nothing_beating_plain_decoding_by_the_margin_means_plain_decoding():

@@ -6,7 +6,8 @@ every frontier tree gets a modelled speed-up ``τ(T)·P / step(T)``, and:
 
 * EntMTP* (``static``) is the tree with the largest one, or the root alone (plain decoding,
   which ``generate`` then runs as plain ``generate``) unless some tree beats plain decoding by
-  :data:`MARGIN`: a model error must not make decoding slower;
+  :data:`MARGIN`: a model error must not make decoding slower; in a batch, trees within
+  :data:`BATCH_TIE` of the largest are a tie that goes to the fewest nodes;
 * the hysteresis pair is the fastest tree below and the fastest above EntMTP* (its thresholds
   and feature stay the bank's: they were calibrated on the task, not the machine);
 * the value policy's trees keep their shapes and get this machine's relative costs;
@@ -30,6 +31,13 @@ from .table import CostTable
 
 #: a tree must beat plain decoding by this factor in the model before it replaces it
 MARGIN = 1.05
+#: in a batch, trees whose modelled speed-ups lie within this share of the best one's are a tie the
+#: table cannot resolve, and the tree with the fewest nodes wins it. Two reasons, both measured on
+#: the demo model at four rows: three rounds leave a forward size's median a few percent off (one
+#: size's cost over its neighbour's varied 1.05-1.39 round to round), and a batch's step waits for
+#: its slowest row, which keeps less of the mean tokens per step the deeper the tree, so the model
+#: overrates the larger tree of a near tie (docs/performance.md, "Ties in a batch")
+BATCH_TIE = 0.01
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ def rank(trees: Sequence[Tree], taus: dict[int, float], table: CostTable, value:
             s = retrieval_speedup(table, trees[k], options[label], figures)
             if s > speedups[k]:
                 speedups[k], chosen[k] = s, options[label]
-    best = max(speedups, key=lambda k: (speedups[k], -trees[k].num_nodes), default=None)
+    best = _best(trees, speedups, BATCH_TIE if table.batch_size > 1 else 0.0)
     if best is None or speedups[best] < margin:
         return Ranking(None, None, None, speedups, _value_costs(trees, value, table), chosen)
     size = trees[best].num_nodes
@@ -69,6 +77,15 @@ def rank(trees: Sequence[Tree], taus: dict[int, float], table: CostTable, value:
     low = max(below, key=speedups.get, default=best)
     high = max(above, key=speedups.get, default=best)
     return Ranking(best, low, high, speedups, _value_costs(trees, value, table), chosen)
+
+
+def _best(trees: Sequence[Tree], speedups: dict[int, float], tie: float) -> int | None:
+    """The fewest-nodes tree among those within ``tie`` of the largest speed-up (then the faster)."""
+    if not speedups:
+        return None
+    top = max(speedups.values())
+    near = [k for k, s in speedups.items() if s >= top * (1 - tie)]
+    return min(near, key=lambda k: (trees[k].num_nodes, -speedups[k]))
 
 
 def priced(tree: Tree, tau: float, table: CostTable, retrieval: RetrievalConfig | None,
