@@ -73,8 +73,8 @@ def test_the_ranking_follows_the_injected_costs():
 
 def test_in_a_batch_a_near_tie_goes_to_the_fewest_nodes_and_alone_to_the_faster():
     taus = {1: 1.6, 2: 2.0, 3: 2.2}
-    costs = {1: 10.0, 2: 10.0, 3: 10.0, 4: 11.0}  # 4 nodes: 2.2 / 1.1 = 2.0, just above the 3-node 2.0 / 1.0
-    costs[4] = 11.0 * (1 - BATCH_TIE / 2)  # the larger tree leads by half the tie
+    # the 3-node tree: 2.0 / 1.0; the 4-node one: 2.2 / 1.1 = 2.0 too, ahead by half the tie at 4 nodes' cost below
+    costs = {1: 10.0, 2: 10.0, 3: 10.0, 4: 11.0 * (1 - BATCH_TIE / 2)}
     one_row, four_rows = table(costs), dataclasses.replace(table(costs), batch_size=4)
     assert rank(CHAIN, taus, one_row).static == 3  # one row: the faster tree, however slightly
     assert rank(CHAIN, taus, four_rows).static == 2  # a batch: the tie goes to the smaller tree
