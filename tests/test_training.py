@@ -257,14 +257,13 @@ def test_the_eagle_arch_implies_its_family():
     assert TrainConfig(arch="eagle").family == "eagle" and TrainConfig().family == "hydra"
 
 
-def test_the_data_sources_build(tmp_path):
+def test_the_data_sources_build(tmp_path, demo_copy):
     """Every real-text source reads through (they import the datasets module at call time)."""
     from transformers import AutoTokenizer
 
-    from entmtp_hf.demo.model import demo_model_dir
     from entmtp_hf.tools.training import build_sequences
 
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(demo_copy())
     seqs, manifest = build_sequences(tokenizer, TrainConfig(sources=("gsm8k",), max_tokens=4000,
                                                                         work_dir=str(tmp_path)), log=lambda m: None)
     assert seqs and manifest["sources"]["gsm8k"]["train"]["tokens"] > 0

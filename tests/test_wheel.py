@@ -60,7 +60,8 @@ def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_the_wheel_installs_and_decodes_away_from_the_checkout(tmp_path):
+def test_the_wheel_installs_and_decodes_away_from_the_checkout(tmp_path, demo_copy):
+    demo_copy()  # the installed package loads the same cached copy
     dist, site = tmp_path / "dist", tmp_path / "site"
     built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)])
     assert built.returncode == 0, built.stderr[-2000:]
