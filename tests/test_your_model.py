@@ -171,6 +171,22 @@ def test_a_budget_stops_a_stage_at_a_checkpoint_and_the_next_call_resumes(tiny_b
     assert state["stages"]["data"]["result"]["answers"] == 8
 
 
+def test_answers_given_before_are_the_data_stage_and_a_foreign_record_is_refused(built, tmp_path):
+    """``--data-from``: the data stage copies another run's records (checked against this model's
+    vocabulary) instead of answering prompts again."""
+    source = built["root"] / "work" / "data"
+    copied = bd.copy_records(source, tmp_path / "data", vocab_size=len(CHARS) + 4)
+    assert "distill-math.jsonl" in copied and bd._answers(tmp_path / "data") == bd._answers(source)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "distill-chat.jsonl").write_text('{"prompt_ids": [5], "response_ids": [999999]}\n')
+    with pytest.raises(ValueError, match=r"distill-chat.jsonl line 1: not a record of this model"):
+        bd.copy_records(foreign, tmp_path / "elsewhere", vocab_size=len(CHARS) + 4)
+    assert not (tmp_path / "elsewhere").exists()
+    with pytest.raises(FileNotFoundError, match="no distill"):
+        bd.copy_records(tmp_path / "nowhere", tmp_path / "elsewhere", vocab_size=10)
+
+
 def test_a_model_without_a_shipped_drafter_needs_heads(tmp_path):
     from entmtp_hf.demo import own_drafter
 

@@ -58,6 +58,7 @@ class BuildOptions:
     data_max_prompt_tokens: int = 512
     data_batch_size: int = 32
     data_dtype: str = "float32"
+    data_from: str | None = None
     # train: the drafter
     arch: str = "eagle"
     depth: int = 5
@@ -117,7 +118,7 @@ class BuildOptions:
 
         return {
             "data": pick("data_sources", "data_prompts", "data_new_tokens", "data_max_prompt_tokens", "data_dtype",
-                         "seed"),
+                         "data_from", "seed"),
             "train": pick("arch", "depth", "draft_vocab_size", "train_tokens", "train_epochs", "train_steps",
                           "batch_tokens", "lr", "warmup_steps", "teacher_dtype", "mixed_precision", "tau_prompts",
                           "seed"),
@@ -251,6 +252,8 @@ class _Build:
         from .data.distill import DistillConfig, distill
 
         o = self.opts
+        if o.data_from is not None:
+            return self._data_from(Path(o.data_from))
         cfg = DistillConfig(self.paths.data, o.model, o.data_batch_size, max_new_tokens=o.data_new_tokens,
                             max_prompt_tokens=o.data_max_prompt_tokens, limit=o.data_prompts, sources=o.data_sources,
                             seed=1234 + o.seed, dtype=o.data_dtype)  # fmt: skip
@@ -262,6 +265,15 @@ class _Build:
         cover = ", ".join(f"{k}: {v:.3f}" for k, v in result["vocab_coverage"].items())
         return ran["complete"], result, f"{len(answers)} answers, {tokens} answer tokens; held-out coverage by " \
                                         f"drafting vocabulary size {{{cover}}}"
+
+    def _data_from(self, source: Path) -> tuple[bool, dict[str, Any], str]:
+        """The data stage on answers the model gave before (``--data-from``): their records copied in."""
+        copied = copy_records(source, self.paths.data, vocab_size=self.loaded()[0].config.get_text_config().vocab_size)
+        answers = _answers(self.paths.data)
+        tokens = sum(len(a) for a in answers)
+        result = {"from": str(source), "files": copied, "answers": len(answers), "answer_tokens": tokens,
+                  "vocab_coverage": vocab_coverage(answers)}
+        return True, result, f"{len(answers)} answers, {tokens} answer tokens, copied from {source}"
 
     # ------------------------------------------------------------------ 2. train
     def train(self, deadline: float | None) -> tuple[bool, dict[str, Any], str]:
@@ -381,6 +393,31 @@ def push_to_hub(out: Path, repo: str, banks_repo: str | None = None) -> dict[str
     return {"heads": repo, "banks": banks_repo}
 
 
+def copy_records(source: Path, dest: Path, vocab_size: int) -> list[str]:
+    """Copy the self-distilled records of ``source`` (``distill-*.jsonl``, and the disjointness report
+    beside them if any) into ``dest``, after checking each line is a record of a model with
+    ``vocab_size`` tokens; a file that is not is refused by name before anything is copied."""
+    from .training.teacher import read_distill
+
+    files = sorted(source.glob("distill-*.jsonl")) if source.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"--data-from {source}: no distill-*.jsonl records there (the data stage's files)")
+    try:
+        records = read_distill(source)[0]
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--data-from {source}: a line is not JSON ({exc})") from exc
+    for where, record in records:
+        ids = (record.get("prompt_ids"), record.get("response_ids")) if isinstance(record, dict) else (None, None)
+        if not all(isinstance(x, list) and all(isinstance(t, int) and 0 <= t < vocab_size for t in x) for x in ids):
+            raise ValueError(f"--data-from {source / where.split(':')[0]} line {int(where.split(':')[1]) + 1}: not a "
+                             f"record of this model (prompt_ids and response_ids: lists of ids below {vocab_size})")
+    dest.mkdir(parents=True, exist_ok=True)
+    names = [f.name for f in files] + (["disjointness.json"] if (source / "disjointness.json").is_file() else [])
+    for name in names:
+        shutil.copy2(source / name, dest / name)
+    return names
+
+
 def _answers(folder: Path) -> list[list[int]]:
     """The answer token ids of every complete distilled record in ``folder``."""
     from .training.teacher import read_distill
@@ -475,6 +512,8 @@ _HELP = {
     "data_max_prompt_tokens": "longer prompts are skipped",
     "data_batch_size": "prompts answered per batch",
     "data_dtype": "precision of the answering model: float32 or bfloat16 (faster on CPUs with AMX)",
+    "data_from": "a folder of answers this model gave before (distill-*.jsonl, e.g. the data stage of another run): "
+    "copied in instead of answering --data-prompts prompts",
     "arch": "drafter architecture: eagle (EAGLE-style, one decoder layer), eagle3, prefix-mlp or mlp (Hydra heads)",
     "depth": "tokens the drafter drafts ahead (heads, or the EAGLE-style drafter's unrolled steps)",
     "draft_vocab_size": "rows of the drafting vocabulary: the most frequent tokens of the model's answers",
