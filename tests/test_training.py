@@ -219,13 +219,31 @@ def test_a_few_steps_reduce_the_loss(tmp_path, model, family, arch):
     assert len(curve) == summary["total_steps"] >= 3 * batches
     assert np.mean(curve[-batches:]) < 0.8 * np.mean(curve[:batches])
     heads = DraftHeads.from_pretrained(tmp_path / cfg.run_name / "final")
-    assert heads.family == family and heads.config.use_base_lm_head and heads.draft_vocab.numel() == 48
+    # EAGLE-3 carries its own LM head (as engines load it), the other archs share the base one
+    assert heads.family == family and heads.config.use_base_lm_head == (arch != "eagle3")
+    assert heads.draft_vocab.numel() == 48
     assert len(summary["validation"]["top1"]) == 3
     card = heads.card  # what the run measured is kept with the heads, and their README says it
     assert card.validation_top1 == tuple(round(x, 4) for x in summary["validation"]["top1"])
     assert card.hardware and "Distillation from the frozen base model" in card.recipe and card.training_data
     readme = (tmp_path / cfg.run_name / "final" / "README.md").read_text()
     assert "## Validation" in readme and f"| 0 | t+2 | {round(card.validation_top1[0], 3):.4g} |" in readme
+
+
+def test_an_eagle3_drafter_starts_from_the_base_rows_and_exports_as_eagle3(tmp_path, model):
+    """Its own LM head starts as the base LM head's rows of its drafting vocabulary (so the warm start
+    is the logit lens it says), and what training wrote is an EAGLE-3 checkpoint engines load."""
+    from entmtp_hf.tools.export_heads import export_heads
+    from entmtp_hf.tools.training.loop import _initial_heads
+
+    layers = eagle3_feature_layers(model.config.num_hidden_layers)
+    cache = make_cache(tmp_path / "data", model, feature_layers=layers)
+    cfg = config(tmp_path, family="eagle", arch="eagle3", run_name="e3")
+    heads, vocab = _initial_heads(cfg, model, cache)
+    assert torch.equal(heads.lm_head.weight, model.get_output_embeddings().weight[vocab])
+    train_heads(cfg, model, cache=cache, measure=False, stop_after=2)
+    trained = DraftHeads.from_pretrained(tmp_path / "e3" / "final")
+    assert (export_heads(trained, "eagle3", tmp_path / "export") / "config.json").is_file()
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, model):

@@ -190,6 +190,13 @@ def _teacher_cache(cfg: TrainConfig, acc, model, tokenizer, cache: TeacherCache 
     return cache
 
 
+def uses_base_lm_head(arch: str) -> bool:
+    """Whether heads of ``arch`` project through the base model's LM head rather than their own. An
+    EAGLE-3 drafter carries its own LM head over the drafting vocabulary, as EAGLE-3 trains it and as
+    the engines load it (``export-heads --to eagle3``); the other archs share the base one."""
+    return arch != "eagle3"
+
+
 def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftHeads, Tensor]:
     """The heads training starts from (``--init-from`` heads, or a warm start) and the drafting
     vocabulary: chosen from this data unless kept from the ``--init-from`` heads."""
@@ -205,8 +212,11 @@ def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftH
     else:
         torch.manual_seed(cfg.seed)  # the random part of the initialisation (prefix layer)
         heads = HEADS_REGISTRY[cfg.family].for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, dv,
-                                                       use_base_lm_head=True,
+                                                       use_base_lm_head=uses_base_lm_head(cfg.arch),
                                                        feature_layers=cfg.heads_feature_layers(_base(model))).float()
+        if not uses_base_lm_head(cfg.arch):  # its own LM head starts as the base rows of its vocabulary
+            with torch.no_grad():
+                heads.lm_head.weight.copy_(heads._base_lm_rows(model)[0])
         k = cache.split(SPLIT_TRAIN)[:50]
         sample = np.concatenate([cache.hidden[o : o + n] for o, n in cache.seqs[k, :2]]).astype(np.float32)
         warm_start(heads, float(np.sqrt((sample**2).mean(-1)).mean()))
@@ -371,7 +381,7 @@ def init_heads_from(cfg: TrainConfig, model) -> DraftHeads:
     heads = DraftHeads.from_pretrained(cfg.init_from).float()
     c = heads.config
     got = (c.family, c.head_arch, c.num_layers, c.draft_vocab_size, c.use_base_lm_head)
-    want = (cfg.family, cfg.arch, cfg.num_layers, cfg.draft_vocab_size, True)
+    want = (cfg.family, cfg.arch, cfg.num_layers, cfg.draft_vocab_size, uses_base_lm_head(cfg.arch))
     fused, given = cfg.heads_feature_layers(_base(model)), c.feature_layers if c.head_arch == "eagle" else None
     if got != want or c.num_heads > cfg.num_heads or (given is not None and given != fused):
         raise ValueError(f"--init-from {cfg.init_from}: heads are {got} with {c.num_heads} heads and feature layers "
@@ -380,13 +390,13 @@ def init_heads_from(cfg: TrainConfig, model) -> DraftHeads:
     heads = heads.to(next(model.parameters()).device)
     if cfg.feature_layers and given is None:
         wider = type(heads).for_model(model, c.num_heads, cfg.num_layers, cfg.arch, heads.draft_vocab.cpu(),
-                                      use_base_lm_head=True, feature_layers=fused).float()
+                                      use_base_lm_head=c.use_base_lm_head, feature_layers=fused).float()
         missing, unexpected = wider.load_state_dict(heads.state_dict(), strict=False)
         assert not unexpected and all(k.startswith("fuse") for k in missing), (missing, unexpected)
         heads = wider
     if c.num_heads < cfg.num_heads:
         more = type(heads).for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, heads.draft_vocab.cpu(),
-                                     use_base_lm_head=True, feature_layers=fused).float()
+                                     use_base_lm_head=c.use_base_lm_head, feature_layers=fused).float()
         heads = extend_heads(heads, more)
     return heads
 
