@@ -137,6 +137,16 @@ def test_hydra_is_refused_in_every_layout(tmp_path, model):
         refused(hydra, layout, tmp_path, "Hydra heads are sequentially dependent")
 
 
+def test_the_engines_a_drafter_serves_in_are_named_or_why_none(model):
+    from entmtp_hf.tools.export_heads import serving
+
+    eagle3 = serving(EagleHeads.for_model(model, num_heads=2, arch="eagle3", draft_vocab=DRAFT_IDS))
+    assert eagle3.startswith("vLLM, SGLang, TensorRT-LLM (entmtp-hf export-heads HEADS --to eagle3)")
+    pruned = serving(EagleHeads.for_model(model, num_heads=2, arch="eagle", draft_vocab=DRAFT_IDS, use_base_lm_head=True))
+    assert pruned.startswith("transformers' generate only") and "no drafting vocabulary" in pruned
+    assert "sequentially dependent" in serving(HydraHeads.for_model(model, num_heads=2))
+
+
 def test_what_a_layout_cannot_hold_is_refused_by_name(tmp_path, model):
     refused(MedusaHeads.for_model(model, num_heads=2, draft_vocab=DRAFT_IDS), "medusa", tmp_path, "pruned one of 12")
     refused(MedusaHeads.for_model(model, num_heads=2, use_base_lm_head=True), "medusa", tmp_path, "base model's")

@@ -96,6 +96,9 @@ def test_every_stage_runs_and_writes_its_outputs(built):
     assert (root / "out" / "banks" / "gsm8k.safetensors").is_file()
     assert (root / "work" / "search" / "gsm8k" / "report.md").is_file()
     assert json.loads((root / "out" / bd.STATE_NAME).read_text())["complete"]
+    # EAGLE-3 by default, and the summary says where it serves
+    assert json.loads((root / "out" / "config.json").read_text())["head_arch"] == "eagle3"
+    assert state["stages"]["publish"]["result"]["serves_in"].startswith("vLLM, SGLang, TensorRT-LLM")
 
 
 def test_the_bank_loads_with_a_frontier_and_this_machine(built):

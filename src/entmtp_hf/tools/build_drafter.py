@@ -4,7 +4,7 @@ The stages run in order, each resumable, and a stage already done is skipped whe
 command runs again (docs/your-model.md):
 
 1. ``data``: the model's own greedy answers (:func:`~entmtp_hf.tools.data.distill.distill`) in ``WORK/data``;
-2. ``train``: an EAGLE-style drafter over a pruned drafting vocabulary
+2. ``train``: a drafter (EAGLE-3 by default, the layout serving engines load) over a pruned drafting vocabulary
    (:func:`~entmtp_hf.tools.training.train_heads`; checkpoints in ``WORK/train``, heads in ``WORK/heads``);
 3. ``search``: one bank per task (:func:`~entmtp_hf.tools.search.cli.search_tasks`; ``WORK/search/TASK``,
    banks in ``WORK/banks``);
@@ -59,8 +59,8 @@ class BuildOptions:
     data_batch_size: int = 32
     data_dtype: str = "float32"
     data_from: str | None = None
-    # train: the drafter
-    arch: str = "eagle"
+    # train: the drafter (EAGLE-3 by default: the layout the serving engines load)
+    arch: str = "eagle3"
     depth: int = 5
     draft_vocab_size: int = 8192
     train_tokens: int = 800_000
@@ -372,8 +372,13 @@ class _Build:
             if f.is_file():
                 shutil.copy2(f, out / f.name)
                 copied.append(f.name)
-        result: dict[str, Any] = {"files": copied, "banks": sorted(p.stem for p in self.paths.out_banks.glob("*.safetensors"))}
-        text = f"heads in {out}, banks in {self.paths.out_banks}"
+        from ..heads import DraftHeads
+        from .export_heads import serving
+
+        served = serving(DraftHeads.from_pretrained(out))
+        banks = sorted(p.stem for p in self.paths.out_banks.glob("*.safetensors"))
+        result: dict[str, Any] = {"files": copied, "banks": banks, "serves_in": served}
+        text = f"heads in {out}, banks in {self.paths.out_banks}; serves in {served}"
         if self.opts.push_to_hub:
             result["hub"] = push_to_hub(out, self.opts.push_to_hub, self.opts.banks_repo)
             text += f"; pushed to {result['hub']['heads']} and {result['hub']['banks']}"
@@ -514,7 +519,8 @@ _HELP = {
     "data_dtype": "precision of the answering model: float32 or bfloat16 (faster on CPUs with AMX)",
     "data_from": "a folder of answers this model gave before (distill-*.jsonl, e.g. the data stage of another run): "
     "copied in instead of answering --data-prompts prompts",
-    "arch": "drafter architecture: eagle (EAGLE-style, one decoder layer), eagle3, prefix-mlp or mlp (Hydra heads)",
+    "arch": "drafter architecture: eagle3 (EAGLE-3, the layout vLLM, SGLang and TensorRT-LLM load; the default), "
+    "eagle (EAGLE-style, one decoder layer, generate only with a drafting vocabulary), prefix-mlp or mlp (Hydra heads)",
     "depth": "tokens the drafter drafts ahead (heads, or the EAGLE-style drafter's unrolled steps)",
     "draft_vocab_size": "rows of the drafting vocabulary: the most frequent tokens of the model's answers",
     "train_tokens": "token budget of the training data", "train_epochs": "passes over the training data",
@@ -543,7 +549,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
         "build-drafter",
         help="from a base model to a drafter and its tree banks: data, training, search, calibration, publishing",
         description="Run the stages from a base model to a drafter with one bank per task (docs/your-model.md): "
-        "self-distilled data, an EAGLE-style drafter over a pruned drafting vocabulary, the tree search, the "
+        "self-distilled data, a drafter (EAGLE-3 unless --arch says otherwise) over a pruned drafting vocabulary, the "
+        "tree search, the "
         "calibration for this machine, and the result in --out. Every stage resumes; rerunning the same command "
         "skips the stages done (state in WORK/build-drafter.json).",
     )

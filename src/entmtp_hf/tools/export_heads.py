@@ -44,6 +44,22 @@ EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _LAYER_SKIP = ("is_encoder_decoder", "pad_token_id", "bos_token_id", "eos_token_id")
 
 
+#: the serving engines that load each layout (docs/export.md, "read by")
+SERVED_BY = {"eagle3": ("vLLM", "SGLang", "TensorRT-LLM"), "eagle": ("vLLM", "SGLang"), "medusa": ("TensorRT-LLM",)}
+
+
+def serving(heads: DraftHeads) -> str:
+    """Where ``heads`` serve besides transformers' ``generate``: the engines and the export that takes
+    them there, or why no engine layout holds them."""
+    cfg = heads.config
+    for layout in LAYOUTS:
+        if refusal(heads, layout) is None:
+            return (f"{', '.join(SERVED_BY[layout])} (entmtp-hf export-heads HEADS --to {layout}) and transformers' "
+                    "generate")
+    nearest = cfg.head_arch if cfg.head_arch in LAYOUTS else ("medusa" if cfg.family == "medusa" else "eagle3")
+    return f"transformers' generate only: no engine layout holds them ({refusal(heads, nearest)})"
+
+
 class LayoutError(EntMTPError):
     """The heads hold something the requested layout cannot express."""
 
