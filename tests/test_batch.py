@@ -374,6 +374,32 @@ def test_a_static_cache_batch_equals_plain_batched_generate(tiny_cache, tree):
     assert set(out.entmtp_stats["live_batch_sizes"]) == {len(LENGTHS)}  # no row left the forward
 
 
+@pytest.mark.parametrize("how", ["object", "cache_implementation"])
+def test_a_static_cache_sized_for_the_text_and_one_tree_holds_a_batch(tiny_cache, monkeypatch, how):
+    """The shared cache grows each step by the longest accepted path of any row, which outgrows a static
+    cache sized for prompt + answer + tree + a margin: the rows' seen slots move to its front when its
+    room fills (cache.compact), and every row is still plain generate's."""
+    from transformers import StaticCache
+
+    import entmtp_hf.decoding.session as session_module
+
+    compacted = []
+    real = session_module.compact
+    monkeypatch.setattr(session_module, "compact", lambda cache, index: compacted.append(1) or real(cache, index))
+    model = enabled(tiny_cache)
+    for seed in range(6):
+        _, ids, mask = batch_of(seed=seed)
+        kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=[5] if seed % 2 else None)
+        size = ids.shape[1] + 20 + len(MC_SIM_7B_63) + 1 + 4
+        if how == "object":
+            cache = dict(cache=StaticCache(config=model.config, max_cache_len=size))
+        else:
+            cache = dict(cache_implementation="static", max_cache_len=size)
+        out = generate(model, ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), **cache, **kwargs)
+        assert torch.equal(out, generate(model, ids, **kwargs)), f"seed {seed}"
+    assert compacted  # the room did fill
+
+
 def test_repetition_penalty_in_a_left_padded_batch(tiny_cache):
     """transformers builds the penalty with one prompt padding length per row: each row gets its own."""
     model = enabled(tiny_cache)

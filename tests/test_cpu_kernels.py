@@ -6,9 +6,11 @@ back when the kernels are removed; nothing changes per call, so threads are safe
 """
 
 import threading
+from contextlib import nullcontext
 
 import pytest
 import torch
+from torch.nn.utils import parametrize
 
 import entmtp_hf.cpu_kernels as K
 from entmtp_hf import CPUKernels, EntMTPConfig, EntMTPError, disable_entmtp, enable_entmtp
@@ -44,6 +46,57 @@ def _greedy(model, ids, **kwargs):
     return model.generate(ids, max_new_tokens=20, do_sample=False, **kwargs)
 
 
+def _lossless(model, ids) -> bool:
+    """Greedy EntMTP on a 63-node tree (products of up to 64 rows) gives plain ``generate``'s tokens."""
+    return torch.equal(_greedy(model, ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63)), _greedy(model, ids))
+
+
+def _fastest(*kinds: str):
+    """Synthetic timings in which ``kinds`` win, so the kernels are routed whatever this CPU measures."""
+    return lambda run, choices, repeats: {c: float(c not in kinds) for c in choices}
+
+
+@pytest.fixture
+def packed32(monkeypatch):
+    """A float32 tiny model on every kernel at once: the decoder packed, the LM head and the heads'
+    drafting over the base LM rows on oneDNN."""
+    monkeypatch.setattr(K, "_timed_median", _fastest("onednn"))
+    model = tiny_model(seed=5).float()
+    torch.manual_seed(5)
+    heads = HydraHeads.for_model(model, num_heads=4, arch="mlp", use_base_lm_head=True)
+    enable_entmtp(model, heads, rows=(1, 2, 4, 8), repeats=1, pack=True)
+    kernels = K.kernels_of(model)
+    assert kernels.kinds() == ["by row count", "packed"] and heads.lm_kernel == "onednn"
+    assert set(kernels.lm_head.values()) == {"onednn"}
+    return model
+
+
+def _decoder_linears(model) -> list[torch.nn.Linear]:
+    return [m for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _edit_weights(model, edit: str, seed: int = 0) -> None:
+    """Change every decoder weight the way users and libraries do after ``enable_entmtp``."""
+    g = torch.Generator().manual_seed(seed)
+    for m in _decoder_linears(model):
+        w = m.weight
+        if edit == "lora":  # a merged low-rank update: weight.data += B @ A (no version counter moves)
+            w.data += 0.3 * torch.randn(w.shape[0], 2, generator=g) @ torch.randn(2, w.shape[1], generator=g)
+        elif edit == "rows":  # the same values in another order, in place through .data
+            w.data.copy_(w.data[torch.randperm(w.shape[0], generator=g)])
+        elif edit == "assign":  # a new tensor of the same shape and dtype
+            w.data = w.data * 1.5
+        elif edit == "parametrize":  # a weight computed on each access
+            parametrize.register_parametrization(m, "weight", _Scaled())
+        else:
+            raise ValueError(edit)
+
+
+class _Scaled(torch.nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 1.5 * w
+
+
 def test_this_torch_build_has_onednn():
     """The CI machine's CPU build has it; without it the kernels stay off (tested below)."""
     assert K.onednn_available()
@@ -68,15 +121,16 @@ def test_by_rows_fills_the_gaps_with_the_next_measured_count():
 
 
 @ONEDNN
-def test_a_dispatcher_runs_its_kernels_only_inside_applied_and_only_on_the_measured_weight():
+def test_a_dispatcher_runs_its_kernels_only_inside_applied_and_only_on_the_weight_as_it_is_now():
     layer = torch.nn.Linear(16, 8)
     routes = K._Routes({layer: (["linear", "onednn", K.PACKED, K.PACKED], K._pack(layer.weight))})
     routes.install()
+    (dispatch,) = routes.dispatches
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
 
     def counted(*args):
-        calls.append(args[1] is routes.tables[layer][1])
+        calls.append(args[1] is dispatch.ready[1])
         return real(*args)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -90,16 +144,20 @@ def test_a_dispatcher_runs_its_kernels_only_inside_applied_and_only_on_the_measu
             with routes.applied():
                 torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
         assert calls == [False, True, True, True]  # 1 row on the plain weight, 2, 3 and 40 on the packed copy
-        with torch.no_grad():
-            layer.weight.mul_(2.0)  # written after packing: the copy is stale
-        with routes.applied():
+        first = dispatch.ready[1]
+        layer.weight.data.mul_(2.0)  # written after packing, through .data: no version counter moves
+        with routes.applied():  # entering fits the layer to its weight: packed again
             x = torch.randn(3, 16)
             torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-        assert calls == [False, True, True, True]
+        second = dispatch.ready[1]
+        assert second is not first and calls[-1] is True
+        with routes.applied():  # nothing changed since: the same copy, no packing
+            assert dispatch.ready[1] is second
     layer.to(torch.float64)  # another dtype: F.linear on the weight as it is now
     with routes.applied():
         x = torch.randn(3, 16, dtype=torch.float64)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert dispatch.ready is None
     routes.remove()
     assert "forward" not in vars(layer)
 
@@ -165,6 +223,73 @@ def test_a_model_cast_to_bfloat16_after_measuring_still_generates(tiny32):
     out = _greedy(model, _ids(6))  # plain generate in the new dtype: the stale copies are never read
     with K.kernels_of(model).applied():
         assert torch.equal(_greedy(model, _ids(6)), out)
+
+
+@ONEDNN
+@pytest.mark.parametrize("edit", ["lora", "rows", "assign", "parametrize"])
+def test_a_weight_edited_after_enabling_is_multiplied_as_it_is_now(packed32, edit):
+    """Never a stale packed copy: a weight edited in place (through ``.data``, which moves no
+    version counter), replaced or parametrized after the kernels packed it decodes plain
+    ``generate``'s tokens; a copy whose bytes changed is packed again, not dropped."""
+    model, ids = packed32, _ids(6)
+    assert _lossless(model, ids)
+    _edit_weights(model, edit)
+    assert _lossless(model, ids)
+    for m in _decoder_linears(model):
+        ready = vars(m)["forward"].ready
+        if edit == "parametrize":
+            assert ready is None  # computed on each access: F.linear
+        else:  # packed from the weight as it is now
+            assert ready[0] == m.weight.data_ptr() and ready[1] is not None and ready[2] == K._checksum(m.weight)
+
+
+@ONEDNN
+def test_weights_written_in_place_between_calls_are_seen_at_each_call(packed32):
+    model, ids = packed32, _ids(6, 4)
+    for seed in range(3):
+        _edit_weights(model, "lora", seed)
+        assert _lossless(model, ids)
+    with K.kernels_of(model).applied():  # a block of the user's: checked on entering, and at each EntMTP call
+        _edit_weights(model, "lora", 9)
+        assert _lossless(model, ids)
+
+
+@ONEDNN
+@pytest.mark.parametrize("made_inside", [True, False])
+@pytest.mark.parametrize("run_inside", [True, False])
+def test_inference_mode_models_measure_and_decode_losslessly(monkeypatch, made_inside, run_inside):
+    """``torch.inference_mode()`` around loading and enabling (a serving pattern), around the
+    calls, or both: inference tensors have no version counter, which the kernels never read."""
+    monkeypatch.setattr(K, "_timed_median", _fastest("onednn"))
+    ids = _ids(6, 3)
+    with torch.inference_mode() if made_inside else nullcontext():
+        model = tiny_model(seed=5).float()
+        torch.manual_seed(5)
+        heads = HydraHeads.for_model(model, num_heads=4, arch="mlp", use_base_lm_head=True)
+    with torch.inference_mode():
+        enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1, pack=True)
+    assert model.get_output_embeddings().weight.is_inference() == made_inside
+    assert K.kernels_of(model).kinds() == ["by row count", "packed"]
+    with torch.inference_mode() if run_inside else nullcontext():
+        assert _lossless(model, ids)
+    with torch.inference_mode():  # an inference tensor written in place: no counter at all
+        for m in _decoder_linears(model):
+            (m.weight if made_inside else m.weight.data).mul_(1.25)
+    with torch.inference_mode() if run_inside else nullcontext():
+        assert _lossless(model, ids)
+
+
+@ONEDNN
+def test_drafting_kernel_follows_the_model_to_another_dtype(packed32):
+    """The heads' drafting product measured on oneDNN falls back to ``F.linear`` for weights oneDNN
+    does not take (the model moved to float64 after measuring), as the layers' kernels do."""
+    model, ids = packed32, _ids(6, 5)
+    model.to(torch.float64)
+    assert model.entmtp_heads.lm_kernel == "onednn" and _lossless(model, ids)
+    assert all(d.ready is None for d in K.kernels_of(model)._routes.dispatches)
+    model.to(torch.float32)  # back: fitted again at the next call, the copies packed again
+    assert _lossless(model, ids)
+    assert all(d.ready is not None for d in K.kernels_of(model)._routes.dispatches)
 
 
 def test_float64_models_and_other_devices_are_left_alone(tiny_cache):

@@ -257,3 +257,29 @@ def test_size_limits():
     assert readme_lines < 160, f"README.md has {readme_lines} lines"
     assert results_lines < 250, f"docs/results.md has {results_lines} lines"
     assert docs_bytes < 2 * 1024 * 1024, f"docs/ holds {docs_bytes / 2**20:.2f} MiB"
+
+
+def test_the_usage_pages_option_table_is_the_codes():
+    """docs/usage.md's field-by-field table names every option in the row the code's table
+    (``entmtp_hf.decoding.options``) puts it in, and no other."""
+    from entmtp_hf.decoding.options import GENERATE_ARGUMENTS, GENERATION_OPTIONS, HONOURED, IRRELEVANT, REFUSED
+
+    options = {**GENERATION_OPTIONS, **GENERATE_ARGUMENTS}
+    expected = {
+        "honoured": {n for n, o in options.items() if o.treatment == HONOURED},
+        "refused for some values": {n for n, o in options.items() if o.treatment == HONOURED and o.refusal},
+        "refused": {n for n, o in options.items() if o.treatment == REFUSED},
+        "not read": {n for n, o in options.items() if o.treatment == IRRELEVANT},
+    }
+    text = _text(DOCS / "usage.md")
+    section = text[text.index("### Every option, field by field") :]
+    rows = {}
+    for line in section.splitlines()[1:]:
+        if line.startswith("#"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 2 and not set(cells[0]) <= {"-"}:
+            names = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", re.sub(r"\([^)]*\)", "", cells[1])))
+            rows[next((k for k in expected if cells[0].startswith(k)), cells[0])] = names
+    rows.pop("what EntMTP does", None)  # the header
+    assert rows == expected

@@ -524,6 +524,28 @@ def test_unsupported_hydra_configs(tmp_path, overrides, message):
         load_heads(tmp_path)
 
 
+@pytest.mark.parametrize("family", ["medusa", "hydra"])
+@pytest.mark.parametrize(
+    "declared, message",
+    [
+        ({"vocab_size": 10**9}, r"vocab_size must be an integer in \[1, 2097152\], got 1000000000"),
+        ({"hidden_size": 2**40}, r"hidden_size must be an integer in \[1, 65536\]"),
+        ({"vocab_size": "64"}, "vocab_size must be an integer"),
+        ({"vocab_size": V + 1}, rf"vocab_size is {V + 1}, but the weights in .* have {V}"),
+        ({"hidden_size": 2 * H}, rf"hidden_size is {2 * H}, but the weights in .* have {H}"),
+    ],
+)
+def test_published_config_sizes_are_bounded_and_match_the_weights(tmp_path, family, declared, message):
+    folder = tmp_path / family
+    write_medusa(folder, n=2) if family == "medusa" else write_hydra(folder, "mlp", n=2, layers=1)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "hidden_size": H, "vocab_size": V}))
+    assert load_heads(folder).config.vocab_size == V  # declared sizes that agree load
+    (folder / "config.json").write_text(json.dumps({**cfg, **declared}))
+    with pytest.raises(ValueError, match=rf"{family}.config\.json: {message}"):
+        load_heads(folder)
+
+
 def test_bad_configs(tmp_path, base):
     write_hydra(tmp_path / "nobase", "prefix-mlp", n=1, layers=1, base_model_name_or_path=None)
     with pytest.raises(ValueError, match="base_config"):

@@ -2,7 +2,8 @@
 
 Tiny float64 models whose window (8 tokens, or 3: shorter than the trees' depth) the prompts
 pass 3-5 times over: Mistral and Phi-3 (every layer sliding), Qwen2 with ``use_sliding_window``
-and Gemma 3 (full and sliding layers mixed), Gemma 2 (mixed, with soft-capping).
+and Gemma 3 (full and sliding layers mixed), Gemma 2 (mixed, with soft-capping). The window
+counts cache slots, holes in the attention mask included, as transformers' masks do.
 """
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 from transformers import DynamicCache
 
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.decoding.attention import AttentionLayout
-from entmtp_hf.decoding.cache import PreallocatedLayer, preallocate, sliding_layers, trim_windows
+from entmtp_hf.decoding.attention import AttentionLayout, tree_inputs
+from entmtp_hf.decoding.cache import (PreallocatedLayer, additive_mask, preallocate, prompt_positions, sliding_layers,
+                                      slot_indices, trim_windows)
+from entmtp_hf.trees.tree import Tree
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63
 from test_generation import CHAIN, SAMPLING_TREE, chi_square_p, random_choices, sample_counts, target_joint
@@ -112,14 +115,71 @@ def test_trim_windows_keeps_what_every_row_still_sees():
     assert isinstance(cache.layers[0], PreallocatedLayer) and cache.layers[0].sliding_window == 3
     keys = torch.arange(2 * 8, dtype=torch.float64).reshape(2, 1, 8, 1)
     cache.update(keys, keys + 100, 0)
-    # row 0: positions 0..7; row 1: two pad slots, then 0..3 with a hole (-1) at slot 6
-    slots = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [-1, -1, 0, 1, 2, 3, -1, 4]])
-    trim_windows(sliding_layers(cache), slots, [8, 5])  # row 0 needs positions 6.., row 1 positions 3.. (slot 5)
+    # text indices (slot_indices: padding and holes counted). Row 0: 0..7, next root at 8. Row 1: two
+    # pad slots, a hole at slot 4, next root at 6 (its last two slots left unfilled by a shorter path)
+    slots = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [-1, -1, 2, 3, -1, 5, -1, -1]])
+    # row 0 needs indices 6.., row 1 indices 4.. (the hole counts: slot 5); by position ids it would keep slot 3
+    trim_windows(sliding_layers(cache), slots, [8, 6])
     layer = cache.layers[0]
     assert isinstance(layer, PreallocatedLayer) and layer.dropped == 5 and layer.get_seq_length() == 8
     assert layer.keys[0, 0, :, 0].tolist() == [5, 6, 7] and layer.get_mask_sizes(2) == (5, 5)
     cache.update(keys[:, :, :1], keys[:, :, :1], 0)  # still appends after the kept slots
     assert layer.keys[1, 0, :, 0].tolist() == [13, 14, 15, 8]
+
+
+def test_the_sliding_mask_of_a_chain_is_transformers_own():
+    """After prompts with left padding and holes, a chain's sliding mask is the one transformers
+    builds for the same text: the window counts cache slots (kv_idx), holes included, while the
+    position ids skip the holes."""
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    window, depth = 3, 3
+    prompt = torch.tensor([[0, 0, 1, 0, 1, 1, 0, 1], [1, 1, 0, 0, 1, 0, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]])
+    rows, length, n = prompt.shape[0], prompt.shape[1], depth + 1
+    positions = prompt_positions(prompt)
+    assert positions[1].tolist() == [0, 1, 0, 0, 2, 0, 3, 4]  # as generate's: cumsum of the mask, 0 in the holes
+    next_pos = (positions[:, -1] + 1).tolist()
+    buffers = Tree.chain(depth).buffers(torch.device("cpu"), torch.float64)
+    drafts = [type("D", (), {"buffers": buffers, "tokens": torch.arange(1, n + 1)})() for _ in range(rows)]
+    slots = slot_indices(prompt)
+    _, node_pos, full = tree_inputs(drafts, next_pos, additive_mask(slots, torch.float64), length + n)
+    node_index = node_pos + (length - torch.tensor(next_pos))[:, None]  # a node's slot in plain generate's cache
+    mine = AttentionLayout(window=window).masks(full, node_index, slots, 0) == 0
+    text = torch.cat([prompt, torch.ones(rows, n, dtype=torch.long)], dim=1).bool()
+    theirs = sdpa_mask(batch_size=rows, q_length=n, kv_length=length + n, q_offset=length,
+                       mask_function=sliding_window_causal_mask_function(window), attention_mask=text,
+                       local_size=window, allow_is_causal_skip=False)
+    assert torch.equal(mine, theirs)
+    assert mine[1, 0, 0, 4:length].tolist() == [False, False, True, True]  # the holes take room in the window
+
+
+def holed(prompt: torch.Tensor, every: int = 3) -> torch.Tensor:
+    """``prompt`` with the pad token at every ``every``-th slot from the second, the last excepted:
+    transformers masks those itself (generate's attention mask is ``input_ids != pad_token_id``),
+    holes inside the text."""
+    out = prompt.clone()
+    out[:, 1:-1:every] = PAD
+    return out
+
+
+@pytest.mark.parametrize("arch", list(SLIDING_ARCHS))
+def test_holes_in_the_attention_mask_count_inside_the_window(tiny_cache, arch):
+    """The pad token inside an unpadded prompt (one row, and a left-padded batch, on dynamic and
+    static caches): EntMTP counts the holes inside the window as plain ``generate`` does."""
+    model = enabled(tiny_cache, arch)
+    prompts = [holed(p, every) for p, every in zip(long_prompts(max(window_of(model), 8), seed=3), (3, 2, 4))]
+    for ids in prompts:
+        for cache in ("dynamic", "static"):
+            kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=PAD, cache_implementation=cache)
+            out = model.generate(ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), **kwargs)
+            assert torch.equal(out, model.generate(ids, **kwargs)), (cache, ids.tolist())
+    width = max(p.shape[1] for p in prompts)
+    batch = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        batch[i, width - p.shape[1] :] = p[0]
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=PAD, attention_mask=(batch != PAD).long())
+    out = model.generate(batch, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), **kwargs)
+    assert torch.equal(out, model.generate(batch, **kwargs))
 
 
 def test_attention_layouts():

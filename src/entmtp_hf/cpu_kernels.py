@@ -14,10 +14,18 @@ gets a dispatcher as its instance ``forward`` that runs ``F.linear`` exactly as 
 inside :meth:`CPUKernels.applied`, which every EntMTP call on the model (and the cost probe)
 enters in its own thread. So a plain ``generate`` runs as it did, concurrent calls are safe,
 and nothing of the weights changes: ``state_dict()``, ``save_pretrained`` and ``model.to(...)``
-work at all times, and a weight changed after measuring (a new dtype, a loaded state dict) runs
-``F.linear`` on the weight as it is now rather than a stale packed copy. Every choice computes
-the same products and, like verifying several tokens at once, may round differently from the
-one-token forward.
+work at all times. Every choice computes the same products and, like verifying several tokens at
+once, may round differently from the one-token forward.
+
+Never a stale packed copy: each entry into :meth:`CPUKernels.applied` (each EntMTP call) first
+fits every layer's kernels to its weight as it is now (:meth:`_Dispatch.refresh`). A weight of
+another shape, dtype or device, or one a parametrization computes on access, runs ``F.linear``; a
+packed copy is packed again when its weight's bytes changed. The bytes are what is compared (a
+CRC-32, read at memory speed: about one plain step's weight traffic per call), because a write
+through ``.data`` (a LoRA merge's ``weight.data += delta``, some quantizers) bumps no version
+counter and a tensor made in ``torch.inference_mode()`` has none. Packed copies never travel with
+the model: ``copy.deepcopy`` and pickling (``torch.save(model)``) carry the choices, and the copy
+packs its own weights at its first call.
 
 Why instance forwards and not a :class:`~torch.overrides.TorchFunctionMode` or module hooks:
 on the demo model (2-core AMD EPYC, fp32) a mode that sees every torch call added 8-10 ms to a
@@ -29,16 +37,19 @@ plain decoding (``vanilla-onednn``, ``vanilla-packed``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import statistics
 import threading
 import time
+import zlib
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +66,7 @@ KERNELS_ATTR = "_entmtp_cpu_kernels"
 
 
 # ============================================================================ primitives
+@functools.lru_cache(maxsize=None)
 def onednn_available() -> bool:
     """Whether this torch build has oneDNN's CPU linear (``torch.ops.mkldnn._linear_pointwise``)."""
     try:
@@ -83,12 +95,20 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, la
     raise ValueError(f"unknown layout {layout!r}; choose one of {HEAD_LAYOUTS}")
 
 
+def fitted_layout(layout: str, weight: torch.Tensor | None) -> str:
+    """``layout`` where it takes ``weight`` as it is now, else ``"linear"``: a layout measured for a
+    model later moved to another dtype or device (the heads' drafting kernel, read per call)."""
+    if weight is None or (layout == "onednn" and not _onednn_takes(weight)):
+        return "linear"
+    return layout
+
+
 def _works(layout: str, weight: torch.Tensor) -> bool:
     """Whether ``layout`` runs on this weight here (some CPUs lack oneDNN's bf16 primitives)."""
     try:
         project(torch.zeros(2, weight.shape[1], dtype=weight.dtype), weight, None, layout)
         return True
-    except RuntimeError:
+    except (RuntimeError, AttributeError, NotImplementedError):  # no such primitive here (or no oneDNN at all)
         return False
 
 
@@ -136,70 +156,140 @@ def _by_rows(table: dict[int, str]) -> list[str]:
     return out
 
 
-def _signature(weight: torch.Tensor) -> tuple:
-    """What changes when a weight is replaced or written to: its storage, version and dtype."""
-    return weight.data_ptr(), weight._version, weight.dtype
+def _form(weight: torch.Tensor) -> tuple:
+    """What a layer's measured kernels were chosen for: its weight's shape, dtype and device."""
+    return tuple(weight.shape), weight.dtype, weight.device
+
+
+def _checksum(weight: torch.Tensor) -> int:
+    """CRC-32 of the weight's bytes: what a packed copy was made from. Not its ``_version``: a write
+    through ``.data`` bumps none, and a tensor made in ``torch.inference_mode()`` has none."""
+    flat = weight.detach().contiguous().view(-1)
+    return zlib.crc32(flat.view(torch.uint8).numpy())
 
 
 # ============================================================================ routing
 class _Routes:
     """Each layer's kernel per row count (counts above the largest measured take its choice) and
     packed copy, installed as the layers' instance ``forward`` and used only in the threads that
-    are inside :meth:`applied` (elsewhere each layer runs ``F.linear`` as before)."""
+    are inside :meth:`applied` (elsewhere each layer runs ``F.linear`` as before). Entering
+    :meth:`applied` fits every layer to its weight as it is now (:meth:`_Dispatch.refresh`)."""
 
-    def __init__(self, tables: dict[torch.nn.Linear, tuple[list[str], torch.Tensor | None]]) -> None:
-        self.tables = tables
+    def __init__(
+        self, tables: dict[torch.nn.Linear, tuple[list[str], torch.Tensor | None]], pack_rows: int = 4
+    ) -> None:
+        self.dispatches = [_Dispatch(m, kernels, self, packed, pack_rows) for m, (kernels, packed) in tables.items()]
         self._local = threading.local()
+        self._lock = threading.Lock()
 
     def active(self) -> bool:
         return getattr(self._local, "depth", 0) > 0
 
     @contextmanager
     def applied(self) -> Iterator[None]:
+        self.refresh()  # every call sees the weights as they are now, edited in place or not
         self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
             yield
         finally:
             self._local.depth -= 1
 
+    def refresh(self) -> None:
+        """Fit every layer's kernels to its weight as it is now (one thread at a time: a re-pack
+        replaces a layer's copy whole)."""
+        with self._lock:
+            for dispatch in self.dispatches:
+                dispatch.refresh()
+
     def install(self) -> None:
-        for m, (kernels, packed) in self.tables.items():
-            if "forward" not in vars(m):
-                vars(m)["forward"] = _Dispatch(m, kernels, packed, self)
+        for dispatch in self.dispatches:
+            if "forward" not in vars(dispatch.module):
+                vars(dispatch.module)["forward"] = dispatch
 
     def remove(self) -> None:
-        for m in self.tables:
-            forward = vars(m).get("forward")
-            if isinstance(forward, _Dispatch) and forward.owner is self:
-                del vars(m)["forward"]
+        for dispatch in self.dispatches:
+            if vars(dispatch.module).get("forward") is dispatch:
+                del vars(dispatch.module)["forward"]
+
+    def __getstate__(self) -> dict:
+        """Copied or pickled with the model: the layers' choices, not this process's thread state."""
+        return {"dispatches": self.dispatches}
+
+    def __setstate__(self, state: dict) -> None:
+        self.dispatches = state["dispatches"]
+        self._local = threading.local()
+        self._lock = threading.Lock()
 
 
 class _Dispatch:
-    """A layer's forward: its kernel for the input's row count inside :meth:`_Routes.applied`
-    while its weight is the one measured (same storage, version and dtype), ``F.linear`` otherwise
-    (and in a graph ``torch.compile`` traces)."""
+    """A layer's forward: its kernel for the input's row count inside :meth:`_Routes.applied` while
+    the layer is fit for it (:meth:`refresh`, on entering), ``F.linear`` otherwise (and in a graph
+    ``torch.compile`` traces).
 
-    __slots__ = ("module", "kernels", "packed", "signature", "owner")
+    Invariant: ``ready`` is None (``F.linear`` only) or ``(data_ptr, packed, checksum)`` of the
+    weight as :meth:`refresh` last saw it; ``packed`` (where the kernels use it) is a copy of
+    exactly those bytes. A product runs on the kernels only while the weight's ``data_ptr`` is
+    still that one (a weight replaced within a call runs ``F.linear``).
+    """
 
-    def __init__(self, module: torch.nn.Linear, kernels: list[str], packed: torch.Tensor | None,
-                 owner: _Routes) -> None:  # fmt: skip
-        self.module, self.kernels, self.packed, self.owner = module, kernels, packed, owner
-        self.signature = _signature(module.weight)
+    __slots__ = ("module", "kernels", "owner", "pack_rows", "measured", "ready")
+
+    def __init__(
+        self, module: torch.nn.Linear, kernels: list[str], owner: _Routes, packed: torch.Tensor | None, pack_rows: int
+    ) -> None:
+        self.module, self.kernels, self.owner, self.pack_rows = module, kernels, owner, pack_rows
+        weight = module.weight
+        self.measured = _form(weight)
+        self.ready = (weight.data_ptr(), packed, _checksum(weight)) if packed is not None else None
+
+    def refresh(self) -> None:
+        """Fit the kernels to the weight as it is now: ``F.linear`` for a weight of another shape,
+        dtype or device than measured (call ``enable_entmtp`` again to measure for it) or one a
+        parametrization computes on each access; a packed copy packed again when the weight's
+        bytes changed since it was made (a LoRA merge, a loaded state dict)."""
+        m = self.module
+        if parametrize.is_parametrized(m, "weight") or _form(m.weight) != self.measured:
+            self.ready = None
+            return
+        weight, ready = m.weight, self.ready
+        if ready is None and not all(_works(k, weight) for k in set(self.kernels) - {"linear", PACKED}):
+            return  # not on this machine (a model unpickled elsewhere, say): F.linear
+        if PACKED not in self.kernels:
+            self.ready = (weight.data_ptr(), None, None)
+            return
+        checksum = _checksum(weight)
+        if ready is not None and ready[1] is not None and ready[2] == checksum:
+            self.ready = (weight.data_ptr(), ready[1], checksum)  # the same bytes (perhaps moved): the same copy
+            return
+        try:
+            self.ready = (weight.data_ptr(), _pack(weight, self.pack_rows), checksum)
+        except RuntimeError:  # no packed primitive here
+            self.ready = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.module
-        if torch.compiler.is_compiling() or not self.owner.active():  # a compiled graph brings its own kernels
-            return F.linear(x, m.weight, m.bias)
+        m, ready = self.module, self.ready
+        if ready is None or torch.compiler.is_compiling() or not self.owner.active():
+            return F.linear(x, m.weight, m.bias)  # a compiled graph brings its own kernels
         rows = x.numel() // x.shape[-1]
         kernel = self.kernels[min(rows, len(self.kernels) - 1)]
-        if kernel == "linear" or rows == 0 or _signature(m.weight) != self.signature:
+        if kernel == "linear" or rows == 0 or m.weight.data_ptr() != ready[0]:
             return F.linear(x, m.weight, m.bias)
         flat = x.reshape(rows, x.shape[-1])
         if kernel == PACKED:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, m.bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(flat, ready[1], m.bias, "none", [], "")
         else:
             out = project(flat, m.weight, m.bias, kernel)
         return out.reshape(*x.shape[:-1], -1)
+
+    def __getstate__(self) -> dict:
+        """Copied or pickled without the packed copy (an opaque oneDNN tensor that neither
+        ``deepcopy`` nor pickle can read): the copy packs its own weight at its first call."""
+        return {k: getattr(self, k) for k in self.__slots__ if k != "ready"}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self.ready = None
 
 
 def kernels_of(model) -> "CPUKernels | None":
@@ -270,9 +360,10 @@ class CPUKernels:
     def kinds(self) -> list[str]:
         """``"by row count"`` where some layer is routed, and ``"packed"`` where a packed copy is;
         empty where every measured choice is ``F.linear`` (the default path's costs)."""
-        if not self._routes.tables:
+        dispatches = self._routes.dispatches
+        if not dispatches:
             return []
-        return ["by row count"] + (["packed"] if any(p is not None for _, p in self._routes.tables.values()) else [])
+        return ["by row count"] + (["packed"] if any(PACKED in d.kernels for d in dispatches) else [])
 
     def _unavailable(self) -> str | None:
         head = self.model.get_output_embeddings()
@@ -421,13 +512,15 @@ def _runs(table: dict[int, str]) -> str:
 
 # ============================================================================ benchmark references
 @contextmanager
-def _references(model, tables: dict[torch.nn.Linear, tuple[list[str], torch.Tensor | None]]) -> Iterator[int]:
+def _references(
+    model, tables: dict[torch.nn.Linear, tuple[list[str], torch.Tensor | None]], pack_rows: int = 4
+) -> Iterator[int]:
     """``tables`` installed and applied in this thread for the block, with the model's own
     kernels (if any) off their layers meanwhile. Yields the number of layers routed."""
     own = kernels_of(model)
     if own is not None:
         own._routes.remove()
-    routes = _Routes(tables)
+    routes = _Routes(tables, pack_rows)
     routes.install()
     try:
         with routes.applied():
@@ -453,4 +546,4 @@ def packed_linears(model, rows: int = 4):
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     layers = _linears(decoder.modules(), exclude=head) if onednn_available() else []
-    return _references(model, {m: (["linear", PACKED], _pack(m.weight, rows)) for m in layers})
+    return _references(model, {m: (["linear", PACKED], _pack(m.weight, rows)) for m in layers}, rows)

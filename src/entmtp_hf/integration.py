@@ -13,16 +13,19 @@ folder (``entmtp-hf export-generate``) receives the call with its EntMTP argumen
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import inspect
 import logging
 import os
 import sys
+import threading
+from contextvars import ContextVar
 from typing import Any, Callable, Sequence
 
 import torch
-from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import output_capturing
 
 from .assisted import ACTIVE_EAS_CALL, EASCall, build_candidate_generator
 from .config import EntMTPConfig
@@ -30,6 +33,7 @@ from .calibration import batch_bucket, calibrate as calibrate_costs, tables_for
 from .cpu_kernels import CPUKernels, applied_kernels, kernels_of
 from .decoding.attention import restore_attention, use_tree_attention
 from .decoding.loop import EntMTPGenerateOutput, entmtp_decode
+from .decoding.options import check_generation_options, merged_generation_config
 from .decoding.stats import DecodeObserver
 from .errors import EntMTPError
 from .heads import HEADS_ATTR, DraftHeads, load_heads
@@ -37,6 +41,11 @@ from .scheduling.eas import EASConfig
 from .trees.plan import DecodePlan
 
 log = logging.getLogger(__name__)
+
+#: the ``tokenizer=`` of the EntMTP call running in this context: transformers keeps a call's
+#: tokenizer from the preparation of a ``custom_generate`` callable, so the mixin hands it to the
+#: stop-string criterion (``_get_stopping_criteria``) as plain ``generate`` does
+CALL_TOKENIZER: ContextVar[Any] = ContextVar("entmtp_call_tokenizer", default=None)
 
 
 class EntMTPGenerationMixin:
@@ -66,18 +75,21 @@ class EntMTPGenerationMixin:
         heads = getattr(self, HEADS_ATTR, None)
         if heads is None:
             raise EntMTPError("this model has no draft heads: call enable_entmtp(model, heads) first")
-        check_supported_call(args, kwargs)
-        batch_size = _batch_size(args, kwargs)
+        check_supported_call(self, args, kwargs)
+        batch_size = _batch_size(self, args, kwargs)
         plan_for = _plans_by_batch_size(self, heads, entmtp_config, batch_size)  # before the prefill
         plan = plan_for(batch_size)
         with applied_kernels(self):
             if entmtp_config.adapts and plan.plain:  # this machine's ranking: nothing beats plain decoding here
                 return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
-            _stop_strings_by_hand(self, kwargs)
             loop = functools.partial(entmtp_decode, entmtp_config=entmtp_config, plan=plan, heads=heads,
                                      streamer=kwargs.get("streamer"), observers=tuple(entmtp_observers),
                                      plan_for=plan_for)  # fmt: skip
-            return super().generate(*args, custom_generate=loop, **kwargs)
+            token = CALL_TOKENIZER.set(kwargs.get("tokenizer"))
+            try:
+                return super().generate(*args, custom_generate=loop, **kwargs)
+            finally:
+                CALL_TOKENIZER.reset(token)
 
     def _eas_generate(self, args: tuple, kwargs: dict, eas_config: EASConfig):
         """Assisted generation with the EAS candidate generator (see :mod:`entmtp_hf.assisted`)."""
@@ -88,7 +100,7 @@ class EntMTPGenerationMixin:
         for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer", "custom_generate"):
             if kwargs.get(name) is not None:
                 raise EntMTPError(f"eas_config cannot be combined with {name}")
-        check_supported_call(args, {k: v for k, v in kwargs.items() if k != "assistant_model"})
+        check_supported_call(self, args, kwargs, allowed=("assistant_model",))
         call = EASCall(model=self, config=eas_config)
         token = ACTIVE_EAS_CALL.set(call)
         try:
@@ -102,6 +114,12 @@ class EntMTPGenerationMixin:
             return EntMTPGenerateOutput(**fields, entmtp_stats={"eas": call.generator.controller.stats.as_dict()})
         return out
 
+    def _get_stopping_criteria(self, *args, **kwargs):
+        """transformers' stopping criteria, with the EntMTP call's tokenizer for ``stop_strings``
+        (:data:`CALL_TOKENIZER`), from whichever generation config set them."""
+        args, kwargs = _with_call_tokenizer(super()._get_stopping_criteria, args, kwargs)
+        return super()._get_stopping_criteria(*args, **kwargs)
+
     def _get_candidate_generator(self, *args, **kwargs):
         """transformers' hook for assisted decoding: the EAS generator while an EAS call runs on this model."""
         call = ACTIVE_EAS_CALL.get()
@@ -109,6 +127,29 @@ class EntMTPGenerationMixin:
             return super()._get_candidate_generator(*args, **kwargs)
         bound = inspect.signature(super()._get_candidate_generator).bind(*args, **kwargs)
         return build_candidate_generator(call, bound.arguments)
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save(model)``) and deep-copied as the model's own class, made EntMTP's
+        again on load: the class :func:`enable_entmtp` makes carries the model class's name, under
+        which pickle finds the model class itself and refuses."""
+        _drop_output_capturing_hooks(self)
+        fn, args, *rest = super().__reduce_ex__(protocol)
+        cls = type(self)
+        base = _model_class(cls)
+        if not args or args[0] is not cls or _entmtp_class(base) is not cls:  # a class of the user's own
+            return (fn, args, *rest)
+        if fn is copyreg.__newobj__:
+            return (_new_enabled, (base, *args[1:]), *rest)
+        return (_new_enabled, (base,), *rest)  # protocols 0 and 1: copyreg._reconstructor(cls, object, None)
+
+
+def _with_call_tokenizer(method: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments of ``method(*args, **kwargs)`` with ``tokenizer`` set to the EntMTP call's
+    (:data:`CALL_TOKENIZER`) where transformers passes none."""
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    if bound.arguments.get("tokenizer") is None and CALL_TOKENIZER.get() is not None:
+        bound.arguments["tokenizer"] = CALL_TOKENIZER.get()
+    return bound.args, bound.kwargs
 
 
 def _prompt(args: tuple, kwargs: dict) -> Any:
@@ -119,18 +160,17 @@ def _prompt(args: tuple, kwargs: dict) -> Any:
     return kwargs["inputs"] if kwargs.get("inputs") is not None else kwargs.get("input_ids")
 
 
-def _copies(kwargs: dict) -> int:
-    """Sequences per prompt (``num_return_sequences``, from the call or its generation config)."""
-    config = kwargs.get("generation_config")
-    k = kwargs.get("num_return_sequences") or getattr(config, "num_return_sequences", None) or 1
-    return int(k)
+def _copies(model, kwargs: dict) -> int:
+    """Sequences per prompt: ``num_return_sequences`` of the merged generation config (the call's,
+    its ``generation_config``'s or the model's, as plain ``generate`` reads it)."""
+    return int(merged_generation_config(model, kwargs).num_return_sequences or 1)
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int:
+def _batch_size(model, args: tuple, kwargs: dict) -> int:
     """Rows the call decodes: prompts times sequences per prompt (transformers expands them first)."""
     prompt = _prompt(args, kwargs)
     prompts = int(prompt.shape[0]) if isinstance(prompt, torch.Tensor) and prompt.ndim == 2 else 1
-    return prompts * _copies(kwargs)
+    return prompts * _copies(model, kwargs)
 
 
 def _plans_by_batch_size(model, heads, config: EntMTPConfig, batch_size: int) -> Callable[[int], DecodePlan]:
@@ -161,19 +201,16 @@ def _as_entmtp_output(out, args: tuple, kwargs: dict):
     return EntMTPGenerateOutput(**dict(out.items()), entmtp_stats=stats)
 
 
-def check_supported_call(args: tuple, kwargs: dict) -> None:
-    """Refuse modes tree decoding does not support, before any compute."""
+def check_supported_call(model, args: tuple, kwargs: dict, *, allowed: tuple[str, ...] = ()) -> None:
+    """Refuse, before any compute, what tree decoding does not support: the inputs, and every
+    generate option the table of :mod:`~entmtp_hf.decoding.options` refuses, whether passed or set
+    in a generation config (``allowed``: arguments the caller handles itself)."""
     inputs = _prompt(args, kwargs)
     if kwargs.get("inputs_embeds") is not None:
         raise EntMTPError("EntMTP decoding needs input_ids, not inputs_embeds")
-    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[0] * _copies(kwargs) > 1:
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and inputs.shape[0] * _copies(model, kwargs) > 1:
         _check_batch(inputs, kwargs)
-    for name in ("num_beams", "num_beam_groups"):
-        if (kwargs.get(name) or 1) > 1:
-            raise EntMTPError(f"EntMTP decoding does not support {name}={kwargs[name]}")
-    for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
-        if kwargs.get(name) is not None:
-            raise EntMTPError(f"EntMTP decoding cannot be combined with {name}")
+    check_generation_options(model, kwargs, allowed=allowed)
 
 
 def _check_batch(inputs: torch.Tensor, kwargs: dict) -> None:
@@ -192,26 +229,28 @@ def _check_batch(inputs: torch.Tensor, kwargs: dict) -> None:
         raise EntMTPError("streamers take one sequence (transformers' streamers refuse a batch too): pass one prompt")
 
 
-def _stop_strings_by_hand(model, kwargs: dict) -> None:
-    """``stop_strings`` with ``tokenizer=`` as plain ``generate`` takes them.
+def _drop_output_capturing_hooks(model: torch.nn.Module) -> None:
+    """Take off the forward hooks transformers installs the first time a forward records hidden
+    states (every EntMTP call does), and its mark that they are installed: they are closures, which
+    pickle cannot store, and transformers installs them again at the next forward that records (so
+    a model is pickled or copied while no other thread runs it, as any module's state is read)."""
+    with getattr(output_capturing, "_hook_installation_lock", threading.Lock()):
+        for module in model.modules():
+            for key, hook in list(module._forward_hooks.items()):
+                if getattr(hook, "__module__", None) == output_capturing.__name__ and "<locals>" in hook.__qualname__:
+                    del module._forward_hooks[key]
+            vars(module).pop("_output_capturing_hooks_installed", None)
 
-    transformers builds the stop-string criterion from the tokenizer only for its own decoding
-    modes (a ``custom_generate`` callable gets no tokenizer), so it is built here and handed over
-    as a stopping criterion, with the strings taken out of the call.
-    """
-    tokenizer = kwargs.pop("tokenizer", None)
-    config = kwargs.get("generation_config") or model.generation_config
-    strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
-    if not strings:
-        return
-    if tokenizer is None:
-        raise EntMTPError("stop_strings need the model's tokenizer: pass tokenizer=... to generate")
-    if getattr(config, "stop_strings", None):
-        config = config.__class__.from_dict({**config.to_dict(), "stop_strings": None})
-        kwargs["generation_config"] = config
-    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
-    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=strings))
-    kwargs["stopping_criteria"] = criteria
+
+def _model_class(cls: type) -> type:
+    """The model's own class under the EntMTP subclass ``cls``."""
+    return next(c for c in cls.__mro__[1:] if not issubclass(c, EntMTPGenerationMixin))
+
+
+def _new_enabled(base: type, *args: Any) -> Any:
+    """An empty instance of ``base``'s EntMTP subclass (unpickling fills it)."""
+    cls = _entmtp_class(base)
+    return cls.__new__(cls, *args)
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,7 +271,9 @@ def enable_entmtp(
     """Attach draft heads to ``model`` and give its ``generate`` the ``entmtp_config`` option.
 
     ``heads`` is a heads object, a local folder or a Hub repo id (``revision`` pins a Hub
-    revision), in this project's format or the published Hydra / Medusa ones; they are checked
+    revision), in this project's format or the published Hydra / Medusa ones, or ``"mtp"``: the
+    model's own multi-token-prediction layers, loaded from its checkpoint as transformers loads
+    them for ``use_mtp=True`` (:class:`~entmtp_hf.heads.mtp.MtpHeads`); they are checked
     against the model (vocabulary, hidden size) and moved to its LM head's device and dtype.
     ``calibrate``: measure this machine's step costs now (``True``: at batch size 1; a list: at
     those batch sizes), which a bank with an acceptance frontier re-ranks its trees by; seconds
@@ -250,7 +291,7 @@ def enable_entmtp(
     lm_head = model.get_output_embeddings()
     if lm_head is None or not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
         raise EntMTPError(f"{type(model).__name__} has no output embeddings (LM head) to verify with")
-    heads = load_heads(heads, revision, base_config=model.config)
+    heads = load_heads(heads, revision, model=model, base_config=model.config)
     heads.check_fits(model)
     heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     heads.eval()
@@ -294,5 +335,5 @@ def disable_entmtp(model) -> Any:
         _remove_kernels(model)
         delattr(model, HEADS_ATTR)
         restore_attention(model)
-        model.__class__ = next(c for c in type(model).__mro__[1:] if not issubclass(c, EntMTPGenerationMixin))
+        model.__class__ = _model_class(type(model))
     return model

@@ -4,12 +4,15 @@ The base model checks every node of the tree in one forward pass. Node ``i`` is 
 absolute position ``prefix_len + depth(i)`` and sees the whole cached prefix plus its own
 ancestors, through a float additive 4D mask (a boolean mask is silently wrong under the
 eager attention of transformers 5): :func:`tree_inputs`, one builder for one row or many.
-Layers with a sliding window see only the tokens less than the window behind the query
-(transformers' rule: key position > query position - window), the tree's own ancestors
-included: :class:`AttentionLayout` turns the tree mask into each layer type's mask, passed as
-one tensor when every layer attends alike and as a dict keyed by layer type when the model
-mixes them (Gemma 2/3, Qwen2 with ``use_sliding_window``, ...), which is what those
-models' forwards take.
+Layers with a sliding window see only the tokens less than the window behind the query, the
+tree's own ancestors included. The window counts cache slots, not position ids: transformers'
+rule is ``kv_idx > q_idx - window`` on the slot indices of plain ``generate``'s cache, where
+every token of the row's text has a slot, padding and holes in the attention mask included
+(the position ids skip those). That slot index is a token's *text index*
+(:func:`~entmtp_hf.decoding.cache.slot_indices`); a node's is its root's plus its depth.
+:class:`AttentionLayout` turns the tree mask into each layer type's mask, passed as one tensor
+when every layer attends alike and as a dict keyed by layer type when the model mixes them
+(Gemma 2/3, Qwen2 with ``use_sliding_window``, ...), which is what those models' forwards take.
 
 A verification forward passes a custom 4D mask. With a mask, transformers' ``sdpa``
 attention expands grouped key/value heads to one copy per query head (``repeat_kv``) in
@@ -77,19 +80,22 @@ class AttentionLayout:
         window = windows.pop() if windows else None
         return cls(window=window, mixed=window is not None and FULL in types)
 
-    def masks(self, full: torch.Tensor, positions: torch.Tensor, slot_pos: torch.Tensor, dropped: int
-              ) -> torch.Tensor | dict[str, torch.Tensor]:  # fmt: skip
+    def masks(
+        self, full: torch.Tensor, node_index: torch.Tensor, slot_index: torch.Tensor, dropped: int
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """The forward's ``attention_mask`` from the tree mask ``full`` [B, 1, N, S + N] (:func:`tree_inputs`),
-        the nodes' positions [B, N], the cached slots' positions ``slot_pos`` [B, S] (-1: never
-        seen) and the slots the sliding layers dropped from their front."""
+        the nodes' text indices ``node_index`` [B, N] (the root's plus the depth), the cached slots'
+        text indices ``slot_index`` [B, S] (-1: never seen) and the slots the sliding layers dropped
+        from their front. Text indices, not position ids: the window counts padding and holes."""
         if self.window is None:
             return full
-        keys = torch.cat([slot_pos, positions], dim=1)  # [B, S + N]
+        keys = torch.cat([slot_index, node_index], dim=1)  # [B, S + N]
         if keys.shape[1] < full.shape[-1]:  # a static cache's unfilled slots (masked in ``full`` already)
             keys = torch.cat([keys, keys.new_full((keys.shape[0], full.shape[-1] - keys.shape[1]), -1)], dim=1)
-        outside = (positions[:, None, :, None] - keys[:, None, None, :]) >= self.window
+        outside = (node_index[:, None, :, None] - keys[:, None, None, :]) >= self.window
         sliding = full.masked_fill(outside, torch.finfo(full.dtype).min)[..., dropped:]
         return {FULL: full, SLIDING: sliding} if self.mixed else sliding
+
 
 def tree_inputs(drafts: Sequence["Draft"], next_pos: Sequence[int], prefix: torch.Tensor, kv_len: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip

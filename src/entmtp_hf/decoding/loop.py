@@ -114,19 +114,17 @@ def open_session(
 ) -> DecodeSession:
     """The session of one call (its cache, acceptance rule, drafters and verification forward: the
     compiled call exactly when transformers' own generate would compile), before its prefill."""
-    if (generation_config.num_beams or 1) > 1:
-        raise EntMTPError("EntMTP decoding does not support beam search")
+    # the call's options were checked before generate ran (decoding.options: beam search, outputs it cannot return)
+    if input_ids.shape[-1] == 0:
+        raise EntMTPError("input_ids is empty: EntMTP decoding continues a prompt of at least one token (plain "
+                          "generate cannot decode an empty one either); pass one, such as the tokenizer's BOS token")
     returns = bool(generation_config.return_dict_in_generate)
-    for name in ("output_attentions", "output_hidden_states"):
-        if returns and getattr(generation_config, name, False):
-            raise EntMTPError(f"EntMTP decoding does not return {name[len('output_'):]} (a verified tree's are not "
-                              f"plain decoding's): drop {name}=True")  # fmt: skip
     temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
     rule = acceptance_rule(entmtp_config, generation_config, temperature)
     plan_for = plan_for or (lambda b: plan)
     plans = [plan_for(b) for b in range(1, input_ids.shape[0] + 1)]
     cache = prepare_cache(model, model_kwargs, generation_config.max_length, max(p.max_nodes for p in plans),
-                          getattr(generation_config, "max_cache_len", None))  # fmt: skip
+                          getattr(generation_config, "max_cache_len", None), rows=input_ids.shape[0])  # fmt: skip
     compiled = model._valid_auto_compile_criteria({"cache": cache}, generation_config)
     forward = model.get_compiled_call(generation_config.compile_config) if compiled else None
 

@@ -11,9 +11,10 @@ as plain ``generate`` would call it for that text.
 Rows of a batch are at different lengths (each accepts its own path), so a row's processors
 are called on that row alone. A processor that holds per-row state for the caller's batch
 is narrowed to the row first (:func:`for_row`): the repetition penalty's prompt padding
-lengths, the batch id a prefix-constraint function is given. A user's own processor that
-keeps per-row state of its own sees a batch of one: such a processor must not rely on the
-batch's row order.
+lengths, the batch id a prefix-constraint function is given, the prompt ids the encoder
+processors hold on a decoder-only model (``encoder_repetition_penalty``,
+``encoder_no_repeat_ngram_size``). A user's own processor that keeps per-row state of its own
+sees a batch of one: such a processor must not rely on the batch's row order.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import copy
 
 import torch
 from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     LogitsProcessorList,
@@ -71,7 +74,24 @@ def _narrowed(processor, row: int, batch_size: int):
         allowed = processor._prefix_allowed_tokens_fn
         processor = copy.copy(processor)
         processor._prefix_allowed_tokens_fn = lambda _batch_id, sent: allowed(row, sent)
+    elif isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
+        prompts = processor.encoder_input_ids.shape[0]
+        processor = copy.copy(processor)
+        index = _prompt_of(row, batch_size, prompts)
+        processor.encoder_input_ids = processor.encoder_input_ids[index : index + 1]
+    elif isinstance(processor, EncoderNoRepeatNGramLogitsProcessor):
+        prompts = processor.batch_size
+        processor = copy.copy(processor)
+        processor.generated_ngrams = [processor.generated_ngrams[_prompt_of(row, batch_size, prompts)]]
+        processor.batch_size = 1
     return processor
+
+
+def _prompt_of(row: int, batch_size: int, prompts: int) -> int:
+    """The prompt row ``row`` of the batch continues: transformers repeats each of ``prompts``
+    prompts ``batch_size // prompts`` times in a row (``num_return_sequences``), and the encoder
+    processors, which hold the prompts' ids, map a row to its prompt that way."""
+    return row // max(batch_size // prompts, 1)
 
 
 def process_tree_scores(

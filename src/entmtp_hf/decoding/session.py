@@ -22,7 +22,10 @@ with ``pad_token_id`` up to the longest row; without one it keeps decoding real 
 every row has stopped, and every row ends at the length where the last one stopped. A stopped
 row leaves the forward (its cache row is dropped, so it costs nothing later) with a dynamic
 cache; a static cache keeps every row (a compiled graph is specialised to the batch size), the
-stopped ones verifying their root alone.
+stopped ones verifying their root alone and keeping no slot. The shared cache grows each step by
+the longest accepted path of any row, so a static cache's room can fill with the slots shorter
+paths left unseen: the rows' seen slots are then moved to its front
+(:func:`~entmtp_hf.decoding.cache.compact`), after which each row holds at most its own text.
 
 **Trees by batch size.** ``plan_for(b)`` gives the plan for ``b`` rows in the forward (the bank
 ranked with this machine's costs at that batch size); when that number changes plan, every
@@ -45,8 +48,8 @@ from ..trees.plan import DecodePlan
 from ..trees.tree import Tree
 from .acceptance import check_pick, reference_typical_flags, typical_accept_flags, typical_best_path, walk_tree
 from .attention import AttentionLayout, tree_inputs, verifying
-from .cache import (accepted_slots, additive_mask, keep_accepted, release, select_rows, sliding_layers, slot_positions,
-                    trim_windows)
+from .cache import (accepted_slots, additive_mask, compact, hand_back, keep_accepted, prompt_positions, select_rows,
+                    sliding_layers, slot_indices, trim_windows)
 from .processors import for_row, process_tree_scores, row_wise
 from .stats import RowStep, StepRecord
 
@@ -98,8 +101,10 @@ class Row:
     drafter: EntMTPCandidateGenerator
     processors: object  # the call's logits processors as they apply to this row alone
     prompt_len: int
-    pad: int = 0  # the prompt's left padding
     next_pos: int = 0  # position id of the row's next root
+    #: a new token's text index (its slot in plain generate's cache) minus its position id: the
+    #: prompt's slots that have no position (padding, holes in the attention mask)
+    shift: int = 0
     scores: list[Tensor] = field(default_factory=list)  # [n, V] processed scores of emitted tokens (if kept)
     logits: list[Tensor] = field(default_factory=list)  # [n, V] raw logits of emitted tokens (if kept)
     stopped_at: int | None = None  # new tokens when a stopping criterion fired
@@ -110,10 +115,15 @@ class Row:
         return self.ids.shape[1] - self.prompt_len
 
     @property
-    def last_pos(self) -> int:
-        """Position of the row's last token (the next root's, unless a criterion stopped the row
-        inside its accepted path)."""
-        return self.ids.shape[1] - 1 - self.pad
+    def last_index(self) -> int:
+        """Text index of the row's last token (the next root's, unless a criterion stopped the row
+        inside its accepted path): its index in the row's ids, padding and holes included."""
+        return self.ids.shape[1] - 1
+
+    @property
+    def next_index(self) -> int:
+        """Text index of the row's next root (where plain generate's cache holds it)."""
+        return self.next_pos + self.shift
 
 
 class DecodeSession:
@@ -147,9 +157,9 @@ class DecodeSession:
         self.live = list(self.rows)  # row b of the cache and of every forward is live[b]
         heads = self.rows[0].drafter.heads  # one set of heads for every row
         self.features, self.hidden_request = heads.features, heads.hidden_states_request
-        #: [B_live, S] the text position of every cached slot of every live row; -1 for user padding
-        #: and the slots a row left unfilled, which it never sees
-        self.slot_pos = torch.zeros(0, dtype=torch.long)
+        #: [B_live, S] the text index (cache.slot_indices: what a sliding window counts) of every cached
+        #: slot of every live row; -1 for user padding, holes and the slots a row left unfilled, never seen
+        self.slot_index = torch.zeros(0, dtype=torch.long)
         self.layout = AttentionLayout.of(model.config)  # sliding-window layers: their masks
         #: the cache's sliding layers this session trims (found once: decoding keeps the layer objects)
         self.sliding = sliding_layers(cache)
@@ -178,8 +188,8 @@ class DecodeSession:
         if cached >= ids.shape[1]:
             raise EntMTPError(f"the cache already holds {cached} tokens and the prompt has {ids.shape[1]}: a call "
                              f"that continues from a filled cache needs at least one new token")  # fmt: skip
-        self.slot_pos = slot_positions(mask)
-        positions = self.slot_pos.clamp(min=0)
+        self.slot_index = slot_indices(mask)
+        positions = prompt_positions(mask)  # as plain generate's: holes take no position
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         out = self.model(input_ids=ids[:, cached:], attention_mask=mask, position_ids=positions[:, cached:],
                          cache=self.cache, use_cache=True, output_hidden_states=self.hidden_request, **keep)  # fmt: skip
@@ -193,9 +203,9 @@ class DecodeSession:
                 seen[-1] = True
             row.drafter.observe(features[b][seen], last[b], tokens=ids[b, cached:][seen])
             row.next_pos = int(positions[b, -1]) + 1
-            row.pad = int((mask[b] == 0).sum())
+            row.shift = ids.shape[1] - row.next_pos  # the root's text index is the prompt's length
             self._emit(row, [root], scores, last[b : b + 1])
-        trim_windows(self.sliding, self.slot_pos, [row.last_pos for row in self.live])
+        trim_windows(self.sliding, self.slot_index, [row.last_index for row in self.live])
         self._settle()
 
     # ------------------------------------------------------------------ the step
@@ -221,6 +231,12 @@ class DecodeSession:
 
     def verify(self, drafts: list[Draft]) -> Verified:
         prefix_len = int(self.cache.get_seq_length())
+        width = max(d.buffers.num_nodes for d in drafts)
+        if isinstance(self.cache, StaticCache) and prefix_len + width > self.cache.get_max_length():
+            # a batch's rejected slots filled the room; compacted, every row holds at most its text
+            # but the root, which leaves room for the tree (cache.lend_static)
+            self.slot_index = compact(self.cache, self.slot_index)
+            prefix_len = int(self.cache.get_seq_length())
         out = self.tree_forward(drafts, prefix_len)
         return Verified(out.logits, self.features(out.hidden_states), prefix_len)
 
@@ -228,9 +244,10 @@ class DecodeSession:
         """One forward of every live row's tree appended after the first ``prefix_len`` cached slots."""
         width = max(d.buffers.num_nodes for d in drafts)
         kv_len = self.cache.get_max_length() if isinstance(self.cache, StaticCache) else prefix_len + width
-        prefix = additive_mask(self.slot_pos, self.dtype)
+        prefix = additive_mask(self.slot_index, self.dtype)
         tokens, positions, mask = tree_inputs(drafts, [r.next_pos for r in self.live], prefix, kv_len)
-        mask = self.layout.masks(mask, positions, self.slot_pos, self.sliding[0].dropped if self.sliding else 0)
+        node_index = positions + positions.new_tensor([r.shift for r in self.live])[:, None]
+        mask = self.layout.masks(mask, node_index, self.slot_index, self.sliding[0].dropped if self.sliding else 0)
         with verifying():
             return self.forward(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
                                 use_cache=True, output_hidden_states=self.hidden_request)  # fmt: skip
@@ -246,8 +263,10 @@ class DecodeSession:
     def commit(self, drafts: list[Draft], verified: Verified, accepted: list[Accepted]) -> StepRecord:
         paths = [a.path for a in accepted]
         keep_accepted(self.cache, verified.prefix_len, paths)
-        self.slot_pos = accepted_slots(self.slot_pos, verified.prefix_len, [r.next_pos for r in self.live],
-                                       [len(p) for p in paths])  # fmt: skip
+        first = [r.next_index for r in self.live]
+        # a done row kept in the forward (a static cache) keeps no slot: nothing reads its verdicts
+        lengths = [0 if row.done else len(p) for row, p in zip(self.live, paths)]
+        self.slot_index = accepted_slots(self.slot_index, verified.prefix_len, first, lengths)
         active = [b for b, row in enumerate(self.live) if not row.done]
         EntMTPCandidateGenerator.observe_rows(
             [self.live[b].drafter for b in active], [verified.hidden[b, paths[b]] for b in active],
@@ -261,7 +280,7 @@ class DecodeSession:
                                  verified.logits[b, path])  # fmt: skip
             row.drafter.update_candidate_strategy(row.ids, scores[None], len(path) - 1)
             steps.append(RowStep(row.index, draft, path, emitted))
-        trim_windows(self.sliding, self.slot_pos, [r.last_pos for r in self.live])
+        trim_windows(self.sliding, self.slot_index, [r.last_index for r in self.live])
         self._settle()
         return StepRecord(tuple(steps), forward_rows=len(drafts))
 
@@ -311,7 +330,7 @@ class DecodeSession:
             return
         self.live = [self.live[b] for b in keep]
         select_rows(self.cache, torch.tensor(keep, device=self.device))
-        self.slot_pos = self.slot_pos[keep]
+        self.slot_index = self.slot_index[keep]
         plan = self.plan_for(len(self.live))
         if plan is not self.plan:  # this batch size verifies other trees: same heads state, new generators
             self.plan = plan
@@ -323,16 +342,12 @@ class DecodeSession:
         return Draft(0, row.ids[0, -1:], self._idle, None)
 
     def release_cache(self):
-        """The cache, handed back for the caller's next turn: with one row it holds the returned
-        text but its last token, as plain ``generate`` leaves it (a row stopped inside its
-        accepted path drops the nodes past its end), in transformers' own layer types. A batch's
-        cache is left as decoding left it (its rows' slots are not aligned with the returned
-        sequences), so it does not continue a batch."""
-        if len(self.rows) == 1 and self.drops_rows:
-            excess = int(self.cache.get_seq_length()) - (self.rows[0].ids.shape[1] - 1)
-            if excess > 0:
-                self.cache.crop(-excess)
-        release(self.cache)
+        """The cache object the call was given, handed back as plain ``generate`` would leave it for
+        the caller's next turn (:func:`~entmtp_hf.decoding.cache.hand_back`): with one row, the
+        returned text but its last token (a row stopped inside its accepted path drops the nodes
+        past its end), in transformers' own layer types; after a batch, empty (its rows' slots are
+        not plain ``generate``'s layout), so the next turn prefills the whole conversation."""
+        hand_back(self.cache, self.rows[0].ids.shape[1] - 1 if len(self.rows) == 1 else None)
         return self.cache
 
     def per_token(self, kind: str) -> tuple[Tensor, ...]:

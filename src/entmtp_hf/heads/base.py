@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from huggingface_hub import ModelCard, ModelHubMixin
 from torch import Tensor, nn
 
-from ..cpu_kernels import project
+from ..cpu_kernels import fitted_layout, project
 from ..scheduling.features import entropy_from_logp
 from ..errors import EntMTPError
 from ..trees.tree import DepthStep, TreeBuffers
@@ -337,7 +337,7 @@ class DraftHeads(nn.Module, ModelHubMixin):
         if self.config.use_base_lm_head:
             lm_weight, lm_bias = self._base_lm_rows(model)
         return DraftState(embed=embed, lm_weight=lm_weight, lm_bias=lm_bias, prefix_cache=self._new_prefix_cache(),
-                          kernel=self.lm_kernel)
+                          kernel=fitted_layout(self.lm_kernel, lm_weight))
 
     def _new_prefix_cache(self) -> Any:
         return None

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ..validation import brief_list, brief_repr
-from .config import MAX_BASE_LAYERS, MAX_HEADS, MAX_LAYERS, HeadsConfig
+from ..validation import brief_list, brief_repr, integer
+from .config import MAX_BASE_LAYERS, MAX_HEADS, MAX_HIDDEN_SIZE, MAX_LAYERS, MAX_VOCAB_SIZE, HeadsConfig
 from .files import MAX_INDEX_BYTES, HeadsLoadError, Weights, stored_tensor, merge_weights, open_weights, read_json
 from .base import text_config
 from .eagle import EagleHeads, eagle3_feature_layers
@@ -99,6 +99,23 @@ def _sized_config(weights: Weights, cfg_path: str, **fields: Any) -> HeadsConfig
 
 
 # --------------------------------------------------------------------------- Hydra
+#: the sizes a published Hydra or Medusa config.json may declare beside the weights, and their bounds
+DECLARED_SIZES = {"hidden_size": MAX_HIDDEN_SIZE, "vocab_size": MAX_VOCAB_SIZE}
+
+
+def _check_declared_sizes(cfg: dict[str, Any], cfg_path: str, weights: Weights, **found: int) -> None:
+    """The sizes ``cfg_path`` declares (:data:`DECLARED_SIZES`; optional) are integers within their
+    bounds and the sizes ``found`` in the weights' shapes: the weights size the heads, so a config
+    that disagrees with them belongs to other heads (or was edited), and is refused naming it."""
+    for name, actual in found.items():
+        if cfg.get(name) is None:
+            continue
+        declared = integer(cfg[name], name, low=1, high=DECLARED_SIZES[name],
+                           error=lambda field, problem: HeadsLoadError(cfg_path, f"{field} {problem}"))
+        if declared != actual:
+            raise HeadsLoadError(cfg_path, f"{name} is {declared}, but the weights in {weights.path} have {actual}")
+
+
 def hydra_published_name(own_key: str, arch: str) -> str:
     """The published key of one of :class:`HydraHeads`' parameters."""
     m = re.fullmatch(r"mlps\.(\d+)\.(\d+)\.(.+)", own_key)
@@ -155,6 +172,7 @@ def load_published_hydra(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, 
     block = "1" if arch == "prefix-mlp" else "0"
     hidden = _shape(weights, f"hydra_mlp.0.{block}.linear.weight", 2)[0]
     vocab = _shape(weights, f"hydra_lm_head.0.{'1.' if arch == 'prefix-mlp' else ''}weight", 2)[0]
+    _check_declared_sizes(cfg, cfg_path, weights, hidden_size=hidden, vocab_size=vocab)
     prefix = None
     if arch == "prefix-mlp":
         prefix = prefix_layer_config(_hydra_base_config(base_config, base_name, cfg_path))
@@ -241,6 +259,7 @@ def load_published_medusa(
             f"and Medusa-2 {', '.join(MEDUSA_FULL_MODEL_FILES)} or their shard indexes)",
         )
     num_heads, num_layers, hidden, vocab = infer_medusa_layout(weights)
+    _check_declared_sizes(cfg, cfg_path, weights, hidden_size=hidden, vocab_size=vocab)
     if (cfg_heads, num_layers if cfg_layers is None else cfg_layers) != (num_heads, num_layers):
         warnings.warn(
             f"{cfg_path} declares {cfg_heads} heads x {cfg_layers} layers but {weights.path} holds "

@@ -67,9 +67,11 @@ acceptance) draws from the same distribution. Defaults of this repo: heads {head
 
 Decoder-only transformers models whose forward takes a 4D float attention mask and
 `position_ids` (tested: Llama, Qwen2, Mistral, Gemma), in float32, bfloat16 or float16, with
-draft heads that fit them (vocabulary, hidden size; checked before decoding). Batch size 1;
-beam search, `num_return_sequences > 1`, assisted decoding, `inputs_embeds` and caches with
-sliding-window layers are refused.
+draft heads that fit them (vocabulary, hidden size; checked before decoding), sliding-window and
+hybrid attention included; one prompt or a left-padded batch. Every `generate` option works as
+in plain `generate` or is refused before any compute (beam search, contrastive search, DoLa,
+classifier-free guidance, other speculative decoders, `inputs_embeds`, ...): the entmtp-hf
+usage docs list each field of `GenerationConfig`.
 
 ## Additional arguments
 

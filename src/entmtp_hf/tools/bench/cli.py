@@ -112,9 +112,10 @@ def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path,
 
 def _bench_report(args: argparse.Namespace) -> int:
     from .report import write_report
+    from .results import read_json_object
 
     first = Path(args.results[0] if isinstance(args.results, list) else args.results)
-    data = json.loads(first.read_text(encoding="utf-8"))
+    data = read_json_object(first)
     if data.get("format") == "entmtp-hf-batched-bench":  # `bench --batch-size`: its own table and plot
         out = Path(args.out) if args.out else first.parent
         out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ...errors import FileFormatError
 from ..checkpoint import json_safe, write_json
 from ..machine import cpu_model
 from .summary import summarize
@@ -56,8 +57,20 @@ def summary_of(results: dict) -> dict:
                                 "summary": summarize(results), "speedups": speedups}))  # fmt: skip
 
 
+def read_json_object(path: str | os.PathLike) -> dict:
+    """A JSON object from ``path``; text that is not JSON, or not an object, is a
+    :class:`~entmtp_hf.errors.FileFormatError` naming the file."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise FileFormatError(path, f"not a JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise FileFormatError(path, f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_results(path: str | os.PathLike) -> dict:
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    data = read_json_object(path)
     if data.get("format") != FORMAT:
         raise ValueError(f"{path} is not an {FORMAT} result file")
     if data.get("format_version", 0) > FORMAT_VERSION:

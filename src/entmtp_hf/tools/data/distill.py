@@ -315,7 +315,10 @@ def distill(cfg: DistillConfig, model=None, tok=None, *, deadline: float | None 
     return {"prompts": len(order), "answered_this_run": n_done, "tokens_this_run": n_tok, "complete": not stopped}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """``python -m entmtp_hf.tools.data.distill``: a bad input is one line and exit status 2, as in ``entmtp-hf``."""
+    from ..cli import LOCAL_OR_HUB, check_input, report_errors
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder (resumed if present)")
     ap.add_argument("--model", default=None,
@@ -348,11 +351,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.question_rounds < 1:
         ap.error(f"--question-rounds must be >= 1, got {args.question_rounds}")
     torch.set_num_threads(args.threads)
-    distill(DistillConfig(
-        args.out, args.model, args.batch_size, args.window, args.max_new_tokens, args.max_prompt_tokens, args.limit,
-        not args.no_self_questions, sources, args.question_rounds, args.seed, args.dtype))
+
+    def run() -> int:
+        if args.model is not None:
+            check_input("--model", args.model, LOCAL_OR_HUB)
+        distill(DistillConfig(
+            args.out, args.model, args.batch_size, args.window, args.max_new_tokens, args.max_prompt_tokens,
+            args.limit, not args.no_self_questions, sources, args.question_rounds, args.seed, args.dtype))
+        return 0
+
+    return report_errors("entmtp_hf.tools.data.distill", run)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
 
