@@ -322,11 +322,6 @@ def _plain_ms(model, ids: torch.Tensor, tokens: int) -> float:
     return 1e3 * statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
 
 
-def plain_batch_ms(model, batch_size: int, *, tokens: int = DECODE_TOKENS) -> float:
-    """Plain batched ``generate``'s ms per step (``batch_size`` tokens) after the prefill."""
-    return _plain_ms(model, _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN), tokens)
-
-
 def steady(first: float, *others: float) -> bool:
     """Whether a timing agrees within :data:`STEADY` with one of ``others``, the same thing timed
     apart: then at least one pair of timings saw the machine alike."""

@@ -166,16 +166,6 @@ class DecodeSession:
         self._idle = Tree.root_only().buffers(self.device, self.dtype)  # what a stopped row kept in the forward verifies
         self.finished = False
 
-    @property
-    def drafter(self) -> EntMTPCandidateGenerator:
-        """The first row's generator (what observers of a one-prompt call read)."""
-        return self.rows[0].drafter
-
-    @property
-    def input_ids(self) -> Tensor:
-        """The first row's text (one-prompt calls)."""
-        return self.rows[0].ids
-
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
     def prefill(self) -> None:

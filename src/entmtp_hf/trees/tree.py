@@ -13,7 +13,6 @@ buffers up, it never compiles.
 
 from __future__ import annotations
 
-import json
 import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -156,9 +155,6 @@ class Tree:
 
     def __repr__(self) -> str:
         return f"Tree(num_nodes={self.num_nodes}, depth={self.depth})"
-
-    def to_json(self) -> str:
-        return json.dumps(self.choices)
 
     def nodes_per_depth(self) -> list[int]:
         counts = [0] * self.depth
