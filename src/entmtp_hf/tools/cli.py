@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Callable, Sequence
 
-from ..errors import FileFormatError
-from ..hub import hub_repo_id
-from . import missing_extra
+from .reporting import LOCAL, LOCAL_OR_HUB, check_input, missing_extra_status, report_errors
 
 Registrar = Callable[[argparse._SubParsersAction], None]
 
-#: an input that is a local file or folder, or else a Hub repo id
-LOCAL_OR_HUB = "a local file or folder, or a Hub repo id"
-#: an input that is a local file or folder
-LOCAL = "a local file or folder"
 #: the arguments, by their name in any command (argparse's ``dest``), that name what the command
 #: reads: each is checked before the command runs (:func:`check_inputs`), so a missing or
 #: unreadable input is one line, not a traceback after minutes of loading
@@ -76,22 +69,6 @@ def subcommands() -> list[Registrar]:
             profile, acceptance, eas_calibrate]
 
 
-def check_input(flag: str, value: str, kind: str) -> None:
-    """One input argument (``flag``: as the help names it): it exists and can be read, or
-    (``LOCAL_OR_HUB``) it is a Hub repo id."""
-    if not isinstance(value, str) or "{" in value:  # a template such as --eas-config 'eas-{task}.json'
-        return
-    path = os.path.expanduser(value)
-    if os.path.exists(path):
-        if not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
-            raise FileFormatError(value, f"cannot be read (permission denied), given as {flag}")
-        return
-    if kind == LOCAL_OR_HUB and hub_repo_id(value) is not None:
-        return  # a Hub repo id: the command downloads it, or says why it cannot
-    what = "no such file or folder" + (", and not a valid Hub repo id" if kind == LOCAL_OR_HUB else "")
-    raise FileFormatError(value, f"{what} (given as {flag})")
-
-
 def check_inputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Check every input argument (:data:`INPUTS`) the chosen command was given, before it runs."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -104,15 +81,6 @@ def check_inputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             check_input(action.option_strings[-1] if action.option_strings else action.dest.upper(), item, kind)
 
 
-def _one_line(error: BaseException) -> str:
-    """An error's message on one line; an ``OSError`` about a file names it first."""
-    if isinstance(error, OSError) and error.filename is not None and error.strerror:
-        message = f"{error.filename}: {error.strerror}"
-    else:
-        message = str(error) or type(error).__name__
-    return " ".join(line.strip() for line in message.splitlines() if line.strip())
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="entmtp-hf", description="EntMTP tree speculative decoding tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,35 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _missing_extra(error: ImportError, prog: str = "entmtp-hf") -> int:
-    """Exit status 2 with the extra to install when ``error`` is a missing optional dependency."""
-    missing = missing_extra(error)
-    if missing is None:
-        raise error
-    print(f"{prog}: {missing}", file=sys.stderr)
-    return 2
-
-
-def report_errors(prog: str, run: Callable[[], int | None]) -> int:
-    """``run()``'s exit status; a missing, unreadable or invalid input (``ValueError``: the
-    project's errors name the file; ``OSError``: a file the system could not open or read) or a
-    missing optional dependency is one line after ``prog`` and exit status 2."""
-    try:
-        return run() or 0
-    except (ValueError, OSError) as e:
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except ImportError as e:
-        return _missing_extra(e, prog)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand, its inputs checked first (:func:`check_inputs`); whichever command it
     is, a bad input is one line and exit status 2 (:func:`report_errors`)."""
     try:
         parser = build_parser()
     except ImportError as e:
-        return _missing_extra(e)
+        return missing_extra_status(e)
     args = parser.parse_args(argv)
 
     def run() -> int:

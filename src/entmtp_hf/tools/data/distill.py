@@ -317,7 +317,7 @@ def distill(cfg: DistillConfig, model=None, tok=None, *, deadline: float | None 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m entmtp_hf.tools.data.distill``: a bad input is one line and exit status 2, as in ``entmtp-hf``."""
-    from ..cli import LOCAL_OR_HUB, check_input, report_errors
+    from ..reporting import LOCAL_OR_HUB, check_input, report_errors
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder (resumed if present)")
