@@ -291,7 +291,7 @@ def enable_entmtp(
     lm_head = model.get_output_embeddings()
     if lm_head is None or not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
         raise EntMTPError(f"{type(model).__name__} has no output embeddings (LM head) to verify with")
-    heads = load_heads(heads, revision, base_config=model.config)
+    heads = load_heads(heads, revision, model=model, base_config=model.config)
     heads.check_fits(model)
     heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     heads.eval()

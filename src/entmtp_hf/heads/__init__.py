@@ -1,10 +1,10 @@
-"""Draft heads for tree speculative decoding: Hydra (path-dependent), Medusa (independent) and
-EAGLE-style feature drafters.
+"""Draft heads for tree speculative decoding: Hydra (path-dependent), Medusa (independent),
+EAGLE-style feature drafters, and a model's own multi-token-prediction (MTP) layers.
 
 Public API:
 
-* :class:`DraftHeads` (base), :class:`HydraHeads`, :class:`MedusaHeads`, :class:`EagleHeads`, registered by
-  family name in :data:`HEADS_REGISTRY`;
+* :class:`DraftHeads` (base), :class:`HydraHeads`, :class:`MedusaHeads`, :class:`EagleHeads`, :class:`MtpHeads`,
+  registered by family name in :data:`HEADS_REGISTRY`;
 * :class:`HeadsConfig`, :class:`DraftState`, :class:`Proposal`;
 * :class:`HeadsCard` (with :class:`DataSource`, :class:`TokensPerStep`): what the heads'
   model card reports, saved as ``card.json``;
@@ -25,6 +25,7 @@ from .hydra import HydraHeads
 # so it wins over a published marker that an own-format config happens to hold as well.
 from .loading import convert_heads, load_heads
 from .medusa import MedusaHeads
+from .mtp import MtpHeads
 from .published import load_published_hydra, load_published_medusa  # noqa: F401 (registers the formats)
 from .registry import HEADS_REGISTRY, detect_format, register_format, register_heads
 
@@ -42,6 +43,7 @@ __all__ = [
     "HeadsMismatchError",
     "HydraHeads",
     "MedusaHeads",
+    "MtpHeads",
     "Proposal",
     "TokensPerStep",
     "convert_heads",

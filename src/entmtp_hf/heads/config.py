@@ -17,8 +17,9 @@ from ..validation import brief_list, brief_repr, integer, number
 
 #: Version of the on-disk layout written by ``save_pretrained``; bump on breaking changes.
 FORMAT_VERSION = 1
-FAMILIES = ("hydra", "medusa", "eagle")
-HEAD_ARCHS = {"hydra": ("mlp", "prefix-mlp"), "medusa": ("mlp",), "eagle": ("eagle", "eagle3")}
+FAMILIES = ("hydra", "medusa", "eagle", "mtp")
+#: ``mtp``: a model's own multi-token-prediction layers (built from the model, never from this config alone)
+HEAD_ARCHS = {"hydra": ("mlp", "prefix-mlp"), "medusa": ("mlp",), "eagle": ("eagle", "eagle3"), "mtp": ("mtp",)}
 #: archs built on a one-layer copy of the base config (``prefix_layer_config``)
 LAYER_ARCHS = ("prefix-mlp", "eagle", "eagle3")
 #: Size limits, far above any published or trained heads (4-5 heads of 1-4 blocks, hidden
@@ -115,12 +116,14 @@ def check_prefix_layer_config(cfg: Any, hidden_size: int) -> None:
 class HeadsConfig:
     """Shape and family of a set of draft heads (validated on construction)."""
 
-    family: str = field(metadata={"help": "'hydra' (path-dependent), 'medusa' (independent) or 'eagle' (feature drafter)"})
+    family: str = field(metadata={"help": "'hydra' (path-dependent), 'medusa' (independent), 'eagle' (feature drafter) "
+                                       "or 'mtp' (the model's own MTP layers)"})
     num_heads: int = field(metadata={"help": "number of heads = maximum draft depth (eagle: the depth it drafts to)"})
     hidden_size: int = field(metadata={"help": "hidden size H of the base model"})
     vocab_size: int = field(metadata={"help": "vocabulary size V of the base model"})
     head_arch: str = field(default="mlp", metadata={"help": "'mlp', (hydra) 'prefix-mlp', (eagle) 'eagle' or 'eagle3'"})
-    num_layers: int = field(default=1, metadata={"help": "residual blocks per head (eagle: decoder layers)"})
+    num_layers: int = field(default=1, metadata={"help": "residual blocks per head (eagle: decoder layers, "
+                                                          "mtp: the model's MTP layers)"})
     use_base_lm_head: bool = field(default=False, metadata={"help": "project with the base LM head"})
     draft_vocab_size: int = field(default=0, metadata={"help": "V' of the drafting vocabulary; 0 = full"})
     base_model_name_or_path: str | None = field(default=None, metadata={"help": "base model the heads fit"})

@@ -167,8 +167,50 @@ class EagleCache:
         return self.keys[0].shape[1] if self.keys else 0
 
 
+class PairQueue:
+    """``observe`` and the queue of drafters that run over pairs (a base state, the token after it): the
+    pairs newly accepted positions complete wait in the per-call cache (``queued_feats``,
+    ``queued_tokens``), the last state waits for its token (``waiting``: the next root, which ``propose``
+    brings); ``last_out`` is the drafter's output at the last committed pair (None before the first)."""
+
+    @torch.no_grad()
+    def observe(self, state: DraftState, hidden: Tensor, tokens: Tensor | None = None) -> None:
+        """Queue the pairs (feature, next token) that ``hidden`` [T, F] and ``tokens`` [T] (the ids at
+        those positions) complete; the last feature waits for the next root."""
+        hidden = self._observed(hidden)
+        if tokens is None or tokens.reshape(-1).shape[0] != hidden.shape[0]:
+            raise ValueError(f"{type(self).__name__} pairs each feature with the next token: pass tokens=[T] (the "
+                             "ids at the hidden states' positions)")
+        cache = state.prefix_cache
+        hidden, tokens = hidden.to(self._dtype), tokens.reshape(-1).to(hidden.device)
+        if cache.waiting is not None:
+            cache.queued_feats.append(cache.waiting[None])
+            cache.queued_tokens.append(tokens[:1])
+        if hidden.shape[0] > 1:
+            cache.queued_feats.append(hidden[:-1])
+            cache.queued_tokens.append(tokens[1:])
+        cache.waiting = hidden[-1]
+        state.num_observed += hidden.shape[0]
+        state.cond = hidden[-1]
+
+    @staticmethod
+    def _take_queue(cache: Any, root: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The queued pairs' features and tokens, the last pair completed by ``root``, and the queue
+        emptied; ``None`` when nothing waits (a second ``propose`` with the same root)."""
+        if cache.waiting is None:
+            if cache.last_out is None:
+                raise ValueError("observe() the prompt's hidden states before propose()")
+            if not torch.equal(cache.last_root, root):
+                raise ValueError("propose() again with another root and nothing observed in between")
+            return None
+        feats = torch.cat([*cache.queued_feats, cache.waiting[None]])
+        tokens = torch.cat([*cache.queued_tokens, root])
+        cache.queued_feats, cache.queued_tokens, cache.waiting, cache.last_root = [], [], None, root.clone()
+        return feats, tokens
+
+
 @register_heads("eagle")
-class EagleHeads(DraftHeads):
+class EagleHeads(PairQueue, DraftHeads):
     """EAGLE-style drafter (archs ``eagle``: EAGLE-1/2, ``eagle3``: EAGLE-3). ``num_heads`` is the
     deepest tree it drafts (and the training unroll); ``num_layers`` its decoder layers."""
 
@@ -268,41 +310,6 @@ class EagleHeads(DraftHeads):
         return project(x.reshape(-1, x.shape[-1]), lm_weight, lm_bias, kernel).reshape(*x.shape[:-1], -1)
 
     # ------------------------------------------------------------------ drafting
-    @torch.no_grad()
-    def observe(self, state: DraftState, hidden: Tensor, tokens: Tensor | None = None) -> None:
-        """Queue the pairs (feature, next token) that ``hidden`` [T, F] and ``tokens`` [T] (the ids at
-        those positions) complete; the last feature waits for the next root."""
-        hidden = self._observed(hidden)
-        if tokens is None or tokens.reshape(-1).shape[0] != hidden.shape[0]:
-            raise ValueError("an EAGLE drafter pairs each feature with the next token: pass tokens=[T] (the ids at "
-                             "the hidden states' positions)")  # fmt: skip
-        cache: EagleCache = state.prefix_cache
-        hidden, tokens = hidden.to(self._dtype), tokens.reshape(-1).to(hidden.device)
-        if cache.waiting is not None:
-            cache.queued_feats.append(cache.waiting[None])
-            cache.queued_tokens.append(tokens[:1])
-        if hidden.shape[0] > 1:
-            cache.queued_feats.append(hidden[:-1])
-            cache.queued_tokens.append(tokens[1:])
-        cache.waiting = hidden[-1]
-        state.num_observed += hidden.shape[0]
-        state.cond = hidden[-1]
-
-    @staticmethod
-    def _take_queue(cache: EagleCache, root: Tensor) -> tuple[Tensor, Tensor] | None:
-        """The queued pairs' features and tokens, the last pair completed by ``root``, and the queue
-        emptied; ``None`` when nothing waits (a second ``propose`` with the same root)."""
-        if cache.waiting is None:
-            if cache.last_out is None:
-                raise ValueError("observe() the prompt's hidden states before propose()")
-            if not torch.equal(cache.last_root, root):
-                raise ValueError("propose() again with another root and nothing observed in between")
-            return None
-        feats = torch.cat([*cache.queued_feats, cache.waiting[None]])
-        tokens = torch.cat([*cache.queued_tokens, root])
-        cache.queued_feats, cache.queued_tokens, cache.waiting, cache.last_root = [], [], None, root.clone()
-        return feats, tokens
-
     def _commit_rows(self, states: list[DraftState], roots: list[Tensor]) -> list[EagleCache]:
         """Run every row's queued pairs, the last completed by its root, into its committed cache, in
         one drafter call: each row's new pairs sit right-aligned after its cache, left-padded to the

@@ -15,6 +15,7 @@ from .base import FORMAT_KEY, WEIGHTS_NAME, DraftHeads, check_draft_vocab
 from .card import CARD_NAME, HeadsCard, read_card
 from .config import FORMAT_VERSION, HeadsConfig
 from .files import HeadsLoadError, open_safetensors
+from .mtp import MTP_SOURCE, MtpHeads
 from .registry import Resolver, build_checked, detect_format, register_format
 
 __all__ = ["convert_heads", "detect_format", "load_heads", "load_own_format"]
@@ -62,15 +63,22 @@ def load_heads(
     source: "str | os.PathLike | DraftHeads",
     revision: str | None = None,
     *,
+    model: Any = None,
     base_config: Any = None,
     cache_dir: str | os.PathLike | None = None,
     token: str | bool | None = None,
     force_download: bool = False,
     local_files_only: bool = False,
 ) -> DraftHeads:
-    """Heads from an object (returned as is), a local folder or a Hub repo id; format auto-detected."""
+    """Heads from an object (returned as is), a local folder or a Hub repo id (format auto-detected), or
+    ``"mtp"``: ``model``'s own multi-token-prediction layers (:meth:`MtpHeads.from_model`; a folder of that
+    name is ``"./mtp"``)."""
     if isinstance(source, DraftHeads):
         return source
+    if isinstance(source, str) and source == MTP_SOURCE:
+        if model is None:
+            raise ValueError(f"heads {MTP_SOURCE!r} are a model's own MTP layers: pass the model (model=...)")
+        return MtpHeads.from_model(model)
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_heads takes DraftHeads, a folder or a repo id, got {type(source).__name__}")
     return DraftHeads.from_pretrained(source, revision, base_config=base_config, cache_dir=cache_dir, token=token,

@@ -285,7 +285,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     model, tokenizer = load_base_model(args.model)
-    heads = load_heads(args.heads or str(DEMO_HEADS), base_config=model.config).eval()
+    heads = load_heads(args.heads or str(DEMO_HEADS), model=model, base_config=model.config).eval()
     out = Path(args.out.replace("{task}", Path(args.task).stem))
     out.mkdir(parents=True, exist_ok=True)
     check_settings(out / "settings.json", {"model": args.model, "heads": heads_fingerprint(heads),

@@ -101,7 +101,7 @@ def _load_heads(args: argparse.Namespace, model) -> tuple[Any, str]:
     if source is None:
         raise ValueError("give --heads (a folder or Hub repo id) or --random-heads N")
     name = f"entmtp-hf demo heads ({DEMO_HEADS.name})" if FsPath(source).resolve() == DEMO_HEADS else str(source)
-    return load_heads(source, base_config=model.config), name
+    return load_heads(source, model=model, base_config=model.config), name
 
 
 def _restart(out: FsPath) -> None:
