@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: test test-min test-engines demo venv clean
+.PHONY: test test-min test-engines lint demo venv clean
 
 # torch first: the CPU build of this version lies on local disk; a bare `torch`
 # requirement with nothing installed would pull a multi-GB CUDA build.
@@ -38,7 +38,12 @@ test-engines: $(ENGINES_STAMP)
 
 # the suite includes building the wheel and decoding from it, installed away from the checkout;
 # then the engine canary, in a process of its own (about 20 s with its install, docs/export.md)
-test: $(STAMP) $(ENGINES_STAMP)
+# lint and format, as configured in pyproject.toml ([tool.ruff]); `ruff format src tests scripts` fixes the format
+lint: $(STAMP)
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
+
+test: lint $(STAMP) $(ENGINES_STAMP)
 	$(FRESH) $(BIN)/python -m pytest -q -x --timeout=900 tests
 	$(MAKE) test-engines
 

@@ -38,8 +38,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/first-call.json")
     parser.add_argument("--tokens", type=int, default=24)
-    parser.add_argument("--model-cache", default=None,
-                        help="where the demo model is cached already (default: fetched into the fresh cache folder)")
+    parser.add_argument(
+        "--model-cache",
+        default=None,
+        help="where the demo model is cached already (default: fetched into the fresh cache folder)",
+    )
     args = parser.parse_args()
     os.environ["ENTMTP_HF_CACHE"] = tempfile.mkdtemp(prefix="entmtp-first-call-")  # a fresh cost cache
     from entmtp_hf import calibrate
@@ -50,16 +53,28 @@ def main() -> int:
     model, tokenizer, bank_dir = load_demo(cache_dir=args.model_cache)
     loaded = time.perf_counter() - t0
     config = config_for(bank_dir, "chat")
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-             for _, t in DEMO_PROMPTS] + ["Name three rivers in Europe."]  # fmt: skip
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+        for _, t in DEMO_PROMPTS
+    ] + ["Name three rivers in Europe."]
     tokenizer.padding_side = "left"
     one = tokenizer(texts[:1], return_tensors="pt")
     four = tokenizer(texts, return_tensors="pt", padding=True)
-    kwargs = dict(max_new_tokens=args.tokens, do_sample=False, entmtp_config=config,
-                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)  # fmt: skip
+    kwargs = dict(
+        max_new_tokens=args.tokens,
+        do_sample=False,
+        entmtp_config=config,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+    )
     calls = {1: lambda: model.generate(**one, **kwargs), 4: lambda: model.generate(**four, **kwargs)}
-    result: dict = {"hardware": hardware_string(), "threads": torch.get_num_threads(), "load_s": loaded,
-                    "new_tokens": args.tokens, "uncalibrated": {}, "calibrated": {}}  # fmt: skip
+    result: dict = {
+        "hardware": hardware_string(),
+        "threads": torch.get_num_threads(),
+        "load_s": loaded,
+        "new_tokens": args.tokens,
+        "uncalibrated": {},
+        "calibrated": {},
+    }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for b, call in calls.items():
@@ -75,14 +90,21 @@ def main() -> int:
     for b, call in calls.items():
         first, again = _timed(call), _timed(call)
         result["calibrated"][b] = {"first_s": first, "again_s": again, "extra_s": first - again}
-    lines = [f"{result['hardware']}, {result['threads']} threads; demo model loaded in {loaded:.1f} s", "",
-             "| | batch 1 | batch 4 |", "|---|---|---|"]  # fmt: skip
+    lines = [
+        f"{result['hardware']}, {result['threads']} threads; demo model loaded in {loaded:.1f} s",
+        "",
+        "| | batch 1 | batch 4 |",
+        "|---|---|---|",
+    ]
     for phase in ("uncalibrated", "calibrated"):
         r = result[phase]
-        lines.append(f"| {phase}: first call / again (s) | {r[1]['first_s']:.2f} / {r[1]['again_s']:.2f} | "
-                     f"{r[4]['first_s']:.2f} / {r[4]['again_s']:.2f} |")  # fmt: skip
-    lines.append("| calibrate (s), batch sizes 1 / 2 / 4 | " + " / ".join(f"{per_size[b]:.1f}" for b in (1, 2, 4))
-                 + " | |")
+        lines.append(
+            f"| {phase}: first call / again (s) | {r[1]['first_s']:.2f} / {r[1]['again_s']:.2f} | "
+            f"{r[4]['first_s']:.2f} / {r[4]['again_s']:.2f} |"
+        )
+    lines.append(
+        "| calibrate (s), batch sizes 1 / 2 / 4 | " + " / ".join(f"{per_size[b]:.1f}" for b in (1, 2, 4)) + " | |"
+    )
     print("\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")

@@ -45,9 +45,18 @@ def tiny_setup(device: str, dtype: torch.dtype):
     from entmtp_hf.heads import HydraHeads
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     heads = HydraHeads.for_model(model, num_heads=4)
@@ -56,10 +65,15 @@ def tiny_setup(device: str, dtype: torch.dtype):
     banks = {}
     for task in TASKS:
         per_tree = [{"num_nodes": t.num_nodes, "mean_accept_length": 1.0 + 0.3 * t.depth} for t in chains]
-        banks[task] = TopologyBank(task, chains, {"trees": per_tree, "frontier": {"trees": list(range(5))},
-                                                  "scheduler": {"static": 2, "policy": "static"}})  # fmt: skip
-    prompts = {task: [torch.randint(0, 64, (1, 12 + i), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-               for task in TASKS}  # fmt: skip
+        banks[task] = TopologyBank(
+            task,
+            chains,
+            {"trees": per_tree, "frontier": {"trees": list(range(5))}, "scheduler": {"static": 2, "policy": "static"}},
+        )
+    prompts = {
+        task: [torch.randint(0, 64, (1, 12 + i), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+        for task in TASKS
+    }
     return model, banks, prompts
 
 
@@ -72,8 +86,9 @@ def demo_setup(device: str, dtype: torch.dtype, n: int):
     model = model.to(device=device, dtype=dtype)
     enable_entmtp(model, model.entmtp_heads)  # the heads follow the model's device and dtype
     banks = {task: TopologyBank.from_pretrained(bank_dir, task=task) for task in TASKS}
-    prompts = {task: [torch.tensor([p.render(tokenizer)], device=device) for p in evaluation_basket(task, n)]
-               for task in TASKS}  # fmt: skip
+    prompts = {
+        task: [torch.tensor([p.render(tokenizer)], device=device) for p in evaluation_basket(task, n)] for task in TASKS
+    }
     return model, banks, prompts
 
 
@@ -90,8 +105,12 @@ def identity(model, banks, prompts, tokens: int) -> dict:
         for i, ids in enumerate(prompts[task]):
             ids = ids.to(model.device)
             ref = model.generate(ids, max_new_tokens=tokens, do_sample=False)
-            got = model.generate(ids, max_new_tokens=tokens, do_sample=False, entmtp_config=EntMTPConfig(bank=bank, task=task))
-            diff = find_mismatch(ref[0, ids.shape[1]:].tolist(), got[0, ids.shape[1]:].tolist(), model, ids[0].tolist())
+            got = model.generate(
+                ids, max_new_tokens=tokens, do_sample=False, entmtp_config=EntMTPConfig(bank=bank, task=task)
+            )
+            diff = find_mismatch(
+                ref[0, ids.shape[1] :].tolist(), got[0, ids.shape[1] :].tolist(), model, ids[0].tolist()
+            )
             out[f"{task}-{i}"] = {"identical": diff is None, "mismatch": diff}
     return out
 
@@ -133,26 +152,44 @@ def timing(model, banks, prompts, costs, tokens: int, device: str) -> dict:
                 seqs = getattr(out, "sequences", out)
                 tps[name].append((seqs.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
         base = statistics.median(tps["vanilla"])
-        result[task] = {"entmtp_tree": tree, "warm_up_seconds": warm,
-                        "tokens_per_s": {n: statistics.median(v) for n, v in tps.items()},
-                        "speedup": {n: statistics.median(v) / base for n, v in tps.items()}}  # fmt: skip
+        result[task] = {
+            "entmtp_tree": tree,
+            "warm_up_seconds": warm,
+            "tokens_per_s": {n: statistics.median(v) for n, v in tps.items()},
+            "speedup": {n: statistics.median(v) / base for n, v in tps.items()},
+        }
     return result
 
 
 # ============================================================================ report
 def markdown(report: dict) -> str:
-    lines = ["# EntMTP device check", "", f"Device: {report['device_name']} ({report['device']}); torch "
-             f"{report['torch']}; model: {report['model']}; {report['seconds']:.0f} s in all.", ""]  # fmt: skip
+    lines = [
+        "# EntMTP device check",
+        "",
+        f"Device: {report['device_name']} ({report['device']}); torch "
+        f"{report['torch']}; model: {report['model']}; {report['seconds']:.0f} s in all.",
+        "",
+    ]
     for dtype, part in report["dtypes"].items():
         same = sum(r["identical"] for r in part["identity"].values())
-        lines += [f"## {dtype}", "", f"Greedy identity: {same} of {len(part['identity'])} outputs token-identical to "
-                  "plain generate."]  # fmt: skip
+        lines += [
+            f"## {dtype}",
+            "",
+            f"Greedy identity: {same} of {len(part['identity'])} outputs token-identical to plain generate.",
+        ]
         for key, r in part["identity"].items():
             if not r["identical"]:
-                lines.append(f"- {key}: from token {r['mismatch']['position']} on, logit gap {r['mismatch']['logit_gap']}")
+                lines.append(
+                    f"- {key}: from token {r['mismatch']['position']} on, logit gap {r['mismatch']['logit_gap']}"
+                )
         c = part["forward_ms"]
-        lines += ["", "| N | " + " | ".join(map(str, c)) + " |", "|---|" + "---|" * len(c),
-                  "| c(N) | " + " | ".join(f"{c[n] / c[1]:.2f}" for n in c) + " |", ""]  # fmt: skip
+        lines += [
+            "",
+            "| N | " + " | ".join(map(str, c)) + " |",
+            "|---|" + "---|" * len(c),
+            "| c(N) | " + " | ".join(f"{c[n] / c[1]:.2f}" for n in c) + " |",
+            "",
+        ]
         if "timing" in part:
             names = list(next(iter(part["timing"].values()))["speedup"])
             lines += ["| task | EntMTP* tree | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
@@ -180,15 +217,23 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    report = {"device": args.device, "device_name": name, "torch": torch.__version__,
-              "model": "tiny random Llama" if args.tiny else "SmolLM2-135M-Instruct", "dtypes": {}}  # fmt: skip
+    report = {
+        "device": args.device,
+        "device_name": name,
+        "torch": torch.__version__,
+        "model": "tiny random Llama" if args.tiny else "SmolLM2-135M-Instruct",
+        "dtypes": {},
+    }
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         setup = tiny_setup(args.device, dtype) if args.tiny else demo_setup(args.device, dtype, args.prompts)
         model, banks, prompts = setup
         costs = calibrate(model, model.entmtp_heads)[1]  # this device's probe (cached), which re-ranks the banks
-        part = {"identity": identity(model, banks, prompts, tokens=64 if not args.tiny else 16),
-                "forward_ms": forward_ms(model, model.entmtp_heads, SIZES, repeats=3), "probe_seconds": costs.seconds}  # fmt: skip
+        part = {
+            "identity": identity(model, banks, prompts, tokens=64 if not args.tiny else 16),
+            "forward_ms": forward_ms(model, model.entmtp_heads, SIZES, repeats=3),
+            "probe_seconds": costs.seconds,
+        }
         if not args.no_timing:
             part["timing"] = timing(model, banks, prompts, costs, args.tokens, args.device)
         if args.device.startswith("cuda"):

@@ -57,21 +57,33 @@ def main() -> int:
         ids = torch.tensor([long_prompt(tokenizer, task, args.min_tokens)])
         greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
         t0 = time.perf_counter()
-        plain = model.generate(ids, **greedy)[0, ids.shape[1]:].tolist()
+        plain = model.generate(ids, **greedy)[0, ids.shape[1] :].tolist()
         plain_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         out = model.generate(ids, **greedy, entmtp_config=config_for(bank_dir, task), return_dict_in_generate=True)
         tree_s = time.perf_counter() - t0
-        new = out.sequences[0, ids.shape[1]:].tolist()
+        new = out.sequences[0, ids.shape[1] :].tolist()
         diff = find_mismatch(plain, new, model, ids[0].tolist())
         stats = out.entmtp_stats
-        row = {"task": task, "prompt_tokens": ids.shape[1], "sliding_window": window, "new_tokens": len(new),
-               "identical": diff is None, "mismatch": diff, "plain_s": round(plain_s, 2), "entmtp_s": round(tree_s, 2),
-               "mean_accept_length": stats.get("mean_accept_length"), "plain_decoding": bool(stats.get("plain_decoding"))}
+        row = {
+            "task": task,
+            "prompt_tokens": ids.shape[1],
+            "sliding_window": window,
+            "new_tokens": len(new),
+            "identical": diff is None,
+            "mismatch": diff,
+            "plain_s": round(plain_s, 2),
+            "entmtp_s": round(tree_s, 2),
+            "mean_accept_length": stats.get("mean_accept_length"),
+            "plain_decoding": bool(stats.get("plain_decoding")),
+        }
         rows.append(row)
-        print(f"{task}: {row['prompt_tokens']} prompt tokens (window {window}), {len(new)} new: "
-              f"{'identical' if diff is None else 'DIVERGES: ' + json.dumps(diff)}; tokens per step "
-              f"{row['mean_accept_length']:.2f}, {plain_s:.1f} s plain, {tree_s:.1f} s EntMTP", flush=True)
+        print(
+            f"{task}: {row['prompt_tokens']} prompt tokens (window {window}), {len(new)} new: "
+            f"{'identical' if diff is None else 'DIVERGES: ' + json.dumps(diff)}; tokens per step "
+            f"{row['mean_accept_length']:.2f}, {plain_s:.1f} s plain, {tree_s:.1f} s EntMTP",
+            flush=True,
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1

@@ -28,11 +28,13 @@ I32 = torch.int32
 def small_banks() -> dict[str, TopologyBank]:
     """Valid banks to start mutations from: a searched-style one and the published defaults."""
     meta = {
-        "base_model": "tiny", "heads": "hydra-mlp", "hardware": "cpu",
+        "base_model": "tiny",
+        "heads": "hydra-mlp",
+        "hardware": "cpu",
         "trees": [{"num_nodes": 1, "mean_accept_length": 1.0}, {"num_nodes": 4, "tokens_per_s": 20.0}],
         "scheduler": {"static": 1, "tau_on": 0.02, "tau_off": 0.01, "retrieval": {"mode": "append", "num_tokens": 3}},
         "calibration": {"prompts": 4},
-    }  # fmt: skip
+    }
     return {"t": TopologyBank("t", [Tree.root_only(), [[0], [1], [0, 0]]], meta), "default": published_defaults_bank()}
 
 
@@ -58,28 +60,55 @@ def bank_reproducers(folder: Path) -> dict[str, tuple[Path, str]]:
     deep = '{"format_version": 1, "task": "b1", "num_trees": 1, "calibration": {"x": ' + "[" * 5000 + "]" * 5000 + "}}"
     return {
         "B1": (write_bank(folder / "b1.safetensors", empty, deep), "nests deeper than the limit of 32 levels"),
-        "B2": (write_bank(folder / "b2.safetensors", empty, {"format_version": 1, "task": "b2", "num_trees": 10**9}),
-               r"num_trees must be an integer in \[1, 1024\], got 1000000000"),
-        "B3": (write_bank(folder / "b3.safetensors", {"tree.0": torch.arange(3_999_900, dtype=I32)[:, None]},
-                          {"format_version": 1, "task": "b3", "num_trees": 1}),
-               "tree 0 has 3999901 nodes, above the limit of 4096"),
-        "B4": (write_bank(folder / "b4.safetensors", empty, {"format_version": 1, "task": "b4", "num_trees": 1,
-                                                             "scheduler": {"retrieval": {"num_tokens": 10**12}}}),
-               r"RetrievalConfig\.num_tokens: must be an integer in \[1, 32\], got 1000000000000"),
-    }  # fmt: skip
+        "B2": (
+            write_bank(folder / "b2.safetensors", empty, {"format_version": 1, "task": "b2", "num_trees": 10**9}),
+            r"num_trees must be an integer in \[1, 1024\], got 1000000000",
+        ),
+        "B3": (
+            write_bank(
+                folder / "b3.safetensors",
+                {"tree.0": torch.arange(3_999_900, dtype=I32)[:, None]},
+                {"format_version": 1, "task": "b3", "num_trees": 1},
+            ),
+            "tree 0 has 3999901 nodes, above the limit of 4096",
+        ),
+        "B4": (
+            write_bank(
+                folder / "b4.safetensors",
+                empty,
+                {"format_version": 1, "task": "b4", "num_trees": 1, "scheduler": {"retrieval": {"num_tokens": 10**12}}},
+            ),
+            r"RetrievalConfig\.num_tokens: must be an integer in \[1, 32\], got 1000000000000",
+        ),
+    }
 
 
 # ----------------------------------------------------------------------------- heads
 def tiny_base_config() -> LlamaConfig:
-    return LlamaConfig(hidden_size=H, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, vocab_size=V, max_position_embeddings=64)  # fmt: skip
+    return LlamaConfig(
+        hidden_size=H,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=V,
+        max_position_embeddings=64,
+    )
 
 
 def own_heads(family: str, arch: str = "mlp", draft_vocab: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     prefix = prefix_layer_config(tiny_base_config()) if arch == "prefix-mlp" else None
-    config = HeadsConfig(family=family, head_arch=arch, num_heads=2, num_layers=2, hidden_size=H, vocab_size=V,
-                         draft_vocab_size=6 if draft_vocab else 0, prefix_layer_config=prefix)  # fmt: skip
+    config = HeadsConfig(
+        family=family,
+        head_arch=arch,
+        num_heads=2,
+        num_layers=2,
+        hidden_size=H,
+        vocab_size=V,
+        draft_vocab_size=6 if draft_vocab else 0,
+        prefix_layer_config=prefix,
+    )
     heads = (HydraHeads if family == "hydra" else MedusaHeads)(config)
     if draft_vocab:
         heads.draft_vocab.copy_(torch.tensor([3, 1, 4, 15, 9, 2]))
@@ -107,8 +136,15 @@ def medusa_published_state(n: int = 2, layers: int = 2) -> dict[str, torch.Tenso
 
 
 def hydra_config(arch: str, **changes: Any) -> dict[str, Any]:
-    return {"hydra_num_heads": 2, "hydra_num_layers": 2, "hydra_head_arch": arch, "grounded_heads": True,
-            "hidden_state_offset": 0, "base_model_name_or_path": None, **changes}  # fmt: skip
+    return {
+        "hydra_num_heads": 2,
+        "hydra_num_layers": 2,
+        "hydra_head_arch": arch,
+        "grounded_heads": True,
+        "hidden_state_offset": 0,
+        "base_model_name_or_path": None,
+        **changes,
+    }
 
 
 def write_folder(folder: Path, files: dict[str, Any]) -> Path:
@@ -147,29 +183,47 @@ def heads_reproducers(folder: Path) -> dict[str, tuple[Path, str, str]]:
 
     own_variant("H1 hidden_act", prefix(hidden_act="1"), r"prefix_layer_config\.hidden_act: must be one of")
     own_variant("H1 rope_theta", prefix(rope_theta={}), r"prefix_layer_config\.rope_theta: must be a finite number > 0")
-    own_variant("H1 head_dim", prefix(head_dim=0), r"prefix_layer_config\.head_dim: must be an integer in \[1, 4096\], got 0")
-    own_variant("H2 hidden_size", json.dumps({**good, "hidden_size": 100000}),
-                r"HeadsConfig\.hidden_size: must be an integer in \[1, 65536\], got 100000")  # fmt: skip
+    own_variant(
+        "H1 head_dim", prefix(head_dim=0), r"prefix_layer_config\.head_dim: must be an integer in \[1, 4096\], got 0"
+    )
+    own_variant(
+        "H2 hidden_size",
+        json.dumps({**good, "hidden_size": 100000}),
+        r"HeadsConfig\.hidden_size: must be an integer in \[1, 65536\], got 100000",
+    )
     for key, value in (("num_heads", 10**5), ("num_layers", 10**6)):
-        own_variant(f"H2 {key}", json.dumps({**good, key: value}), rf"HeadsConfig\.{key}: must be an integer in \[1, 64\]")
+        own_variant(
+            f"H2 {key}", json.dumps({**good, key: value}), rf"HeadsConfig\.{key}: must be an integer in \[1, 64\]"
+        )
     own_variant("H3 deep", '{"a": ' + "[" * 5000 + "]" * 5000 + "}", "nests deeper than the limit of 32 levels")
     text = json.dumps({**good, "num_heads": 1234567}).replace("1234567", "9" * 5000)
     own_variant("H3 digits", text, "a number of 5000 digits, above the limit of 100")
     zeros = {"hydra_mlp.0.0.linear.weight": torch.zeros(100000, 0), "hydra_lm_head.0.weight": torch.zeros(100000, 0)}
-    out["H2 zero-size pickle"] = (write_folder(folder / "h2pt", {"config.json": hydra_config("mlp", hydra_num_heads=1),
-                                                               "hydra_lm_head.pt": zeros}),
-                                  "hydra_lm_head.pt", r"\(100000, 0\), with a zero-size dimension")  # fmt: skip
+    out["H2 zero-size pickle"] = (
+        write_folder(
+            folder / "h2pt", {"config.json": hydra_config("mlp", hydra_num_heads=1), "hydra_lm_head.pt": zeros}
+        ),
+        "hydra_lm_head.pt",
+        r"\(100000, 0\), with a zero-size dimension",
+    )
     zero_medusa = {**medusa_published_state(1, 1), "0.1.weight": torch.zeros(0, H)}
-    out["H4 zero-width medusa"] = (write_folder(folder / "h4", {"config.json": {"medusa_num_heads": 1},
-                                                               "medusa_lm_head.pt": zero_medusa}),
-                                   "medusa_lm_head.pt", "zero-size dimension")  # fmt: skip
+    out["H4 zero-width medusa"] = (
+        write_folder(folder / "h4", {"config.json": {"medusa_num_heads": 1}, "medusa_lm_head.pt": zero_medusa}),
+        "medusa_lm_head.pt",
+        "zero-size dimension",
+    )
     shard = {f"medusa_head.{k}": v for k, v in medusa_published_state(1, 1).items()}
     write_folder(folder / "outside_dir", {"x.safetensors": shard})
-    for name, target in (("H6 relative", "../outside_dir/x.safetensors"),
-                         ("H6 absolute", str((folder / "outside_dir" / "x.safetensors").resolve())),
-                         ("H6 through a subfolder", "sub/../../outside_dir/x.safetensors")):  # fmt: skip
+    for name, target in (
+        ("H6 relative", "../outside_dir/x.safetensors"),
+        ("H6 absolute", str((folder / "outside_dir" / "x.safetensors").resolve())),
+        ("H6 through a subfolder", "sub/../../outside_dir/x.safetensors"),
+    ):
         index = {"weight_map": {k: target for k in shard}}
         files = {"config.json": {"medusa_num_heads": 1}, "model.safetensors.index.json": index}
-        out[name] = (write_folder(folder / name.replace(" ", "_"), files), "model.safetensors.index.json",
-                     "leaves the folder|is absolute")  # fmt: skip
+        out[name] = (
+            write_folder(folder / name.replace(" ", "_"), files),
+            "model.safetensors.index.json",
+            "leaves the folder|is absolute",
+        )
     return out

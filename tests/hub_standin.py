@@ -99,8 +99,11 @@ class _MiniHub(BaseHTTPRequestHandler):
             paths = [f["path"] for f in json.loads(body)["files"]]
             return self._json({"files": [{"path": p, "uploadMode": "regular", "shouldIgnore": False} for p in paths]})
         if path.startswith(f"/api/models/{REPO}/commit/"):
-            added = {item["value"]["path"]: base64.b64decode(item["value"]["content"])
-                     for item in map(json.loads, body.splitlines()) if item["key"] == "file"}  # fmt: skip
+            added = {
+                item["value"]["path"]: base64.b64decode(item["value"]["content"])
+                for item in map(json.loads, body.splitlines())
+                if item["key"] == "file"
+            }
             commit = hub.commit(unquote(path.rsplit("/", 1)[1]), added)
             return self._json({"commitUrl": f"{hub.endpoint}/{REPO}/commit/{commit}", "commitOid": commit})
         self._send(404)
@@ -109,15 +112,17 @@ class _MiniHub(BaseHTTPRequestHandler):
         path, hub = urlsplit(self.path).path, self.server
         api = f"/api/models/{REPO}/"
         if path.startswith((api + "tree/", api + "revision/")):
-            commit = hub.resolve(path[len(api):].split("/")[1])
+            commit = hub.resolve(path[len(api) :].split("/")[1])
             if commit is None:
                 return self._no_revision()
             files = hub.commits[commit]
             if "/tree/" in path:
-                return self._json([{"type": "file", "path": p, "size": len(b), "oid": "0" * 40} for p, b in files.items()])
+                return self._json(
+                    [{"type": "file", "path": p, "size": len(b), "oid": "0" * 40} for p, b in files.items()]
+                )
             return self._json({"id": REPO, "sha": commit, "siblings": [{"rfilename": p} for p in files]})
         if path.startswith(f"/{REPO}/resolve/"):
-            revision, name = path[len(f"/{REPO}/resolve/"):].split("/", 1)
+            revision, name = path[len(f"/{REPO}/resolve/") :].split("/", 1)
             commit = hub.resolve(revision)
             if commit is None:
                 return self._no_revision()

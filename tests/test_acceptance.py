@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from tiny import VOCAB
 
-from entmtp_hf.tools.acceptance_table import acceptance_table, markdown, trajectories
-from entmtp_hf.tools.search.trajectories import simulate_canonical
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
+from entmtp_hf.tools.acceptance_table import acceptance_table, markdown, trajectories
+from entmtp_hf.tools.search.trajectories import simulate_canonical
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
-from tiny import VOCAB
 
 
 def fake_results(model, prompts, tree=None):
@@ -17,12 +17,20 @@ def fake_results(model, prompts, tree=None):
     for i, ids in enumerate(prompts):
         results["prompts"]["t"].append({"prompt_id": str(i), "input_ids": ids[0].tolist()})
         ref = model.generate(ids, max_new_tokens=30, do_sample=False)
-        results["records"].append({"task": "t", "prompt_index": i, "method": "vanilla",
-                                    "output_ids": ref[0, ids.shape[1]:].tolist()})  # fmt: skip
-        out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=tree),
-                             return_dict_in_generate=True)  # fmt: skip
-        results["records"].append({"task": "t", "prompt_index": i, "method": "hydra-default",
-                                    "accept_lengths": out.entmtp_stats["accept_lengths"]})  # fmt: skip
+        results["records"].append(
+            {"task": "t", "prompt_index": i, "method": "vanilla", "output_ids": ref[0, ids.shape[1] :].tolist()}
+        )
+        out = model.generate(
+            ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=tree), return_dict_in_generate=True
+        )
+        results["records"].append(
+            {
+                "task": "t",
+                "prompt_index": i,
+                "method": "hydra-default",
+                "accept_lengths": out.entmtp_stats["accept_lengths"],
+            }
+        )
     return results
 
 
@@ -32,8 +40,12 @@ def test_simulated_accept_length_equals_generate(tiny_cache):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, VOCAB, (1, 4 + i), generator=g) for i in range(3)]
     results = fake_results(model, prompts, MC_SIM_7B_63)
-    table = acceptance_table(model, model.entmtp_heads, results,
-                             {"t": {"mc_sim_7b_63": Tree.from_choices(MC_SIM_7B_63), "chain": Tree.chain(2)}})  # fmt: skip
+    table = acceptance_table(
+        model,
+        model.entmtp_heads,
+        results,
+        {"t": {"mc_sim_7b_63": Tree.from_choices(MC_SIM_7B_63), "chain": Tree.chain(2)}},
+    )
     row = table["t"]
     assert row["prompts"] == 3 and row["tau"]["mc_sim_7b_63"]["num_nodes"] == 64
     measured = row["measured_hydra_default"]
@@ -50,7 +62,10 @@ def test_simulated_accept_length_equals_generate(tiny_cache):
 
 def test_sampling_runs_are_refused(tiny_cache):
     model, heads = tiny_cache("llama", "hydra", "mlp")
-    results = {"settings": {"mode": "sampling"}, "prompts": {"t": [{"input_ids": [1, 2]}]},
-               "records": [{"task": "t", "prompt_index": 0, "method": "vanilla", "output_ids": [3]}]}  # fmt: skip
+    results = {
+        "settings": {"mode": "sampling"},
+        "prompts": {"t": [{"input_ids": [1, 2]}]},
+        "records": [{"task": "t", "prompt_index": 0, "method": "vanilla", "output_ids": [3]}],
+    }
     with pytest.raises(ValueError, match="greedy"):
         acceptance_table(model, heads, results, {"t": {"chain": Tree.chain(1)}})

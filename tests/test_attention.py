@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from entmtp_hf.decoding import attention as A
 from entmtp_hf.decoding.attention import tree_attention_mask
 from entmtp_hf.trees.tree import Tree
-
-from tiny import tiny_model
 
 
 class _Module(torch.nn.Module):

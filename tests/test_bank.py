@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_standin import MiniHubServer, fake_cache
 from huggingface_hub import constants as hf_constants
 from safetensors.torch import save_file
 
@@ -27,17 +28,18 @@ from entmtp_hf.trees.bank import (
     shipped_bank_path,
 )
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
-from hub_standin import MiniHubServer, fake_cache
 
 META = {
     "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "heads": "hydra-mlp",
     "hardware": "2-core CPU",
-    "trees": [{"num_nodes": 1, "mean_accept_length": 1.0},
-              {"num_nodes": 4, "mean_accept_length": 1.8, "tokens_per_s": 21.5, "biased_accept_length": 1.9}],
+    "trees": [
+        {"num_nodes": 1, "mean_accept_length": 1.0},
+        {"num_nodes": 4, "mean_accept_length": 1.8, "tokens_per_s": 21.5, "biased_accept_length": 1.9},
+    ],
     "scheduler": {"static": 1, "conservative": 0, "aggressive": 1, "tau_on": 0.02, "tau_off": 0.01},
     "calibration": {"prompts": 20, "dataset": "gsm8k"},
-}  # fmt: skip
+}
 
 
 def small_bank(task: str = "gsm8k") -> TopologyBank:
@@ -84,19 +86,30 @@ def test_shipped_bank_matches_its_builder() -> None:
 
 
 def _machine(processor: str, forward: dict[int, float], **fingerprint) -> CostTable:
-    return CostTable({"key": processor, "processor": processor, **fingerprint}, "m", forward, (0.0, 0.0, 0.0),
-                     (0.0, 0.0), forward[1])  # fmt: skip
+    return CostTable(
+        {"key": processor, "processor": processor, **fingerprint}, "m", forward, (0.0, 0.0, 0.0), (0.0, 0.0), forward[1]
+    )
 
 
 def searched_bank() -> TopologyBank:
     """A bank as a search leaves it: a frontier with timed speed-ups, then two machines' entries."""
     trees = [Tree.root_only(), Tree.chain(1), Tree.chain(2)]
-    per_tree = [{"mean_accept_length": 1.0, "speedup_vs_plain": 0.96},
-                {"mean_accept_length": 1.5, "speedup_vs_plain": 1.31, "tokens_per_s": 26.2},
-                {"mean_accept_length": 1.8, "speedup_vs_plain": 1.12}]  # fmt: skip
-    bank = TopologyBank("chat", trees, {"hardware": "AMD EPYC, 2 cores", "trees": per_tree,
-                                        "frontier": {"trees": [0, 1, 2]}, "calibration": {"vanilla_tokens_per_s": 20.0},
-                                        "scheduler": {"static": 1, "policy": "static"}})  # fmt: skip
+    per_tree = [
+        {"mean_accept_length": 1.0, "speedup_vs_plain": 0.96},
+        {"mean_accept_length": 1.5, "speedup_vs_plain": 1.31, "tokens_per_s": 26.2},
+        {"mean_accept_length": 1.8, "speedup_vs_plain": 1.12},
+    ]
+    bank = TopologyBank(
+        "chat",
+        trees,
+        {
+            "hardware": "AMD EPYC, 2 cores",
+            "trees": per_tree,
+            "frontier": {"trees": [0, 1, 2]},
+            "calibration": {"vanilla_tokens_per_s": 20.0},
+            "scheduler": {"static": 1, "policy": "static"},
+        },
+    )
     fast = _machine("Fast CPU", {1: 10.0, 2: 10.5, 3: 11.0}, device="cpu", threads=2, dtype="float32", torch="2.13")
     slow = _machine("Slow CPU", {1: 10.0, 2: 20.0, 3: 30.0})
     return bank.with_machine(fast).with_machine(slow)
@@ -108,20 +121,29 @@ def test_the_card_shows_measured_and_modelled_speed_ups_and_how_to_use_the_bank(
     assert 'entmtp_config=EntMTPConfig(bank="<this repo id or folder>", task="chat")' in card
     assert "from entmtp_hf import EntMTPConfig, enable_entmtp" in card
     assert "| 1 | 2 | 1 | 1 | 1.5 | 26.2 | 1.31 |" in card  # the trees' table has the speed-up column
-    assert ("Measured on AMD EPYC, 2 cores (plain `generate`: 20 tokens/s) by the search that wrote this bank: "
-            r"EntMTP\* = tree 1 (2 nodes) at ×1.31 the speed of plain decoding; the fastest timed tree: tree 1 "
-            "(2 nodes) at ×1.31.") in card  # fmt: skip
-    assert "| Fast CPU (cpu, 2 threads, float32, torch 2.13) | tree 2 (3 nodes) | off | ×1.64 | ×1.64, tree 2 (3 nodes) |" in card
+    assert (
+        "Measured on AMD EPYC, 2 cores (plain `generate`: 20 tokens/s) by the search that wrote this bank: "
+        r"EntMTP\* = tree 1 (2 nodes) at ×1.31 the speed of plain decoding; the fastest timed tree: tree 1 "
+        "(2 nodes) at ×1.31."
+    ) in card
+    assert (
+        "| Fast CPU (cpu, 2 threads, float32, torch 2.13) | tree 2 (3 nodes) | off | ×1.64 | ×1.64, tree 2 (3 nodes) |"
+        in card
+    )
     assert "| Slow CPU | plain decoding (the root alone) | off | ×1 | ×0.75, tree 1 (2 nodes) |" in card
 
 
 def test_a_machine_entrys_speed_ups_are_checked() -> None:
     entry = searched_bank().machines[0]
-    for speedups, message in [([1.2], "must map tree indices"), ({"7": 1.2}, "names tree '7'"),
-                              ({"1": "fast"}, "finite number")]:  # fmt: skip
+    for speedups, message in [
+        ([1.2], "must map tree indices"),
+        ({"7": 1.2}, "names tree '7'"),
+        ({"1": "fast"}, "finite number"),
+    ]:
         with pytest.raises(ValueError, match=message):
-            TopologyBank("t", [Tree.root_only(), Tree.chain(1), Tree.chain(2)],
-                         {"machines": [{**entry, "speedups": speedups}]})
+            TopologyBank(
+                "t", [Tree.root_only(), Tree.chain(1), Tree.chain(2)], {"machines": [{**entry, "speedups": speedups}]}
+            )
 
 
 # ---------------------------------------------------------------- construction checks
@@ -132,8 +154,11 @@ def test_scheduler_defaults_when_absent() -> None:
     one = TopologyBank("t", [Tree.chain(2), Tree.chain(3)], {"scheduler": {"tau_off": 0.005}})
     assert (one.scheduler.tau_on, one.scheduler.tau_off, one.scheduler.thresholds) == (0.005, 0.005, (0.005,))
     assert SchedulerDefaults.from_metadata(bank.scheduler.to_dict(), 4) == bank.scheduler
-    value = TopologyBank("t", [Tree.chain(2), Tree.from_choices([[0], [1]])],
-                         {"scheduler": {"policy": "value", "value": [0, 1], "value_costs": [1.0, 1.0]}})  # fmt: skip
+    value = TopologyBank(
+        "t",
+        [Tree.chain(2), Tree.from_choices([[0], [1]])],
+        {"scheduler": {"policy": "value", "value": [0, 1], "value_costs": [1.0, 1.0]}},
+    )
     assert SchedulerDefaults.from_metadata(value.scheduler.to_dict(), 2) == value.scheduler
 
 
@@ -204,7 +229,7 @@ BAD_FILES = {
     "extra tensor": ({"tree.0": torch.zeros(0, 0, dtype=I32), "x": torch.zeros(1)}, _good_meta(), r"\['x'\] unexp"),
     "scheduler index": ({"tree.0": torch.zeros(0, 0, dtype=I32)}, _good_meta(scheduler={"static": 3}), "only 1 trees"),
     "task mismatch": ({"tree.0": torch.zeros(0, 0, dtype=I32)}, _good_meta(task="u"), "does not match the file name"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
@@ -276,8 +301,10 @@ def test_hub_cache_offline_through_env_vars(tmp_path: Path) -> None:
     """Same, configured the way users do it: environment variables in a fresh process."""
     small_bank("gsm8k").save_pretrained(tmp_path / "src")
     fake_cache(tmp_path / "hub", tmp_path / "src")
-    code = ("from entmtp_hf.trees.bank import TopologyBank as B; "
-            "print(B.list_tasks('org/name'), B.from_pretrained('org/name', 'gsm8k').metadata['heads'])")  # fmt: skip
+    code = (
+        "from entmtp_hf.trees.bank import TopologyBank as B; "
+        "print(B.list_tasks('org/name'), B.from_pretrained('org/name', 'gsm8k').metadata['heads'])"
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

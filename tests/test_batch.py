@@ -4,14 +4,14 @@ import dataclasses
 
 import pytest
 import torch
+from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, target_joint
+from tiny import VOCAB
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.decoding.attention import tree_inputs
 from entmtp_hf.decoding.cache import accepted_slots, additive_mask, keep_accepted
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
-from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, target_joint
-from tiny import VOCAB
 
 PAD = 0
 LENGTHS = (3, 6, 4, 9)
@@ -59,8 +59,16 @@ def test_every_row_equals_its_prompt_alone(tiny_cache, arch, name):
     singles, ids, mask = batch_of()
     eos = eos_ending_rows_apart(model, singles, 30)
     config = CONFIGS[name]()
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
-                         entmtp_config=config, return_dict_in_generate=True)  # fmt: skip
+    out = generate(
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=eos,
+        entmtp_config=config,
+        return_dict_in_generate=True,
+    )
     plain = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
     assert torch.equal(out.sequences, plain)
     generated = []
@@ -85,8 +93,16 @@ def test_every_row_equals_its_prompt_alone_with_an_eagle_drafter(tiny_cache, arc
     singles, ids, mask = batch_of(seed=9)
     eos = eos_ending_rows_apart(model, singles, 30)
     for tree in (MC_SIM_7B_63, random_choices(1)):
-        out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
-                       entmtp_config=EntMTPConfig(tree=tree), return_dict_in_generate=True)  # fmt: skip
+        out = generate(
+            model,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=eos,
+            entmtp_config=EntMTPConfig(tree=tree),
+            return_dict_in_generate=True,
+        )
         for i, p in enumerate(singles):
             alone = generate(model, p, max_new_tokens=30, do_sample=False, eos_token_id=eos)[0, p.shape[1] :]
             row = out.sequences[i, ids.shape[1] :]
@@ -112,8 +128,16 @@ def test_finished_rows_leave_the_forward(tiny_cache):
     sizes = []
     handle = model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True)
     try:
-        out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
-                             entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), return_dict_in_generate=True)  # fmt: skip
+        out = generate(
+            model,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=eos,
+            entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
+            return_dict_in_generate=True,
+        )
     finally:
         handle.remove()
     live = out.entmtp_stats["live_batch_sizes"]
@@ -133,8 +157,16 @@ def test_a_new_live_batch_size_switches_the_plan(tiny_cache, monkeypatch):
     plans = {b: (big if b >= 3 else small).resolve(heads.num_heads, heads.config.draft_vocab_rows) for b in range(1, 5)}
     real = integration.entmtp_decode
     monkeypatch.setattr(integration, "entmtp_decode", lambda *a, **k: real(*a, **{**k, "plan_for": plans.__getitem__}))
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
-                         entmtp_config=big, return_dict_in_generate=True)  # fmt: skip
+    out = generate(
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=eos,
+        entmtp_config=big,
+        return_dict_in_generate=True,
+    )
     plain = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
     assert torch.equal(out.sequences, plain)
     sizes = out.entmtp_stats["live_batch_sizes"]
@@ -157,7 +189,17 @@ def test_tree_inputs_pad_each_row_to_the_largest_tree():
     assert positions.tolist() == [[10, 11, 12, 10, 10], [20, 21, 21, 21, 21]]
     visible = mask[:, 0] == 0
     assert visible[0, :, 0].sum() == 0 and visible[1, :, 0].all()  # row 0's padding stays masked
-    assert visible[0, 3].tolist() == [False, True, True, True, False, False, False, True, False]  # a pad node: prefix + itself
+    assert visible[0, 3].tolist() == [
+        False,
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+        True,
+        False,
+    ]  # a pad node: prefix + itself
     assert visible[1, 2, 4:].tolist() == [True, False, True, False, False]  # fan node 2: root and itself
 
 
@@ -189,8 +231,16 @@ def test_exact_sampling_in_a_batch_preserves_every_rows_distribution(tiny_cache)
         torch.manual_seed(99)
         per_row = [{}, {}]
         for _ in range(n):
-            out = generate(model, ids, attention_mask=mask, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=4,
-                                 entmtp_config=config)  # fmt: skip
+            out = generate(
+                model,
+                ids,
+                attention_mask=mask,
+                max_new_tokens=3,
+                do_sample=True,
+                temperature=0.7,
+                top_k=4,
+                entmtp_config=config,
+            )
             for i in range(2):
                 key = tuple(out[i, ids.shape[1] :].tolist())
                 per_row[i][key] = per_row[i].get(key, 0) + 1
@@ -253,12 +303,22 @@ def test_a_bank_verifies_the_trees_ranked_for_the_live_batch_size(tiny_cache):
     singles, ids, mask = batch_of()
     eos = eos_ending_rows_apart(model, singles, 30)
     bank = frontier_bank()  # chains of 1..4 nodes, tau 1.0 / 1.6 / 2.0 / 2.2
-    for b, forward in {1: {1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0},  # 4 nodes pay at one row,
-                       2: {1: 10.0, 2: 10.0, 3: 10.5, 4: 20.0},  # 3 at two,
-                       4: {1: 10.0, 2: 10.5, 3: 20.0, 4: 30.0}}.items():  # 2 at four  # fmt: skip
+    for b, forward in {
+        1: {1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0},  # 4 nodes pay at one row,
+        2: {1: 10.0, 2: 10.0, 3: 10.5, 4: 20.0},  # 3 at two,
+        4: {1: 10.0, 2: 10.5, 3: 20.0, 4: 30.0},
+    }.items():  # 2 at four
         bank = bank.with_machine(dataclasses.replace(_with_machine_costs(model, heads, forward), batch_size=b))
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
-                   entmtp_config=EntMTPConfig(bank=bank, task="t"), return_dict_in_generate=True)  # fmt: skip
+    out = generate(
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=eos,
+        entmtp_config=EntMTPConfig(bank=bank, task="t"),
+        return_dict_in_generate=True,
+    )
     plain = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
     assert torch.equal(out.sequences, plain)
     sizes = out.entmtp_stats["live_batch_sizes"]
@@ -266,15 +326,26 @@ def test_a_bank_verifies_the_trees_ranked_for_the_live_batch_size(tiny_cache):
     want = {4: 2, 3: 3, 2: 3, 1: 4}
     assert [want[b] for b in sizes] == longest[: len(sizes)] and len(set(sizes)) >= 2
     # where nothing beats plain decoding at the call's batch size, the call is plain batched generate
-    slow = bank.with_machine(dataclasses.replace(_with_machine_costs(model, heads, {1: 10.0, 2: 30.0, 4: 60.0}),
-                                                 batch_size=4))  # fmt: skip
-    root_only = generate(model, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos,
-                         entmtp_config=EntMTPConfig(bank=slow, task="t"), return_dict_in_generate=True)  # fmt: skip
+    slow = bank.with_machine(
+        dataclasses.replace(_with_machine_costs(model, heads, {1: 10.0, 2: 30.0, 4: 60.0}), batch_size=4)
+    )
+    root_only = generate(
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=eos,
+        entmtp_config=EntMTPConfig(bank=slow, task="t"),
+        return_dict_in_generate=True,
+    )
     assert torch.equal(root_only.sequences, plain) and root_only.entmtp_stats["plain_decoding"]
 
 
-@pytest.mark.parametrize("family,head_arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp"),
-                                              ("eagle", "eagle"), ("eagle", "eagle3")])  # fmt: skip
+@pytest.mark.parametrize(
+    "family,head_arch",
+    [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp"), ("eagle", "eagle"), ("eagle", "eagle3")],
+)
 def test_drafting_several_rows_at_once_equals_drafting_each(tiny_cache, family, head_arch):
     """A batch drafts its rows in one call per depth: the proposals of one call per row, for rows
     whose committed lengths differ, and again after each row accepted a different number."""
@@ -368,8 +439,14 @@ def test_a_static_cache_batch_equals_plain_batched_generate(tiny_cache, tree):
     singles, ids, mask = batch_of()
     eos = eos_ending_rows_apart(model, singles, 30)
     kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
-    out = generate(model, ids, cache_implementation="static", entmtp_config=EntMTPConfig(tree=tree),
-                   return_dict_in_generate=True, **kwargs)  # fmt: skip
+    out = generate(
+        model,
+        ids,
+        cache_implementation="static",
+        entmtp_config=EntMTPConfig(tree=tree),
+        return_dict_in_generate=True,
+        **kwargs,
+    )
     assert torch.equal(out.sequences, generate(model, ids, **kwargs))
     assert set(out.entmtp_stats["live_batch_sizes"]) == {len(LENGTHS)}  # no row left the forward
 
@@ -413,8 +490,12 @@ def test_prefix_constraints_get_each_rows_batch_id(tiny_cache):
     model = enabled(tiny_cache)
     _, ids, mask = batch_of()
     allowed = [list(range(1 + 3 * b, VOCAB, 2 + b)) for b in range(len(LENGTHS))]
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False,
-                  prefix_allowed_tokens_fn=lambda batch_id, sent: allowed[batch_id])  # fmt: skip
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        prefix_allowed_tokens_fn=lambda batch_id, sent: allowed[batch_id],
+    )
     out = generate(model, ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), **kwargs)
     assert torch.equal(out, generate(model, ids, **kwargs))
 
@@ -438,8 +519,12 @@ def test_a_criterion_that_stops_one_row_behaves_as_in_plain_generate(tiny_cache,
 
     model = enabled(tiny_cache)
     singles, ids, mask = batch_of()
-    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False,
-                  stopping_criteria=StoppingCriteriaList([EvenLastToken()]))  # fmt: skip
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        stopping_criteria=StoppingCriteriaList([EvenLastToken()]),
+    )
     if eos:
         kwargs["eos_token_id"] = eos_ending_rows_apart(model, singles, 30)
     if cache == "static":

@@ -12,9 +12,11 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from entmtp_hf.trees.bank import shipped_bank_path
-from entmtp_hf.tools import regime
+from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.demo.compare import find_mismatch
+from entmtp_hf.heads import HydraHeads
+from entmtp_hf.integration import enable_entmtp
+from entmtp_hf.tools import regime
 from entmtp_hf.tools.bench.context import BenchContext, random_heads
 from entmtp_hf.tools.bench.methods import METHODS, Generation, Method
 from entmtp_hf.tools.bench.report import table1_markdown, write_report
@@ -22,11 +24,9 @@ from entmtp_hf.tools.bench.results import read_results, write_results
 from entmtp_hf.tools.bench.runner import rotation, run_benchmark
 from entmtp_hf.tools.bench.settings import BenchSettings
 from entmtp_hf.tools.bench.summary import geomean, summarize
-from entmtp_hf.tools.metrics import load_perplexity
-from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.integration import enable_entmtp
-from entmtp_hf.heads import HydraHeads
 from entmtp_hf.tools.data.tasks import evaluation_basket
+from entmtp_hf.tools.metrics import load_perplexity
+from entmtp_hf.trees.bank import shipped_bank_path
 
 DEFAULTS = shipped_bank_path("published-defaults")
 WORDS = ["<s>", "</s>", "[UNK]"] + [f"w{i}" for i in range(45)]
@@ -43,8 +43,17 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def tiny_llama(seed: int = 0, zero_head: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=None)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=None,
+    )
     model = LlamaForCausalLM(config).double().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(0.0 if zero_head else 4.0)
@@ -101,8 +110,9 @@ def bench_run(tmp_path_factory):
         # the default methods and the opt-in ones that share their machinery (the published-defaults
         # bank lists no value trees: entmtp-value is checked on its own below)
         names = (*(n for n, m in METHODS.items() if m.default), *BROAD, "planted")
-        settings = BenchSettings(tasks=tasks, num_prompts=N_PROMPTS, max_new_tokens=NEW_TOKENS, preset="test",
-                                 methods=names, warmup_tokens=4)  # fmt: skip
+        settings = BenchSettings(
+            tasks=tasks, num_prompts=N_PROMPTS, max_new_tokens=NEW_TOKENS, preset="test", methods=names, warmup_tokens=4
+        )
         Planted.calls = 0
         results = run_benchmark(ctx, settings, clock=clock, out_path=folder / "results.json")
     return results, clock, Planted.calls, folder, ctx
@@ -215,8 +225,10 @@ def test_resume_runs_only_incomplete_prompts(bench_run):
     results, _, _, _, ctx = bench_run
     partial = json.loads(json.dumps(results))
     partial["records"] = [r for r in partial["records"] if not (r["task"] == "beta" and r["prompt_index"] == 1)]
-    settings = BenchSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["settings"].items()
-                                if k != "methods"}, methods=tuple(m for m in results["settings"]["methods"] if m != "planted"))  # fmt: skip
+    settings = BenchSettings(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in results["settings"].items() if k != "methods"},
+        methods=tuple(m for m in results["settings"]["methods"] if m != "planted"),
+    )
     partial["settings"]["methods"] = list(settings.methods)
     partial["records"] = [r for r in partial["records"] if r["method"] != "planted"]
     clock = CountingClock()
@@ -265,8 +277,10 @@ def test_mismatch_gap_is_read_from_the_methods_own_model():
     with torch.no_grad():
         ref = fp32.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
     out = ref[:1] + [(ref[1] + 7) % V] + ref[2:]
-    records = [{"task": "t", "method": m, "prompt_index": 0, "tokens_per_s": 1.0, "output_ids": ids}
-               for m, ids in (("vanilla", ref), ("low", out))]  # fmt: skip
+    records = [
+        {"task": "t", "method": m, "prompt_index": 0, "tokens_per_s": 1.0, "output_ids": ids}
+        for m, ids in (("vanilla", ref), ("low", out))
+    ]
     ctx, settings = SimpleNamespace(model=fp32), SimpleNamespace(mode="greedy", perplexity=False)
     postprocess(ctx, records, [{"input_ids": prompt}], settings, {}, {"low": other_model})
     with torch.no_grad():
@@ -279,8 +293,13 @@ def test_unavailable_methods_are_skipped_with_reason(tmp_path):
     model, tok = tiny_llama(), tiny_tokenizer()
     ctx = BenchContext(model, tok, bank_folder=DEFAULTS, missing_heads={"medusa": "no medusa heads here"})
     ctx.heads["hydra"] = random_heads(model, "hydra")
-    settings = BenchSettings(tasks=(write_task(tmp_path, "delta", 4),), num_prompts=1, max_new_tokens=4,
-                             methods=("vanilla", "medusa-default", "entmtp-static"), perplexity=False)  # fmt: skip
+    settings = BenchSettings(
+        tasks=(write_task(tmp_path, "delta", 4),),
+        num_prompts=1,
+        max_new_tokens=4,
+        methods=("vanilla", "medusa-default", "entmtp-static"),
+        perplexity=False,
+    )
     results = run_benchmark(ctx, settings)
     assert results["skipped"] == {"medusa-default": {"delta": "no medusa heads here"}}
     assert {r["method"] for r in results["records"]} == {"vanilla", "entmtp-static"}
@@ -302,8 +321,9 @@ def test_packed_methods_pack_outside_the_clock_and_unpack_before_the_next_method
             return lambda ids, kw: seen.append(all(p.numel() for p in model.parameters())) or run(ids, kw)
 
     names = ("vanilla", "vanilla-packed", "entmtp-static", "entmtp-static-packed")
-    settings = BenchSettings(tasks=(write_task(tmp_path, "zeta", 6),), num_prompts=2, max_new_tokens=8,
-                             methods=names, perplexity=False)  # fmt: skip
+    settings = BenchSettings(
+        tasks=(write_task(tmp_path, "zeta", 6),), num_prompts=2, max_new_tokens=8, methods=names, perplexity=False
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(METHODS, "vanilla", Spy("vanilla", "plain generate, watched"))
         results = run_benchmark(ctx, settings)
@@ -312,8 +332,16 @@ def test_packed_methods_pack_outside_the_clock_and_unpack_before_the_next_method
     after = model.state_dict()  # the heads have joined the model since: compare the model's own
     assert all(torch.equal(v, after[k]) for k, v in before.items())
     ctx64 = BenchContext(tiny_llama(), tok, bank_folder=DEFAULTS)
-    results = run_benchmark(ctx64, BenchSettings(tasks=settings.tasks, num_prompts=1, max_new_tokens=4,
-                                                 methods=("vanilla", "vanilla-packed"), perplexity=False))  # fmt: skip
+    results = run_benchmark(
+        ctx64,
+        BenchSettings(
+            tasks=settings.tasks,
+            num_prompts=1,
+            max_new_tokens=4,
+            methods=("vanilla", "vanilla-packed"),
+            perplexity=False,
+        ),
+    )
     assert "no layer of the model could be packed" in results["skipped"]["vanilla-packed"]["zeta"]
 
 
@@ -363,13 +391,17 @@ def test_kernels_are_measured_once_and_applied_only_in_the_calls_that_use_them(t
             return lambda ids, kw: mkl.append(K.kernels_of(model)) or run(ids, kw)
 
     names = ("vanilla", "vanilla-kernels", "entmtp-static", "entmtp-static-mkl")
-    settings = BenchSettings(tasks=(write_task(tmp_path, "theta", 7),), num_prompts=2, max_new_tokens=8,
-                             methods=names, perplexity=False)  # fmt: skip
+    settings = BenchSettings(
+        tasks=(write_task(tmp_path, "theta", 7),), num_prompts=2, max_new_tokens=8, methods=names, perplexity=False
+    )
     monkeypatch.setitem(METHODS, "vanilla", Spy("vanilla", "plain generate, watched"))
     monkeypatch.setitem(METHODS, "vanilla-kernels", SpyKernels("vanilla-kernels", "plain generate on the kernels"))
     mkl_method = METHODS["entmtp-static-mkl"]
-    monkeypatch.setitem(METHODS, "entmtp-static-mkl", SpyMKL(**{f.name: getattr(mkl_method, f.name)
-                                                                for f in dataclasses.fields(mkl_method)}))  # fmt: skip
+    monkeypatch.setitem(
+        METHODS,
+        "entmtp-static-mkl",
+        SpyMKL(**{f.name: getattr(mkl_method, f.name) for f in dataclasses.fields(mkl_method)}),
+    )
     results = run_benchmark(ctx, settings)
     assert not results["skipped"] and {r["method"] for r in results["records"]} == set(names)
     assert len(built) == 2 and set(ctx._kernels) == {(id(model), id(None)), (id(model), id(heads))}
@@ -379,19 +411,39 @@ def test_kernels_are_measured_once_and_applied_only_in_the_calls_that_use_them(t
     after = model.state_dict()  # the heads have joined the model since: compare the model's own
     assert all(torch.equal(v, after[k]) for k, v in before.items())
     ctx64 = BenchContext(tiny_llama(), tok, bank_folder=DEFAULTS)
-    results = run_benchmark(ctx64, BenchSettings(tasks=settings.tasks, num_prompts=1, max_new_tokens=4,
-                                                 methods=("vanilla", "vanilla-kernels"), perplexity=False))  # fmt: skip
+    results = run_benchmark(
+        ctx64,
+        BenchSettings(
+            tasks=settings.tasks,
+            num_prompts=1,
+            max_new_tokens=4,
+            methods=("vanilla", "vanilla-kernels"),
+            perplexity=False,
+        ),
+    )
     assert not results["skipped"] and len(results["records"]) == 2
-    assert not any(k.active for k in ctx64._kernels.values()) and "off" in results["environment"]["cpu_kernels"]["model"]
+    assert (
+        not any(k.active for k in ctx64._kernels.values()) and "off" in results["environment"]["cpu_kernels"]["model"]
+    )
 
 
 def test_one_progress_bar_counts_every_measured_generation(tmp_path, capsys):
     model, tok = tiny_llama(), tiny_tokenizer()
-    ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": random_heads(model, "hydra")},
-                       missing_heads={"medusa": "no medusa heads here"})  # fmt: skip
+    ctx = BenchContext(
+        model,
+        tok,
+        bank_folder=DEFAULTS,
+        heads={"hydra": random_heads(model, "hydra")},
+        missing_heads={"medusa": "no medusa heads here"},
+    )
     tasks = (write_task(tmp_path, "iota", 8), write_task(tmp_path, "kappa", 9))
-    settings = BenchSettings(tasks=tasks, num_prompts=2, max_new_tokens=4, perplexity=False,
-                             methods=("vanilla", "medusa-default", "entmtp-static"))  # fmt: skip
+    settings = BenchSettings(
+        tasks=tasks,
+        num_prompts=2,
+        max_new_tokens=4,
+        perplexity=False,
+        methods=("vanilla", "medusa-default", "entmtp-static"),
+    )
     results = run_benchmark(ctx, settings, progress=True)
     err = capsys.readouterr().err
     assert len(results["records"]) == 2 * 2 * 2  # medusa-default skipped: the bar's total shrinks with it
@@ -402,8 +454,14 @@ def test_one_progress_bar_counts_every_measured_generation(tmp_path, capsys):
 def test_sampling_modes_run(tmp_path, mode):
     model, tok = tiny_llama(), tiny_tokenizer()
     ctx = BenchContext(model, tok, bank_folder=DEFAULTS, heads={"hydra": random_heads(model, "hydra")})
-    settings = BenchSettings(tasks=(write_task(tmp_path, "eps", 5),), num_prompts=2, max_new_tokens=6, mode=mode,
-                             methods=("vanilla", "pld", "hydra-default", "entmtp-tau"), perplexity=False)  # fmt: skip
+    settings = BenchSettings(
+        tasks=(write_task(tmp_path, "eps", 5),),
+        num_prompts=2,
+        max_new_tokens=6,
+        mode=mode,
+        methods=("vanilla", "pld", "hydra-default", "entmtp-tau"),
+        perplexity=False,
+    )
     results = run_benchmark(ctx, settings)
     assert not results["skipped"] and len(results["records"]) == 8
     assert all(r["mismatch"] is None and r["new_tokens"] == 6 for r in results["records"])  # no greedy check
@@ -519,8 +577,9 @@ def test_trace_rebuilds_the_scheduler_feature():
     enable_entmtp(model, heads)
     chain = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
     cfg = EntMTPConfig(trees=[[[0]], chain], policy="hysteresis", feature="chain_value", tau_on=0.0, tau_off=0.0)
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, entmtp_config=cfg,
-                         return_dict_in_generate=True)  # fmt: skip
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=40, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True
+    )
     stats = out.entmtp_stats
     assert out.sequences[0].tolist() == seq and len(set(stats["accept_lengths"])) > 1
     feats, acc = regime.trace_generation(model, heads, prompt, seq[len(prompt) :], stats["accept_lengths"])
@@ -552,10 +611,23 @@ def test_geomean_and_write_roundtrip(tmp_path):
 def test_speculation_table_reports_speedup_and_waste():
     from entmtp_hf.tools.bench.report import speculation_markdown
 
-    rec = lambda m, sp, steps, d, a: {"task": "t", "method": m, "new_tokens": 21, "time_s": 1.0, "steps": steps,  # noqa: E731
-                                      "speedup": sp, "drafted_tokens": d, "accepted_draft_tokens": a}  # fmt: skip
-    results = {"prompts": {"t": []}, "settings": {"methods": ["vanilla", "chain-4", "eas"]},
-               "records": [rec("vanilla", 1.0, 20, None, None), rec("chain-4", 1.2, 10, 40, 10), rec("eas", 1.5, 8, 12, 9)]}  # fmt: skip
+    def rec(m, sp, steps, d, a):
+        return {
+            "task": "t",
+            "method": m,
+            "new_tokens": 21,
+            "time_s": 1.0,
+            "steps": steps,
+            "speedup": sp,
+            "drafted_tokens": d,
+            "accepted_draft_tokens": a,
+        }
+
+    results = {
+        "prompts": {"t": []},
+        "settings": {"methods": ["vanilla", "chain-4", "eas"]},
+        "records": [rec("vanilla", 1.0, 20, None, None), rec("chain-4", 1.2, 10, 40, 10), rec("eas", 1.5, 8, 12, 9)],
+    }
     md = speculation_markdown(results)
     assert "| t | chain-4 | 1.20× | 2.00 | 4.00 | 25.0% | 75.0% |" in md
     assert "| t | eas | 1.50× | 2.50 | 1.50 | 75.0% | 25.0% |" in md and "vanilla" not in md
@@ -564,10 +636,25 @@ def test_speculation_table_reports_speedup_and_waste():
 def test_eas_table_pools_chains_and_halts():
     from entmtp_hf.tools.bench.report import eas_markdown
 
-    rec = lambda task, chains, halts, v, a: {"task": task, "method": "eas", "eas": {  # noqa: E731
-        "chain_lengths": chains, "halts": halts, "verified_draft_tokens": v, "accepted_draft_tokens": a}}
-    results = {"records": [rec("t", [4, 2], {"warmup": 1, "threshold": 1}, 6, 3), rec("t", [0], {"threshold": 1}, 0, 0),
-                           {"task": "t", "method": "vanilla"}]}  # fmt: skip
+    def rec(task, chains, halts, v, a):
+        return {
+            "task": task,
+            "method": "eas",
+            "eas": {
+                "chain_lengths": chains,
+                "halts": halts,
+                "verified_draft_tokens": v,
+                "accepted_draft_tokens": a,
+            },
+        }
+
+    results = {
+        "records": [
+            rec("t", [4, 2], {"warmup": 1, "threshold": 1}, 6, 3),
+            rec("t", [0], {"threshold": 1}, 0, 0),
+            {"task": "t", "method": "vanilla"},
+        ]
+    }
     md = eas_markdown(results)
     assert "| t | eas | 3 | 2.00 | warmup 1, threshold 2 | 50.0% |" in md
     assert eas_markdown({"records": [{"task": "t", "method": "vanilla"}]}) == ""
@@ -584,8 +671,11 @@ def test_pairwise_table_pairs_prompts_and_bounds_the_noise():
     records = [rec("vanilla", i, 10 * d, 20) for i, d in enumerate(noisy)]
     records += [rec("entmtp-static", i, 15 * d, 10) for i, d in enumerate(noisy)]
     records += [rec("entmtp-tau", i, 15 * d * (1.05 if i % 2 else 0.97), 8) for i, d in enumerate(noisy)]
-    results = {"prompts": {"t": []}, "settings": {"methods": ["vanilla", "entmtp-static", "entmtp-tau"]},
-               "records": records}  # fmt: skip
+    results = {
+        "prompts": {"t": []},
+        "settings": {"methods": ["vanilla", "entmtp-static", "entmtp-tau"]},
+        "records": records,
+    }
     pairs = paired_ratios(results, "t", "entmtp-static", "entmtp-tau")
     assert [round(p[0], 2) for p in pairs] == [0.97, 1.05] * 3 and all(p[1] == pytest.approx(1.25) for p in pairs)
     lo, hi = bootstrap_interval([p[0] for p in pairs])
@@ -606,8 +696,11 @@ def test_the_kernel_reference_gets_its_own_prompt_by_prompt_table():
 
     records = [rec("vanilla", i, 10.0) for i in range(4)] + [rec(KERNEL_REFERENCE, i, 12.5) for i in range(4)]
     records += [rec("entmtp-static", i, 15.0, 10) for i in range(4)]
-    results = {"prompts": {"t": []}, "settings": {"methods": ["vanilla", KERNEL_REFERENCE, "entmtp-static"]},
-               "records": records}  # fmt: skip
+    results = {
+        "prompts": {"t": []},
+        "settings": {"methods": ["vanilla", KERNEL_REFERENCE, "entmtp-static"]},
+        "records": records,
+    }
     assert [p[0] for p in paired_ratios(results, "t", KERNEL_REFERENCE, "entmtp-static")] == [1.2] * 4
     md = pairwise_markdown(results, KERNEL_REFERENCE)
     assert "| t | entmtp-static | 4 | 1.200× |" in md and "2.000×" in md and "| vanilla |" not in md
@@ -622,8 +715,14 @@ def test_batched_bench_groups_interleaves_and_checks_every_row(tmp_path):
     model, tok = tiny_llama(), tiny_tokenizer()
     ctx = BenchContext(model, tok, bank_folder=DEFAULTS, model_name="tiny")
     ctx.heads["hydra"] = random_heads(model, "hydra", seed=0)
-    settings = BenchSettings(tasks=tasks, num_prompts=5, max_new_tokens=8, preset="test",
-                             methods=("vanilla", "hydra-default", "pld"), warmup_tokens=2)  # fmt: skip
+    settings = BenchSettings(
+        tasks=tasks,
+        num_prompts=5,
+        max_new_tokens=8,
+        preset="test",
+        methods=("vanilla", "hydra-default", "pld"),
+        warmup_tokens=2,
+    )
     results = run_batched(ctx, settings, [1, 2], progress=False, out_path=tmp_path / "results.json")
     assert results["skipped"] == {"pld": "transformers' assisted decoding takes one prompt"}
     recs = results["records"]
@@ -640,7 +739,11 @@ def test_batched_bench_groups_interleaves_and_checks_every_row(tmp_path):
     from entmtp_hf.tools.cli import main
 
     assert main(["bench-report", str(tmp_path / "results.json"), "--out", str(tmp_path / "report")]) == 0
-    assert {p.name for p in (tmp_path / "report").iterdir()} == {"table.md", "summary.json", "throughput_by_batch_size.png"}
+    assert {p.name for p in (tmp_path / "report").iterdir()} == {
+        "table.md",
+        "summary.json",
+        "throughput_by_batch_size.png",
+    }
 
 
 def test_a_compile_backend_that_is_not_installed_is_skipped_with_its_name(tmp_path):
@@ -648,8 +751,12 @@ def test_a_compile_backend_that_is_not_installed_is_skipped_with_its_name(tmp_pa
 
     model, tok = tiny_llama(), tiny_tokenizer()
     ctx = BenchContext(model, tok, bank_folder=DEFAULTS)
-    method = CompiledWith("vanilla-nowhere", "test", generate_kwargs=compiled_kwargs("nowhere"),
-                          backend_module="entmtp_hf_no_such_backend")  # fmt: skip
+    method = CompiledWith(
+        "vanilla-nowhere",
+        "test",
+        generate_kwargs=compiled_kwargs("nowhere"),
+        backend_module="entmtp_hf_no_such_backend",
+    )
     assert "the entmtp_hf_no_such_backend backend is not installed" in method.unavailable(ctx, "delta", "greedy")
     frozen = compiled_kwargs(freezing=True)["compile_config"]
     assert frozen.options == {"freezing": True} and frozen.mode is None  # torch takes a mode or options, not both

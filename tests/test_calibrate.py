@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_generation import enabled
+from tiny import VOCAB
 
 from entmtp_hf import TopologyBank, Tree
 from entmtp_hf.costs.retrieval import RETRIEVAL_OPTIONS
@@ -11,8 +13,6 @@ from entmtp_hf.costs.table import CostTable
 from entmtp_hf.tools.calibrate import check_against_clock, frontier_of, search_machine_costs
 from entmtp_hf.tools.search.config import SearchConfig
 from entmtp_hf.tools.search.runner import TreeSearch
-from test_generation import enabled
-from tiny import VOCAB
 
 FAN4 = Tree.from_choices([[0], [1], [2]])
 
@@ -20,14 +20,25 @@ FAN4 = Tree.from_choices([[0], [1], [2]])
 def searched_bank() -> TopologyBank:
     """A bank as a search writes it: timed trees with the search machine's figures, a value fan."""
     trees = [Tree.root_only(), Tree.chain(1), FAN4, Tree.chain(3)]
-    per_tree = [{"num_nodes": 1, "mean_accept_length": 1.0, "tokens_per_s": 20.0, "relative_forward_cost": 1.0},
-                {"num_nodes": 2, "mean_accept_length": 1.5, "tokens_per_s": 27.0, "relative_forward_cost": 1.05},
-                {"num_nodes": 4, "name": "fan-4"},
-                {"num_nodes": 4, "mean_accept_length": 2.0, "tokens_per_s": 30.0, "relative_forward_cost": 1.2}]  # fmt: skip
-    scheduler = {"static": 3, "conservative": 1, "aggressive": 3, "policy": "static", "ladder": [0, 1, 3],
-                 "thresholds": [0.2, 0.4], "value": [1, 2], "value_costs": [1.05, 1.2]}  # fmt: skip
-    return TopologyBank("t", trees, {"trees": per_tree, "scheduler": scheduler,
-                                     "calibration": {"vanilla_tokens_per_s": 20.0}})  # fmt: skip
+    per_tree = [
+        {"num_nodes": 1, "mean_accept_length": 1.0, "tokens_per_s": 20.0, "relative_forward_cost": 1.0},
+        {"num_nodes": 2, "mean_accept_length": 1.5, "tokens_per_s": 27.0, "relative_forward_cost": 1.05},
+        {"num_nodes": 4, "name": "fan-4"},
+        {"num_nodes": 4, "mean_accept_length": 2.0, "tokens_per_s": 30.0, "relative_forward_cost": 1.2},
+    ]
+    scheduler = {
+        "static": 3,
+        "conservative": 1,
+        "aggressive": 3,
+        "policy": "static",
+        "ladder": [0, 1, 3],
+        "thresholds": [0.2, 0.4],
+        "value": [1, 2],
+        "value_costs": [1.05, 1.2],
+    }
+    return TopologyBank(
+        "t", trees, {"trees": per_tree, "scheduler": scheduler, "calibration": {"vanilla_tokens_per_s": 20.0}}
+    )
 
 
 def test_a_frontier_merges_in_and_every_index_follows():
@@ -46,7 +57,9 @@ def test_a_frontier_merges_in_and_every_index_follows():
     assert merged.metadata["frontier"]["source"] == "test"
     # a second frontier: the timed trees keep the search's measurement, the others hold estimates only
     again = merged.with_frontier(frontier, [1.0, 1.3, 1.7, 2.0]).metadata["trees"]
-    measured = {merged.trees[k]: i["measured_accept_length"] for k, i in enumerate(again) if "measured_accept_length" in i}
+    measured = {
+        merged.trees[k]: i["measured_accept_length"] for k, i in enumerate(again) if "measured_accept_length" in i
+    }
     assert measured == {Tree.chain(1): 1.5, Tree.chain(3): 2.0, Tree.root_only(): 1.0}
     with pytest.raises(ValueError, match="one accept length"):
         bank.with_frontier(frontier, [1.0])
@@ -95,8 +108,11 @@ def test_frontier_of_the_first_two_search_stages(tiny_cache, tmp_path):
 
 def test_the_check_times_the_best_trees_against_plain_decoding(tiny_cache):
     model = enabled(tiny_cache)
-    bank = TopologyBank("t", [Tree.root_only(), Tree.chain(1), Tree.chain(2)], {
-        "trees": [{"mean_accept_length": a} for a in (1.0, 1.6, 2.0)], "frontier": {"trees": [0, 1, 2]}})
+    bank = TopologyBank(
+        "t",
+        [Tree.root_only(), Tree.chain(1), Tree.chain(2)],
+        {"trees": [{"mean_accept_length": a} for a in (1.0, 1.6, 2.0)], "frontier": {"trees": [0, 1, 2]}},
+    )
     table = CostTable({"key": "m"}, "x", {1: 10.0, 3: 10.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 10.0)
     prompts = [torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(s)) for s in range(2)]
     check = check_against_clock(model, bank, table, prompts, top=2, max_new_tokens=8)
@@ -111,13 +127,17 @@ def test_the_check_and_the_cost_table_at_a_batch_size(tiny_cache):
     from entmtp_hf.tools.calibrate import forward_cost_lines
 
     model = enabled(tiny_cache)
-    bank = TopologyBank("t", [Tree.root_only(), Tree.chain(1), Tree.chain(2)], {
-        "trees": [{"mean_accept_length": a} for a in (1.0, 1.6, 2.0)], "frontier": {"trees": [0, 1, 2]}})
+    bank = TopologyBank(
+        "t",
+        [Tree.root_only(), Tree.chain(1), Tree.chain(2)],
+        {"trees": [{"mean_accept_length": a} for a in (1.0, 1.6, 2.0)], "frontier": {"trees": [0, 1, 2]}},
+    )
     one = CostTable({"key": "m"}, "x", {1: 10.0, 3: 10.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 10.0)
     two = dataclasses.replace(one, forward_ms={1: 12.0, 3: 18.0}, plain_ms=12.0, batch_size=2)
     g = torch.Generator().manual_seed(0)
-    groups = [batch_inputs([torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (4, 6)], 0, "cpu")
-              for _ in range(2)]
+    groups = [
+        batch_inputs([torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (4, 6)], 0, "cpu") for _ in range(2)
+    ]
     check = check_against_clock(model, bank, two, groups, top=2, max_new_tokens=8)
     assert set(check["trees"]) == {1, 2} and check["prompts"] == 2
     assert all(r["measured"] > 0 for r in check["trees"].values())
@@ -132,9 +152,15 @@ def test_the_clock_chooses_each_batch_sizes_tree(tiny_cache, tmp_path, monkeypat
     from entmtp_hf.tools.calibrate import time_batch_sizes, timed_choice
 
     model = enabled(tiny_cache)
-    bank = TopologyBank("t", [Tree.root_only(), Tree.chain(1), Tree.chain(2)], {
-        "trees": [{"mean_accept_length": a} for a in (1.0, 1.6, 2.0)], "frontier": {"trees": [0, 1, 2]},
-        "scheduler": {"static": 2, "policy": "static"}})
+    bank = TopologyBank(
+        "t",
+        [Tree.root_only(), Tree.chain(1), Tree.chain(2)],
+        {
+            "trees": [{"mean_accept_length": a} for a in (1.0, 1.6, 2.0)],
+            "frontier": {"trees": [0, 1, 2]},
+            "scheduler": {"static": 2, "policy": "static"},
+        },
+    )
     one = CostTable({"key": "m"}, "x", {1: 10.0, 3: 10.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 10.0)
     four = dataclasses.replace(one, batch_size=4)
     slow = {"trees": {1: {"measured": 0.9}, 2: {"measured": 0.8}}, "fastest_measured": 1}
@@ -145,13 +171,20 @@ def test_the_clock_chooses_each_batch_sizes_tree(tiny_cache, tmp_path, monkeypat
     # end to end, on the tiny model with its prompts stubbed (the probe's tables injected)
     bank.save_pretrained(tmp_path)
     g = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(calibrate_module, "measure_costs",
-                        lambda m, h, batch_sizes: {b: dataclasses.replace(one, batch_size=b) for b in batch_sizes})
-    monkeypatch.setattr(calibrate_module, "_calibration_inputs",
-                        lambda tok, task, n: ([torch.randint(1, VOCAB, (5,), generator=g).tolist() for _ in range(n)], []))
+    monkeypatch.setattr(
+        calibrate_module,
+        "measure_costs",
+        lambda m, h, batch_sizes: {b: dataclasses.replace(one, batch_size=b) for b in batch_sizes},
+    )
+    monkeypatch.setattr(
+        calibrate_module,
+        "_calibration_inputs",
+        lambda tok, task, n: ([torch.randint(1, VOCAB, (5,), generator=g).tolist() for _ in range(n)], []),
+    )
     tok = type("Tok", (), {"pad_token_id": 0, "eos_token_id": None})()
-    timed = time_batch_sizes(model, model.entmtp_heads, tok, [tmp_path], "t", [1, 2], top=2, prompts_per_size=1,
-                             max_new_tokens=6)  # fmt: skip
+    timed = time_batch_sizes(
+        model, model.entmtp_heads, tok, [tmp_path], "t", [1, 2], top=2, prompts_per_size=1, max_new_tokens=6
+    )
     assert set(timed) == {1, 2} and all(r["prompts"] == 1 for r in timed.values())
     saved = TopologyBank.from_pretrained(tmp_path, task="t")
     assert {t.batch_size for t in saved.machine_tables()} == {1, 2}

@@ -66,13 +66,19 @@ def _never_runs(args: argparse.Namespace) -> int:
     raise AssertionError("the command ran although an input is missing")
 
 
-@pytest.mark.parametrize("error", [FileNotFoundError(2, "No such file or directory", "/data/x.bin"),
-                                   PermissionError(13, "Permission denied", "/data/y"),
-                                   IsADirectoryError(21, "Is a directory", "/data/z"),
-                                   OSError("We couldn't connect to the Hub\nto load the files\n")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        FileNotFoundError(2, "No such file or directory", "/data/x.bin"),
+        PermissionError(13, "Permission denied", "/data/y"),
+        IsADirectoryError(21, "Is a directory", "/data/z"),
+        OSError("We couldn't connect to the Hub\nto load the files\n"),
+    ],
+)
 def test_a_system_error_inside_a_command_is_one_line(error, capsys, monkeypatch, tmp_path):
     """What the dispatcher does with an OSError any command raises (a file that vanished, a model
     transformers cannot find)."""
+
     def raises(args: argparse.Namespace) -> int:
         raise error
 
@@ -115,5 +121,7 @@ def test_the_distill_command_checks_its_model_the_same_way(tmp_path, capsys, mon
     missing = str(tmp_path / "no-such-model")
     assert distill.main(["--out", str(tmp_path / "out"), "--model", missing, "--threads", "1"]) == 2
     err = capsys.readouterr().err
-    assert err == (f"entmtp_hf.tools.data.distill: error: {missing}: no such file or folder, and not a valid Hub repo "
-                   f"id (given as --model)\n")
+    assert err == (
+        f"entmtp_hf.tools.data.distill: error: {missing}: no such file or folder, and not a valid Hub repo "
+        f"id (given as --model)\n"
+    )

@@ -12,11 +12,11 @@ import copy
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
+from tiny import VOCAB
 from transformers import CompileConfig
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
 from entmtp_hf.trees.tree import Tree
-from tiny import VOCAB
 
 #: two trees of different sizes and thresholds the tiny model's confidence crosses both ways
 TREES = [Tree.chain(1).choices, Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices]
@@ -75,8 +75,14 @@ def test_compiled_verification_of_a_left_padded_batch_equals_plain_batched_gener
     eos = [int(free[0, max(lengths) + 6])]  # ends the first row early, the others later or never
     plain_kwargs["eos_token_id"] = eos
     config = EntMTPConfig(trees=TREES, tau_on=0.1, tau_off=0.09, feature="base_top1")
-    out = model.generate(ids, **plain_kwargs, cache_implementation="static", compile_config=compile_config(),
-                         entmtp_config=config, return_dict_in_generate=True)  # fmt: skip
+    out = model.generate(
+        ids,
+        **plain_kwargs,
+        cache_implementation="static",
+        compile_config=compile_config(),
+        entmtp_config=config,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, model.generate(ids, **plain_kwargs))
     assert set(out.entmtp_stats["compile_seconds"]) == {len(t) + 1 for t in TREES}
     assert set(out.entmtp_stats["live_batch_sizes"]) == {len(lengths)}
@@ -92,8 +98,13 @@ def test_verification_compiled_with_frozen_weights_is_lossless(tiny_cache):
     kwargs = dict(max_new_tokens=16, do_sample=False)
     frozen = compile_config(mode=None, options={"freezing": True})
     with torch.no_grad():
-        out = model.generate(ids, **kwargs, cache_implementation="static", compile_config=frozen,
-                             entmtp_config=EntMTPConfig(tree=TREES[1]))  # fmt: skip
+        out = model.generate(
+            ids,
+            **kwargs,
+            cache_implementation="static",
+            compile_config=frozen,
+            entmtp_config=EntMTPConfig(tree=TREES[1]),
+        )
     assert torch.equal(out, model.generate(ids, **kwargs))
 
 
@@ -107,8 +118,9 @@ def test_more_graphs_than_dynamo_compiles_are_warned_of_and_stay_lossless(tiny_c
     kwargs = dict(max_new_tokens=12, do_sample=False)
     config = EntMTPConfig(trees=TREES, tau_on=0.1, tau_off=0.09, feature="base_top1")
     with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning, match="recompile_limit"):
-        out = model.generate(ids, **kwargs, cache_implementation="static", compile_config=compile_config(),
-                             entmtp_config=config)  # fmt: skip
+        out = model.generate(
+            ids, **kwargs, cache_implementation="static", compile_config=compile_config(), entmtp_config=config
+        )
     assert torch.equal(out, model.generate(ids, **kwargs))
 
 
@@ -125,7 +137,8 @@ def test_compiled_verification_on_a_model_with_cpu_kernels_is_lossless(tiny_cach
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(7))
     kwargs = dict(max_new_tokens=16, do_sample=False)
     config = EntMTPConfig(tree=TREES[1])
-    out = model.generate(ids, **kwargs, cache_implementation="static", compile_config=compile_config(),
-                         entmtp_config=config)  # fmt: skip
+    out = model.generate(
+        ids, **kwargs, cache_implementation="static", compile_config=compile_config(), entmtp_config=config
+    )
     plain = model.generate(ids, **kwargs)
     assert torch.equal(out, plain) and torch.equal(model.generate(ids, **kwargs, entmtp_config=config), plain)

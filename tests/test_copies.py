@@ -11,13 +11,13 @@ import io
 
 import pytest
 import torch
+from tiny import VOCAB, tiny_model
 from transformers import LlamaForCausalLM
 
 import entmtp_hf.cpu_kernels as K
 from entmtp_hf import EntMTPConfig, enable_entmtp
 from entmtp_hf.heads import HydraHeads
 from entmtp_hf.integration import EntMTPGenerationMixin
-from tiny import VOCAB, tiny_model
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]
 SETTINGS = ["float64, no kernels", "float32, packed kernels"]

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from test_generation import enabled, prompts
 
 import entmtp_hf.calibration.probe as probe_module
 import entmtp_hf.calibration.tables as tables_module
@@ -20,7 +21,6 @@ from entmtp_hf.costs.fingerprint import machine_fingerprint, model_key
 from entmtp_hf.costs.ranking import BATCH_TIE, MARGIN, rank
 from entmtp_hf.costs.table import CostTable, interpolate
 from entmtp_hf.trees.bank import published_defaults_bank
-from test_generation import enabled, prompts
 
 CHAIN = [Tree.chain(d) for d in range(4)]  # 1, 2, 3, 4 nodes
 
@@ -32,8 +32,15 @@ def table(forward: dict[int, float], *, plain: float | None = None, key: str = "
 
 def frontier_bank(taus=(1.0, 1.6, 2.0, 2.2), scheduler=None) -> TopologyBank:
     per_tree = [{"num_nodes": t.num_nodes, "mean_accept_length": tau} for t, tau in zip(CHAIN, taus)]
-    return TopologyBank("t", CHAIN, {"trees": per_tree, "frontier": {"trees": [0, 1, 2, 3]},
-                                     "scheduler": scheduler or {"static": 3, "policy": "static"}})  # fmt: skip
+    return TopologyBank(
+        "t",
+        CHAIN,
+        {
+            "trees": per_tree,
+            "frontier": {"trees": [0, 1, 2, 3]},
+            "scheduler": scheduler or {"static": 3, "policy": "static"},
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- the model
@@ -52,9 +59,14 @@ def test_interpolation_and_the_step_cost():
 def test_cost_tables_round_trip_and_bad_ones_are_refused_naming_the_source():
     t = CostTable({"key": "m"}, "x", {1: 10.0, 4: 14.0}, (1.0, 0.5, 0.1), (2.0, 0.25), 12.0, 3.5)
     assert CostTable.from_dict(t.to_dict()) == t
-    bad = [dict(t.to_dict(), plain_ms=-1.0), dict(t.to_dict(), forward_ms={"2": 1.0, "3": 2.0}),
-           dict(t.to_dict(), draft_ms=[1.0]), dict(t.to_dict(), forward_ms={"1": float("nan"), "2": 1.0}),
-           dict(t.to_dict(), format_version=9), "not a dict"]  # fmt: skip
+    bad = [
+        dict(t.to_dict(), plain_ms=-1.0),
+        dict(t.to_dict(), forward_ms={"2": 1.0, "3": 2.0}),
+        dict(t.to_dict(), draft_ms=[1.0]),
+        dict(t.to_dict(), forward_ms={"1": float("nan"), "2": 1.0}),
+        dict(t.to_dict(), format_version=9),
+        "not a dict",
+    ]
     for data in bad:
         with pytest.raises(FileFormatError, match="costs.json"):
             CostTable.from_dict(data, "costs.json")
@@ -109,7 +121,9 @@ def test_a_bank_re_ranks_its_frontier_and_stores_the_machine():
     newer = again.with_machine(dataclasses.replace(machine, model="another-step"))
     assert [m["costs"]["model"] for m in newer.machines] == ["another-step"]
     # other batch sizes and other machines stay
-    both = newer.with_machine(dataclasses.replace(machine, batch_size=4)).with_machine(table({1: 10.0, 4: 20.0}, key="there"))
+    both = newer.with_machine(dataclasses.replace(machine, batch_size=4)).with_machine(
+        table({1: 10.0, 4: 20.0}, key="there")
+    )
     assert len(both.machines) == 3 and len(both.with_machine(dataclasses.replace(machine, model="x")).machines) == 3
 
 
@@ -119,8 +133,17 @@ def test_a_machine_where_nothing_pays_gets_plain_decoding_without_retrieval():
     chosen = bank.scheduler_for(slow)
     assert chosen.static == 0 and chosen.policy == "static" and chosen.retrieval is None
     # a policy asked for by name still decodes plainly there (its thresholds are not read)
-    scheduled = frontier_bank(scheduler={"static": 3, "conservative": 2, "aggressive": 3, "policy": "hysteresis",
-                                         "feature": "accept_ema", "tau_on": 1.2, "tau_off": 1.1})  # fmt: skip
+    scheduled = frontier_bank(
+        scheduler={
+            "static": 3,
+            "conservative": 2,
+            "aggressive": 3,
+            "policy": "hysteresis",
+            "feature": "accept_ema",
+            "tau_on": 1.2,
+            "tau_off": 1.1,
+        }
+    )
     plan = EntMTPConfig(bank=scheduled.with_machine(slow), task="t", policy="hysteresis").resolve(4, costs=slow)
     assert plan.plain and plan.policy == "static"
 
@@ -135,13 +158,22 @@ def test_banks_with_machines_round_trip_and_old_banks_load(tmp_path):
         old.with_machine(table({1: 1.0, 4: 1.0}))
 
 
-@pytest.mark.parametrize("meta", [
-    {"frontier": {"trees": [7]}},
-    {"frontier": {"trees": [1]}, "trees": [{}, {}, {}, {}]},
-    {"machines": [{"costs": {"format_version": 1}, "scheduler": {}}]},
-    {"machines": [{"costs": CostTable({"key": "m"}, "x", {1: 1.0, 2: 1.0}, (0, 0, 0), (0, 0), 1.0).to_dict(),
-                   "scheduler": {"static": 9}}]},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"frontier": {"trees": [7]}},
+        {"frontier": {"trees": [1]}, "trees": [{}, {}, {}, {}]},
+        {"machines": [{"costs": {"format_version": 1}, "scheduler": {}}]},
+        {
+            "machines": [
+                {
+                    "costs": CostTable({"key": "m"}, "x", {1: 1.0, 2: 1.0}, (0, 0, 0), (0, 0), 1.0).to_dict(),
+                    "scheduler": {"static": 9},
+                }
+            ]
+        },
+    ],
+)
 def test_bad_frontier_or_machine_entries_are_refused(meta):
     with pytest.raises(ValueError, match="frontier|machines"):
         TopologyBank("t", CHAIN, meta)
@@ -151,8 +183,9 @@ def test_bad_frontier_or_machine_entries_are_refused(meta):
 def _with_machine_costs(model, heads, forward):
     lm = model.get_output_embeddings().weight
     fp = machine_fingerprint(lm.device, lm.dtype)
-    return CostTable({**fp.to_dict(), "key": fp.key()}, model_key(model, heads), forward, (0.0, 0.0, 0.0), (0.0, 0.0),
-                     forward[1])  # fmt: skip
+    return CostTable(
+        {**fp.to_dict(), "key": fp.key()}, model_key(model, heads), forward, (0.0, 0.0, 0.0), (0.0, 0.0), forward[1]
+    )
 
 
 def test_generate_uses_this_machines_ranking_and_plain_decoding_when_nothing_pays(tiny_cache):
@@ -161,15 +194,30 @@ def test_generate_uses_this_machines_ranking_and_plain_decoding_when_nothing_pay
     ids = prompts(1)[0]
     ref = model.generate(ids, max_new_tokens=16, do_sample=False)
     fast_three = frontier_bank().with_machine(_with_machine_costs(model, heads, {1: 10.0, 2: 10.0, 3: 10.5, 4: 15.0}))
-    out = model.generate(ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
-                         entmtp_config=EntMTPConfig(bank=fast_three, task="t"))  # fmt: skip
+    out = model.generate(
+        ids,
+        max_new_tokens=16,
+        do_sample=False,
+        return_dict_in_generate=True,
+        entmtp_config=EntMTPConfig(bank=fast_three, task="t"),
+    )
     assert torch.equal(out.sequences, ref) and set(out.entmtp_stats["tree_sizes"]) == {3}
-    stored = model.generate(ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
-                            entmtp_config=EntMTPConfig(bank=fast_three, task="t", adapt=False))  # fmt: skip
+    stored = model.generate(
+        ids,
+        max_new_tokens=16,
+        do_sample=False,
+        return_dict_in_generate=True,
+        entmtp_config=EntMTPConfig(bank=fast_three, task="t", adapt=False),
+    )
     assert set(stored.entmtp_stats["tree_sizes"]) == {4}  # the bank's own choice
     slow = frontier_bank().with_machine(_with_machine_costs(model, heads, {1: 10.0, 2: 30.0, 4: 60.0}))
-    plain = model.generate(ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
-                           entmtp_config=EntMTPConfig(bank=slow, task="t"))  # fmt: skip
+    plain = model.generate(
+        ids,
+        max_new_tokens=16,
+        do_sample=False,
+        return_dict_in_generate=True,
+        entmtp_config=EntMTPConfig(bank=slow, task="t"),
+    )
     assert torch.equal(plain.sequences, ref) and plain.entmtp_stats["plain_decoding"]
     assert plain.entmtp_stats["mean_accept_length"] == 1.0
 
@@ -207,6 +255,7 @@ def test_drafting_and_overhead_come_from_decodes_at_every_batch_size(tiny_cache,
     per-depth parts come from real decodes, at batch size 1 as at any other; only the per-node part
     comes from the heads' own timings."""
     model = enabled(tiny_cache)
+
     # per decode tree: (drafting ms per row-step, the rest of the step): drafting = 1 + 1.5 depth + 0.5 (nodes - 1)
     def phases(m, heads, ids, tree, tokens):
         return 1.0 + 1.5 * tree.depth + 0.5 * (tree.num_nodes - 1), 0.8 + 0.1 * tree.num_nodes
@@ -230,8 +279,9 @@ def test_the_probe_times_decoding_s_own_session(tiny_cache, monkeypatch):
     seen, real = [], DecodeSession.tree_forward
     monkeypatch.setattr(DecodeSession, "tree_forward", lambda self, d, p: seen.append(len(d)) or real(self, d, p))
     generate = model.generate
-    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("EntMTP generate") if "entmtp_config" in k
-                        else generate(*a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        model, "generate", lambda *a, **k: pytest.fail("EntMTP generate") if "entmtp_config" in k else generate(*a, **k)
+    )
     probe_module.forward_ms(model, model.entmtp_heads, (1, 2), repeats=1, batch_size=3)
     assert seen and set(seen) == {3}  # every row of the batch in one forward
     probe(model, model.entmtp_heads, sizes=(1, 2), repeats=1)
@@ -246,6 +296,7 @@ def test_the_forward_sizes_shrink_with_the_batch():
 
 def _flat_grid(ms: float = 10.0, counts: list | None = None):
     """A fake :func:`forward_grid`: every size ``ms``; ``counts`` gets the sizes of each call."""
+
     def grid(session, sizes, repeats=3, **kwargs):
         counts is not None and counts.append(tuple(sizes))
         return {n: ms for n in sizes}, set()
@@ -315,6 +366,7 @@ def test_a_doubted_size_never_timed_again_leaves_the_table_unsteady(tiny_cache, 
     monkeypatch.setattr(probe_module, "step_costs", lambda m, h, per_node, b=1: ((0.0, 0.0, per_node), (0.1, 0.0)))
     dip = {1: 10.0, 2: 12.0, 3: 9.0}
     for timed_again, steady in ((set(), False), ({1, 2, 3}, True)):
+
         def grid(session, sizes, repeats=3, timed_again=timed_again, **kwargs):
             return {n: dip[n] for n in sizes}, timed_again if len(sizes) > 1 else set()
 
@@ -347,6 +399,7 @@ def test_the_check_doubts_a_size_below_its_smaller_neighbour_or_off_their_line()
 
 def _fake_timer(true_ms: dict[int, float], calls: list):
     """``time_again`` for :func:`settle`: every further round of a size takes its true seconds."""
+
     def time_again(sizes, rounds):
         calls.append((tuple(sorted(sizes)), rounds))
         return {n: [true_ms[n] / 1e3] * rounds for n in sizes}
@@ -400,8 +453,11 @@ def _this_machine(model, heads, forward=None, batch_size: int = 1) -> CostTable:
 
 def _fake_probes(monkeypatch, model, heads, calls: list) -> None:
     monkeypatch.setattr(tables_module, "probe", lambda m, h, **k: calls.append(1) or _this_machine(m, h))
-    monkeypatch.setattr(tables_module, "probe_batch",
-                        lambda m, h, base, b, **k: calls.append(b) or dataclasses.replace(base, batch_size=b))  # fmt: skip
+    monkeypatch.setattr(
+        tables_module,
+        "probe_batch",
+        lambda m, h, base, b, **k: calls.append(b) or dataclasses.replace(base, batch_size=b),
+    )
 
 
 def test_the_cache_is_keyed_by_machine_and_model(tiny_cache, tmp_path, monkeypatch):
@@ -453,8 +509,14 @@ def test_generate_never_measures(tiny_cache, tmp_path, monkeypatch):
     table_path(fast_three.key).write_text(json.dumps(fast_three.to_dict()))
     assert tables_for(model, heads, [1, 2, 4]) == dict.fromkeys([1, 2, 4], fast_three)
     batch = torch.cat([prompts(1)[0]] * 4)
-    out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=8, do_sample=False,
-                         return_dict_in_generate=True, entmtp_config=config)  # fmt: skip
+    out = model.generate(
+        batch,
+        attention_mask=torch.ones_like(batch),
+        max_new_tokens=8,
+        do_sample=False,
+        return_dict_in_generate=True,
+        entmtp_config=config,
+    )
     assert {n for row in out.entmtp_stats["rows"] for n in row["tree_sizes"]} == {3}  # ranked on batch size 1's costs
 
 
@@ -475,15 +537,24 @@ def test_an_unusable_cache_folder_warns_once_and_decodes(tiny_cache, tmp_path, m
     ids = prompts(1)[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = model.generate(ids, max_new_tokens=8, do_sample=False, entmtp_config=EntMTPConfig(bank=frontier_bank(), task="t"))
+        out = model.generate(
+            ids, max_new_tokens=8, do_sample=False, entmtp_config=EntMTPConfig(bank=frontier_bank(), task="t")
+        )
     assert torch.equal(out, model.generate(ids, max_new_tokens=8, do_sample=False))
 
 
 def test_a_foreign_table_under_this_machine_s_key_is_not_trusted(tiny_cache, tmp_path, monkeypatch):
     model = enabled(tiny_cache)
     heads = model.entmtp_heads
-    foreign = CostTable({"key": "another-machine"}, "another-model", {1: 1.0, 2: 900.0}, (0.0, 0.0, 0.0), (0.0, 0.0),
-                        1.0, batch_size=1024)  # fmt: skip
+    foreign = CostTable(
+        {"key": "another-machine"},
+        "another-model",
+        {1: 1.0, 2: 900.0},
+        (0.0, 0.0, 0.0),
+        (0.0, 0.0),
+        1.0,
+        batch_size=1024,
+    )
     path = table_path(key_for(model, heads), tmp_path)
     path.write_text(json.dumps(foreign.to_dict()))
     with pytest.warns(UserWarning, match="describes 'another-machine-another-model-b1024'"):

@@ -10,13 +10,13 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from tiny import VOCAB, tiny_model
 from torch.nn.utils import parametrize
 
 import entmtp_hf.cpu_kernels as K
 from entmtp_hf import CPUKernels, EntMTPConfig, EntMTPError, disable_entmtp, enable_entmtp
 from entmtp_hf.heads import HydraHeads
 from entmtp_hf.trees.tree import MC_SIM_7B_63
-from tiny import VOCAB, tiny_model
 
 ONEDNN = pytest.mark.skipif(not K.onednn_available(), reason="this torch build has no oneDNN linear")
 TREE = [[0], [1], [0, 0], [0, 0, 0]]
@@ -165,6 +165,7 @@ def test_a_dispatcher_runs_its_kernels_only_inside_applied_and_only_on_the_weigh
 @ONEDNN
 def test_the_choices_follow_the_measured_times(tiny32, monkeypatch):
     """Synthetic timings: oneDNN faster from two rows on, packing slower, so ``auto`` does not pack."""
+
     def fake(run, choices, repeats):
         rows = fake.rows
         if "transposed" in choices:
@@ -383,6 +384,7 @@ def test_packed_linears_decode_like_vanilla_and_leave_the_weights_alone(tiny32):
         tree = _greedy(model, ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
     assert torch.equal(plain, ref) and torch.equal(tree, ref) and _untouched(model)
     kernels = CPUKernels(model, rows=(1, 2), repeats=1, pack=True).install()
+
     def routing():
         return {id(m): getattr(vars(m).get("forward"), "owner", None) for m in model.modules()}
 
@@ -390,8 +392,11 @@ def test_packed_linears_decode_like_vanilla_and_leave_the_weights_alone(tiny32):
     assert set(own.values()) == {None, kernels._routes}
     with pytest.raises(KeyError):
         with K.packed_linears(model):
-            assert all(f.owner is not kernels._routes for m in model.modules()
-                       if isinstance(f := vars(m).get("forward"), K._Dispatch))  # fmt: skip
+            assert all(
+                f.owner is not kernels._routes
+                for m in model.modules()
+                if isinstance(f := vars(m).get("forward"), K._Dispatch)
+            )
             raise KeyError("boom")
     assert routing() == own
     kernels.remove()
@@ -430,7 +435,9 @@ def test_cost_tables_are_keyed_by_the_kernels_the_layers_run_on(tiny32, tmp_path
             assert K.kernel_routing(model) == ["by row count"] and kernels.active
             dispatched = model_key(model, heads)
         m.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "transposed") for c in choices})
-        with CPUKernels(model, heads, rows=(1, 2), pack=False, repeats=1):  # other choices (the LM head only), same kinds
+        with CPUKernels(
+            model, heads, rows=(1, 2), pack=False, repeats=1
+        ):  # other choices (the LM head only), same kinds
             assert K.kernel_routing(model) == ["by row count"]
             assert model_key(model, heads) == dispatched  # a near-tie flipping does not measure again
     assert len(keys | {dispatched}) == 3

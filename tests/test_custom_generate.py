@@ -9,18 +9,24 @@ import pytest
 import torch
 import transformers.dynamic_module_utils as dynamic_modules
 from huggingface_hub import constants as hf_constants
+from test_generation import CHAIN, prompts
+from tiny import tiny_model
 
 from entmtp_hf import MC_SIM_7B_63, EntMTPConfig, PhaseTimer, __version__, enable_entmtp
 from entmtp_hf.errors import EntMTPError
 from entmtp_hf.tools.cli import main
 from entmtp_hf.tools.export_generate import export_generate
 from entmtp_hf.trees.bank import shipped_bank_path
-from test_generation import CHAIN, prompts
-from tiny import tiny_model
 
 DEFAULTS = str(shipped_bank_path("published-defaults"))
-README_SECTIONS = ("## Description", "## Base model", "## Model compatibility", "## Additional arguments",
-                   "## Output type changes", "## Example usage")  # fmt: skip
+README_SECTIONS = (
+    "## Description",
+    "## Base model",
+    "## Model compatibility",
+    "## Additional arguments",
+    "## Output type changes",
+    "## Example usage",
+)
 
 
 @pytest.fixture
@@ -40,8 +46,9 @@ def heads_dir(tiny_cache, tmp_path):
     return str(tmp_path / "heads")
 
 
-def reference(heads_dir: str, ids: torch.Tensor, config: EntMTPConfig, seed: int | None = None,
-              **kwargs) -> torch.Tensor:
+def reference(
+    heads_dir: str, ids: torch.Tensor, config: EntMTPConfig, seed: int | None = None, **kwargs
+) -> torch.Tensor:
     model = enable_entmtp(tiny_model(), heads_dir)
     if seed is not None:  # after building the model, which seeds torch itself
         torch.manual_seed(seed)
@@ -74,8 +81,14 @@ def test_the_method_keeps_its_heads_and_takes_the_entmtp_arguments(tmp_path, off
     heads = model.entmtp_heads
     assert heads.name_or_path == heads_dir
     timer = PhaseTimer()
-    out = run(model, tmp_path / "repo", ids, entmtp_config=EntMTPConfig(tree=CHAIN), entmtp_observers=[timer],
-              return_dict_in_generate=True)  # fmt: skip
+    out = run(
+        model,
+        tmp_path / "repo",
+        ids,
+        entmtp_config=EntMTPConfig(tree=CHAIN),
+        entmtp_observers=[timer],
+        return_dict_in_generate=True,
+    )
     assert model.entmtp_heads is heads  # the same heads, not loaded again
     assert torch.equal(out.sequences, reference(heads_dir, ids, EntMTPConfig(tree=CHAIN)))
     assert max(out.entmtp_stats["tree_sizes"]) == len(CHAIN) + 1 and timer.seconds["verify"] > 0
@@ -104,8 +117,10 @@ def test_the_folder_is_a_custom_generate_repo(tmp_path, heads_dir):
 
 
 def test_the_command_writes_the_folder_and_refuses_a_task_without_a_bank(tmp_path, heads_dir, capsys):
-    assert main(["export-generate", str(tmp_path / "cli"), "--heads", heads_dir, "--bank", DEFAULTS,
-                 "--task", "default"]) == 0  # fmt: skip
+    assert (
+        main(["export-generate", str(tmp_path / "cli"), "--heads", heads_dir, "--bank", DEFAULTS, "--task", "default"])
+        == 0
+    )
     assert "custom_generate=" in capsys.readouterr().out and (tmp_path / "cli" / "custom_generate").is_dir()
     assert main(["export-generate", str(tmp_path / "x"), "--task", "default"]) == 2
     assert "--bank and --task go together" in capsys.readouterr().err

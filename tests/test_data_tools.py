@@ -17,8 +17,8 @@ def test_question_rounds_repeat_the_openers_under_new_ids():
     one, three = D.user_openers(), D.user_openers(3)
     assert len(three) == 3 * len(one) and len({p.prompt_id for p in three}) == len(three)
     assert three[: len(one)] == one  # round 1 keeps its ids: questions already written are reused
-    assert [p.text for p in three[len(one): 2 * len(one)]] == [p.text for p in one]
-    assert all(p.prompt_id.endswith("-r3") for p in three[2 * len(one):])
+    assert [p.text for p in three[len(one) : 2 * len(one)]] == [p.text for p in one]
+    assert all(p.prompt_id.endswith("-r3") for p in three[2 * len(one) :])
     written = {json.loads(line)["prompt_id"] for line in (REPO / "data/distill/questions.jsonl").open()}
     rounds = max(int(i.rsplit("-r", 1)[1]) if "-r" in i else 1 for i in written)
     assert written <= {p.prompt_id for p in D.user_openers(rounds)}  # the shipped questions' ids still exist
@@ -34,8 +34,11 @@ def test_sources_choose_the_pools():
 
 
 def test_a_run_over_some_sources_keeps_the_earlier_checks_of_the_others(tmp_path):
-    earlier = {"math": {"size": 7, "hits": {}, "examples": []}, "chat": {"size": 1, "hits": {}, "examples": []},
-               "kept": {"math": 7, "chat": 1}}
+    earlier = {
+        "math": {"size": 7, "hits": {}, "examples": []},
+        "chat": {"size": 1, "hits": {}, "examples": []},
+        "kept": {"math": 7, "chat": 1},
+    }
     (tmp_path / "disjointness.json").write_text(json.dumps(earlier))
     distill.build_pool(tmp_path, lambda m: None, 1, 0, False, sources=("chat",))
     report = json.loads((tmp_path / "disjointness.json").read_text())

@@ -73,7 +73,9 @@ def assert_lossless(model, results) -> None:
     for task, cfg, ids, ref, out in results:
         if not torch.equal(out.sequences, ref):
             gap = first_divergence_gap(model, ids, ref, out.sequences)
-            assert gap < NEAR_TIE, f"[{task}] EntMTP diverged from vanilla where the logit gap is {gap:.2e}: not a rounding tie"
+            assert gap < NEAR_TIE, (
+                f"[{task}] EntMTP diverged from vanilla where the logit gap is {gap:.2e}: not a rounding tie"
+            )
 
 
 def mc_sim_tokens_per_step(results) -> tuple[float, dict]:
@@ -101,11 +103,23 @@ def test_eas_calibrate_cli_on_the_demo_model(tmp_path):
     """`entmtp-hf eas-calibrate` end to end: replay, costs, ranking and a settings file bench can read."""
     import json
 
-    from entmtp_hf.tools.cli import main
     from entmtp_hf.scheduling.eas import EASConfig
+    from entmtp_hf.tools.cli import main
 
     out = tmp_path / "cal-{task}"
-    args = ["eas-calibrate", "--task", "gsm8k", "--n", "1", "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)]
+    args = [
+        "eas-calibrate",
+        "--task",
+        "gsm8k",
+        "--n",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     folder = tmp_path / "cal-gsm8k"
     result = json.loads((folder / "calibration.json").read_text())
@@ -129,7 +143,7 @@ def test_the_default_is_the_eagle_drafter_with_its_banks(demo):
 
 def test_the_shipped_hydra_heads_are_lossless_and_draft(demo):
     """The other shipped drafter, ``load_demo(heads="hydra")``, with the banks searched for it."""
-    from entmtp_hf.demo import DEMO_DRAFTERS, DEFAULT_DRAFTER, demo_bank_dir
+    from entmtp_hf.demo import DEFAULT_DRAFTER, DEMO_DRAFTERS, demo_bank_dir
     from entmtp_hf.heads import HydraHeads
     from entmtp_hf.integration import HEADS_ATTR, enable_entmtp
 
@@ -150,14 +164,16 @@ def test_the_shipped_banks_machine_entries_keep_matching_the_default_path(demo):
     (``cpu_kernels=False``, or kernels that route nothing) the key must stay what the shipped
     banks' machine entries were filed under, or every machine they name would probe again."""
     from entmtp_hf import TopologyBank
-    from entmtp_hf.cpu_kernels import kernels_of
     from entmtp_hf.costs.fingerprint import model_key
+    from entmtp_hf.cpu_kernels import kernels_of
     from entmtp_hf.integration import HEADS_ATTR
     from entmtp_hf.tools.calibrate import SEARCH_MODEL_KEY
 
     model, _, bank_dir = demo
     tables = [t for f in sorted(bank_dir.glob("*.safetensors")) for t in TopologyBank.from_file(f).machine_tables()]
-    probed = {t.model for t in tables if t.model != SEARCH_MODEL_KEY}  # not the search machine's, rebuilt from its timings
+    probed = {
+        t.model for t in tables if t.model != SEARCH_MODEL_KEY
+    }  # not the search machine's, rebuilt from its timings
     kernels = kernels_of(model)
     if kernels is not None:
         kernels.remove()

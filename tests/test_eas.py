@@ -4,15 +4,15 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
-
-from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.assisted import ACTIVE_EAS_CALL, EntropyAdaptiveCandidateGenerator
-from entmtp_hf.scheduling.eas import EASConfig, EASController, entropy_nats
-from entmtp_hf.integration import enable_entmtp
-from entmtp_hf.trees.tree import MC_SIM_7B_63
 from test_generation import chi_square_p, prompts, target_joint
 from tiny import tiny_model
+from transformers import LlamaForCausalLM
+
+from entmtp_hf.assisted import ACTIVE_EAS_CALL, EntropyAdaptiveCandidateGenerator
+from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.integration import enable_entmtp
+from entmtp_hf.scheduling.eas import EASConfig, EASController, entropy_nats
+from entmtp_hf.trees.tree import MC_SIM_7B_63
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 NO_WARMUP = dict(warmup_tokens=0, window=4, fork_min_history=4)
@@ -63,7 +63,7 @@ def test_halts_exactly_at_first_token_over_threshold(entropies, length):
     cause = "threshold" if length < 5 else "k_max"
     assert ctrl.stats.chain_lengths[-1] == length and ctrl.stats.halts[cause] == 1
     # the halting token's entropy is examined (it enters the window), later ones are not
-    assert list(ctrl.recent)[-(length + (cause == "threshold")):] == entropies[: length + (cause == "threshold")]
+    assert list(ctrl.recent)[-(length + (cause == "threshold")) :] == entropies[: length + (cause == "threshold")]
 
 
 def test_fork_halts_on_a_spike_below_the_threshold():
@@ -181,7 +181,11 @@ def test_draft_model_greedy_identical_to_vanilla(enabled_target, name):
     for ids in prompts():
         ref = model.generate(ids, max_new_tokens=30, do_sample=False)
         out = model.generate(
-            ids, max_new_tokens=30, do_sample=False, assistant_model=draft, eas_config=DRAFT_CONFIGS[name](),
+            ids,
+            max_new_tokens=30,
+            do_sample=False,
+            assistant_model=draft,
+            eas_config=DRAFT_CONFIGS[name](),
             return_dict_in_generate=True,
         )
         assert torch.equal(out.sequences, ref)
@@ -234,7 +238,13 @@ def test_draft_model_sampling_preserves_distribution(enabled_target):
     cfg = EASConfig(warmup_tokens=0, thresholds=(3.0, 3.0, 3.0), band_edges=(1.0, 2.0), k_max=2)
     for _ in range(n):
         out = model.generate(
-            ids, max_new_tokens=2, do_sample=True, temperature=0.7, top_k=5, assistant_model=draft, eas_config=cfg,
+            ids,
+            max_new_tokens=2,
+            do_sample=True,
+            temperature=0.7,
+            top_k=5,
+            assistant_model=draft,
+            eas_config=cfg,
             return_dict_in_generate=True,
         )
         key = tuple(out.sequences[0, ids.shape[1] :].tolist())
@@ -299,7 +309,7 @@ def test_heads_entropy_policy_greedy_identical(tiny_cache, tree):
         warm = [n for n, tau in zip(st["eas"]["chain_lengths"], st["eas"]["thresholds"]) if tau is None]
         assert warm and warm == [2] * len(warm) == st["tree_indices"][: len(warm)]  # warm-up: fixed length
         depths.update(st["tree_indices"])
-        drafted = [p.depth or 4 for p in proposals[-st["steps"]:]]  # depths the heads computed
+        drafted = [p.depth or 4 for p in proposals[-st["steps"] :]]  # depths the heads computed
         assert all(d <= n + 1 for d, n in zip(drafted, st["eas"]["chain_lengths"]))
         assert drafted[: len(warm)] == [2] * len(warm)  # warm-up chains of 2 draft only 2 depths
         halts = {k: halts.get(k, 0) + v for k, v in st["eas"]["halts"].items()}
@@ -311,7 +321,11 @@ def test_heads_entropy_policy_samples_with_exact_acceptance(tiny_cache):
     enable_entmtp(model, heads)
     cfg = EntMTPConfig(tree=CHAIN, eas=EASConfig(**HEAD_EAS))
     out = model.generate(
-        prompts(1)[0], max_new_tokens=20, do_sample=True, temperature=0.7, entmtp_config=cfg,
+        prompts(1)[0],
+        max_new_tokens=20,
+        do_sample=True,
+        temperature=0.7,
+        entmtp_config=cfg,
         return_dict_in_generate=True,
     )
     st = out.entmtp_stats
@@ -341,18 +355,24 @@ def test_invalid_entropy_policy(kwargs, message):
 
 # ----------------------------------------------------------------------------- benchmark hook
 def test_bench_methods_eas_and_fixed_chains(tmp_path):
+    from test_bench import DEFAULTS, tiny_llama, tiny_tokenizer, write_task
+
     from entmtp_hf.tools.bench.context import BenchContext, random_heads
     from entmtp_hf.tools.bench.runner import run_benchmark
     from entmtp_hf.tools.bench.settings import BenchSettings
-    from test_bench import DEFAULTS, tiny_llama, tiny_tokenizer, write_task
 
     model = tiny_llama()
     ctx = BenchContext(model, tiny_tokenizer(), bank_folder=DEFAULTS, model_name="tiny")
     ctx.heads["hydra"] = random_heads(model, "hydra", seed=0)
     settings = BenchSettings(
-        tasks=(write_task(tmp_path, "alpha", 1),), num_prompts=1, max_new_tokens=8, preset="test",
-        methods=("vanilla", "eas", "chain-4", "chain-8", "eas-calibrated"), warmup_tokens=4, perplexity=False,
-    )  # fmt: skip
+        tasks=(write_task(tmp_path, "alpha", 1),),
+        num_prompts=1,
+        max_new_tokens=8,
+        preset="test",
+        methods=("vanilla", "eas", "chain-4", "chain-8", "eas-calibrated"),
+        warmup_tokens=4,
+        perplexity=False,
+    )
     results = run_benchmark(ctx, settings)
     assert "depth 8" in results["skipped"]["chain-8"]["alpha"]  # 4 heads: no chain of 8
     assert "--eas-config" in results["skipped"]["eas-calibrated"]["alpha"]  # no settings file given
@@ -372,11 +392,12 @@ def test_bench_methods_eas_and_fixed_chains(tmp_path):
 def test_bench_draft_model_methods_int8_draft(tmp_path):
     """The draft-model form in the harness: the target's int8 copy drafts, EAS or a fixed chain
     sets the length, output identical to vanilla."""
+    from test_bench import DEFAULTS, tiny_llama, tiny_tokenizer, write_task
+
     from entmtp_hf.scheduling.eas import fixed_length
     from entmtp_hf.tools.bench.context import BenchContext, quantized_draft, random_heads
     from entmtp_hf.tools.bench.runner import run_benchmark
     from entmtp_hf.tools.bench.settings import BenchSettings
-    from test_bench import DEFAULTS, tiny_llama, tiny_tokenizer, write_task
 
     model = tiny_llama()
     draft = quantized_draft(model)
@@ -385,15 +406,22 @@ def test_bench_draft_model_methods_int8_draft(tmp_path):
     ctx = BenchContext(model, tiny_tokenizer(), bank_folder=DEFAULTS, model_name="tiny")
     ctx.heads["hydra"] = random_heads(model, "hydra", seed=0)
     settings = BenchSettings(
-        tasks=(write_task(tmp_path, "alpha", 2),), num_prompts=2, max_new_tokens=12, preset="test",
-        methods=("vanilla", "draft-eas", "draft-chain-4"), warmup_tokens=4, perplexity=False,
-    )  # fmt: skip
+        tasks=(write_task(tmp_path, "alpha", 2),),
+        num_prompts=2,
+        max_new_tokens=12,
+        preset="test",
+        methods=("vanilla", "draft-eas", "draft-chain-4"),
+        warmup_tokens=4,
+        perplexity=False,
+    )
     results = run_benchmark(ctx, settings)
     recs = [r for r in results["records"] if r["method"] != "vanilla"]
     assert {r["method"] for r in recs} == {"draft-eas", "draft-chain-4"}
     assert all(r["mismatch"] is None for r in recs)  # greedy: identical to vanilla
     chain = [r["eas"] for r in recs if r["method"] == "draft-chain-4"]
-    assert all({k for k, n in c["halts"].items() if n} <= {"warmup", "length"} for c in chain)  # a fixed chain never halts early
+    assert all(
+        {k for k, n in c["halts"].items() if n} <= {"warmup", "length"} for c in chain
+    )  # a fixed chain never halts early
     for r in recs:  # steps are the target's verification forwards (the draft's are not counted)
         assert r["steps"] == r["forwards"] == len(r["eas"]["chain_lengths"])
         assert r["mean_accept_length"] == pytest.approx(r["new_tokens"] / r["steps"])

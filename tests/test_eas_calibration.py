@@ -3,8 +3,10 @@
 import json
 
 import pytest
+from test_generation import prompts
 
 from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.scheduling.eas import EASConfig, fixed_length
 from entmtp_hf.tools.eas_calibration import (
     ChainReplay,
@@ -18,16 +20,21 @@ from entmtp_hf.tools.eas_calibration import (
     save_replays,
     simulate,
 )
-from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import Tree
-from test_generation import prompts
 
 SETTINGS = [
     EASConfig(k_max=4, thresholds=(1.2,), band_edges=(), warmup_tokens=0),
-    EASConfig(k_max=4, thresholds=(2.0, 1.0), band_edges=(1.0,), warmup_tokens=5, warmup_length=2, window=4,
-              fork_min_history=2),
+    EASConfig(
+        k_max=4,
+        thresholds=(2.0, 1.0),
+        band_edges=(1.0,),
+        warmup_tokens=5,
+        warmup_length=2,
+        window=4,
+        fork_min_history=2,
+    ),
     fixed_length(3),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("config", SETTINGS, ids=["single", "bands-warmup-forks", "fixed-3"])
@@ -36,8 +43,13 @@ def test_replay_reproduces_the_decode_loop(tiny_cache, config):
     model, heads = tiny_cache()
     enable_entmtp(model, heads)
     for ids in prompts(2):
-        out = model.generate(ids, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
-                             entmtp_config=EntMTPConfig(tree=Tree.chain(4).choices, eas=config))  # fmt: skip
+        out = model.generate(
+            ids,
+            max_new_tokens=24,
+            do_sample=False,
+            return_dict_in_generate=True,
+            entmtp_config=EntMTPConfig(tree=Tree.chain(4).choices, eas=config),
+        )
         st = out.entmtp_stats
         rep = replay_chains(model, heads, out.sequences[0].tolist(), ids.shape[1])
         steps = replay_steps(rep, config, depth=4)
@@ -56,7 +68,11 @@ def test_simulate_costs_and_statistics_by_hand():
     # 6 new tokens; chain-2 steps: j=0 (2 match) adds 3, j=3 (0 match) adds 1, j=4 (2) adds 2 (the last)
     rep = replay([[0.1, 0.1]] * 6, [2, 0, 0, 0, 2, 0])
     costs = Costs({1: 1.0, 2: 1.1, 3: 1.2}, [0.0, 0.05, 0.1])
-    assert [(s.chain, s.accepted, s.new) for s in replay_steps(rep, fixed_length(2), 2)] == [(2, 2, 3), (2, 0, 1), (2, 2, 2)]
+    assert [(s.chain, s.accepted, s.new) for s in replay_steps(rep, fixed_length(2), 2)] == [
+        (2, 2, 3),
+        (2, 0, 1),
+        (2, 2, 2),
+    ]
     r = simulate([rep], fixed_length(2), costs)
     assert r["speedup"] == pytest.approx(6 / (3 * 1.3)) and r["tokens_per_step"] == 2
     assert r["rejected_fraction"] == pytest.approx(2 / 6) and r["drafted_depths_per_step"] == 2

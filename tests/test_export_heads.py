@@ -55,8 +55,9 @@ def chain_tokens(model, heads, depth=3):
 # ============================================================================ round trips
 @pytest.mark.parametrize("layers", [[0, 1, 2], None], ids=["ascending", "default"])
 def test_eagle3_with_a_pruned_vocabulary_round_trips(tmp_path, model, layers):
-    heads = randomised(EagleHeads.for_model(model, num_heads=3, arch="eagle3", draft_vocab=DRAFT_IDS,
-                                            feature_layers=layers))  # fmt: skip
+    heads = randomised(
+        EagleHeads.for_model(model, num_heads=3, arch="eagle3", draft_vocab=DRAFT_IDS, feature_layers=layers)
+    )
     out = export_heads(heads, "eagle3", tmp_path / "eagle3")
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(out / "model.safetensors")
@@ -64,8 +65,13 @@ def test_eagle3_with_a_pruned_vocabulary_round_trips(tmp_path, model, layers):
     sizes = (config["draft_vocab_size"], config["target_hidden_size"], config["vocab_size"])
     assert sizes == (len(DRAFT_IDS), 32, VOCAB)
     assert config["eagle_aux_hidden_state_layer_ids"] == sorted(heads.config.feature_layers)  # as engines concat
-    assert {k for k in tensors if not k.startswith("midlayer.")} == {"fc.weight", "norm.weight", "lm_head.weight",
-                                                                      "d2t", "t2d"}  # fmt: skip
+    assert {k for k in tensors if not k.startswith("midlayer.")} == {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    }
     layer = {"midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "midlayer.self_attn.q_proj.weight"}
     assert layer <= set(tensors)
     assert torch.equal(torch.arange(len(DRAFT_IDS)) + tensors["d2t"], torch.tensor(DRAFT_IDS))
@@ -117,7 +123,8 @@ def test_medusa_round_trips(tmp_path, model):
     tensors = load_file(out / "medusa_lm_head.safetensors")
     assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (3, 2)
     assert set(tensors) == {f"{i}.{j}.linear.{w}" for i in range(3) for j in range(2) for w in ("weight", "bias")} | {
-        f"{i}.2.weight" for i in range(3)}
+        f"{i}.2.weight" for i in range(3)
+    }
     again = load_heads(out)
     assert isinstance(again, MedusaHeads) and again.config.num_heads == 3
     mine, theirs = outputs(model, heads), outputs(model, again)
@@ -142,7 +149,9 @@ def test_the_engines_a_drafter_serves_in_are_named_or_why_none(model):
 
     eagle3 = serving(EagleHeads.for_model(model, num_heads=2, arch="eagle3", draft_vocab=DRAFT_IDS))
     assert eagle3.startswith("vLLM, SGLang, TensorRT-LLM (entmtp-hf export-heads HEADS --to eagle3)")
-    pruned = serving(EagleHeads.for_model(model, num_heads=2, arch="eagle", draft_vocab=DRAFT_IDS, use_base_lm_head=True))
+    pruned = serving(
+        EagleHeads.for_model(model, num_heads=2, arch="eagle", draft_vocab=DRAFT_IDS, use_base_lm_head=True)
+    )
     assert pruned.startswith("transformers' generate only") and "no drafting vocabulary" in pruned
     assert "sequentially dependent" in serving(HydraHeads.for_model(model, num_heads=2))
 
@@ -153,17 +162,37 @@ def test_what_a_layout_cannot_hold_is_refused_by_name(tmp_path, model):
     eagle3 = EagleHeads.for_model(model, num_heads=2, arch="eagle3")
     refused(eagle3, "medusa", tmp_path, "holds Medusa heads")
     refused(eagle3, "eagle", tmp_path, r"eagle drafter; these are eagle heads \(eagle3\)")
-    refused(EagleHeads.for_model(model, num_heads=2, arch="eagle3", use_base_lm_head=True), "eagle3", tmp_path,
-            "its own LM head")  # fmt: skip
-    refused(EagleHeads.for_model(model, num_heads=2, arch="eagle3", feature_layers=[1, 1, 2]), "eagle3", tmp_path,
-            "fuses a hidden state twice")  # fmt: skip
+    refused(
+        EagleHeads.for_model(model, num_heads=2, arch="eagle3", use_base_lm_head=True),
+        "eagle3",
+        tmp_path,
+        "its own LM head",
+    )
+    refused(
+        EagleHeads.for_model(model, num_heads=2, arch="eagle3", feature_layers=[1, 1, 2]),
+        "eagle3",
+        tmp_path,
+        "fuses a hidden state twice",
+    )
     refused(EagleHeads.for_model(model, num_heads=2, arch="eagle"), "eagle", tmp_path, "have their own")
-    refused(EagleHeads.for_model(model, num_heads=2, arch="eagle", use_base_lm_head=True, draft_vocab=DRAFT_IDS),
-            "eagle", tmp_path, "no drafting vocabulary")  # fmt: skip
-    refused(EagleHeads.for_model(model, num_heads=2, arch="eagle", use_base_lm_head=True, feature_layers=[0, -1]),
-            "eagle", tmp_path, "fuses further base states")  # fmt: skip
-    refused(EagleHeads.for_model(model, num_heads=2, num_layers=2, arch="eagle", use_base_lm_head=True), "eagle",
-            tmp_path, "2 decoder layers")  # fmt: skip
+    refused(
+        EagleHeads.for_model(model, num_heads=2, arch="eagle", use_base_lm_head=True, draft_vocab=DRAFT_IDS),
+        "eagle",
+        tmp_path,
+        "no drafting vocabulary",
+    )
+    refused(
+        EagleHeads.for_model(model, num_heads=2, arch="eagle", use_base_lm_head=True, feature_layers=[0, -1]),
+        "eagle",
+        tmp_path,
+        "fuses further base states",
+    )
+    refused(
+        EagleHeads.for_model(model, num_heads=2, num_layers=2, arch="eagle", use_base_lm_head=True),
+        "eagle",
+        tmp_path,
+        "2 decoder layers",
+    )
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(LayoutError, match="not empty"):

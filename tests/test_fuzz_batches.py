@@ -17,6 +17,8 @@ import random
 import warnings
 
 import torch
+from test_batch import PAD, enabled, generate
+from tiny import VOCAB
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import entmtp_hf.calibration.tables as tables_module
@@ -27,8 +29,6 @@ from entmtp_hf.costs.fingerprint import machine_fingerprint, model_key
 from entmtp_hf.costs.table import CostTable
 from entmtp_hf.trees.bank import TopologyBank
 from entmtp_hf.trees.tree import Tree
-from test_batch import PAD, enabled, generate
-from tiny import VOCAB
 
 BATCH_CASES = 24
 CACHE_CASES = 40
@@ -109,23 +109,45 @@ def test_fuzz_batches_with_processors_and_row_stopping(tiny_cache):
 def _bank() -> TopologyBank:
     chain = [Tree.chain(d) for d in range(4)]
     per_tree = [{"num_nodes": t.num_nodes, "mean_accept_length": tau} for t, tau in zip(chain, (1.0, 1.6, 2.0, 2.2))]
-    return TopologyBank("t", chain, {"trees": per_tree, "frontier": {"trees": [0, 1, 2, 3]},
-                                     "scheduler": {"static": 3, "policy": "static"}})  # fmt: skip
+    return TopologyBank(
+        "t",
+        chain,
+        {"trees": per_tree, "frontier": {"trees": [0, 1, 2, 3]}, "scheduler": {"static": 3, "policy": "static"}},
+    )
 
 
 def _table(model, heads, batch_size: int = 1) -> CostTable:
     lm = model.get_output_embeddings().weight
     fp = machine_fingerprint(lm.device, lm.dtype)
-    return CostTable({**fp.to_dict(), "key": fp.key()}, model_key(model, heads), {1: 10.0, 2: 10.0, 4: 15.0},
-                     (0.0, 0.0, 0.0), (0.0, 0.0), 10.0, batch_size=batch_size)  # fmt: skip
+    return CostTable(
+        {**fp.to_dict(), "key": fp.key()},
+        model_key(model, heads),
+        {1: 10.0, 2: 10.0, 4: 15.0},
+        (0.0, 0.0, 0.0),
+        (0.0, 0.0),
+        10.0,
+        batch_size=batch_size,
+    )
 
 
 def _spoil(rng: random.Random, root, model, heads) -> str:
     """Something wrong where this machine's tables go; returns the cache folder to use."""
     costs = root / "costs"
     path = table_path(key_for(model, heads), costs)
-    kind = rng.choice(["file-as-root", "file-as-costs", "dir-as-table", "garbage", "truncated", "foreign",
-                       "wrong-batch", "huge", "not-object", "proc"])  # fmt: skip
+    kind = rng.choice(
+        [
+            "file-as-root",
+            "file-as-costs",
+            "dir-as-table",
+            "garbage",
+            "truncated",
+            "foreign",
+            "wrong-batch",
+            "huge",
+            "not-object",
+            "proc",
+        ]
+    )
     if kind == "proc":
         return "/proc/entmtp-hf-fuzz"
     if kind == "file-as-root":
@@ -160,8 +182,9 @@ def test_fuzz_the_cost_cache(tiny_cache, tmp_path, monkeypatch):
     heads = model.entmtp_heads
     measured = []
     monkeypatch.setattr(tables_module, "probe", lambda m, h, **k: measured.append(1) or _table(m, h))
-    monkeypatch.setattr(tables_module, "probe_batch",
-                        lambda m, h, base, b, **k: dataclasses.replace(base, batch_size=b))  # fmt: skip
+    monkeypatch.setattr(
+        tables_module, "probe_batch", lambda m, h, base, b, **k: dataclasses.replace(base, batch_size=b)
+    )
     rng = random.Random(99)
     ids = torch.tensor([[3, 5, 7, 9]])
     plain = model.generate(ids, max_new_tokens=6, do_sample=False)
@@ -181,4 +204,3 @@ def test_fuzz_the_cost_cache(tiny_cache, tmp_path, monkeypatch):
         if root.exists() and root.is_dir():
             assert not list(root.rglob(".*.tmp")), f"case {case}: a temporary file was left behind"
     assert measured  # every spoiled table was measured again rather than trusted
-

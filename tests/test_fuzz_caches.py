@@ -14,12 +14,12 @@ import random
 from dataclasses import dataclass
 
 import torch
+from tiny import VOCAB
 from transformers import DynamicCache, StaticCache
 
 from entmtp_hf import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63
-from tiny import VOCAB
 
 CASES = 24
 ARCHS = ("llama", "gemma3", "mistral-window-3")
@@ -47,8 +47,10 @@ def _conversation(rng: random.Random) -> Conversation:
         ids[r, width - n :] = torch.tensor([rng.randrange(1, VOCAB) for _ in range(n)])
         mask[r, width - n :] = 1
     count = rng.randint(2, 3)
-    turns = [(rng.randint(1, 12), torch.tensor([[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 5))]] * rows))
-             for _ in range(count)]  # fmt: skip
+    turns = [
+        (rng.randint(1, 12), torch.tensor([[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 5))]] * rows))
+        for _ in range(count)
+    ]
     modes = "".join(rng.choice("pe") for _ in range(count))
     modes = modes if "e" in modes else "e" + modes[1:]
     eos = [rng.randrange(1, VOCAB)] if rng.random() < 0.4 else None
@@ -60,8 +62,16 @@ def _talk(model, conv: Conversation, modes: str, cache) -> tuple[list[torch.Tens
     ids, mask, texts, held, longest = conv.ids, conv.mask, [], [], []
     for mode, tree, (new, more) in zip(modes, conv.trees, conv.turns):
         extra = {"entmtp_config": EntMTPConfig(tree=tree)} if mode == "e" else {}
-        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new, do_sample=False,
-                             pad_token_id=PAD, eos_token_id=conv.eos, **extra)  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=PAD,
+            eos_token_id=conv.eos,
+            **extra,
+        )
         texts.append(out)
         held.append(int(cache.get_seq_length()))
         longest.append(ids.shape[1] + new - 1)
@@ -86,8 +96,10 @@ def test_fuzz_caches_carried_across_calls(tiny_cache):
         if conv.static:  # plain again on the cache size this case uses (exactly what the longest call may fill)
             plain, plain_held, _ = _talk(model, conv, "p" * len(conv.modes), _cache(model, True, room))
         mine, held, _ = _talk(model, conv, conv.modes, _cache(model, conv.static, room))
-        where = f"case {case} ({arch}, {'static ' + str(room) if conv.static else 'dynamic'}, {conv.modes}, " \
-                f"rows {conv.ids.shape[0]}, eos {conv.eos})"  # fmt: skip
+        where = (
+            f"case {case} ({arch}, {'static ' + str(room) if conv.static else 'dynamic'}, {conv.modes}, "
+            f"rows {conv.ids.shape[0]}, eos {conv.eos})"
+        )
         for turn, (a, b) in enumerate(zip(mine, plain)):
             assert torch.equal(a, b), f"{where}, turn {turn}\nplain  {b.tolist()}\nentmtp {a.tolist()}"
         for turn, mode in enumerate(conv.modes):

@@ -22,10 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
-from safetensors.torch import save as safetensors_bytes
-
 from bad_files import (
     H,
     bank_parts,
@@ -37,13 +33,22 @@ from bad_files import (
     tiny_base_config,
     write_folder,
 )
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save as safetensors_bytes
+
 from entmtp_hf.errors import EntMTPError
 from entmtp_hf.heads import DraftHeads, load_heads
 from entmtp_hf.trees.bank import TopologyBank
 
 EXAMPLES = int(os.environ.get("ENTMTP_FUZZ_EXAMPLES", "500"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 MAX_SECONDS = 2.0
 MAX_GROWTH_KB = 500 * 1024
 
@@ -69,16 +74,45 @@ def dumps(value: Any) -> str:
     return _SPLICE.sub(raw, json.dumps(value))
 
 
-SPECIAL_VALUES = st.sampled_from([deep(5000), deep(40), digits(5000), digits(150), 10**9, 10**12, 2**31, 2**63,
-                                  10**99, -1, 0, 1.5e308, "", [], {}])  # fmt: skip
-SCALARS = (st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
-           | st.text(max_size=6) | SPECIAL_VALUES)  # fmt: skip
-JSON_VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.text(max_size=6), inner, max_size=3), max_leaves=6)  # fmt: skip
+SPECIAL_VALUES = st.sampled_from(
+    [deep(5000), deep(40), digits(5000), digits(150), 10**9, 10**12, 2**31, 2**63, 10**99, -1, 0, 1.5e308, "", [], {}]
+)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6)
+    | SPECIAL_VALUES
+)
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
 #: keys worth adding where they are absent (the schema's own and a few unknown ones)
-NEW_KEYS = ("num_trees", "scheduler", "retrieval", "num_tokens", "ladder", "thresholds", "value", "value_costs",
-            "policy", "trees", "hidden_act", "rope_theta", "rope_parameters", "head_dim", "num_key_value_heads",
-            "num_hidden_layers", "draft_vocab_size", "use_base_lm_head", "weight_map", "zzz")  # fmt: skip
+NEW_KEYS = (
+    "num_trees",
+    "scheduler",
+    "retrieval",
+    "num_tokens",
+    "ladder",
+    "thresholds",
+    "value",
+    "value_costs",
+    "policy",
+    "trees",
+    "hidden_act",
+    "rope_theta",
+    "rope_parameters",
+    "head_dim",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "draft_vocab_size",
+    "use_base_lm_head",
+    "weight_map",
+    "zzz",
+)
 
 
 def json_paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
@@ -119,8 +153,11 @@ def set_path(obj: Any, path: tuple, value: Any, delete: bool = False) -> Any:
 
 # ----------------------------------------------------------------------------- tensors
 DTYPES = (torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.bool)
-TENSORS = st.tuples(st.lists(st.integers(0, 6), max_size=3), st.sampled_from(DTYPES),
-                    st.sampled_from(["zeros", "arange", "minus", "rand"]))  # fmt: skip
+TENSORS = st.tuples(
+    st.lists(st.integers(0, 6), max_size=3),
+    st.sampled_from(DTYPES),
+    st.sampled_from(["zeros", "arange", "minus", "rand"]),
+)
 
 
 def make_tensor(spec: tuple) -> torch.Tensor:
@@ -141,7 +178,9 @@ def make_tensor(spec: tuple) -> torch.Tensor:
 
 BYTE_OPS = st.one_of(
     st.tuples(st.just("truncate"), st.floats(0, 1)),
-    st.tuples(st.just("flip"), st.lists(st.floats(0, 1, exclude_max=True), min_size=1, max_size=4), st.integers(1, 255)),
+    st.tuples(
+        st.just("flip"), st.lists(st.floats(0, 1, exclude_max=True), min_size=1, max_size=4), st.integers(1, 255)
+    ),
 )
 
 
@@ -220,8 +259,16 @@ def load_bank_case(folder: Path, base: str, ops: list[tuple]) -> None:
 @given(base=st.sampled_from(sorted(BANKS)), ops=st.lists(BANK_OPS, min_size=1, max_size=4))
 @example(base="t", ops=[("set", ("calibration",), deep(5000))])  # B1
 @example(base="t", ops=[("set", ("num_trees",), 10**9)])  # B2
-@example(base="t", ops=[("tensor", "tree.0", ([3_999_900, 1], torch.int32, "arange")), ("drop", 1),
-                        ("set", ("num_trees",), 1), ("delete", ("trees",)), ("delete", ("scheduler",))])  # B3
+@example(
+    base="t",
+    ops=[
+        ("tensor", "tree.0", ([3_999_900, 1], torch.int32, "arange")),
+        ("drop", 1),
+        ("set", ("num_trees",), 1),
+        ("delete", ("trees",)),
+        ("delete", ("scheduler",)),
+    ],
+)  # B3
 @example(base="t", ops=[("set", ("scheduler", "retrieval", "num_tokens"), 10**12)])  # B4
 @example(base="default", ops=[("set", ("description",), digits(5000))])
 def test_fuzz_bank_files(base: str, ops: list[tuple]) -> None:
@@ -243,8 +290,12 @@ def _medusa2_sharded() -> dict[str, Any]:
     names = sorted(sd)
     half = len(names) // 2
     index = {"weight_map": {k: "a.safetensors" if i < half else "b.safetensors" for i, k in enumerate(names)}}
-    return {"config.json": {"medusa_num_heads": 2, "medusa_num_layers": 2}, "model.safetensors.index.json": index,
-            "a.safetensors": {k: sd[k] for k in names[:half]}, "b.safetensors": {k: sd[k] for k in names[half:]}}  # fmt: skip
+    return {
+        "config.json": {"medusa_num_heads": 2, "medusa_num_layers": 2},
+        "model.safetensors.index.json": index,
+        "a.safetensors": {k: sd[k] for k in names[:half]},
+        "b.safetensors": {k: sd[k] for k in names[half:]},
+    }
 
 
 def _medusa2_single() -> dict[str, Any]:
@@ -257,14 +308,30 @@ HEADS = {
     "own-hydra-prefix": _own("hydra", "prefix-mlp"),
     "own-medusa-draft-vocab": _own("medusa", draft_vocab=True),
     "hydra": {"config.json": hydra_config("mlp"), "hydra_lm_head.pt": hydra_published_state("mlp")},
-    "hydra-prefix": {"config.json": hydra_config("prefix-mlp"), "hydra_lm_head.pt": hydra_published_state("prefix-mlp")},
-    "medusa": {"config.json": {"medusa_num_heads": 2, "medusa_num_layers": 2},
-               "medusa_lm_head.pt": medusa_published_state()},
+    "hydra-prefix": {
+        "config.json": hydra_config("prefix-mlp"),
+        "hydra_lm_head.pt": hydra_published_state("prefix-mlp"),
+    },
+    "medusa": {
+        "config.json": {"medusa_num_heads": 2, "medusa_num_layers": 2},
+        "medusa_lm_head.pt": medusa_published_state(),
+    },
     "medusa2": _medusa2_single(),
     "medusa2-sharded": _medusa2_sharded(),
-}  # fmt: skip
-SHARD_NAMES = st.sampled_from(["../outside/x.safetensors", "/etc/hostname", "sub/../../x.safetensors", "a.safetensors",
-                               "sub/../b.safetensors", "missing.safetensors", "a\\b", "", "."])  # fmt: skip
+}
+SHARD_NAMES = st.sampled_from(
+    [
+        "../outside/x.safetensors",
+        "/etc/hostname",
+        "sub/../../x.safetensors",
+        "a.safetensors",
+        "sub/../b.safetensors",
+        "missing.safetensors",
+        "a\\b",
+        "",
+        ".",
+    ]
+)
 OBJECTS = JSON_VALUES | st.sampled_from([[torch.zeros(2)], {"t": torch.zeros(1)}, (1, 2), torch.Size([2])])
 HEADS_OPS = st.one_of(
     st.tuples(st.just("config"), st.integers(0, 199) | st.tuples(st.sampled_from(NEW_KEYS)), JSON_VALUES),
@@ -342,7 +409,9 @@ def write_heads_case(folder: Path, base: str, ops: list[tuple]) -> None:
 @example(base="own-hydra", ops=[("config", ("num_heads",), deep(5000))])  # H3
 @example(base="own-hydra", ops=[("config", ("num_heads",), digits(5000))])  # H3
 @example(base="medusa", ops=[("tensor", "0.2.weight", ([0, H], torch.float32, "zeros"))])  # H4
-@example(base="medusa2-sharded", ops=[("index", ("weight_map", "medusa_head.0.0.linear.bias"), "../outside/x.safetensors")])
+@example(
+    base="medusa2-sharded", ops=[("index", ("weight_map", "medusa_head.0.0.linear.bias"), "../outside/x.safetensors")]
+)
 @example(base="medusa2-sharded", ops=[("index", ("weight_map", "medusa_head.0.0.linear.bias"), "/etc/hostname")])  # H6
 @example(base="medusa", ops=[("expand", "1.2.weight"), ("object", "0.0.linear.bias", {"a": [1]})])
 def test_fuzz_heads_folders(base: str, ops: list[tuple]) -> None:

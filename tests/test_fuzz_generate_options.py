@@ -20,16 +20,23 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from test_generate_hardening import char_tokenizer
+from test_generation import enabled
+from tiny import VOCAB
 from transformers import CompileConfig, GenerationConfig, SynthIDTextWatermarkingConfig, WatermarkingConfig
 from transformers.generation.utils import GenerationMixin
 
 from entmtp_hf import EntMTPConfig, EntMTPError
-from entmtp_hf.decoding.options import (GENERATE_ARGUMENTS, GENERATION_OPTIONS, HONOURED, IRRELEVANT, REFUSED, Call,
-                                        merged_generation_config)
+from entmtp_hf.decoding.options import (
+    GENERATE_ARGUMENTS,
+    GENERATION_OPTIONS,
+    HONOURED,
+    IRRELEVANT,
+    REFUSED,
+    Call,
+    merged_generation_config,
+)
 from entmtp_hf.trees.tree import MC_SIM_7B_63
-from test_generate_hardening import char_tokenizer
-from test_generation import enabled
-from tiny import VOCAB
 
 Case = Callable[[random.Random], dict]
 #: draws per field (each alternates the two routes)
@@ -64,13 +71,19 @@ CASES: dict[str, Case] = {
     "min_new_tokens": lambda r: {"min_new_tokens": r.randint(2, 10), "eos_token_id": _token(r)},
     "early_stopping": lambda r: {"early_stopping": r.choice([True, "never"])},
     "max_time": lambda r: {"max_time": r.uniform(100.0, 1000.0)},
-    "stop_strings": lambda r: {"stop_strings": [chr(ord("a") + t) for t in _tokens(r, 2, 5)], "tokenizer": char_tokenizer()},
+    "stop_strings": lambda r: {
+        "stop_strings": [chr(ord("a") + t) for t in _tokens(r, 2, 5)],
+        "tokenizer": char_tokenizer(),
+    },
     "do_sample": lambda r: _sampled(),
     "num_beams": lambda r: {"num_beams": r.randint(2, 4)},
     "use_mtp": lambda r: {"use_mtp": True},
     "use_cache": lambda r: {"use_cache": False},
-    "cache_implementation": lambda r: {"cache_implementation": r.choice(
-        ["dynamic", "static", "sliding_window", "hybrid", "offloaded", "offloaded_static", "quantized", "paged"])},
+    "cache_implementation": lambda r: {
+        "cache_implementation": r.choice(
+            ["dynamic", "static", "sliding_window", "hybrid", "offloaded", "offloaded_static", "quantized", "paged"]
+        )
+    },
     "cache_config": lambda r: {"cache_config": {"backend": "quanto", "nbits": r.choice([2, 4])}},
     "max_cache_len": lambda r: {"cache_implementation": "static", "max_cache_len": r.randint(40, 90)},
     "temperature": lambda r: _sampled(temperature=r.uniform(0.2, 3.0)),
@@ -91,15 +104,22 @@ CASES: dict[str, Case] = {
     "forced_eos_token_id": lambda r: {"forced_eos_token_id": _token(r)},
     "remove_invalid_values": lambda r: {"remove_invalid_values": True},
     "exponential_decay_length_penalty": lambda r: {
-        "exponential_decay_length_penalty": (r.randint(1, 6), r.uniform(1.05, 2.0)), "eos_token_id": _token(r)},
+        "exponential_decay_length_penalty": (r.randint(1, 6), r.uniform(1.05, 2.0)),
+        "eos_token_id": _token(r),
+    },
     "suppress_tokens": lambda r: {"suppress_tokens": _tokens(r)},
     "begin_suppress_tokens": lambda r: {"begin_suppress_tokens": _tokens(r)},
     "sequence_bias": lambda r: {"sequence_bias": {(_token(r),): r.uniform(-8, 8), tuple(_tokens(r, 2, 2)): 4.0}},
     "token_healing": lambda r: {"token_healing": True, "tokenizer": _healing(char_tokenizer())},
     "guidance_scale": lambda r: {"guidance_scale": r.choice([1.0, r.uniform(1.1, 3.0)])},
-    "watermarking_config": lambda r: {"watermarking_config": r.choice([
-        WatermarkingConfig(bias=r.uniform(1.0, 5.0), hashing_key=r.randrange(10**6)),
-        SynthIDTextWatermarkingConfig(keys=_tokens(r, 2, 4), ngram_len=2)])},
+    "watermarking_config": lambda r: {
+        "watermarking_config": r.choice(
+            [
+                WatermarkingConfig(bias=r.uniform(1.0, 5.0), hashing_key=r.randrange(10**6)),
+                SynthIDTextWatermarkingConfig(keys=_tokens(r, 2, 4), ngram_len=2),
+            ]
+        )
+    },
     "num_return_sequences": lambda r: _sampled(num_return_sequences=r.randint(2, 3)),
     "output_attentions": lambda r: {"output_attentions": True, "return_dict_in_generate": r.random() < 0.5},
     "output_hidden_states": lambda r: {"output_hidden_states": True, "return_dict_in_generate": r.random() < 0.5},
@@ -113,8 +133,9 @@ CASES: dict[str, Case] = {
     "decoder_start_token_id": lambda r: {"decoder_start_token_id": _token(r)},
     "is_assistant": lambda r: {"is_assistant": True},
     "num_assistant_tokens": lambda r: {"num_assistant_tokens": r.randint(1, 20)},
-    "num_assistant_tokens_schedule": lambda r: {"num_assistant_tokens_schedule": r.choice(["heuristic_transient",
-                                                                                             "constant"])},
+    "num_assistant_tokens_schedule": lambda r: {
+        "num_assistant_tokens_schedule": r.choice(["heuristic_transient", "constant"])
+    },
     "assistant_confidence_threshold": lambda r: {"assistant_confidence_threshold": r.uniform(0.1, 0.9)},
     "prompt_lookup_num_tokens": lambda r: {"prompt_lookup_num_tokens": r.randint(1, 10)},
     "max_matching_ngram_size": lambda r: {"max_matching_ngram_size": r.randint(1, 4)},
@@ -146,8 +167,12 @@ def test_every_field_has_a_case():
 
 def test_the_table_classifies_every_field_and_argument():
     assert set(GENERATION_OPTIONS) == set(FIELDS)
-    named = set(inspect.signature(GenerationMixin.generate).parameters) - {"self", "inputs", "generation_config",
-                                                                          "kwargs"}
+    named = set(inspect.signature(GenerationMixin.generate).parameters) - {
+        "self",
+        "inputs",
+        "generation_config",
+        "kwargs",
+    }
     assert set(GENERATE_ARGUMENTS) == named
     for option in [*GENERATION_OPTIONS.values(), *GENERATE_ARGUMENTS.values()]:
         assert option.treatment in (HONOURED, REFUSED, IRRELEVANT) and option.note
@@ -236,8 +261,10 @@ def test_a_field_the_table_does_not_know_is_refused_when_set(tiny_cache, monkeyp
     model.generate(ids, max_new_tokens=5, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))  # unset: not refused
 
 
-@pytest.mark.parametrize("name, value", [("synced_gpus", True), ("custom_generate", lambda *a, **k: None),
-                                         ("assistant_model", "a draft model")])
+@pytest.mark.parametrize(
+    "name, value",
+    [("synced_gpus", True), ("custom_generate", lambda *a, **k: None), ("assistant_model", "a draft model")],
+)
 def test_generate_arguments_the_table_refuses_are_refused_before_compute(tiny_cache, name, value):
     model = enabled(tiny_cache)
     calls: list[int] = []

@@ -13,13 +13,18 @@ import os
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
-from entmtp_hf import EASConfig, EntMTPConfig, enable_entmtp
 from test_generation import random_choices
 from tiny import VOCAB
 
+from entmtp_hf import EASConfig, EntMTPConfig, enable_entmtp
+
 EXAMPLES = int(os.environ.get("ENTMTP_FUZZ_EXAMPLES", "300"))
-MODELS = [("llama", "hydra", "mlp"), ("qwen2", "hydra", "mlp"), ("llama", "medusa", "mlp"), ("llama", "hydra", "prefix-mlp")]
+MODELS = [
+    ("llama", "hydra", "mlp"),
+    ("qwen2", "hydra", "mlp"),
+    ("llama", "medusa", "mlp"),
+    ("llama", "hydra", "prefix-mlp"),
+]
 
 
 @st.composite
@@ -35,15 +40,24 @@ def configs(draw):
     feature = draw(st.sampled_from(["base_top1", "head_confidence", "accept_ema", "best_path_value"]))
     if policy in ("static", "entropy"):
         tree = draw(trees(1))[0]
-        eas = EASConfig(warmup_tokens=draw(st.integers(0, 8)), window=4, fork_min_history=2) if policy == "entropy" else None
+        eas = (
+            EASConfig(warmup_tokens=draw(st.integers(0, 8)), window=4, fork_min_history=2)
+            if policy == "entropy"
+            else None
+        )
         return EntMTPConfig(tree=tree, eas=eas, retrieval=retrieval)
     if policy == "hysteresis":
         tau = draw(st.floats(0.02, 0.3)) if feature != "accept_ema" else draw(st.floats(1.0, 2.0))  # depth >= 1
         return EntMTPConfig(trees=draw(trees(2)), tau_on=tau, feature=feature, retrieval=retrieval)
     if policy == "ladder":
         low = draw(st.floats(0.02, 0.15))
-        return EntMTPConfig(trees=draw(trees(3)), policy="ladder", thresholds=[low, low + 0.05], feature="base_top1",
-                            retrieval=retrieval)  # fmt: skip
+        return EntMTPConfig(
+            trees=draw(trees(3)),
+            policy="ladder",
+            thresholds=[low, low + 0.05],
+            feature="base_top1",
+            retrieval=retrieval,
+        )
     costs = draw(st.lists(st.floats(0.5, 3.0), min_size=3, max_size=3))
     return EntMTPConfig(trees=draw(trees(3)), policy="value", costs=costs, retrieval=retrieval)
 
@@ -57,8 +71,10 @@ def generate_kwargs(draw):
     elif processor == "ngram":
         kwargs["no_repeat_ngram_size"] = draw(st.integers(2, 3))
     elif processor == "bad_words":
-        kwargs["bad_words_ids"] = [[draw(st.integers(0, VOCAB - 1))], draw(st.lists(st.integers(0, VOCAB - 1), min_size=2,
-                                                                                     max_size=2))]  # fmt: skip
+        kwargs["bad_words_ids"] = [
+            [draw(st.integers(0, VOCAB - 1))],
+            draw(st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=2)),
+        ]
     elif processor == "suppress":
         kwargs["suppress_tokens"] = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3))
     elif processor == "min_new":
@@ -112,8 +128,9 @@ def test_the_comparison_catches_a_broken_cache_update(tiny_cache, monkeypatch):
     import entmtp_hf.decoding.session as session
 
     real = session.keep_accepted
-    monkeypatch.setattr(session, "keep_accepted",
-                        lambda cache, prefix, paths: real(cache, prefix, [list(range(len(p))) for p in paths]))
+    monkeypatch.setattr(
+        session, "keep_accepted", lambda cache, prefix, paths: real(cache, prefix, [list(range(len(p))) for p in paths])
+    )
     model, heads = tiny_cache("llama", "hydra", "mlp")
     enable_entmtp(model, heads)
     differ = 0

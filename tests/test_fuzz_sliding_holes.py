@@ -14,11 +14,11 @@ import random
 
 import pytest
 import torch
+from tiny import COMMON, SLIDING_ARCHS, VOCAB, fitted_heads
 
 from entmtp_hf import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63
-from tiny import COMMON, SLIDING_ARCHS, VOCAB, fitted_heads
 
 PAD = 0
 CASES = 8

@@ -19,19 +19,31 @@ import random
 
 import pytest
 import torch
+from tiny import ARCHS, VOCAB, fitted_heads, tiny_model
 from torch.nn.utils import parametrize
 
 import entmtp_hf.cpu_kernels as K
 from entmtp_hf import EntMTPConfig, enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63
-from tiny import ARCHS, VOCAB, fitted_heads, tiny_model
 
 pytestmark = pytest.mark.skipif(not K.onednn_available(), reason="this torch build has no oneDNN linear")
 #: case i runs OPS[2i] and OPS[2i + 1] (so the cases cover every operation) and one drawn at random, in a random order
 CASES = range(6)
 TREES = [MC_SIM_7B_63, [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]]
-OPS = ("lora", "rows", "assign", "parametrize", "unparametrize", "load_state_dict", "inference_write", "deepcopy",
-       "torch_save", "save_pretrained", "to_float64_and_back", "enable_again")  # fmt: skip
+OPS = (
+    "lora",
+    "rows",
+    "assign",
+    "parametrize",
+    "unparametrize",
+    "load_state_dict",
+    "inference_write",
+    "deepcopy",
+    "torch_save",
+    "save_pretrained",
+    "to_float64_and_back",
+    "enable_again",
+)
 
 
 class _Scaled(torch.nn.Module):
@@ -59,8 +71,11 @@ def _apply(op: str, model, rng: random.Random, tmp_path, check, model_cls: type)
     if op == "lora":  # weight.data += B @ A, as a merged adapter does (no version counter moves)
         for m in _some_linears(model, rng):
             rank = rng.randint(1, 4)
-            m.weight.data += 0.2 * torch.randn(m.weight.shape[0], rank, generator=g) @ torch.randn(
-                rank, m.weight.shape[1], generator=g)  # fmt: skip
+            m.weight.data += (
+                0.2
+                * torch.randn(m.weight.shape[0], rank, generator=g)
+                @ torch.randn(rank, m.weight.shape[1], generator=g)
+            )
     elif op == "rows":
         for m in _some_linears(model, rng):
             m.weight.data.copy_(m.weight.data[torch.randperm(m.weight.shape[0], generator=g)])
@@ -75,8 +90,11 @@ def _apply(op: str, model, rng: random.Random, tmp_path, check, model_cls: type)
             if parametrize.is_parametrized(m, "weight"):
                 parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
     elif op == "load_state_dict":
-        state = {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v
-                 for k, v in model.state_dict().items() if "entmtp_heads" not in k}  # fmt: skip
+        state = {
+            k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v
+            for k, v in model.state_dict().items()
+            if "entmtp_heads" not in k
+        }
         model.load_state_dict(state, strict=False)
     elif op == "inference_write":
         with torch.inference_mode():

@@ -43,7 +43,9 @@ def logit_gap(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-@pytest.mark.parametrize("tree, mode", [([[0], [0, 0], [0, 0, 0]], "replace"), ([[0], [1], [0, 0], [0, 0, 0]], "append")])
+@pytest.mark.parametrize(
+    "tree, mode", [([[0], [0, 0], [0, 0, 0]], "replace"), ([[0], [1], [0, 0], [0, 0, 0]], "append")]
+)
 def test_greedy_identical_to_plain_generate_past_the_window(gemma, tree, mode):
     model, tokenizer = gemma
     source = inspect.getsource(torch.nn.modules.module)[:8000]
@@ -55,5 +57,7 @@ def test_greedy_identical_to_plain_generate_past_the_window(gemma, tree, mode):
     out = model.generate(ids, entmtp_config=config, **kwargs)
     if not torch.equal(out.sequences, plain.sequences):
         first = int((out.sequences[0, ids.shape[1] :] != plain.sequences[0, ids.shape[1] :]).nonzero()[0])
-        pytest.fail(f"diverged at new token {first}; plain's top-2 logit gap there: {logit_gap(plain.logits[first][0]):.2e}")
+        pytest.fail(
+            f"diverged at new token {first}; plain's top-2 logit gap there: {logit_gap(plain.logits[first][0]):.2e}"
+        )
     assert max(out.entmtp_stats["accept_lengths"]) >= 3

@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
+from test_generation import enabled, prompts
+from tiny import VOCAB, fitted_heads, tiny_model
 from transformers import StopStringCriteria
 
 from entmtp_hf import ConfigError, EntMTPConfig, EntMTPError, enable_entmtp
 from entmtp_hf.demo.compare import find_mismatch
 from entmtp_hf.trees.tree import MC_SIM_7B_63
-from test_generation import enabled, prompts
-from tiny import VOCAB, fitted_heads, tiny_model
 
 TREES = [[[0]], [[0], [0, 0], [1]]]
 
@@ -119,8 +119,13 @@ def test_stop_strings_with_a_tokenizer_stop_where_plain_generate_stops(tiny_cach
     ref = model.generate(ids, **kwargs)
     out = model.generate(ids, **kwargs, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
     assert torch.equal(out, ref) and ref.shape[1] < free.shape[1]
-    by_hand = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
-                             stopping_criteria=[StopStringCriteria(tokenizer=tok, stop_strings=[stop])])
+    by_hand = model.generate(
+        ids,
+        max_new_tokens=30,
+        do_sample=False,
+        entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
+        stopping_criteria=[StopStringCriteria(tokenizer=tok, stop_strings=[stop])],
+    )
     assert torch.equal(by_hand, ref)
     with pytest.raises(EntMTPError, match="tokenizer"):
         model.generate(ids, max_new_tokens=5, stop_strings=[stop], entmtp_config=EntMTPConfig(tree=[[0]]))
@@ -155,5 +160,7 @@ def test_heads_fitted_in_float64_run_on_a_bfloat16_model_without_errors():
     heads = fitted_heads(model, steps=5, seed=9)
     model = model.to(torch.bfloat16)
     enable_entmtp(model, heads)
-    out = model.generate(prompts(1)[0], max_new_tokens=12, do_sample=False, entmtp_config=EntMTPConfig(tree=[[0], [0, 0]]))
+    out = model.generate(
+        prompts(1)[0], max_new_tokens=12, do_sample=False, entmtp_config=EntMTPConfig(tree=[[0], [0, 0]])
+    )
     assert out.shape[1] == prompts(1)[0].shape[1] + 12

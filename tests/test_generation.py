@@ -5,17 +5,16 @@ from threading import Thread
 
 import pytest
 import torch
+from tiny import ARCHS, VOCAB
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TextIteratorStreamer, pipeline
 
-from entmtp_hf.trees.bank import shipped_bank_path
-from entmtp_hf.trees.bank import TopologyBank
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.decoding.stats import PhaseTimer
 from entmtp_hf.errors import ConfigError
 from entmtp_hf.integration import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
+from entmtp_hf.trees.bank import TopologyBank, shipped_bank_path
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
-from tiny import ARCHS, VOCAB
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 DEFAULTS = str(shipped_bank_path("published-defaults"))
@@ -97,7 +96,10 @@ def test_length_limit_inside_accepted_path(tiny_cache):
     for n in range(1, 16):
         ref = model.generate(ids, max_new_tokens=n, do_sample=False)
         out = model.generate(
-            ids, max_new_tokens=n, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
+            ids,
+            max_new_tokens=n,
+            do_sample=False,
+            entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
             return_dict_in_generate=True,
         )
         assert torch.equal(out.sequences, ref) and out.sequences.shape[1] == ids.shape[1] + n
@@ -120,7 +122,10 @@ def test_eos_inside_accepted_path(tiny_cache, as_list):
             eos_arg = [eos, VOCAB + 5] if as_list else eos
             ref = model.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=eos_arg)
             out = model.generate(
-                ids, max_new_tokens=30, do_sample=False, eos_token_id=eos_arg,
+                ids,
+                max_new_tokens=30,
+                do_sample=False,
+                eos_token_id=eos_arg,
                 entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
             )
             assert torch.equal(out, ref) and out[0, -1].item() == eos and out.shape[1] == ids.shape[1] + k + 1
@@ -141,24 +146,37 @@ def test_static_cache_and_attention_mask(tiny_cache):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2), dict(min_new_tokens=10, eos_token_id=3),
-     dict(bad_words_ids=[[4], [5, 6]]), dict(sequence_bias={(5,): 4.0}), dict(suppress_tokens=[1, 2]),
-     dict(forced_eos_token_id=3, eos_token_id=3), dict(max_time=600.0)],
+    [
+        dict(repetition_penalty=1.5),
+        dict(no_repeat_ngram_size=2),
+        dict(min_new_tokens=10, eos_token_id=3),
+        dict(bad_words_ids=[[4], [5, 6]]),
+        dict(sequence_bias={(5,): 4.0}),
+        dict(suppress_tokens=[1, 2]),
+        dict(forced_eos_token_id=3, eos_token_id=3),
+        dict(max_time=600.0),
+    ],
 )
 def test_logits_processors_see_each_nodes_path(tiny_cache, kwargs):
     model = enabled(tiny_cache)
     for ids in prompts():
         ref = model.generate(ids, max_new_tokens=30, do_sample=False, **kwargs)
-        out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), **kwargs)
+        out = model.generate(
+            ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), **kwargs
+        )
         assert torch.equal(out, ref)
 
 
 def test_row_wise_processors_run_once_for_the_whole_tree():
     """Temperature, top-k, top-p, min-p: one batched call gives what the per-node calls give."""
     from transformers.generation.logits_process import (
-        LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+        LogitsProcessor,
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
         TopPLogitsWarper,
-    )  # fmt: skip
+    )
 
     from entmtp_hf.decoding.processors import process_tree_scores, row_wise
 
@@ -186,6 +204,7 @@ def test_row_wise_processors_run_once_for_the_whole_tree():
 # ----------------------------------------------------------------------------- sampling
 def target_joint(model, ids, temperature, top_k, length=3):
     """Exact probabilities of every continuation of ``length`` tokens under the warped model."""
+
     def warped(seqs):
         with torch.no_grad():
             logits = model(seqs).logits[:, -1].float() / temperature
@@ -228,7 +247,9 @@ def sample_counts(model, ids, n, **kwargs):
     counts, long_paths = {}, 0
     torch.manual_seed(1234)
     for _ in range(n):
-        out = model.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=4, return_dict_in_generate=True, **kwargs)
+        out = model.generate(
+            ids, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=4, return_dict_in_generate=True, **kwargs
+        )
         key = tuple(out.sequences[0, ids.shape[1] :].tolist())
         counts[key] = counts.get(key, 0) + 1
         stats = getattr(out, "entmtp_stats", None)
@@ -242,8 +263,9 @@ def test_feature_policies_use_every_tree(tiny_cache, name, trees):
     model = enabled(tiny_cache)
     used = set()
     for ids in prompts():
-        out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=CONFIGS[name](),
-                             return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(
+            ids, max_new_tokens=40, do_sample=False, entmtp_config=CONFIGS[name](), return_dict_in_generate=True
+        )
         used.update(out.entmtp_stats["tree_indices"])
     assert used == trees
 
@@ -253,13 +275,16 @@ def test_value_policy_switches_between_same_size_shapes(tiny_cache):
     model = enabled(tiny_cache)
     used = set()
     for ids in prompts():
-        out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=CONFIGS["value"](),
-                             return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(
+            ids, max_new_tokens=40, do_sample=False, entmtp_config=CONFIGS["value"](), return_dict_in_generate=True
+        )
         used.update(out.entmtp_stats["tree_indices"])
     assert used == {0, 1, 2}
 
 
-@pytest.mark.parametrize("feature,drafts_union", [("base_top1", False), ("accept_ema", False), ("head_confidence", True)])
+@pytest.mark.parametrize(
+    "feature,drafts_union", [("base_top1", False), ("accept_ema", False), ("head_confidence", True)]
+)
 def test_a_feature_known_before_drafting_drafts_the_chosen_tree_only(tiny_cache, monkeypatch, feature, drafts_union):
     model = enabled(tiny_cache)
     heads, drafted = model.entmtp_heads, []
@@ -272,7 +297,9 @@ def test_a_feature_known_before_drafting_drafts_the_chosen_tree_only(tiny_cache,
     for ids in prompts():
         ref = model.generate(ids, max_new_tokens=30, do_sample=False)
         drafted.clear()
-        out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=config, return_dict_in_generate=True)
+        out = model.generate(
+            ids, max_new_tokens=30, do_sample=False, entmtp_config=config, return_dict_in_generate=True
+        )
         assert torch.equal(out.sequences, ref)
         sizes = [Tree.from_choices(trees[k]).num_nodes for k in out.entmtp_stats["tree_indices"]]
         assert drafted == ([64] * len(sizes) if drafts_union else sizes)
@@ -291,7 +318,9 @@ def test_the_verifiers_softmax_runs_only_for_a_feature_that_reads_it(tiny_cache,
     for ids in prompts(2):
         calls.clear()
         ref = model.generate(ids, max_new_tokens=20, do_sample=False)
-        out = model.generate(ids, max_new_tokens=20, do_sample=False, entmtp_config=config, return_dict_in_generate=True)
+        out = model.generate(
+            ids, max_new_tokens=20, do_sample=False, entmtp_config=config, return_dict_in_generate=True
+        )
         assert torch.equal(out.sequences, ref)
         # one after the prefill and one after every step
         assert len(calls) == (len(out.entmtp_stats["accept_lengths"]) + 1 if reads else 0)
@@ -316,8 +345,9 @@ def test_value_policy_reads_head_probabilities_at_the_sampling_temperature(tiny_
 SCHEDULED_SAMPLING = {
     "value": lambda: EntMTPConfig(trees=[[[0], [0, 0]], [[0], [1]], SAMPLING_TREE], policy="value", costs=[1, 1, 2]),
     # a feature known before drafting: only the chosen tree is drafted
-    "pre-draft hysteresis": lambda: EntMTPConfig(trees=[[[0]], SAMPLING_TREE], tau_on=0.1, tau_off=0.1,
-                                                 feature="base_top1"),  # fmt: skip
+    "pre-draft hysteresis": lambda: EntMTPConfig(
+        trees=[[[0]], SAMPLING_TREE], tau_on=0.1, tau_off=0.1, feature="base_top1"
+    ),
 }
 
 
@@ -375,8 +405,14 @@ def test_return_dict_statistics(tiny_cache):
     ids = prompts(1)[0]
     cfg = EntMTPConfig(trees=[CHAIN[:2], MC_SIM_7B_63], tau_on=0.6, tau_off=0.4, feature="base_top1")
     timer = PhaseTimer()
-    out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True,
-                         entmtp_observers=[timer])
+    out = model.generate(
+        ids,
+        max_new_tokens=30,
+        do_sample=False,
+        entmtp_config=cfg,
+        return_dict_in_generate=True,
+        entmtp_observers=[timer],
+    )
     st = out.entmtp_stats
     steps = st["steps"]
     assert steps == len(st["accept_lengths"]) == len(st["tree_indices"]) == len(st["features"]) > 0
@@ -477,8 +513,16 @@ def test_bank_config_resolves_scheduler_defaults():
 
 def test_bank_default_policy_and_feature_are_used_unless_overridden():
     trees = [Tree.root_only(), Tree.chain(2), Tree.from_choices(MC_SIM_7B_63)]
-    sched = {"static": 1, "conservative": 1, "aggressive": 2, "tau_on": 0.6, "tau_off": 0.6,
-             "policy": "static", "feature": "chain_value", "ladder_feature": "base_top1"}  # fmt: skip
+    sched = {
+        "static": 1,
+        "conservative": 1,
+        "aggressive": 2,
+        "tau_on": 0.6,
+        "tau_off": 0.6,
+        "policy": "static",
+        "feature": "chain_value",
+        "ladder_feature": "base_top1",
+    }
     bank = TopologyBank("t", trees, {"scheduler": sched})
     plan = EntMTPConfig(bank=bank, task="t").resolve(num_heads=4)
     assert plan.trees == (trees[1],) and plan.scheduler_args["policy"] == "static"
@@ -523,8 +567,13 @@ def test_the_step_verifies_what_get_candidates_returns(tiny_cache, monkeypatch):
     monkeypatch.setattr(EntMTPCandidateGenerator, "get_candidates", root_only)
     monkeypatch.setattr(EntMTPCandidateGenerator, "update_candidate_strategy", update)
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
-    out = model.generate(ids, max_new_tokens=10, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
-                         return_dict_in_generate=True)  # fmt: skip
+    out = model.generate(
+        ids,
+        max_new_tokens=10,
+        do_sample=False,
+        entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=10, do_sample=False))
     assert out.entmtp_stats["tree_sizes"] == [1] * len(seen) and out.entmtp_stats["accept_lengths"] == [1] * len(seen)
     # update_candidate_strategy: the text after the step, the scores of every verified node [1, N, V], the matches

@@ -15,14 +15,18 @@ import gpu_check  # noqa: E402
 
 @pytest.mark.slow
 def test_the_check_runs_on_this_cpu_at_the_tiny_size(tmp_path):
-    assert gpu_check.main(["--device", "cpu", "--tiny", "--dtypes", "bfloat16", "--tokens", "8", "--out",
-                           str(tmp_path)]) == 0  # fmt: skip
+    assert (
+        gpu_check.main(["--device", "cpu", "--tiny", "--dtypes", "bfloat16", "--tokens", "8", "--out", str(tmp_path)])
+        == 0
+    )
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     part = report["dtypes"]["bfloat16"]
     assert all(r["identical"] for r in part["identity"].values())
     assert set(map(int, part["forward_ms"])) == set(gpu_check.SIZES)
     timing = part["timing"]["gsm8k"]["tokens_per_s"]
-    assert {"vanilla", "vanilla-compiled", "pld", "hydra-default", "entmtp-static", "entmtp-static-compiled"} <= set(timing)
+    assert {"vanilla", "vanilla-compiled", "pld", "hydra-default", "entmtp-static", "entmtp-static-compiled"} <= set(
+        timing
+    )
     assert all(v > 0 for v in timing.values())
     assert "Greedy identity: 6 of 6" in (tmp_path / "gpu_check.md").read_text()
 

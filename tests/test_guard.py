@@ -8,6 +8,10 @@ import random
 
 import pytest
 import torch
+from test_batch import PAD, batch_of
+from test_costs import _with_machine_costs, frontier_bank, table
+from test_generation import CHAIN, SAMPLING_TREE, chi_square_p, enabled, prompts, target_joint
+from tiny import tiny_model
 
 import entmtp_hf.drafting.candidates as candidates
 from entmtp_hf import EntMTPConfig, enable_entmtp
@@ -16,10 +20,6 @@ from entmtp_hf.errors import ConfigError
 from entmtp_hf.heads import HEADS_REGISTRY
 from entmtp_hf.scheduling.guard import BACKOFF_MAX, BACKOFF_START, MIN_STEPS, BreakEvenGuard
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
-from test_batch import PAD, batch_of
-from test_costs import _with_machine_costs, frontier_bank, table
-from test_generation import CHAIN, SAMPLING_TREE, chi_square_p, enabled, prompts, target_joint
-from tiny import tiny_model
 
 
 def run(guard: BreakEvenGuard, taus: list[int], cost: float) -> str:
@@ -86,10 +86,15 @@ def test_near_break_even_the_guard_does_not_flap():
     assert modes.count("R") > 0.8 * len(modes)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(window=0), "window"), (dict(min_steps=9), "min_steps"), (dict(backoff_start=8, backoff_max=4), "backoff_max"),
-    (dict(recover=0.9), "recover"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(window=0), "window"),
+        (dict(min_steps=9), "min_steps"),
+        (dict(backoff_start=8, backoff_max=4), "backoff_max"),
+        (dict(recover=0.9), "recover"),
+    ],
+)
 def test_invalid_guard(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         BreakEvenGuard(**kwargs)
@@ -125,13 +130,16 @@ def test_explicit_trees_are_guarded_only_when_asked_with_costs():
     assert plan.step_costs == (1.2, 1.8)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(tree=CHAIN, guard="yes"), "EntMTPConfig.guard: must be None, True or False"),
-    (dict(tree=CHAIN, guard=1), "EntMTPConfig.guard: must be None, True or False"),
-    (dict(tree=CHAIN, guard=True), "EntMTPConfig.guard: True needs each tree's step cost"),
-    (dict(trees=[CHAIN], guard=True), "EntMTPConfig.guard: True needs each tree's step cost"),
-    (dict(bank=frontier_bank(), task="t", adapt=False, guard=True), "EntMTPConfig.guard: True prices trees"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tree=CHAIN, guard="yes"), "EntMTPConfig.guard: must be None, True or False"),
+        (dict(tree=CHAIN, guard=1), "EntMTPConfig.guard: must be None, True or False"),
+        (dict(tree=CHAIN, guard=True), "EntMTPConfig.guard: True needs each tree's step cost"),
+        (dict(trees=[CHAIN], guard=True), "EntMTPConfig.guard: True needs each tree's step cost"),
+        (dict(bank=frontier_bank(), task="t", adapt=False, guard=True), "EntMTPConfig.guard: True prices trees"),
+    ],
+)
 def test_invalid_guard_field(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         EntMTPConfig(**kwargs)
@@ -154,8 +162,9 @@ def test_greedy_with_the_guard_is_plain_generate(tiny_cache, monkeypatch, name):
     alone = longest = 0
     for ids in prompts():
         ref = model.generate(ids, max_new_tokens=40, do_sample=False)
-        out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=GUARDED[name](),
-                             return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(
+            ids, max_new_tokens=40, do_sample=False, entmtp_config=GUARDED[name](), return_dict_in_generate=True
+        )
         assert torch.equal(out.sequences, ref)
         stats = out.entmtp_stats
         alone += stats["root_alone_steps"]
@@ -170,8 +179,15 @@ def test_a_left_padded_batch_with_the_guard_is_plain_generate(tiny_cache, monkey
     model = enabled(tiny_cache)
     _, ids, mask = batch_of()
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD,
-                         entmtp_config=GUARDED[name](), return_dict_in_generate=True)  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        pad_token_id=PAD,
+        entmtp_config=GUARDED[name](),
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, ref)
     per_row = [r["root_alone_steps"] for r in out.entmtp_stats["rows"]]
     assert sum(per_row) > 0 and any(max(r["accept_lengths"]) >= 3 for r in out.entmtp_stats["rows"])
@@ -185,9 +201,15 @@ def test_exact_sampling_with_the_guard_keeps_the_distribution(tiny_cache, monkey
     n, counts, guarded, long_paths = 1000, {}, 0, 0
     torch.manual_seed(1234)
     for _ in range(n):
-        out = model.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=4,
-                             return_dict_in_generate=True,
-                             entmtp_config=EntMTPConfig(trees=[SAMPLING_TREE], costs=[2.0], guard=True))  # fmt: skip
+        out = model.generate(
+            ids,
+            max_new_tokens=3,
+            do_sample=True,
+            temperature=0.7,
+            top_k=4,
+            return_dict_in_generate=True,
+            entmtp_config=EntMTPConfig(trees=[SAMPLING_TREE], costs=[2.0], guard=True),
+        )
         key = tuple(out.sequences[0, ids.shape[1] :].tolist())
         counts[key] = counts.get(key, 0) + 1
         guarded += out.entmtp_stats["root_alone_steps"] > 0
@@ -206,15 +228,30 @@ def test_heads_that_never_accept_decode_mostly_root_alone(tiny_cache):
     bank = frontier_bank().with_machine(_with_machine_costs(model, heads, {1: 10.0, 2: 13.0, 3: 14.0, 4: 20.0}))
     ids = prompts(1)[0]
     ref = model.generate(ids, max_new_tokens=80, do_sample=False)
-    out = model.generate(ids, max_new_tokens=80, do_sample=False, return_dict_in_generate=True,
-                         entmtp_config=EntMTPConfig(bank=bank, task="t", guard=True))  # fmt: skip
+    out = model.generate(
+        ids,
+        max_new_tokens=80,
+        do_sample=False,
+        return_dict_in_generate=True,
+        entmtp_config=EntMTPConfig(bank=bank, task="t", guard=True),
+    )
     stats = out.entmtp_stats
     assert torch.equal(out.sequences, ref) and set(stats["tree_sizes"]) == {1, 3}
     assert stats["root_alone_steps"] > 0.6 * stats["steps"]
-    default = model.generate(ids, max_new_tokens=80, do_sample=False, return_dict_in_generate=True,
-                             entmtp_config=EntMTPConfig(bank=bank, task="t"))  # fmt: skip
+    default = model.generate(
+        ids,
+        max_new_tokens=80,
+        do_sample=False,
+        return_dict_in_generate=True,
+        entmtp_config=EntMTPConfig(bank=bank, task="t"),
+    )
     assert default.entmtp_stats["root_alone_steps"] == stats["root_alone_steps"]  # on by default, priced here
-    off = model.generate(ids, max_new_tokens=80, do_sample=False, return_dict_in_generate=True,
-                         entmtp_config=EntMTPConfig(bank=bank, task="t", guard=False))  # fmt: skip
+    off = model.generate(
+        ids,
+        max_new_tokens=80,
+        do_sample=False,
+        return_dict_in_generate=True,
+        entmtp_config=EntMTPConfig(bank=bank, task="t", guard=False),
+    )
     assert torch.equal(off.sequences, ref) and off.entmtp_stats["root_alone_steps"] == 0
     assert off.entmtp_stats["mean_accept_length"] < 1.2  # the heads do draft badly

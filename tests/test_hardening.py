@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from bad_files import (
     H,
     V,
@@ -23,11 +21,13 @@ from bad_files import (
     small_banks,
     write_folder,
 )
-from entmtp_hf.trees.retrieval import MAX_NUM_TOKENS, RetrievalConfig
+from safetensors.torch import save_file
+
 from entmtp_hf.errors import ConfigError, EntMTPError, FileFormatError
 from entmtp_hf.files import check_relative_name, nesting_depth, parse_json, resolve_inside
 from entmtp_hf.heads import HeadsConfig, HeadsLoadError, HeadsMismatchError, MedusaHeads, load_heads
 from entmtp_hf.trees.bank import MAX_TREES, BankFormatError, TopologyBank
+from entmtp_hf.trees.retrieval import MAX_NUM_TOKENS, RetrievalConfig
 from entmtp_hf.trees.tree import Tree
 
 
@@ -52,8 +52,14 @@ class Budget:
 def test_bounded_json_reader() -> None:
     assert nesting_depth('{"a": "[[[[\\"[[", "b": [[1], {}]}', 10) == 3  # strings are skipped
     assert nesting_depth(b"[" * 10**6, 5) == 6  # stops right after the limit
-    for text, message in [("[" * 50 + "]" * 50, "nests deeper than the limit of 8"), ("9" * 200, "200 digits"),
-                          ("[1e999]", "overflows"), ("[NaN]", "NaN"), ("{", "not valid JSON"), (b"\xff", "not valid")]:
+    for text, message in [
+        ("[" * 50 + "]" * 50, "nests deeper than the limit of 8"),
+        ("9" * 200, "200 digits"),
+        ("[1e999]", "overflows"),
+        ("[NaN]", "NaN"),
+        ("{", "not valid JSON"),
+        (b"\xff", "not valid"),
+    ]:
         with pytest.raises(FileFormatError, match=message) as err:
             parse_json(text, "some/file.json", max_bytes=1000, max_depth=8)
         assert err.value.path == "some/file.json"
@@ -96,18 +102,27 @@ def test_constructor_applies_the_reader_limits() -> None:
     deep: list = []
     for _ in range(40):
         deep = [deep]
-    cases = [([[]] * (MAX_TREES + 1), None, "at most 1024 trees"), ([Tree.chain(65)], None, "depth 65, above"),
-             ([[[i] for i in range(4096)]], None, "4097 nodes, above"), ([[]], {"x": deep}, "nests deeper"),
-             ([[]], {"x": "y" * 2**20}, "above the limit of 1048576"),
-             ([[]], {"scheduler": {"tau_on": 10**400}}, "tau_on must be a finite number")]  # fmt: skip
+    cases = [
+        ([[]] * (MAX_TREES + 1), None, "at most 1024 trees"),
+        ([Tree.chain(65)], None, "depth 65, above"),
+        ([[[i] for i in range(4096)]], None, "4097 nodes, above"),
+        ([[]], {"x": deep}, "nests deeper"),
+        ([[]], {"x": "y" * 2**20}, "above the limit of 1048576"),
+        ([[]], {"scheduler": {"tau_on": 10**400}}, "tau_on must be a finite number"),
+    ]
     for trees, meta, message in cases:
         with pytest.raises(ValueError, match=message):
             TopologyBank("t", trees, meta)
 
 
 def test_retrieval_config_is_bounded() -> None:
-    for kw, field in [({"num_tokens": 10**12}, "num_tokens"), ({"max_ngram": 10**6}, "max_ngram"),
-                      ({"min_ngram": "2"}, "min_ngram"), ({"num_tokens": True}, "num_tokens"), ({"mode": []}, "mode")]:
+    for kw, field in [
+        ({"num_tokens": 10**12}, "num_tokens"),
+        ({"max_ngram": 10**6}, "max_ngram"),
+        ({"min_ngram": "2"}, "min_ngram"),
+        ({"num_tokens": True}, "num_tokens"),
+        ({"mode": []}, "mode"),
+    ]:
         with pytest.raises(ConfigError) as err:
             RetrievalConfig(**kw)
         assert err.value.field == f"RetrievalConfig.{field}"
@@ -130,18 +145,32 @@ def test_header_shapes_are_checked_before_reading(tmp_path: Path) -> None:
     meta = {"format_version": 1, "task": "t", "num_trees": 1}
     from bad_files import write_bank
 
-    for tensor, message in [(torch.zeros(1, 65, dtype=torch.int32), "depth 65, above the limit of 64"),
-                            (torch.full((2, 3), -1, dtype=torch.int32), "is empty"),
-                            (torch.tensor([[0, -1]], dtype=torch.int32), "2 columns but its tree has depth 1")]:
+    for tensor, message in [
+        (torch.zeros(1, 65, dtype=torch.int32), "depth 65, above the limit of 64"),
+        (torch.full((2, 3), -1, dtype=torch.int32), "is empty"),
+        (torch.tensor([[0, -1]], dtype=torch.int32), "2 columns but its tree has depth 1"),
+    ]:
         path = write_bank(tmp_path / "t.safetensors", {"tree.0": tensor}, meta)
         with pytest.raises(BankFormatError, match=message):
             TopologyBank.from_file(path)
 
 
 # ----------------------------------------------------------------------------- heads
-REPRODUCERS = ["H1 hidden_act", "H1 rope_theta", "H1 head_dim", "H2 hidden_size", "H2 num_heads", "H2 num_layers",
-               "H2 zero-size pickle", "H3 deep", "H3 digits", "H4 zero-width medusa", "H6 relative", "H6 absolute",
-               "H6 through a subfolder"]  # fmt: skip
+REPRODUCERS = [
+    "H1 hidden_act",
+    "H1 rope_theta",
+    "H1 head_dim",
+    "H2 hidden_size",
+    "H2 num_heads",
+    "H2 num_layers",
+    "H2 zero-size pickle",
+    "H3 deep",
+    "H3 digits",
+    "H4 zero-width medusa",
+    "H6 relative",
+    "H6 absolute",
+    "H6 through a subfolder",
+]
 
 
 @pytest.mark.parametrize("case", REPRODUCERS)
@@ -156,12 +185,25 @@ def test_sizes_are_checked_against_the_weights_before_allocating(tmp_path: Path)
     """A config within the limits but far larger than its weights allocates nothing."""
     own_heads("medusa").save_pretrained(tmp_path / "ok")
     cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
-    write_folder(tmp_path / "big", {"config.json": {**cfg, "hidden_size": 60000, "vocab_size": 2**21},
-                                    "model.safetensors": (tmp_path / "ok" / "model.safetensors").read_bytes()})  # fmt: skip
+    write_folder(
+        tmp_path / "big",
+        {
+            "config.json": {**cfg, "hidden_size": 60000, "vocab_size": 2**21},
+            "model.safetensors": (tmp_path / "ok" / "model.safetensors").read_bytes(),
+        },
+    )
     with Budget(), pytest.raises(HeadsLoadError, match=r"model\.safetensors: .*wrong shapes: lm_heads\.0\.weight"):
         load_heads(tmp_path / "big")
-    write_folder(tmp_path / "dtype", {"config.json": cfg, "model.safetensors": {
-        k: v.to(torch.int32) if k == "mlps.0.0.linear.weight" else v for k, v in own_heads("medusa").state_dict().items()}})
+    write_folder(
+        tmp_path / "dtype",
+        {
+            "config.json": cfg,
+            "model.safetensors": {
+                k: v.to(torch.int32) if k == "mlps.0.0.linear.weight" else v
+                for k, v in own_heads("medusa").state_dict().items()
+            },
+        },
+    )
     with pytest.raises(HeadsLoadError, match=r"wrong dtypes: mlps\.0\.0\.linear\.weight torch\.int32"):
         load_heads(tmp_path / "dtype")
 
@@ -192,10 +234,22 @@ def test_sharded_medusa2_inside_the_folder_loads(tmp_path: Path) -> None:
     sd = {f"medusa_head.{k}": v for k, v in medusa_published_state(2, 1).items()}
     names = sorted(sd)
     first, second = dict((k, sd[k]) for k in names[:3]), dict((k, sd[k]) for k in names[3:])
-    index = {"weight_map": {**{k: "shards/a.safetensors" for k in first}, **{k: "shards/b.safetensors" for k in second},
-                            "model.norm.weight": "shards/../base.safetensors"}}  # fmt: skip
-    write_folder(tmp_path, {"config.json": {"medusa_num_heads": 2}, "model.safetensors.index.json": index,
-                            "shards/a.safetensors": first, "shards/b.safetensors": second})  # fmt: skip
+    index = {
+        "weight_map": {
+            **{k: "shards/a.safetensors" for k in first},
+            **{k: "shards/b.safetensors" for k in second},
+            "model.norm.weight": "shards/../base.safetensors",
+        }
+    }
+    write_folder(
+        tmp_path,
+        {
+            "config.json": {"medusa_num_heads": 2},
+            "model.safetensors.index.json": index,
+            "shards/a.safetensors": first,
+            "shards/b.safetensors": second,
+        },
+    )
     heads = load_heads(tmp_path)
     assert isinstance(heads, MedusaHeads) and heads.num_heads == 2
     assert torch.equal(heads.lm_heads[1].weight, sd["medusa_head.1.1.weight"])
@@ -214,9 +268,14 @@ def test_hub_shard_names_are_checked_before_downloading() -> None:
 
 def test_heads_config_limits() -> None:
     ok = dict(family="medusa", num_heads=2, hidden_size=H, vocab_size=V)
-    for change, field in [({"num_heads": 65}, "num_heads"), ({"num_layers": 65}, "num_layers"),
-                          ({"hidden_size": 65537}, "hidden_size"), ({"vocab_size": 2**21 + 1}, "vocab_size"),
-                          ({"draft_vocab_size": V + 1}, "draft_vocab_size"), ({"family": []}, "family")]:
+    for change, field in [
+        ({"num_heads": 65}, "num_heads"),
+        ({"num_layers": 65}, "num_layers"),
+        ({"hidden_size": 65537}, "hidden_size"),
+        ({"vocab_size": 2**21 + 1}, "vocab_size"),
+        ({"draft_vocab_size": V + 1}, "draft_vocab_size"),
+        ({"family": []}, "family"),
+    ]:
         with pytest.raises(ConfigError) as err:
             HeadsConfig(**{**ok, **change})
         assert err.value.field == f"HeadsConfig.{field}"
@@ -227,14 +286,18 @@ def test_check_fits(tiny_cache) -> None:
     model, heads = tiny_cache("llama", "hydra", "mlp")  # vocabulary 24, hidden size 32
     heads.check_fits(model)
     wide = MedusaHeads(HeadsConfig(family="medusa", num_heads=2, hidden_size=32, vocab_size=64))
-    with pytest.raises(HeadsMismatchError, match=r"vocab_size 64 > the 24 embedding rows.*vocab_size 64 != the 24 rows"):
+    with pytest.raises(
+        HeadsMismatchError, match=r"vocab_size 64 > the 24 embedding rows.*vocab_size 64 != the 24 rows"
+    ):
         wide.check_fits(model)
     broad = MedusaHeads(HeadsConfig(family="medusa", num_heads=2, hidden_size=48, vocab_size=24))
     with pytest.raises(HeadsMismatchError, match="hidden_size 48 != the embedding width 32") as err:
         broad.check_fits(model)
     assert "in_features 32" in str(err.value) and "config's hidden_size 32" in str(err.value)
     assert isinstance(err.value, EntMTPError)
-    restricted = MedusaHeads(HeadsConfig(family="medusa", num_heads=2, hidden_size=32, vocab_size=24, draft_vocab_size=3))
+    restricted = MedusaHeads(
+        HeadsConfig(family="medusa", num_heads=2, hidden_size=32, vocab_size=24, draft_vocab_size=3)
+    )
     restricted.draft_vocab.copy_(torch.tensor([0, 5, 30]))
     with pytest.raises(HeadsMismatchError, match=r"draft_vocab ids must lie in \[0, 24\)"):
         restricted.check_fits(model)

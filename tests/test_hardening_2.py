@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from bad_files import bank_parts, write_bank
+from test_generation import enabled, prompts
+
 from entmtp_hf import ConfigError, EntMTPConfig
 from entmtp_hf.costs.table import CostTable
 from entmtp_hf.errors import EntMTPError, FileFormatError
@@ -38,7 +39,6 @@ from entmtp_hf.tools.cli import main
 from entmtp_hf.trees.bank import BankFormatError, TopologyBank
 from entmtp_hf.trees.bank_format import SchedulerDefaults
 from entmtp_hf.trees.tree import Tree
-from test_generation import enabled, prompts
 
 EXAMPLES = int(os.environ.get("ENTMTP_FUZZ_EXAMPLES", "150"))
 CHAIN = [[0], [0, 0]]
@@ -56,8 +56,9 @@ def machine_bank() -> TopologyBank:
     trees = [Tree.root_only(), Tree.chain(1), Tree.chain(2)]
     per_tree = [{"mean_accept_length": 1.0}, {"mean_accept_length": 1.5}, {"mean_accept_length": 1.8}]
     bank = TopologyBank("t", trees, {"trees": per_tree, "frontier": {"trees": [0, 1, 2]}})
-    table = CostTable({"key": "cpu-a", "processor": "CPU A"}, "m", {1: 10.0, 2: 10.5, 3: 11.0}, (0.1, 0.1, 0.1),
-                      (0.1, 0.01), 10.0)  # fmt: skip
+    table = CostTable(
+        {"key": "cpu-a", "processor": "CPU A"}, "m", {1: 10.0, 2: 10.5, 3: 11.0}, (0.1, 0.1, 0.1), (0.1, 0.01), 10.0
+    )
     return bank.with_machine(table)
 
 
@@ -70,8 +71,7 @@ def write_machine_bank(folder: Path, mutate) -> Path:
 
 
 @pytest.mark.parametrize("scheduler", [1, True, [1], "static", 0.5])
-def test_a_machine_scheduler_that_is_not_an_object_is_refused_by_every_reader(tmp_path, capsys, tiny_cache,
-                                                                              scheduler):  # fmt: skip
+def test_a_machine_scheduler_that_is_not_an_object_is_refused_by_every_reader(tmp_path, capsys, tiny_cache, scheduler):
     path = write_machine_bank(tmp_path, lambda entry: entry.update(scheduler=scheduler))
     message = r"t\.safetensors: metadata\['machines'\]\[0\]: scheduler must be a JSON object or null, got"
     with pytest.raises(BankFormatError, match=message) as err:
@@ -88,7 +88,9 @@ def test_a_machine_scheduler_that_is_not_an_object_is_refused_by_every_reader(tm
 def test_a_machine_entry_read_back_intact():
     path_free = machine_bank()
     entry = path_free.machines[0]
-    assert SchedulerDefaults.from_metadata(entry["scheduler"], 3) == path_free.scheduler_for(path_free.machine_tables()[0])
+    assert SchedulerDefaults.from_metadata(entry["scheduler"], 3) == path_free.scheduler_for(
+        path_free.machine_tables()[0]
+    )
 
 
 # ----------------------------------------------------------------------------- 7: export --out
@@ -171,8 +173,9 @@ def test_eas_integers_are_bounded_where_they_would_overflow():
 
 @pytest.mark.parametrize("policy", [[1], {"static": 1}, 1, "EntMTP", ""])
 def test_a_bad_policy_is_a_config_error_naming_the_field_and_the_registered_policies(policy):
-    with pytest.raises(ConfigError, match=r"must be one of \['static', 'hysteresis', 'ladder', 'value', 'entropy'\]"
-                       ) as err:  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"must be one of \['static', 'hysteresis', 'ladder', 'value', 'entropy'\]"
+    ) as err:
         EntMTPConfig(tree=[[0]], policy=policy)
     assert err.value.field == "EntMTPConfig.policy"
 
@@ -194,8 +197,9 @@ class _Evil:
 def test_convert_heads_refusing_a_pickle_says_so_in_one_line(tmp_path, capsys):
     src, marker = tmp_path / "medusa", tmp_path / "pwned"
     src.mkdir()
-    (src / "config.json").write_text(json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1,
-                                                 "base_model_name_or_path": "nobody/base"}))  # fmt: skip
+    (src / "config.json").write_text(
+        json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1, "base_model_name_or_path": "nobody/base"})
+    )
     torch.save({"0.0.linear.weight": _Evil(str(marker))}, src / "medusa_lm_head.pt")
     assert main(["convert-heads", str(src), str(tmp_path / "out")]) == 2
     captured = capsys.readouterr()
@@ -208,13 +212,55 @@ def test_convert_heads_refusing_a_pickle_says_so_in_one_line(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- the fuzz
 #: values of every JSON type, at and beyond the limits
-JSON_VALUES: list[Any] = [0, 1, -1, 2, 3, 2**31, 2**63, 10**200, 0.5, -0.5, 1e308, -1e308, "", "x", "static",
-                          "value", "best_path_value", [], [0], [1, 0], [0, 1, 2], [0.1], [0.2, 0.1], {}, {"a": 1},
-                          {"mode": "replace"}, True, False, None]  # fmt: skip
+JSON_VALUES: list[Any] = [
+    0,
+    1,
+    -1,
+    2,
+    3,
+    2**31,
+    2**63,
+    10**200,
+    0.5,
+    -0.5,
+    1e308,
+    -1e308,
+    "",
+    "x",
+    "static",
+    "value",
+    "best_path_value",
+    [],
+    [0],
+    [1, 0],
+    [0, 1, 2],
+    [0.1],
+    [0.2, 0.1],
+    {},
+    {"a": 1},
+    {"mode": "replace"},
+    True,
+    False,
+    None,
+]
 #: and what a Python caller can pass besides
-PY_VALUES: list[Any] = [*JSON_VALUES, math.nan, math.inf, -math.inf, torch.tensor([1.0, 2.0]), torch.tensor(1.0),
-                        torch.tensor(3), np.float32(0.5), np.int64(2), (3.0,), (1.0, 2.0), b"x", {1}, object(),
-                        -(2**63)]  # fmt: skip
+PY_VALUES: list[Any] = [
+    *JSON_VALUES,
+    math.nan,
+    math.inf,
+    -math.inf,
+    torch.tensor([1.0, 2.0]),
+    torch.tensor(1.0),
+    torch.tensor(3),
+    np.float32(0.5),
+    np.int64(2),
+    (3.0,),
+    (1.0, 2.0),
+    b"x",
+    {1},
+    object(),
+    -(2**63),
+]
 SCHEDULER_KEYS = [*SchedulerDefaults.__dataclass_fields__, "tau"]
 
 
@@ -238,6 +284,7 @@ def _entry_mutation(rng: random.Random):
             else:
                 keys = SCHEDULER_KEYS if part == "scheduler" else [*entry[part], "x"]
                 entry[part][rng.choice(keys)] = rng.choice(JSON_VALUES)
+
     return mutate
 
 
@@ -247,7 +294,9 @@ def test_fuzz_bank_machine_entries(tmp_path):
     for case in range(EXAMPLES):
         folder = tmp_path / str(case)
         path = write_machine_bank(folder, _entry_mutation(rng))
-        error = _check(lambda: TopologyBank.from_file(path).scheduler_for(TopologyBank.from_file(path).machine_tables()[0]))
+        error = _check(
+            lambda: TopologyBank.from_file(path).scheduler_for(TopologyBank.from_file(path).machine_tables()[0])
+        )
         if error is not None:
             assert isinstance(error, FileFormatError) and error.path == str(path), (case, error)
             refused += 1
@@ -258,13 +307,27 @@ def test_fuzz_export_output_paths(tmp_path, capsys):
     rng = random.Random(7)
     (tmp_path / "file").write_text("x")
     (tmp_path / "folder").mkdir()
-    names = ["/proc/x.json", "/proc/self/x.json", "/dev/null/x.json", "/sys/x.json", "{t}/folder", "{t}/file",
-             "{t}/file/x.json", "{t}/new/deep/x.json", "{t}/ok.json", "{t}/folder/", "{t}/" + "y" * 260 + ".json",
-             "{t}/.hidden.json", "{t}/sp ace.json", "{t}/x.json.tmp"]  # fmt: skip
+    names = [
+        "/proc/x.json",
+        "/proc/self/x.json",
+        "/dev/null/x.json",
+        "/sys/x.json",
+        "{t}/folder",
+        "{t}/file",
+        "{t}/file/x.json",
+        "{t}/new/deep/x.json",
+        "{t}/ok.json",
+        "{t}/folder/",
+        "{t}/" + "y" * 260 + ".json",
+        "{t}/.hidden.json",
+        "{t}/sp ace.json",
+        "{t}/x.json.tmp",
+    ]
     for case in range(min(EXAMPLES, 60)):
         out = rng.choice(names).format(t=tmp_path)
-        rc = main(["export", "published-defaults", "--task", "default", "--to", rng.choice(["vllm", "trtllm"]),
-                   "--out", out])  # fmt: skip
+        rc = main(
+            ["export", "published-defaults", "--task", "default", "--to", rng.choice(["vllm", "trtllm"]), "--out", out]
+        )
         err = capsys.readouterr().err
         assert rc in (0, 2), (case, out)
         if rc == 2:
@@ -312,8 +375,9 @@ def test_fuzz_policy_values():
     for case in range(EXAMPLES * 4):
         source = rng.choice([{"tree": rng.choice(TREES)}, {"trees": TREES[: rng.randint(1, 3)]}])
         kwargs = {**source, "policy": rng.choice(names + PY_VALUES[:8] + [[1], {}])}
-        for name in rng.sample(["tau_on", "tau_off", "thresholds", "costs", "feature", "feature_window"],
-                               rng.randint(0, 3)):  # fmt: skip
+        for name in rng.sample(
+            ["tau_on", "tau_off", "thresholds", "costs", "feature", "feature_window"], rng.randint(0, 3)
+        ):
             kwargs[name] = rng.choice(PY_VALUES + [list(FEATURES)[rng.randrange(len(FEATURES))], [0.05, 0.1]])
 
         def run() -> None:
@@ -326,8 +390,12 @@ def test_fuzz_policy_values():
         assert error is None or isinstance(error, ConfigError), (case, kwargs, error)
         resolved += error is None
         spec_name = rng.choice(names + [1, [1]])
-        arguments = {k: rng.choice(PY_VALUES) for k in rng.sample(["static_index", "low", "high", "tau_on", "tau_off",
-                                                                   "thresholds", "costs", "level"], rng.randint(0, 2))}
+        arguments = {
+            k: rng.choice(PY_VALUES)
+            for k in rng.sample(
+                ["static_index", "low", "high", "tau_on", "tau_off", "thresholds", "costs", "level"], rng.randint(0, 2)
+            )
+        }
         error = _check(lambda: Scheduler(spec_name, rng.choice([1, 2, 3, 0, 2**63, True, 2.0]), **arguments))
         assert error is None or isinstance(error, ConfigError), (spec_name, arguments, error)
     assert resolved > 0 and get_policy("EntMTP*").name == "static"

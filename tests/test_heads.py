@@ -39,9 +39,14 @@ DTYPE = torch.float64
 # ----------------------------------------------------------------------------- fixtures
 def tiny_llama_config(**kw) -> LlamaConfig:
     args = dict(
-        hidden_size=H, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        vocab_size=V, max_position_embeddings=256,
-    )  # fmt: skip
+        hidden_size=H,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=V,
+        max_position_embeddings=256,
+    )
     args.update(kw)
     return LlamaConfig(**args)
 
@@ -97,9 +102,13 @@ def write_hydra(folder, arch: str, n: int = 4, layers: int = 2, tie_extra: bool 
     os.makedirs(folder, exist_ok=True)
     sd = hydra_published_state(arch, n, layers, tie_extra=tie_extra)
     cfg = dict(
-        hydra_num_heads=n, hydra_num_layers=layers, hydra_head_arch=arch, grounded_heads=True,
-        hidden_state_offset=0, base_model_name_or_path="nobody/unreachable-base",
-    )  # fmt: skip
+        hydra_num_heads=n,
+        hydra_num_layers=layers,
+        hydra_head_arch=arch,
+        grounded_heads=True,
+        hidden_state_offset=0,
+        base_model_name_or_path="nobody/unreachable-base",
+    )
     cfg.update(cfg_overrides)
     (folder / "config.json").write_text(json.dumps(cfg))
     torch.save(sd, folder / "hydra_lm_head.pt")
@@ -433,7 +442,9 @@ def test_load_from_offline_hub_cache(tmp_path, base, monkeypatch):
         assert all(torch.equal(a, b) for a, b in pairs)
     with pytest.raises(ValueError, match="someorg/absent"):
         load_heads("someorg/absent")
-    with pytest.raises(ValueError, match=f"revision 'v2' of Hub repo 'someorg/tiny-heads' is not in the local cache.*{commit}"):
+    with pytest.raises(
+        ValueError, match=f"revision 'v2' of Hub repo 'someorg/tiny-heads' is not in the local cache.*{commit}"
+    ):
         load_heads("someorg/tiny-heads", revision="v2")  # a missing revision, not a missing config.json
 
 

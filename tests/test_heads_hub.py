@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_standin import MiniHubServer, fake_cache
 from huggingface_hub import ModelCard, ModelHubMixin
 from huggingface_hub import constants as hf_constants
 from safetensors.torch import save_file
+from tiny import tiny_model
 from transformers import LlamaConfig
 
 from entmtp_hf import enable_entmtp
@@ -26,18 +28,18 @@ from entmtp_hf.heads import (
     load_heads,
 )
 from entmtp_hf.trees.bank import published_defaults_bank
-from hub_standin import MiniHubServer, fake_cache
-from tiny import tiny_model
 
 CARD = HeadsCard(
     training_data=(DataSource("distill", 1000, 50, "the base model's own answers"),),
     recipe="Distillation from the frozen base model.",
     command="entmtp-hf train-heads --family hydra",
     validation_top1=(0.61, 0.48),
-    tokens_per_step=(TokensPerStep("mc_sim_7b_63", 3.19, 4, 64, "greedy"),
-                     TokensPerStep("my-banks/chat static tree (4 nodes)", 1.62, 20, 128, "greedy")),
+    tokens_per_step=(
+        TokensPerStep("mc_sim_7b_63", 3.19, 4, 64, "greedy"),
+        TokensPerStep("my-banks/chat static tree (4 nodes)", 1.62, 20, 128, "greedy"),
+    ),
     hardware="AMD EPYC, 2 cores, torch threads 1",
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +71,16 @@ def test_save_writes_the_card_and_a_model_card_readme(tmp_path, model):
     assert {"entmtp-hf", "speculative-decoding", "hydra"} <= set(readme.data.tags)
     assert readme.data.to_dict().get("pipeline_tag") is None  # heads alone generate nothing
     text = readme.text
-    for expected in ("| distill | 1000 | 50 |", "| 0 | t+2 | 0.61 |", "| 1 | t+3 | 0.48 |", "| mc_sim_7b_63 | 3.19 |",
-                     "| my-banks/chat static tree (4 nodes) | 1.62 |", "AMD EPYC, 2 cores", "enable_entmtp(model",
-                     "entmtp-hf train-heads --family hydra"):  # fmt: skip
+    for expected in (
+        "| distill | 1000 | 50 |",
+        "| 0 | t+2 | 0.61 |",
+        "| 1 | t+3 | 0.48 |",
+        "| mc_sim_7b_63 | 3.19 |",
+        "| my-banks/chat static tree (4 nodes) | 1.62 |",
+        "AMD EPYC, 2 cores",
+        "enable_entmtp(model",
+        "entmtp-hf train-heads --family hydra",
+    ):
         assert expected in text, expected
     loaded = DraftHeads.from_pretrained(tmp_path / "a")
     assert loaded.card == CARD and loaded.name_or_path == str(tmp_path / "a") and same_weights(heads, loaded)
@@ -169,18 +178,32 @@ def _bank_file(folder: Path) -> None:
 FOREIGN = {
     "a bank file as the weights": ("model.safetensors", _bank_file, "this is an entmtp-hf topology bank"),
     "a random safetensors as the weights": (
-        "model.safetensors", lambda d: save_file({"weight": torch.zeros(3, 3)}, d / "model.safetensors"),
-        r"holds none of the heads' tensors \(it has weight\)"),
-    "a transformers config": ("config.json", lambda d: LlamaConfig(hidden_size=32).to_json_file(d / "config.json"),
-                              "not a draft-heads config .*config of a transformers model .*'llama'"),
-    "another library's config": ("config.json", lambda d: (d / "config.json").write_text('{"hidden_size": 32}'),
-                                 "not a draft-heads config"),
+        "model.safetensors",
+        lambda d: save_file({"weight": torch.zeros(3, 3)}, d / "model.safetensors"),
+        r"holds none of the heads' tensors \(it has weight\)",
+    ),
+    "a transformers config": (
+        "config.json",
+        lambda d: LlamaConfig(hidden_size=32).to_json_file(d / "config.json"),
+        "not a draft-heads config .*config of a transformers model .*'llama'",
+    ),
+    "another library's config": (
+        "config.json",
+        lambda d: (d / "config.json").write_text('{"hidden_size": 32}'),
+        "not a draft-heads config",
+    ),
     "a card that is not JSON": ("card.json", lambda d: (d / "card.json").write_text("{oops"), "JSON"),
-    "a card of other heads": ("card.json", lambda d: (d / "card.json").write_text(
-        '{"card_version": 1, "validation_top1": [0.5, 0.4, 0.3]}'), "3 values for 2 heads"),
-    "a card with unknown fields": ("card.json", lambda d: (d / "card.json").write_text(
-        '{"card_version": 1, "speedup": 3}'), r"HeadsCard: unknown fields \['speedup'\]"),
-}  # fmt: skip
+    "a card of other heads": (
+        "card.json",
+        lambda d: (d / "card.json").write_text('{"card_version": 1, "validation_top1": [0.5, 0.4, 0.3]}'),
+        "3 values for 2 heads",
+    ),
+    "a card with unknown fields": (
+        "card.json",
+        lambda d: (d / "card.json").write_text('{"card_version": 1, "speedup": 3}'),
+        r"HeadsCard: unknown fields \['speedup'\]",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(FOREIGN))

@@ -54,7 +54,8 @@ def _modules() -> dict[str, Path]:
 def _type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports(module: str, path: Path, known: set[str]) -> set[str]:
@@ -97,8 +98,12 @@ def test_every_module_has_a_layer(graph):
 
 
 def test_no_module_imports_a_higher_layer(graph):
-    upward = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
-                    for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))  # fmt: skip
+    upward = sorted(
+        f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+        for m, targets in graph.items()
+        for t in targets
+        if layer_of(t) > layer_of(m)
+    )
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
@@ -152,5 +157,7 @@ def test_the_contract_catches_an_upward_import(tmp_path):
     (root / "decoding" / "loop.py").write_text("from ..costs import probe\n")
     known = {f"{PACKAGE}.costs.probe", f"{PACKAGE}.decoding.loop", f"{PACKAGE}.costs", f"{PACKAGE}.decoding"}
     probe = imports(f"{PACKAGE}.costs.probe", root / "costs" / "probe.py", known)
-    assert probe == {f"{PACKAGE}.decoding.loop"} and layer_of(f"{PACKAGE}.decoding.loop") > layer_of(f"{PACKAGE}.costs.probe")
+    assert probe == {f"{PACKAGE}.decoding.loop"} and layer_of(f"{PACKAGE}.decoding.loop") > layer_of(
+        f"{PACKAGE}.costs.probe"
+    )
     assert imports(f"{PACKAGE}.decoding.loop", root / "decoding" / "loop.py", known) == {f"{PACKAGE}.costs.probe"}

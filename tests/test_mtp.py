@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 from safetensors.torch import load_file, save_file
+from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, sample_counts, target_joint
+from tiny import VOCAB, tiny_model
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 from transformers.generation.candidate_generator import MTPCandidateGenerator
@@ -28,11 +30,18 @@ from entmtp_hf.heads import HeadsMismatchError, MtpHeads, load_heads
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.scheduling.eas import EASConfig
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
-from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, sample_counts, target_joint
-from tiny import VOCAB, tiny_model
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
 
 
@@ -48,29 +57,81 @@ def _ernie_key(key: str, layers: int) -> str | None:
     """ERNIE 4.5's ``mtp_block.K.x``, ``mtp_emb_norm.K.x``, ...; its post-norm is the model's final norm."""
     _, k, rest = key.split(".", 2)
     part, name = rest.split(".", 1)
-    parts = {"mtp_block": "mtp_block", "enorm": "mtp_emb_norm", "hnorm": "mtp_hidden_norm",
-             "eh_proj": "mtp_linear_proj"}
+    parts = {
+        "mtp_block": "mtp_block",
+        "enorm": "mtp_emb_norm",
+        "hnorm": "mtp_hidden_norm",
+        "eh_proj": "mtp_linear_proj",
+    }
     return None if part == "post_norm" else f"{parts[part]}.{k}.{name}"
 
 
 #: family -> (config class, model class, config fields, checkpoint key of an MtpModel key)
 FAMILIES = {
-    "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM,
-                    dict(num_hidden_layers=61, first_k_dense_replace=61, num_key_value_heads=4, n_routed_experts=4,
-                         n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
-                         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_mtp_layers=1, **MOE),
-                    _deepseek_key),
-    "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM,
-                 dict(num_hidden_layers=46, first_k_dense_replace=46, n_routed_experts=4, n_group=1, topk_group=1,
-                      n_shared_experts=1, head_dim=8, num_mtp_layers=1, **MOE), _deepseek_key),
+    "deepseek_v3": (
+        tf.DeepseekV3Config,
+        tf.DeepseekV3ForCausalLM,
+        dict(
+            num_hidden_layers=61,
+            first_k_dense_replace=61,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            num_mtp_layers=1,
+            **MOE,
+        ),
+        _deepseek_key,
+    ),
+    "glm4_moe": (
+        tf.Glm4MoeConfig,
+        tf.Glm4MoeForCausalLM,
+        dict(
+            num_hidden_layers=46,
+            first_k_dense_replace=46,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            head_dim=8,
+            num_mtp_layers=1,
+            **MOE,
+        ),
+        _deepseek_key,
+    ),
     # a sliding-window MTP layer (Mellum's default type) with a window shorter than the texts
-    "mellum": (tf.MellumConfig, tf.MellumForCausalLM,
-               dict(num_hidden_layers=2, num_experts=4, num_mtp_layers=1, sliding_window=3,
-                    layer_types=["sliding_attention", "full_attention"], **MOE),
-               lambda key, layers: f"mtp.{key}"),
-    "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM,
-                     dict(num_hidden_layers=2, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
-                          moe_layer_start_index=2, num_mtp_layers=1), _ernie_key),
+    "mellum": (
+        tf.MellumConfig,
+        tf.MellumForCausalLM,
+        dict(
+            num_hidden_layers=2,
+            num_experts=4,
+            num_mtp_layers=1,
+            sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"],
+            **MOE,
+        ),
+        lambda key, layers: f"mtp.{key}",
+    ),
+    "ernie4_5_moe": (
+        tf.Ernie4_5_MoeConfig,
+        tf.Ernie4_5_MoeForCausalLM,
+        dict(
+            num_hidden_layers=2,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=16,
+            moe_layer_start_index=2,
+            num_mtp_layers=1,
+        ),
+        _ernie_key,
+    ),
 }
 
 
@@ -105,8 +166,10 @@ def fit(model, heads: MtpHeads, steps: int = 40, seed: int = 0) -> None:
     for _ in range(steps):
         logits = heads.forward_train(hidden, texts, embed, lm_head)
         # element i, row j scores token j + i + 2: the model's greedy pick after j + i + 1
-        loss = sum(F.cross_entropy(lg.flatten(0, 1), targets[:, i + 1 : i + 1 + lg.shape[1]].flatten())
-                   for i, lg in enumerate(logits))
+        loss = sum(
+            F.cross_entropy(lg.flatten(0, 1), targets[:, i + 1 : i + 1 + lg.shape[1]].flatten())
+            for i, lg in enumerate(logits)
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -147,8 +210,9 @@ def mtp_model(tmp_path_factory):
         if family not in folders:
             folders[family] = tmp_path_factory.mktemp(family)
             write_checkpoint(family, folders[family])
-        model = _plain(AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float64,
-                                                            experts_implementation="eager"))
+        model = _plain(
+            AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float64, experts_implementation="eager")
+        )
         return enable_entmtp(model, "mtp", cpu_kernels=False) if enable else model
 
     return get
@@ -161,8 +225,12 @@ def prompt(length: int, seed: int) -> torch.Tensor:
 BRANCHING = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]  # mc_sim-like, smaller
 TREES = {"chain": Tree.chain(3).choices, "branching": BRANCHING, "mc_sim": MC_SIM_7B_63}
 #: the 61- and 46-layer models are the slow ones: fewer tokens and trees
-BUDGET = {"deepseek_v3": (12, ["chain", "mc_sim"]), "glm4_moe": (16, ["chain", "mc_sim"]),
-          "mellum": (30, list(TREES)), "ernie4_5_moe": (30, list(TREES))}
+BUDGET = {
+    "deepseek_v3": (12, ["chain", "mc_sim"]),
+    "glm4_moe": (16, ["chain", "mc_sim"]),
+    "mellum": (30, list(TREES)),
+    "ernie4_5_moe": (30, list(TREES)),
+}
 
 
 # ----------------------------------------------------------------------------- losslessness
@@ -174,8 +242,13 @@ def test_greedy_identical_to_plain_generate(mtp_model, family):
     for ids in (prompt(5, 1), prompt(9, 2))[: 1 if tokens < 20 else 2]:
         ref = model.generate(ids, max_new_tokens=tokens, do_sample=False)
         for name in trees:
-            out = model.generate(ids, max_new_tokens=tokens, do_sample=False, return_dict_in_generate=True,
-                                 entmtp_config=EntMTPConfig(tree=TREES[name]))
+            out = model.generate(
+                ids,
+                max_new_tokens=tokens,
+                do_sample=False,
+                return_dict_in_generate=True,
+                entmtp_config=EntMTPConfig(tree=TREES[name]),
+            )
             assert torch.equal(out.sequences, ref), (family, name)
             longest = max(longest, max(out.entmtp_stats["accept_lengths"]))
     assert longest >= 2, "the fitted MTP layer should have drafts accepted"
@@ -210,8 +283,13 @@ def test_a_drafting_vocabulary_limits_the_drafts_only(mtp_model):
         return proposal
 
     heads.propose = recorded
-    out = model.generate(ids, max_new_tokens=24, do_sample=False, entmtp_config=EntMTPConfig(tree=BRANCHING),
-                         return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        max_new_tokens=24,
+        do_sample=False,
+        entmtp_config=EntMTPConfig(tree=BRANCHING),
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, ref)
     assert drafted and set(drafted) <= set(vocab.tolist())
     assert max(out.entmtp_stats["accept_lengths"]) >= 2
@@ -228,8 +306,14 @@ def test_greedy_left_padded_batch_identical(mtp_model, family):
     if rows > 2:
         mask[2, :6] = 0  # one real token: the MTP layer has nothing committed before the root
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False, pad_token_id=0,
-                         entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=tokens,
+        do_sample=False,
+        pad_token_id=0,
+        entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
+    )
     assert torch.equal(out, ref)
 
 
@@ -294,8 +378,13 @@ def _entmtp_steps(model, ids, tokens: int, layers: int, monkeypatch) -> tuple[to
 
     with monkeypatch.context() as m:
         m.setattr(heads, "propose", recorded)
-        out = model.generate(ids, max_new_tokens=tokens, do_sample=False, entmtp_observers=[accepted],
-                             entmtp_config=EntMTPConfig(tree=Tree.chain(layers).choices))
+        out = model.generate(
+            ids,
+            max_new_tokens=tokens,
+            do_sample=False,
+            entmtp_observers=[accepted],
+            entmtp_config=EntMTPConfig(tree=Tree.chain(layers).choices),
+        )
     return out, [(*d, n) for d, n in zip(drafted, accepted.counts)]
 
 
@@ -362,8 +451,14 @@ def test_three_layer_greedy_identical(three_layers):
     mask[1, :2], mask[2, :5] = 0, 0
     for tree in (BRANCHING, MC_SIM_7B_63, Tree.chain(5).choices):  # depths 4 and 5: the last layer again
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
-                             entmtp_config=EntMTPConfig(tree=tree))
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=20,
+            do_sample=False,
+            pad_token_id=0,
+            entmtp_config=EntMTPConfig(tree=tree),
+        )
         assert torch.equal(out, ref)
 
 

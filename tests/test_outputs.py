@@ -3,12 +3,12 @@ sequences per prompt, and the ``output_*`` options it cannot return refused up f
 
 import pytest
 import torch
+from test_batch import batch_of, eos_ending_rows_apart
+from test_generation import CHAIN, SAMPLING_TREE, chi_square_p, prompts, target_joint
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63
-from test_batch import batch_of, eos_ending_rows_apart
-from test_generation import CHAIN, SAMPLING_TREE, chi_square_p, prompts, target_joint
 
 PAD = 0
 
@@ -75,8 +75,17 @@ def test_sampled_runs_return_the_emitted_tokens_scores(tiny_cache):
     model = enabled(tiny_cache)
     ids = prompts(1, seed=3)[0]
     torch.manual_seed(0)
-    out = model.generate(ids, max_new_tokens=20, do_sample=True, temperature=0.7, top_k=4, return_dict_in_generate=True,
-                         output_scores=True, output_logits=True, entmtp_config=EntMTPConfig(tree=SAMPLING_TREE))  # fmt: skip
+    out = model.generate(
+        ids,
+        max_new_tokens=20,
+        do_sample=True,
+        temperature=0.7,
+        top_k=4,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        entmtp_config=EntMTPConfig(tree=SAMPLING_TREE),
+    )
     new = out.sequences.shape[1] - ids.shape[1]
     assert len(out.scores) == len(out.logits) == new and max(out.entmtp_stats["accept_lengths"]) >= 2
     with torch.no_grad():
@@ -98,8 +107,13 @@ def test_outputs_it_cannot_return_are_refused_before_any_forward(tiny_cache, nam
     handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
         with pytest.raises(ValueError, match=name):
-            model.generate(prompts(1)[0], max_new_tokens=5, return_dict_in_generate=True, entmtp_config=EntMTPConfig(tree=CHAIN),
-                           **{name: True})  # fmt: skip
+            model.generate(
+                prompts(1)[0],
+                max_new_tokens=5,
+                return_dict_in_generate=True,
+                entmtp_config=EntMTPConfig(tree=CHAIN),
+                **{name: True},
+            )
     finally:
         handle.remove()
     assert calls == []
@@ -124,8 +138,15 @@ def test_num_return_sequences_samples_each_row_from_the_target(tiny_cache):
     per_row, differing = [{} for _ in range(k)], 0
     torch.manual_seed(5)
     for _ in range(runs):
-        out = model.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=4, num_return_sequences=k,
-                             entmtp_config=EntMTPConfig(tree=SAMPLING_TREE))  # fmt: skip
+        out = model.generate(
+            ids,
+            max_new_tokens=3,
+            do_sample=True,
+            temperature=0.7,
+            top_k=4,
+            num_return_sequences=k,
+            entmtp_config=EntMTPConfig(tree=SAMPLING_TREE),
+        )
         assert out.shape == (k, ids.shape[1] + 3) and bool((out[:, : ids.shape[1]] == ids).all())
         rows = [tuple(r[ids.shape[1] :].tolist()) for r in out]
         differing += len(set(rows)) > 1

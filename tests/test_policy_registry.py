@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from test_generation import enabled, prompts
 
 from entmtp_hf import ConfigError, EntMTPConfig
 from entmtp_hf.scheduling import policies
@@ -22,7 +23,6 @@ from entmtp_hf.scheduling.policies import (
 )
 from entmtp_hf.trees.bank import TopologyBank
 from entmtp_hf.trees.tree import Tree
-from test_generation import enabled, prompts
 
 CHAIN = [[0], [0, 0]]
 TREES = [[[0]], CHAIN]
@@ -53,8 +53,13 @@ def test_the_built_in_policies_and_what_they_own():
     assert policy_names() == ["static", "hysteresis", "ladder", "value", "entropy"]
     assert policy_names(in_banks=True) == ["static", "hysteresis", "ladder", "value"]  # a bank stores no EAS settings
     needs = {name: get_policy(name).needs for name in policy_names()}
-    assert needs == {"static": NEEDS_NOTHING, "hysteresis": NEEDS_FEATURE, "ladder": NEEDS_FEATURE,
-                     "value": NEEDS_VALUES, "entropy": NEEDS_ENTROPIES}  # fmt: skip
+    assert needs == {
+        "static": NEEDS_NOTHING,
+        "hysteresis": NEEDS_FEATURE,
+        "ladder": NEEDS_FEATURE,
+        "value": NEEDS_VALUES,
+        "entropy": NEEDS_ENTROPIES,
+    }
     assert get_policy("hysteresis").arguments == {"low": 0, "high": 0, "tau_on": 0.01, "tau_off": 0.01}
     assert get_policy("ladder").arguments == {"thresholds": ()} and get_policy("entropy").arguments == {}
     assert get_policy("EntMTPτ").name == "hysteresis" and get_policy("EntMTP-v").name == "value"
@@ -77,8 +82,15 @@ def test_a_scheduler_takes_only_its_policys_arguments():
 
 
 def test_registering_a_policy_makes_every_reader_accept_it(registry):
-    register_policy("above", AboveRule, needs=NEEDS_FEATURE, aliases=("over",), sources=("bank", "trees"),
-                    what="picks among several trees", from_bank=lambda d, trees: ((d.static, d.aggressive), {}))  # fmt: skip
+    register_policy(
+        "above",
+        AboveRule,
+        needs=NEEDS_FEATURE,
+        aliases=("over",),
+        sources=("bank", "trees"),
+        what="picks among several trees",
+        from_bank=lambda d, trees: ((d.static, d.aggressive), {}),
+    )
     assert "above" in policy_names() and "above" in policies.POLICIES and "above" in policies.FEATURE_POLICIES
     s = Scheduler("over", num_trees=2, level=0.3)  # the alias names it too
     assert [s.choose(x) for x in (0.1, 0.4, 0.2)] == [0, 1, 0] and s.needs_feature

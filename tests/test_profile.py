@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from tiny import VOCAB
 
 from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.costs.table import interpolate
+from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.tools.profile import (
     analytic_bound,
     forward_costs,
@@ -14,7 +15,6 @@ from entmtp_hf.tools.profile import (
     relative_cost,
     step_breakdown,
 )
-from tiny import VOCAB
 
 
 def test_forward_costs_time_every_size_and_leave_the_cache_alone(tiny_cache):
@@ -43,7 +43,9 @@ def test_linear_costs_time_every_weight_shape(tiny_cache):
 
 def test_analytic_bound_is_tau_over_cost():
     rows = analytic_bound([{"num_nodes": 4, "mean_accept_length": 3.0}, {"num_nodes": 8}], {1: 0.1, 4: 0.2, 8: 0.4})
-    assert rows == [{"num_nodes": 4, "mean_accept_length": 3.0, "relative_cost": pytest.approx(2.0), "bound": pytest.approx(1.5)}]
+    assert rows == [
+        {"num_nodes": 4, "mean_accept_length": 3.0, "relative_cost": pytest.approx(2.0), "bound": pytest.approx(1.5)}
+    ]
 
 
 def test_the_bound_over_a_faster_plain_step_scales_by_its_time():
@@ -76,8 +78,12 @@ def test_step_breakdown_parts_add_up(tiny_cache):
 def test_the_report_shows_the_kernel_reference_and_both_bounds():
     from entmtp_hf.tools.profile import _markdown
 
-    report = {"forward_costs_ms": {"1": 40.0, "4": 44.0}, "breakdown": {}, "kernel_reference_ms": {"model": 40.0, "onednn": 28.0},
-              "bound": {"t": analytic_bound([{"num_nodes": 4, "mean_accept_length": 2.2}], {1: 40.0, 4: 44.0}, 0.7)}}  # fmt: skip
+    report = {
+        "forward_costs_ms": {"1": 40.0, "4": 44.0},
+        "breakdown": {},
+        "kernel_reference_ms": {"model": 40.0, "onednn": 28.0},
+        "bound": {"t": analytic_bound([{"num_nodes": 4, "mean_accept_length": 2.2}], {1: 40.0, 4: 44.0}, 0.7)},
+    }
     md = _markdown(report)
     assert "40.0 ms with the model's own kernels and 28.0 ms" in md and "0.70 of it" in md
     assert "| 4 | 2.20 | 1.10 | 2.00x | 1.40x |" in md

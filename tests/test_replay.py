@@ -8,19 +8,25 @@ read from the signals) and with retrieval branches, appended or replacing the tr
 
 import pytest
 import torch
+from tiny import VOCAB, tiny_model
 
+from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.heads import HydraHeads
+from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.tools.search.config import SearchConfig
 from entmtp_hf.tools.search.measure import generate_measure
-from entmtp_hf.tools.search.trajectories import Trajectory, simulate_canonical, step_table
-from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.integration import enable_entmtp
-from entmtp_hf.heads import HydraHeads
 from entmtp_hf.tools.search.replay import (
-    SIGNALS, accept_table, foresight_rate, replay, retrieval_figures, walk_rate, why_not_replayable,
+    SIGNALS,
+    accept_table,
+    foresight_rate,
+    replay,
+    retrieval_figures,
+    walk_rate,
+    why_not_replayable,
 )
+from entmtp_hf.tools.search.trajectories import Trajectory, simulate_canonical, step_table
 from entmtp_hf.trees.retrieval import RetrievalConfig
 from entmtp_hf.trees.tree import Tree
-from tiny import VOCAB, tiny_model
 
 NEW = 40
 DEPTH = 3
@@ -56,30 +62,61 @@ def _configs(trajectories) -> dict[str, EntMTPConfig]:
     out = {
         "static": EntMTPConfig(tree=LARGE.choices),
         "accept_ema": EntMTPConfig(**hyst, feature="accept_ema", feature_window=4, tau_on=1.3, tau_off=1.2),
-        "head_confidence": EntMTPConfig(**hyst, feature="head_confidence",
-                                        tau_on=_median_signal(trajectories, "head_confidence"),
-                                        tau_off=_median_signal(trajectories, "head_confidence") * 0.9),
-        "confidence_ema": EntMTPConfig(**hyst, feature="confidence_ema", feature_window=4,
-                                       tau_on=_median_signal(trajectories, "base_top1") * 0.5,
-                                       tau_off=_median_signal(trajectories, "base_top1") * 0.5),
-        "ladder": EntMTPConfig(trees=[Tree.root_only().choices, *two], policy="ladder", feature="base_top1",
-                               thresholds=[_median_signal(trajectories, "base_top1", 0.25),
-                                           _median_signal(trajectories, "base_top1", 0.75)]),
-    }  # fmt: skip
+        "head_confidence": EntMTPConfig(
+            **hyst,
+            feature="head_confidence",
+            tau_on=_median_signal(trajectories, "head_confidence"),
+            tau_off=_median_signal(trajectories, "head_confidence") * 0.9,
+        ),
+        "confidence_ema": EntMTPConfig(
+            **hyst,
+            feature="confidence_ema",
+            feature_window=4,
+            tau_on=_median_signal(trajectories, "base_top1") * 0.5,
+            tau_off=_median_signal(trajectories, "base_top1") * 0.5,
+        ),
+        "ladder": EntMTPConfig(
+            trees=[Tree.root_only().choices, *two],
+            policy="ladder",
+            feature="base_top1",
+            thresholds=[
+                _median_signal(trajectories, "base_top1", 0.25),
+                _median_signal(trajectories, "base_top1", 0.75),
+            ],
+        ),
+    }
     for mode, n in (("append", 3), ("replace", 2)):
         retrieval = RetrievalConfig(num_tokens=n, mode=mode)
         out[f"static+{mode}"] = EntMTPConfig(tree=LARGE.choices, retrieval=retrieval)
-        out[f"accept_ema+{mode}"] = EntMTPConfig(**hyst, feature="accept_ema", tau_on=1.3, tau_off=1.3,
-                                                 retrieval=retrieval)  # fmt: skip
-        out[f"head_confidence+{mode}"] = EntMTPConfig(**hyst, feature="head_confidence", retrieval=retrieval,
-                                                      tau_on=_median_signal(trajectories, "head_confidence"),
-                                                      tau_off=_median_signal(trajectories, "head_confidence"))
+        out[f"accept_ema+{mode}"] = EntMTPConfig(
+            **hyst, feature="accept_ema", tau_on=1.3, tau_off=1.3, retrieval=retrieval
+        )
+        out[f"head_confidence+{mode}"] = EntMTPConfig(
+            **hyst,
+            feature="head_confidence",
+            retrieval=retrieval,
+            tau_on=_median_signal(trajectories, "head_confidence"),
+            tau_off=_median_signal(trajectories, "head_confidence"),
+        )
     return out
 
 
-@pytest.mark.parametrize("name", ["static", "accept_ema", "head_confidence", "confidence_ema", "ladder",
-                                  "static+append", "static+replace", "accept_ema+append", "accept_ema+replace",
-                                  "head_confidence+append", "head_confidence+replace"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "static",
+        "accept_ema",
+        "head_confidence",
+        "confidence_ema",
+        "ladder",
+        "static+append",
+        "static+replace",
+        "accept_ema+append",
+        "accept_ema+replace",
+        "head_confidence+append",
+        "head_confidence+replace",
+    ],
+)
 def test_replay_equals_generate_step_by_step(setup, name):
     model, heads, prompts, trajectories, measure = setup
     config = _configs(trajectories)[name]
@@ -147,8 +184,10 @@ def test_foresight_rate_bounds_every_walk_and_finds_the_obvious_optimum():
     assert a / w == pytest.approx(1.0)  # the big tree always: 3 + 1 tokens per 2 + 2 units of work
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
-        tables = [[[1 + int(x) for x in torch.randint(0, 4, (3,), generator=g).cummax(0).values] for _ in range(25)]
-                  for _ in range(3)]  # fmt: skip
+        tables = [
+            [[1 + int(x) for x in torch.randint(0, 4, (3,), generator=g).cummax(0).values] for _ in range(25)]
+            for _ in range(3)
+        ]
         costs = [1.0, 1.3, 1.9]
         best = foresight_rate(tables, costs)
         picks = torch.randint(0, 3, (3, 25), generator=g)

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from test_generation import chi_square_p, enabled, prompts, target_joint
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.drafting.retrieval import NgramIndex
 from entmtp_hf.trees.retrieval import RetrievalConfig, with_branch
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
-from test_generation import chi_square_p, enabled, prompts, target_joint
 
 
 # ----------------------------------------------------------------------------- the index
@@ -48,7 +48,9 @@ def brute_force(toks, cfg):
     return []
 
 
-@pytest.mark.parametrize("kw", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(num_tokens=0), dict(mode="swap")])
+@pytest.mark.parametrize(
+    "kw", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(num_tokens=0), dict(mode="swap")]
+)
 def test_bad_config(kw):
     with pytest.raises(ValueError, match="RetrievalConfig"):
         RetrievalConfig(**kw)
@@ -83,7 +85,9 @@ def test_bank_default_decides_unless_the_config_says(tmp_path):
 
     trees = [Tree.chain(1), Tree.chain(2)]
     stored = RetrievalConfig(mode="replace", num_tokens=2)
-    on = TopologyBank("t", trees, {"scheduler": {"policy": "static", "retrieval": {"mode": "replace", "num_tokens": 2}}})
+    on = TopologyBank(
+        "t", trees, {"scheduler": {"policy": "static", "retrieval": {"mode": "replace", "num_tokens": 2}}}
+    )
     off = TopologyBank("t", trees, {"scheduler": {"policy": "static"}})  # banks from before the option: none
     on.save_pretrained(tmp_path)
     assert TopologyBank.from_pretrained(tmp_path, task="t").scheduler.retrieval == stored  # survives the file
@@ -96,8 +100,12 @@ def test_bank_default_decides_unless_the_config_says(tmp_path):
     mine = RetrievalConfig(num_tokens=2)
     assert EntMTPConfig(bank=off, task="t", retrieval=mine).resolve(4).retrieval == mine
     assert EntMTPConfig(tree=[[0]]).resolve(4).retrieval is None  # no bank: off unless asked for
-    for bad, message in (("yes", "JSON object or null"), ({"mode": "swap"}, "RetrievalConfig.mode: must be one of"),
-                         ({"tokens": 2}, "unknown retrieval keys"), ({"num_tokens": 1.5}, "must be an integer")):
+    for bad, message in (
+        ("yes", "JSON object or null"),
+        ({"mode": "swap"}, "RetrievalConfig.mode: must be one of"),
+        ({"tokens": 2}, "unknown retrieval keys"),
+        ({"num_tokens": 1.5}, "must be an integer"),
+    ):
         with pytest.raises(ValueError, match=message):
             TopologyBank("t", trees, {"scheduler": {"retrieval": bad}})
 
@@ -147,8 +155,9 @@ def test_greedy_identical_with_retrieval_and_eas(tiny_cache, mode):
         assert all(depth[m] <= k for _, nodes in per_length for m in nodes if m < plan.union.num_nodes)
     for ids in [looping_prompt(model), *prompts(2)]:
         ref = model.generate(ids, max_new_tokens=40, do_sample=False)
-        cfg = EntMTPConfig(tree=MC_SIM_7B_63, eas=eas,
-                           retrieval=RetrievalConfig(min_ngram=1, max_ngram=3, num_tokens=4, mode=mode))  # fmt: skip
+        cfg = EntMTPConfig(
+            tree=MC_SIM_7B_63, eas=eas, retrieval=RetrievalConfig(min_ngram=1, max_ngram=3, num_tokens=4, mode=mode)
+        )
         out = model.generate(ids, max_new_tokens=40, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref)
 
@@ -162,8 +171,15 @@ def test_exact_sampling_with_retrieval_preserves_distribution(tiny_cache, tree, 
     n, counts, copied = 800, {}, 0
     torch.manual_seed(99)
     for _ in range(n):
-        out = model.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=4,
-                             entmtp_config=cfg, return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(
+            ids,
+            max_new_tokens=3,
+            do_sample=True,
+            temperature=0.7,
+            top_k=4,
+            entmtp_config=cfg,
+            return_dict_in_generate=True,
+        )
         key = tuple(out.sequences[0, ids.shape[1] :].tolist())
         counts[key] = counts.get(key, 0) + 1
         copied += out.entmtp_stats["retrieval_accepted"] > 0

@@ -27,14 +27,20 @@ def machine(forward: dict[int, float], draft=(2.0, 1.0, 0.5), key="m") -> CostTa
 
 def bank(figures: dict | None, scheduler: dict | None = None) -> TopologyBank:
     """Tree 1 (2 nodes) and the fan (3 nodes) on the frontier; the fan's figures under ``figures``."""
-    per_tree = [{"num_nodes": 1, "mean_accept_length": 1.0}, {"num_nodes": 2, "mean_accept_length": 1.4},
-                {"num_nodes": 3, "mean_accept_length": 1.5}]  # fmt: skip
+    per_tree = [
+        {"num_nodes": 1, "mean_accept_length": 1.0},
+        {"num_nodes": 2, "mean_accept_length": 1.4},
+        {"num_nodes": 3, "mean_accept_length": 1.5},
+    ]
     frontier = {"trees": [1, 2]}
     if figures is not None:
         per_tree[2]["retrieval"] = figures
         frontier["retrieval"] = OPTIONS
-    return TopologyBank("chat", TREES, {"trees": per_tree, "frontier": frontier,
-                                        "scheduler": scheduler or {"static": 2, "policy": "static"}})  # fmt: skip
+    return TopologyBank(
+        "chat",
+        TREES,
+        {"trees": per_tree, "frontier": frontier, "scheduler": scheduler or {"static": 2, "policy": "static"}},
+    )
 
 
 def test_a_step_that_found_a_continuation_is_priced_by_the_mode():
@@ -53,8 +59,10 @@ def test_a_step_that_found_a_continuation_is_priced_by_the_mode():
 
 
 def test_the_ranking_takes_retrieval_where_it_pays_on_this_machine_and_drops_it_where_not():
-    figures = {"replace-2": {"tokens": 200, "drafted": 60, "found": [0, 40]},
-               "append-1": {"tokens": 160, "drafted": 60, "found": [40]}}  # fmt: skip
+    figures = {
+        "replace-2": {"tokens": 200, "drafted": 60, "found": [0, 40]},
+        "append-1": {"tokens": 160, "drafted": 60, "found": [40]},
+    }
     b = bank(figures, {"static": 2, "policy": "static", "retrieval": {"mode": "append", "num_tokens": 4}})
     cheap_rows = machine({1: 10.0, 2: 10.0, 3: 10.5, 4: 18.0}, draft=(0.5, 0.2, 0.1))
     ranking = b.ranking(cheap_rows)
@@ -82,14 +90,17 @@ def test_retrieval_figures_round_trip(tmp_path):
     assert per_tree == {2: {"replace-2": RetrievalFigures(200, 60, (10, 30))}}
 
 
-@pytest.mark.parametrize("figures, options, match", [
-    ({"replace-9": {"tokens": 9, "drafted": 3, "found": [1]}}, OPTIONS, "must map labels"),
-    ({"replace-2": {"tokens": 9, "drafted": 3, "found": [1, 1, 1]}}, OPTIONS, "at most 2 counts"),
-    ({"replace-2": {"tokens": 9, "drafted": -1, "found": [1]}}, OPTIONS, "drafted must be an integer"),
-    ({"replace-2": {"tokens": 2, "drafted": 3, "found": [1]}}, OPTIONS, "every step adds one"),
-    ({"replace-2": {"tokens": 9, "drafted": 3}}, OPTIONS, "'tokens', 'drafted' and 'found'"),
-    ({"replace-2": {"tokens": 9, "drafted": 3, "found": [1]}}, {"replace-2": {"mode": "swap"}}, "mode"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "figures, options, match",
+    [
+        ({"replace-9": {"tokens": 9, "drafted": 3, "found": [1]}}, OPTIONS, "must map labels"),
+        ({"replace-2": {"tokens": 9, "drafted": 3, "found": [1, 1, 1]}}, OPTIONS, "at most 2 counts"),
+        ({"replace-2": {"tokens": 9, "drafted": -1, "found": [1]}}, OPTIONS, "drafted must be an integer"),
+        ({"replace-2": {"tokens": 2, "drafted": 3, "found": [1]}}, OPTIONS, "every step adds one"),
+        ({"replace-2": {"tokens": 9, "drafted": 3}}, OPTIONS, "'tokens', 'drafted' and 'found'"),
+        ({"replace-2": {"tokens": 9, "drafted": 3, "found": [1]}}, {"replace-2": {"mode": "swap"}}, "mode"),
+    ],
+)
 def test_bad_retrieval_figures_are_refused_naming_the_file(tmp_path, figures, options, match):
     good = bank({"replace-2": {"tokens": 9, "drafted": 3, "found": [1]}})
     meta = good.metadata

@@ -61,6 +61,7 @@ def test_feature_tracker_values():
 def test_reads_base_says_whether_the_value_depends_on_the_verifier(name, chain):
     """The decode loop skips the verifier's softmax when ``reads_base`` is False: the feature's
     value must then be the same whatever the verifier's top-1 probability and entropy are."""
+
     def values(p0: float, entropy: float) -> list[float]:
         f = FeatureTracker(name, window=2)
         f.observe_accept(2)

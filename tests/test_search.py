@@ -11,7 +11,13 @@ import shutil
 
 import pytest
 import torch
+from tiny import VOCAB, tiny_model
 
+from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.costs.table import CostTable
+from entmtp_hf.heads import HydraHeads, MedusaHeads
+from entmtp_hf.integration import enable_entmtp
+from entmtp_hf.tools.cli import build_parser
 from entmtp_hf.tools.search import runner
 from entmtp_hf.tools.search.choose import Choice, choose_trees, fan, value_sets
 from entmtp_hf.tools.search.config import RETRIEVAL_RUNS, SearchConfig
@@ -21,15 +27,15 @@ from entmtp_hf.tools.search.outputs import file_search_machine
 from entmtp_hf.tools.search.result import median
 from entmtp_hf.tools.search.rollout import joint_rollout, rollout_scorer
 from entmtp_hf.tools.search.runner import TreeSearch
-from entmtp_hf.tools.search.trajectories import Trajectory, accepted_depth, rank_tuples, simulate_canonical, table_accept
-from entmtp_hf.costs.table import CostTable
+from entmtp_hf.tools.search.trajectories import (
+    Trajectory,
+    accepted_depth,
+    rank_tuples,
+    simulate_canonical,
+    table_accept,
+)
 from entmtp_hf.trees.bank import TopologyBank
-from entmtp_hf.tools.cli import build_parser
-from entmtp_hf.config import EntMTPConfig
-from entmtp_hf.integration import enable_entmtp
-from entmtp_hf.heads import HydraHeads, MedusaHeads
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
-from tiny import VOCAB, tiny_model
 
 NEW = 16
 DEPTH = 3
@@ -207,9 +213,18 @@ def fake(measure, table, calls):
 
 
 def small_config(**kw):
-    args = dict(num_prompts=2, timing_prompts=2, max_new_tokens=12, budget=8, timed_sizes=(1, 2, 4, 8),
-                time_reference=False, sweep_prompts=2, tau_grid=(0.3, 0.9), features=("base_top1",),
-                ranking="measured")  # fmt: skip
+    args = dict(
+        num_prompts=2,
+        timing_prompts=2,
+        max_new_tokens=12,
+        budget=8,
+        timed_sizes=(1, 2, 4, 8),
+        time_reference=False,
+        sweep_prompts=2,
+        tau_grid=(0.3, 0.9),
+        features=("base_top1",),
+        ranking="measured",
+    )
     return SearchConfig(**{**args, **kw})
 
 
@@ -230,8 +245,9 @@ def pipeline(setup, tmp_path_factory):
         return fake(measure, FAKE_TPS, calls[0])(label, config, prompt)
 
     def search(cfg=None, measure_fn=None):
-        return TreeSearch(model, heads, prompts[:2], out, cfg or small_config(), task="tiny",
-                            measure=measure_fn, progress=False)  # fmt: skip
+        return TreeSearch(
+            model, heads, prompts[:2], out, cfg or small_config(), task="tiny", measure=measure_fn, progress=False
+        )
 
     with pytest.raises(Interrupt):
         search(measure_fn=flaky).run()
@@ -284,8 +300,10 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
     assert sched.value_costs == tuple(win["costs"])
     assert sched.tau_on == hyst["values"][0] and sched.tau_on in (0.3, 0.9) and len(sched.thresholds) == 2
     assert {lab.split(":")[3] for lab in result.sweep if lab.startswith("hysteresis")} == {"1-2", "1-3", "2-3"}
-    speed = {"static": 1.0, **{k: v["vs_static"] for k, v in result.winners.items()
-                               if k != "retrieval" and v["vs_static"] >= 1.05}}  # fmt: skip
+    speed = {
+        "static": 1.0,
+        **{k: v["vs_static"] for k, v in result.winners.items() if k != "retrieval" and v["vs_static"] >= 1.05},
+    }
     assert sched.policy == max(speed, key=speed.get) and sched.feature == "base_top1"
     assert result.confirmation == {} and not (out / "confirm.json").exists()  # 2 prompts, both the sweep's
     assert set(RETRIEVAL_RUNS) <= set(result.sweep)  # the static tree with retrieval branches, timed in the sweep
@@ -311,7 +329,9 @@ def test_search_static_is_throughput_max_and_bank_is_valid(pipeline):
 def test_a_searched_bank_keeps_its_timed_choice_there_and_is_re_ranked_elsewhere(pipeline, tmp_path):
     out, result, *_ = pipeline
     shutil.copytree(out / "banks", tmp_path / "bank")
-    here = CostTable({"key": "search"}, "probe", {1: 10.0, 2: 10.0, 4: 40.0, 8: 80.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 10.0)
+    here = CostTable(
+        {"key": "search"}, "probe", {1: 10.0, 2: 10.0, 4: 40.0, 8: 80.0}, (0.0, 0.0, 0.0), (0.0, 0.0), 10.0
+    )
     file_search_machine([tmp_path / "bank"], "tiny", here)
     bank = TopologyBank.from_pretrained(tmp_path / "bank", task="tiny")
     stored = bank.scheduler.static
@@ -326,11 +346,19 @@ def test_a_searched_bank_keeps_its_timed_choice_there_and_is_re_ranked_elsewhere
 def test_search_with_rollout_scoring_and_sampling(setup, tmp_path):
     """Exact-sampling search: joint-rollout frontier, sampled generate runs, a valid bank."""
     model, heads, prompts, _, _ = setup
-    cfg = small_config(scoring="rollout", acceptance="exact", budget=4, timed_sizes=(1, 4), tau_grid=(0.5,),
-                       ladder=False, sweep_prompts=1)  # fmt: skip
+    cfg = small_config(
+        scoring="rollout",
+        acceptance="exact",
+        budget=4,
+        timed_sizes=(1, 4),
+        tau_grid=(0.5,),
+        ladder=False,
+        sweep_prompts=1,
+    )
     measure = generate_measure(model, cfg)
-    result = TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny-exact",
-                          measure=fake(measure, {}, []), progress=False).run()  # fmt: skip
+    result = TreeSearch(
+        model, heads, prompts[:2], tmp_path, cfg, task="tiny-exact", measure=fake(measure, {}, []), progress=False
+    ).run()
     frontier = json.loads((tmp_path / "frontier.json").read_text())
     assert [p["num_nodes"] for p in frontier["points"]] == [1, 2, 3, 4] and frontier["complete"]
     assert result.frontier[0]["simulated"] is None and result.timed["frontier-4"]["unbiased"] >= 1.0
@@ -354,7 +382,12 @@ def test_config_validation_and_cli():
 
 
 def test_value_sets_are_also_offered_with_the_cheaper_t_minus():
-    trees = {"f1": Tree.root_only(), "f2": Tree.chain(1), "f3": Tree.chain(2), "f4": Tree.from_choices([[0], [0, 0], [1]])}
+    trees = {
+        "f1": Tree.root_only(),
+        "f2": Tree.chain(1),
+        "f3": Tree.chain(2),
+        "f4": Tree.from_choices([[0], [0, 0], [1]]),
+    }
     labels = list(trees)
     choice = Choice(static=2, conservative=1, aggressive=3, hull=[0, 1, 2, 3], pareto=[0, 1, 2, 3])
     sets = value_sets(trees, choice, labels)
@@ -365,30 +398,56 @@ def test_value_sets_are_also_offered_with_the_cheaper_t_minus():
     same = Choice(static=2, conservative=2, aggressive=3, hull=[0, 1, 2, 3], pareto=[0, 1, 2, 3])
     assert list(value_sets(trees, same, labels)) == ["value:3", "value:4", "value:3+4"]
     root = Choice(static=2, conservative=0, aggressive=2, hull=[0, 2], pareto=[0, 2])
-    assert value_sets(trees, root, labels) == {"value:3": [trees["f3"], fan(3)],
-                                                 "value:1+3": [trees["f1"], trees["f3"], fan(3)]}
+    assert value_sets(trees, root, labels) == {
+        "value:3": [trees["f3"], fan(3)],
+        "value:1+3": [trees["f1"], trees["f3"], fan(3)],
+    }
 
 
-@pytest.mark.parametrize("hyst,ladder,value,retrieval,held_out,policy", [
-    (1.03, 0.9, 1.0, 1.04, None, "static"), (1.08, 1.06, 1.07, 1.3, None, "hysteresis"),
-    (1.06, 1.2, 1.0, 1.06, 1.03, "ladder"), (1.06, 1.05, 1.1, 1.0, None, "value"),
-    (1.08, 1.06, 1.07, 1.3, 1.01, "static")])  # fmt: skip
+@pytest.mark.parametrize(
+    "hyst,ladder,value,retrieval,held_out,policy",
+    [
+        (1.03, 0.9, 1.0, 1.04, None, "static"),
+        (1.08, 1.06, 1.07, 1.3, None, "hysteresis"),
+        (1.06, 1.2, 1.0, 1.06, 1.03, "ladder"),
+        (1.06, 1.05, 1.1, 1.0, None, "value"),
+        (1.08, 1.06, 1.07, 1.3, 1.01, "static"),
+    ],
+)
 def test_default_policy_needs_a_clear_win_over_static(hyst, ladder, value, retrieval, held_out, policy):
     from entmtp_hf.tools.search.result import SearchResult
 
     choice = choose_trees([1, 2, 3], [10.0, 12.0, 11.0])
     timed = {lab: {"tree": Tree.chain(n - 1), "num_nodes": n} for lab, n in (("a", 1), ("b", 2), ("c", 3))}
-    result = SearchResult(task="t", settings={}, frontier=[], timed=timed, labels=["a", "b", "c"], choice=choice,
-                          vanilla_tokens_per_s=10.0, reference=None, elapsed={})  # fmt: skip
-    result.winners = {"hysteresis": {"label": "h", "feature": "chain_value", "values": [0.4], "vs_static": hyst,
-                                     "trees": [0, 2]},
-                      "ladder": {"label": "l", "feature": "base_top1", "values": [0.2, 0.6], "vs_static": ladder},
-                      "value": {"label": "v", "trees": [Tree.chain(2).choices, fan(3).choices], "costs": [1.0, 1.0],
-                                "vs_static": value},
-                      "retrieval": {"label": "static+retrieval-replace", "vs_static": retrieval,
-                                    "config": {"mode": "replace", "num_tokens": 2}}}  # fmt: skip
-    assert result.scheduler_candidate() == (None if max(hyst, ladder, value) < 1.05 else
-                                            {"hysteresis": "h", "ladder": "l", "value": "v"}.get(policy, "h"))
+    result = SearchResult(
+        task="t",
+        settings={},
+        frontier=[],
+        timed=timed,
+        labels=["a", "b", "c"],
+        choice=choice,
+        vanilla_tokens_per_s=10.0,
+        reference=None,
+        elapsed={},
+    )
+    result.winners = {
+        "hysteresis": {"label": "h", "feature": "chain_value", "values": [0.4], "vs_static": hyst, "trees": [0, 2]},
+        "ladder": {"label": "l", "feature": "base_top1", "values": [0.2, 0.6], "vs_static": ladder},
+        "value": {
+            "label": "v",
+            "trees": [Tree.chain(2).choices, fan(3).choices],
+            "costs": [1.0, 1.0],
+            "vs_static": value,
+        },
+        "retrieval": {
+            "label": "static+retrieval-replace",
+            "vs_static": retrieval,
+            "config": {"mode": "replace", "num_tokens": 2},
+        },
+    }
+    assert result.scheduler_candidate() == (
+        None if max(hyst, ladder, value) < 1.05 else {"hysteresis": "h", "ladder": "l", "value": "v"}.get(policy, "h")
+    )
     if held_out is not None:  # the sweep's winner measured again on prompts it was not picked on
         result.confirmation = {"label": result.scheduler_candidate(), "vs_static": held_out, "prompts": 8}
     d = result.scheduler_defaults()
@@ -412,28 +471,52 @@ def test_confirm_measures_the_candidate_on_prompts_the_sweep_did_not_use(setup, 
 
     cfg = small_config(num_prompts=3, timing_prompts=3, sweep_prompts=1)
     search = TreeSearch(model, heads, prompts, tmp_path, cfg, task="tiny", measure=record, progress=False)
-    runs = {"static": EntMTPConfig(tree=Tree.chain(1).choices), "cand": EntMTPConfig(tree=Tree.chain(2).choices),
-            "other": EntMTPConfig(tree=Tree.chain(3).choices)}  # fmt: skip
+    runs = {
+        "static": EntMTPConfig(tree=Tree.chain(1).choices),
+        "cand": EntMTPConfig(tree=Tree.chain(2).choices),
+        "other": EntMTPConfig(tree=Tree.chain(3).choices),
+    }
     out = search.confirm(runs, "cand")
     assert set(out) == {"static", "cand"} and set(out["cand"]) == {"1", "2"}  # prompt 0 was the sweep's
     assert all(p in (prompts[1], prompts[2]) for p in seen[-4:]) and "other" not in calls
     from entmtp_hf.tools.search.result import SearchResult
 
-    result = SearchResult(task="t", settings={}, frontier=[], timed={}, labels=[], choice=choose_trees([1], [1.0]),
-                          vanilla_tokens_per_s=1.0, reference=None, elapsed={})  # fmt: skip
+    result = SearchResult(
+        task="t",
+        settings={},
+        frontier=[],
+        timed={},
+        labels=[],
+        choice=choose_trees([1], [1.0]),
+        vanilla_tokens_per_s=1.0,
+        reference=None,
+        elapsed={},
+    )
     result.with_confirmation(out)
     assert result.confirmation["label"] == "cand" and result.confirmation["prompts"] == 2
     assert result.confirmation["measured_vs_static"] == pytest.approx(1.2)
     cfg = small_config(num_prompts=3, timing_prompts=3, sweep_prompts=3)  # nothing held out: nothing to confirm
-    assert TreeSearch(model, heads, prompts, tmp_path / "b", cfg, task="tiny", measure=record,
-                        progress=False).confirm(runs, "cand") == {}  # fmt: skip
+    assert (
+        TreeSearch(model, heads, prompts, tmp_path / "b", cfg, task="tiny", measure=record, progress=False).confirm(
+            runs, "cand"
+        )
+        == {}
+    )
 
 
 def test_checkpointed_runs_are_remeasured_when_their_label_gets_another_config(setup, tmp_path):
     model, heads, prompts, _, measure = setup
     calls: list[str] = []
-    search = TreeSearch(model, heads, prompts[:2], tmp_path, small_config(), task="tiny",
-                          measure=fake(measure, {}, calls), progress=False)  # fmt: skip
+    search = TreeSearch(
+        model,
+        heads,
+        prompts[:2],
+        tmp_path,
+        small_config(),
+        task="tiny",
+        measure=fake(measure, {}, calls),
+        progress=False,
+    )
     first = {"static": EntMTPConfig(tree=Tree.chain(1).choices), "other": EntMTPConfig(tree=Tree.chain(2).choices)}
     out, measured = search._interleaved("sweep", first, [0, 1], search.measure)
     assert measured and set(out) == {"static", "other"}
@@ -454,20 +537,30 @@ def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
     search = TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", progress=False)
     trees = {f"t{n}": Tree.chain(n) for n in (1, 2, 3)}
     runs = search.sweep_runs(trees, Choice(1, 0, 2, [0, 1, 2], [0, 1, 2]), list(trees))
-    taus = {f: sorted({float(lab.split(":")[2]) for lab in runs if lab.startswith(f"hysteresis:{f}:")})
-            for f in cfg.features}
+    taus = {
+        f: sorted({float(lab.split(":")[2]) for lab in runs if lab.startswith(f"hysteresis:{f}:")})
+        for f in cfg.features
+    }
     assert taus["head_confidence"] == [0.25, 0.5, 0.75]
     # hysteresis on accept_ema: 1 + t * depth of T- (floored at 1), reachable while T- runs
     for lo, hi in ((0, 1), (0, 2), (1, 2)):
-        got = sorted(float(lab.split(":")[2]) for lab in runs if lab.startswith("hysteresis:accept_ema:")
-                     and lab.endswith(f":{lo}-{hi}"))
+        got = sorted(
+            float(lab.split(":")[2])
+            for lab in runs
+            if lab.startswith("hysteresis:accept_ema:") and lab.endswith(f":{lo}-{hi}")
+        )
         d = max(trees[f"t{lo + 1}"].depth, 1)
         assert got == [1.0 + d * t for t in (0.25, 0.5, 0.75)] and max(got) <= trees[f"t{lo + 1}"].depth + 1
     assert max(t.depth for t in trees.values()) == DEPTH  # the ladder's deepest tree
     ladder = runs[f"ladder:accept_ema:{1 + DEPTH * 0.25:g},{1 + DEPTH * 0.5:g}"]
     plan = ladder.resolve(DEPTH)
-    assert plan.feature == "accept_ema" and tuple(plan.scheduler_args["thresholds"]) == (1 + DEPTH * 0.25, 1 + DEPTH * 0.5)
-    shallow = search.sweep_runs({"t1": Tree.chain(1), "t2": Tree.chain(2)}, Choice(1, 0, 1, [0, 1], [0, 1]), ["t1", "t2"])
+    assert plan.feature == "accept_ema" and tuple(plan.scheduler_args["thresholds"]) == (
+        1 + DEPTH * 0.25,
+        1 + DEPTH * 0.5,
+    )
+    shallow = search.sweep_runs(
+        {"t1": Tree.chain(1), "t2": Tree.chain(2)}, Choice(1, 0, 1, [0, 1], [0, 1]), ["t1", "t2"]
+    )
     assert not any(lab.startswith("ladder:") for lab in shallow)  # two trees: hysteresis covers it
     three = {f"t{n}": Tree.chain(n) for n in (1, 2)} | {"t2b": Tree.from_choices([[0], [1]])}
     runs = search.sweep_runs(three, Choice(1, 0, 2, [0, 1, 2], [0, 1, 2]), list(three))
@@ -480,8 +573,14 @@ def test_sweep_thresholds_are_in_each_features_units(setup, tmp_path):
 def test_modelled_speed_is_tokens_over_work_and_own_overhead():
     from entmtp_hf.tools.search.result import modelled_speed
 
-    run = {"seconds": 9.0, "new_tokens": 7, "accept_lengths": [2, 1, 3], "tree_sizes": [2, 2, 3],
-           "forward_seconds": 1.0, "decode_seconds": 1.1}  # fmt: skip
+    run = {
+        "seconds": 9.0,
+        "new_tokens": 7,
+        "accept_lengths": [2, 1, 3],
+        "tree_sizes": [2, 2, 3],
+        "forward_seconds": 1.0,
+        "decode_seconds": 1.1,
+    }
     costs = {1: 1.0, 2: 1.2, 3: 1.5}
     assert modelled_speed(run, costs) == pytest.approx(6 / ((1.2 + 1.2 + 1.5) * 1.1))
     assert modelled_speed({**run, "seconds": 90.0}, costs) == modelled_speed(run, costs)  # wall time plays no part
@@ -504,8 +603,17 @@ def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_pat
 
     wall = {"vanilla": 10.0, "frontier-1": 10.0, "frontier-2": 11.0, "frontier-4": 12.0, "frontier-8": 30.0}
     cfg = small_config(ranking="modelled", cost_repeats=3)
-    result = TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", measure=fake(measure, wall, []),
-                          forward_costs=costs, progress=False).run()  # fmt: skip
+    result = TreeSearch(
+        model,
+        heads,
+        prompts[:2],
+        tmp_path,
+        cfg,
+        task="tiny",
+        measure=fake(measure, wall, []),
+        forward_costs=costs,
+        progress=False,
+    ).run()
     # the timed trees' sizes and those plus up to 4 retrieved tokens (the sweep's retrieval runs)
     want_sizes = tuple(sorted({1, 2, 4, 8} | {n + k for n in (1, 2, 4, 8) for k in range(1, 5)}))
     assert asked == [(want_sizes, int(median([len(p) for p in prompts[:2]])) + 6, 3)]
@@ -520,7 +628,9 @@ def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_pat
     static = timed_sweep["static"]
     replayed = {lab for lab, v in result.sweep.items() if v.get("replayed")}
     # greedy rank tuples + forward costs: every hysteresis and ladder run is replayed, not timed
-    assert replayed == {lab for lab in result.sweep if lab.startswith(("hysteresis:", "ladder:"))} | {"static (replayed)"}
+    assert replayed == {lab for lab in result.sweep if lab.startswith(("hysteresis:", "ladder:"))} | {
+        "static (replayed)"
+    }
     assert len(replayed) >= 3 and not replayed & set(timed_sweep)
     for lab, v in result.sweep.items():  # the timed sweep's winners are ranked the same way
         if lab in replayed:
@@ -535,5 +645,14 @@ def test_modelled_ranking_ignores_wall_time_and_checkpoints_costs(setup, tmp_pat
     assert h["trees"] == [result.timed[lab]["num_nodes"] for lab in result.labels] and h["prompts"] == 2
     assert h["foresight_vs_static"] >= 1.0 and "Headroom:" in (tmp_path / "report.md").read_text()
     assert json.loads((tmp_path / "result.json").read_text())["headroom"] == h
-    TreeSearch(model, heads, prompts[:2], tmp_path, cfg, task="tiny", measure=fake(measure, wall, []),
-                 forward_costs=lambda *a, **k: pytest.fail("costs were measured again"), progress=False).run()  # fmt: skip
+    TreeSearch(
+        model,
+        heads,
+        prompts[:2],
+        tmp_path,
+        cfg,
+        task="tiny",
+        measure=fake(measure, wall, []),
+        forward_costs=lambda *a, **k: pytest.fail("costs were measured again"),
+        progress=False,
+    ).run()

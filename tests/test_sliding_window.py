@@ -8,17 +8,23 @@ counts cache slots, holes in the attention mask included, as transformers' masks
 
 import pytest
 import torch
+from test_generation import CHAIN, SAMPLING_TREE, chi_square_p, random_choices, sample_counts, target_joint
+from tiny import SLIDING_ARCHS, VOCAB
 from transformers import DynamicCache
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.decoding.attention import AttentionLayout, tree_inputs
-from entmtp_hf.decoding.cache import (PreallocatedLayer, additive_mask, preallocate, prompt_positions, sliding_layers,
-                                      slot_indices, trim_windows)
-from entmtp_hf.trees.tree import Tree
+from entmtp_hf.decoding.cache import (
+    PreallocatedLayer,
+    additive_mask,
+    preallocate,
+    prompt_positions,
+    sliding_layers,
+    slot_indices,
+    trim_windows,
+)
 from entmtp_hf.integration import enable_entmtp
-from entmtp_hf.trees.tree import MC_SIM_7B_63
-from test_generation import CHAIN, SAMPLING_TREE, chi_square_p, random_choices, sample_counts, target_joint
-from tiny import SLIDING_ARCHS, VOCAB
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 PAD = 0
 TREES = {"chain": CHAIN, "mc_sim": MC_SIM_7B_63, "random": random_choices(2)}
@@ -46,8 +52,13 @@ def test_greedy_identical_to_vanilla_past_the_window(tiny_cache, arch, tree):
     longest = 0
     for ids in long_prompts(max(window_of(model), 8)):
         ref = model.generate(ids, max_new_tokens=30, do_sample=False)
-        out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=TREES[tree]),
-                             return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(
+            ids,
+            max_new_tokens=30,
+            do_sample=False,
+            entmtp_config=EntMTPConfig(tree=TREES[tree]),
+            return_dict_in_generate=True,
+        )
         assert torch.equal(out.sequences, ref)
         longest = max(longest, max(out.entmtp_stats["accept_lengths"]))
     assert longest >= (2 if tree == "random" else 3), "the fitted heads should produce long accepted paths"
@@ -63,8 +74,14 @@ def test_a_left_padded_batch_past_the_window(tiny_cache, arch):
     for i, p in enumerate(singles):
         ids[i, width - p.shape[1] :], mask[i, width - p.shape[1] :] = p[0], 1
     for tree in TREES.values():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD,
-                             entmtp_config=EntMTPConfig(tree=tree))  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=30,
+            do_sample=False,
+            pad_token_id=PAD,
+            entmtp_config=EntMTPConfig(tree=tree),
+        )
         plain = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
         assert torch.equal(out, plain)
 
@@ -96,8 +113,14 @@ def test_sliding_layers_hold_what_plain_decoding_holds(tiny_cache, arch):
     window = window_of(model)
     ids = long_prompts(8)[0]
     watch = CacheWatch()
-    out = model.generate(ids, max_new_tokens=29, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
-                         return_dict_in_generate=True, entmtp_observers=[watch])  # fmt: skip
+    out = model.generate(
+        ids,
+        max_new_tokens=29,
+        do_sample=False,
+        entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
+        return_dict_in_generate=True,
+        entmtp_observers=[watch],
+    )
     # the last step may stop inside its path: its nodes past the end go when the cache is handed back
     assert len(watch.kept) > 2 and all(kept == [window - 1] * len(kept) for _, kept in watch.kept[:-1])
     plain = model.generate(ids, max_new_tokens=29, do_sample=False, return_dict_in_generate=True)
@@ -105,7 +128,9 @@ def test_sliding_layers_hold_what_plain_decoding_holds(tiny_cache, arch):
     for mine, theirs in zip(out.cache.layers, plain.cache.layers):
         assert type(mine) is type(theirs) or not theirs.is_sliding
         assert mine.get_seq_length() == theirs.get_seq_length() == out.sequences.shape[1] - 1
-        assert torch.allclose(mine.keys, theirs.keys, atol=1e-9) and torch.allclose(mine.values, theirs.values, atol=1e-9)
+        assert torch.allclose(mine.keys, theirs.keys, atol=1e-9) and torch.allclose(
+            mine.values, theirs.values, atol=1e-9
+        )
 
 
 def test_trim_windows_keeps_what_every_row_still_sees():
@@ -146,9 +171,16 @@ def test_the_sliding_mask_of_a_chain_is_transformers_own():
     node_index = node_pos + (length - torch.tensor(next_pos))[:, None]  # a node's slot in plain generate's cache
     mine = AttentionLayout(window=window).masks(full, node_index, slots, 0) == 0
     text = torch.cat([prompt, torch.ones(rows, n, dtype=torch.long)], dim=1).bool()
-    theirs = sdpa_mask(batch_size=rows, q_length=n, kv_length=length + n, q_offset=length,
-                       mask_function=sliding_window_causal_mask_function(window), attention_mask=text,
-                       local_size=window, allow_is_causal_skip=False)
+    theirs = sdpa_mask(
+        batch_size=rows,
+        q_length=n,
+        kv_length=length + n,
+        q_offset=length,
+        mask_function=sliding_window_causal_mask_function(window),
+        attention_mask=text,
+        local_size=window,
+        allow_is_causal_skip=False,
+    )
     assert torch.equal(mine, theirs)
     assert mine[1, 0, 0, 4:length].tolist() == [False, False, True, True]  # the holes take room in the window
 
@@ -201,8 +233,13 @@ def test_a_static_cache_past_the_window(tiny_cache, arch):
     model = enabled(tiny_cache, arch)
     for ids in long_prompts(max(window_of(model), 8))[:2]:
         for tree in (MC_SIM_7B_63, TREES["random"]):
-            out = model.generate(ids, max_new_tokens=30, do_sample=False, cache_implementation="static",
-                                 entmtp_config=EntMTPConfig(tree=tree))  # fmt: skip
+            out = model.generate(
+                ids,
+                max_new_tokens=30,
+                do_sample=False,
+                cache_implementation="static",
+                entmtp_config=EntMTPConfig(tree=tree),
+            )
             assert torch.equal(out, model.generate(ids, max_new_tokens=30, do_sample=False))
 
 

@@ -27,8 +27,18 @@ def test_greedy_entmtp_equals_generate_on_both_ranks_under_tensor_parallel(tmp_p
     model.save_pretrained(tmp_path / "model")
     heads.save_pretrained(tmp_path / "heads")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-           str(tmp_path / "model"), str(tmp_path / "heads"), str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(WORKER),
+        str(tmp_path / "model"),
+        str(tmp_path / "heads"),
+        str(tmp_path),
+    ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -37,10 +37,26 @@ def test_missing_extra_knows_the_optional_modules_only():
 
 
 def _empty_results(path) -> str:
-    settings = {"tasks": ["t"], "num_prompts": 1, "max_new_tokens": 4, "preset": "test", "mode": "greedy",
-                "methods": ["vanilla"], "seed": 123, "warmup_tokens": 4}  # fmt: skip
-    doc = {"format": "entmtp-bench", "format_version": 1, "settings": settings, "environment": {}, "context": {},
-           "skipped": {}, "prompts": {"t": []}, "records": []}  # fmt: skip
+    settings = {
+        "tasks": ["t"],
+        "num_prompts": 1,
+        "max_new_tokens": 4,
+        "preset": "test",
+        "mode": "greedy",
+        "methods": ["vanilla"],
+        "seed": 123,
+        "warmup_tokens": 4,
+    }
+    doc = {
+        "format": "entmtp-bench",
+        "format_version": 1,
+        "settings": settings,
+        "environment": {},
+        "context": {},
+        "skipped": {},
+        "prompts": {"t": []},
+        "records": [],
+    }
     path.write_text(json.dumps(doc))
     return str(path)
 

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from entmtp_hf.tools.cli import build_parser
 from entmtp_hf.heads import DraftHeads
 from entmtp_hf.heads.eagle import eagle3_feature_layers
+from entmtp_hf.tools.cli import build_parser
 from entmtp_hf.tools.training import (
     SPLIT_TRAIN,
     SPLIT_VAL,
@@ -41,8 +41,16 @@ V, H = 64, 32
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     m = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         m.get_output_embeddings().weight.mul_(6.0)  # sharp, position-dependent distributions
@@ -52,17 +60,37 @@ def model() -> LlamaForCausalLM:
 def make_cache(root, model, n: int = 14, seed: int = 0, feature_layers=()) -> TeacherCache:
     """Random sequences of 12-30 tokens; every fourth one held out; some with a prompt."""
     rng = np.random.default_rng(seed)
-    seqs = [TokenSeq("gsm8k", tuple(int(x) for x in rng.integers(0, V, rng.integers(12, 31))),
-                     start=int(3 * (k % 2)), split=SPLIT_VAL if k % 4 == 3 else SPLIT_TRAIN) for k in range(n)]
+    seqs = [
+        TokenSeq(
+            "gsm8k",
+            tuple(int(x) for x in rng.integers(0, V, rng.integers(12, 31))),
+            start=int(3 * (k % 2)),
+            split=SPLIT_VAL if k % 4 == 3 else SPLIT_TRAIN,
+        )
+        for k in range(n)
+    ]
     cache = TeacherCache.create(root, seqs, H, {"sources": {}}, feature_layers=feature_layers)
     extract_hidden(model, cache, batch_tokens=64, log=lambda m: None)
     return cache
 
 
 def config(tmp_path, **kw) -> TrainConfig:
-    args = dict(family="hydra", arch="mlp", num_heads=3, draft_vocab_size=48, work_dir=str(tmp_path),
-                batch_tokens=64, max_seq_len=32, epochs=4, lr=3e-2, warmup_steps=2, save_every=1000,
-                eval_every=0, tau_prompts=0, save_dtype="float32")
+    args = dict(
+        family="hydra",
+        arch="mlp",
+        num_heads=3,
+        draft_vocab_size=48,
+        work_dir=str(tmp_path),
+        batch_tokens=64,
+        max_seq_len=32,
+        epochs=4,
+        lr=3e-2,
+        warmup_steps=2,
+        save_every=1000,
+        eval_every=0,
+        tau_prompts=0,
+        save_dtype="float32",
+    )
     args.update(kw)
     return TrainConfig(**args)
 
@@ -131,14 +159,15 @@ def test_bfloat16_teacher_is_close_to_float32_and_resumes_in_its_precision(tmp_p
     ks = bf16.extraction_batches()[0][redo]
     for k in ks:
         o, n = bf16.seqs[k, :2]
-        assert np.allclose(np.asarray(bf16.hidden[o:o + n], np.float32), b[o:o + n], atol=1e-3)
+        assert np.allclose(np.asarray(bf16.hidden[o : o + n], np.float32), b[o : o + n], atol=1e-3)
 
 
 def test_a_grown_cache_copies_the_rows_it_shares_and_computes_the_rest(tmp_path, model):
     old = make_cache(tmp_path / "old" / "data", model, n=6)
     rng = np.random.default_rng(7)
-    shared = [TokenSeq("gsm8k", tuple(int(x) for x in old.ids(k)), int(old.seqs[k, 2]), int(old.seqs[k, 3]))
-              for k in range(6)]
+    shared = [
+        TokenSeq("gsm8k", tuple(int(x) for x in old.ids(k)), int(old.seqs[k, 2]), int(old.seqs[k, 3])) for k in range(6)
+    ]
     added = [TokenSeq("distill", tuple(int(x) for x in rng.integers(0, V, 20 + k))) for k in range(4)]
     seqs = added[:2] + shared + added[2:]  # another order than the old cache's
     grown = TeacherCache.create(tmp_path / "grown", seqs, H, {"sources": {}})
@@ -154,10 +183,11 @@ def test_a_grown_cache_copies_the_rows_it_shares_and_computes_the_rest(tmp_path,
         o, n = grown.seqs[k, :2]
         if 2 <= k < 8:  # copied bit for bit
             so, _ = old.seqs[k - 2, :2]
-            assert np.array_equal(grown.hidden[o:o + n], old.hidden[so:so + n])
-        assert np.allclose(np.asarray(grown.hidden[o:o + n], np.float32),
-                           np.asarray(fresh.hidden[o:o + n], np.float32), atol=1e-3)
-        assert np.array_equal(grown.greedy[o:o + n], fresh.greedy[o:o + n])
+            assert np.array_equal(grown.hidden[o : o + n], old.hidden[so : so + n])
+        assert np.allclose(
+            np.asarray(grown.hidden[o : o + n], np.float32), np.asarray(fresh.hidden[o : o + n], np.float32), atol=1e-3
+        )
+        assert np.array_equal(grown.greedy[o : o + n], fresh.greedy[o : o + n])
     # a resumed extraction keeps the copies and the layout
     extract_hidden(model, grown, batch_tokens=64, log=lambda m: None)
     assert sorted(grown.copied) == list(range(2, 8))
@@ -199,16 +229,23 @@ def test_a_cache_keeps_the_fused_states_a_drafter_reads(tmp_path, model):
     plain = make_cache(tmp_path / "plain", model, n=4)
     with pytest.raises(ValueError, match=f"{plain.root}.*reads? base hidden states \\[{layers[0]}"):
         plain.batch([0], layers)
-    grown = TeacherCache.create(tmp_path / "grown", [TokenSeq("gsm8k", tuple(int(x) for x in plain.ids(0)))], H,
-                                {"sources": {}}, feature_layers=layers)
+    grown = TeacherCache.create(
+        tmp_path / "grown",
+        [TokenSeq("gsm8k", tuple(int(x) for x in plain.ids(0)))],
+        H,
+        {"sources": {}},
+        feature_layers=layers,
+    )
     with pytest.raises(ValueError, match=f"{plain.root}: keeps hidden states \\[\\]"):
         extract_hidden(model, grown, batch_tokens=64, log=lambda m: None, reuse=plain)
     with pytest.raises(ValueError, match="distinct hidden-state indices"):
         TeacherCache.create(tmp_path / "bad", [], H, {}, feature_layers=[1, 1])
 
 
-@pytest.mark.parametrize("family,arch", [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp"), ("eagle", "eagle"),
-                                         ("eagle", "eagle3")])
+@pytest.mark.parametrize(
+    "family,arch",
+    [("hydra", "mlp"), ("hydra", "prefix-mlp"), ("medusa", "mlp"), ("eagle", "eagle"), ("eagle", "eagle3")],
+)
 def test_a_few_steps_reduce_the_loss(tmp_path, model, family, arch):
     layers = eagle3_feature_layers(model.config.num_hidden_layers) if arch == "eagle3" else ()
     cache = make_cache(tmp_path / "data", model, feature_layers=layers)
@@ -282,8 +319,9 @@ def test_the_data_sources_build(tmp_path, demo_copy):
     from entmtp_hf.tools.training import build_sequences
 
     tokenizer = AutoTokenizer.from_pretrained(demo_copy())
-    seqs, manifest = build_sequences(tokenizer, TrainConfig(sources=("gsm8k",), max_tokens=4000,
-                                                                        work_dir=str(tmp_path)), log=lambda m: None)
+    seqs, manifest = build_sequences(
+        tokenizer, TrainConfig(sources=("gsm8k",), max_tokens=4000, work_dir=str(tmp_path)), log=lambda m: None
+    )
     assert seqs and manifest["sources"]["gsm8k"]["train"]["tokens"] > 0
 
 
@@ -296,14 +334,16 @@ def test_init_from_continues_given_heads_and_keeps_their_vocabulary(tmp_path, mo
     cache = make_cache(tmp_path / "data", model)
     first = train_heads(config(tmp_path, run_name="a", epochs=1), model, cache=cache, measure=False)
     src = tmp_path / "a" / "final"
-    second = train_heads(config(tmp_path, run_name="b", epochs=1, lr=1e-3, init_from=str(src)), model,
-                         cache=cache, measure=False)
+    second = train_heads(
+        config(tmp_path, run_name="b", epochs=1, lr=1e-3, init_from=str(src)), model, cache=cache, measure=False
+    )
     assert second["loss_curve"][0] < first["loss_curve"][0]  # starts from the trained heads
     a, b = DraftHeads.from_pretrained(src), DraftHeads.from_pretrained(tmp_path / "b" / "final")
     assert torch.equal(a.draft_vocab, b.draft_vocab)
     with pytest.raises(ValueError, match="init-from"):
-        train_heads(config(tmp_path, run_name="c", family="medusa", init_from=str(src)), model, cache=cache,
-                    measure=False)
+        train_heads(
+            config(tmp_path, run_name="c", family="medusa", init_from=str(src)), model, cache=cache, measure=False
+        )
 
 
 def test_init_from_fewer_heads_extends_them_with_copies_of_the_last(tmp_path, model):
@@ -322,8 +362,12 @@ def test_init_from_fewer_heads_extends_them_with_copies_of_the_last(tmp_path, mo
     assert torch.equal(new[:, :H], last[:, :H]) and torch.equal(new[:, 3 * H :], last[:, H:])
     assert not new[:, H : 3 * H].any() and torch.equal(mine["mlps.4.0.linear.bias"], theirs["mlps.2.0.linear.bias"])
     # the extended heads train: a run from them finishes and keeps five heads
-    train_heads(config(tmp_path, run_name="b", max_steps=2, num_heads=5, arch="prefix-mlp", init_from=str(src)),
-                model, cache=cache, measure=False)
+    train_heads(
+        config(tmp_path, run_name="b", max_steps=2, num_heads=5, arch="prefix-mlp", init_from=str(src)),
+        model,
+        cache=cache,
+        measure=False,
+    )
     assert DraftHeads.from_pretrained(tmp_path / "b" / "final").num_heads == 5
     assert "Those were 3 heads; heads 3..4 started as copies" in (tmp_path / "b" / "final" / "README.md").read_text()
     with pytest.raises(ValueError, match="as many heads or fewer"):
@@ -335,8 +379,19 @@ def test_init_from_with_init_vocab_data_rechooses_the_vocabulary_and_keeps_the_w
     train_heads(config(tmp_path, run_name="a", epochs=1), model, cache=cache, measure=False)
     src = DraftHeads.from_pretrained(tmp_path / "a" / "final")
     other = make_cache(tmp_path / "other" / "data", model, n=20, seed=5)
-    train_heads(config(tmp_path / "other", run_name="b", max_steps=1, lr=0.0, init_from=str(tmp_path / "a" / "final"),
-                       init_vocab="data"), model, cache=other, measure=False)
+    train_heads(
+        config(
+            tmp_path / "other",
+            run_name="b",
+            max_steps=1,
+            lr=0.0,
+            init_from=str(tmp_path / "a" / "final"),
+            init_vocab="data",
+        ),
+        model,
+        cache=other,
+        measure=False,
+    )
     got = DraftHeads.from_pretrained(tmp_path / "other" / "b" / "final")
     want = draft_vocabulary(supervised_tokens(other, SPLIT_TRAIN), 48, V)
     assert torch.equal(got.draft_vocab, want) and not torch.equal(got.draft_vocab, src.draft_vocab)
@@ -352,22 +407,34 @@ def test_feature_layers_extend_an_eagle_drafter_at_zero_and_train(tmp_path, mode
     from entmtp_hf.tools.training.loop import init_heads_from, param_groups
 
     cache = make_cache(tmp_path / "data", model, feature_layers=[0, 1])
-    train_heads(config(tmp_path, run_name="a", epochs=1, family="eagle", arch="eagle"), model, cache=cache,
-                measure=False)
+    train_heads(
+        config(tmp_path, run_name="a", epochs=1, family="eagle", arch="eagle"), model, cache=cache, measure=False
+    )
     src = tmp_path / "a" / "final"
     given = DraftHeads.from_pretrained(src).float()
-    fused = config(tmp_path, run_name="b", epochs=2, family="eagle", arch="eagle", feature_layers=(0, 1),
-                   init_from=str(src), lr=1e-3, fuse_lr=3e-2)
+    fused = config(
+        tmp_path,
+        run_name="b",
+        epochs=2,
+        family="eagle",
+        arch="eagle",
+        feature_layers=(0, 1),
+        init_from=str(src),
+        lr=1e-3,
+        fuse_lr=3e-2,
+    )
     got = init_heads_from(fused, model)
     groups = param_groups(got, fused)
     assert [g["lr"] for g in groups] == [1e-3, 3e-2] and [id(p) for p in groups[1]["params"]] == [
-        id(p) for p in (got.fuse.weight, *got.fuse_norms.parameters())]
+        id(p) for p in (got.fuse.weight, *got.fuse_norms.parameters())
+    ]
     assert got.feature_layers == (0, 1, -1) and not got.fuse.weight.any()
     b = cache.batch([0, 1], got.feature_layers)
     embed, lm = model.get_input_embeddings(), model.get_output_embeddings()
     with torch.no_grad():
-        for x, y in zip(got.forward_train(b["features"], b["ids"], embed, lm),
-                        given.forward_train(b["hidden"], b["ids"], embed, lm)):
+        for x, y in zip(
+            got.forward_train(b["features"], b["ids"], embed, lm), given.forward_train(b["hidden"], b["ids"], embed, lm)
+        ):
             assert torch.allclose(x, y, atol=1e-6)
     summary = train_heads(fused, model, cache=cache, measure=False)
     trained = DraftHeads.from_pretrained(tmp_path / "b" / "final")
@@ -375,8 +442,11 @@ def test_feature_layers_extend_an_eagle_drafter_at_zero_and_train(tmp_path, mode
     assert "plus a projection of its states 0, 1" in (tmp_path / "b" / "final" / "README.md").read_text()
     assert summary["loss_curve"][-1] < summary["loss_curve"][0]
     with pytest.raises(ValueError, match="keeps the last one and no others"):  # a cache without those states
-        train_heads(config(tmp_path / "plain", run_name="c", max_steps=1, family="eagle", arch="eagle",
-                           feature_layers=(0, 1)), model, cache=make_cache(tmp_path / "plain" / "data", model),
-                    measure=False)
+        train_heads(
+            config(tmp_path / "plain", run_name="c", max_steps=1, family="eagle", arch="eagle", feature_layers=(0, 1)),
+            model,
+            cache=make_cache(tmp_path / "plain" / "data", model),
+            measure=False,
+        )
     with pytest.raises(ValueError, match="feature_layers fuse base states into an 'eagle' drafter"):
         config(tmp_path, arch="mlp", feature_layers=(0,))

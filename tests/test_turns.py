@@ -10,13 +10,13 @@ refused before any compute.
 
 import pytest
 import torch
+from test_generation import CHAIN
+from tiny import COMMON, VOCAB, tiny_model
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.trees.tree import MC_SIM_7B_63
-from test_generation import CHAIN
-from tiny import COMMON, VOCAB, tiny_model
 
 
 def enabled(tiny_cache, arch, family="hydra", head_arch="mlp"):
@@ -36,8 +36,9 @@ def chat(model, modes: list[str], tree=MC_SIM_7B_63, new_tokens: int = 15, cache
     for mode, turn in zip(modes, user_turns()):
         prompt = turn if text is None else torch.cat([text, turn], dim=-1)
         extra = {"entmtp_config": EntMTPConfig(tree=tree)} if mode == "entmtp" else {}
-        out = model.generate(prompt, cache=cache, max_new_tokens=new_tokens, do_sample=False,
-                             return_dict_in_generate=True, **extra)  # fmt: skip
+        out = model.generate(
+            prompt, cache=cache, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True, **extra
+        )
         assert out.cache is cache
         assert cache.get_seq_length() == out.sequences.shape[1] - 1
         text = out.sequences
@@ -73,8 +74,12 @@ def test_a_turn_stopped_inside_its_accepted_path_hands_back_its_text_only(tiny_c
     """max_new_tokens inside an accepted path: the cache drops the nodes past the returned text."""
     model = enabled(tiny_cache, "llama")
     for new_tokens in (1, 2, 3, 5):
-        assert all(torch.equal(a, b) for a, b in zip(chat(model, ["entmtp"] * 3, new_tokens=new_tokens),
-                                                     chat(model, ["plain"] * 3, new_tokens=new_tokens)))  # fmt: skip
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                chat(model, ["entmtp"] * 3, new_tokens=new_tokens), chat(model, ["plain"] * 3, new_tokens=new_tokens)
+            )
+        )
 
 
 def test_a_filled_cache_without_a_new_token_is_refused(tiny_cache):
@@ -82,8 +87,9 @@ def test_a_filled_cache_without_a_new_token_is_refused(tiny_cache):
     cache = DynamicCache(config=model.config)
     out = model.generate(user_turns()[0], cache=cache, max_new_tokens=4, do_sample=False)
     with pytest.raises(ValueError, match="at least one new token"):
-        model.generate(out[:, :-1], cache=cache, max_new_tokens=4, do_sample=False,
-                       entmtp_config=EntMTPConfig(tree=CHAIN))  # fmt: skip
+        model.generate(
+            out[:, :-1], cache=cache, max_new_tokens=4, do_sample=False, entmtp_config=EntMTPConfig(tree=CHAIN)
+        )
 
 
 def held(cache) -> list[tuple]:
@@ -120,8 +126,9 @@ def test_plain_generate_continues_entmtps_static_cache_with_sliding_layers(tiny_
     for seed in range(4):
         first, more = user_turns(seed, (10, 5))
         cache = StaticCache(config=model.config, max_cache_len=160)
-        out = model.generate(first, cache=cache, max_new_tokens=20, do_sample=False,
-                             entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63))  # fmt: skip
+        out = model.generate(
+            first, cache=cache, max_new_tokens=20, do_sample=False, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63)
+        )
         prompt = torch.cat([out, more], dim=-1)
         after = model.generate(prompt, cache=cache, max_new_tokens=15, do_sample=False)
         assert torch.equal(after, model.generate(prompt, max_new_tokens=15, do_sample=False, use_cache=False))
@@ -138,8 +145,16 @@ def batch_turns(model, modes: str, cache, eos) -> list[torch.Tensor]:
     texts = []
     for mode in modes:
         extra = {"entmtp_config": EntMTPConfig(tree=MC_SIM_7B_63)} if mode == "e" else {}
-        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                             eos_token_id=eos, **extra)  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=eos,
+            **extra,
+        )
         if mode == "e":
             assert cache.get_seq_length() == 0  # handed back empty: the next turn prefills it all
         texts.append(out)
@@ -158,8 +173,11 @@ def test_the_turn_after_a_batch_call_equals_plain_generate(tiny_cache, arch, kin
     model = enabled(tiny_cache, arch)
 
     def new_cache():
-        return DynamicCache(config=model.config) if kind == "dynamic" else StaticCache(config=model.config,
-                                                                                        max_cache_len=200)
+        return (
+            DynamicCache(config=model.config)
+            if kind == "dynamic"
+            else StaticCache(config=model.config, max_cache_len=200)
+        )
 
     plain = batch_turns(model, "ppp", new_cache(), eos)
     for modes in ("eee", "epe", "pep"):
@@ -192,20 +210,31 @@ def test_a_cache_of_another_model_or_batch_is_refused_before_any_forward(tiny_ca
     cases = {
         "3 layers": (DynamicCache(config=three), "3 layers and the model 2"),
         "3 static layers": (StaticCache(config=three, max_cache_len=64), "3 layers and the model 2"),
-        "sliding layers": (StaticCache(config=tiny_model("mistral-sliding").config, max_cache_len=64),
-                           "sliding-window layer where the model's layer has full attention"),
-        "wider heads": (filled_by(LlamaConfig(**{**COMMON, "num_key_value_heads": 4})),
-                        "4 key/value heads of size 8; the model's have 2 of size 8"),
-        "float32": (filled_by(LlamaConfig(**COMMON), dtype=torch.float32),
-                    "torch.float32 keys and the model computes in torch.float64"),
+        "sliding layers": (
+            StaticCache(config=tiny_model("mistral-sliding").config, max_cache_len=64),
+            "sliding-window layer where the model's layer has full attention",
+        ),
+        "wider heads": (
+            filled_by(LlamaConfig(**{**COMMON, "num_key_value_heads": 4})),
+            "4 key/value heads of size 8; the model's have 2 of size 8",
+        ),
+        "float32": (
+            filled_by(LlamaConfig(**COMMON), dtype=torch.float32),
+            "torch.float32 keys and the model computes in torch.float64",
+        ),
         "2 rows": (filled_by(LlamaConfig(**COMMON), rows=2), "holds 2 rows and the call decodes 1"),
         "too small": (StaticCache(config=model.config, max_cache_len=20), "max_cache_len=26"),
     }
     forwards = Forwards(model)
     for name, (cache, message) in cases.items():
         with pytest.raises(ValueError, match=message):
-            model.generate(torch.arange(3, 10)[None], cache=cache, max_new_tokens=20, do_sample=False,
-                           entmtp_config=EntMTPConfig(tree=CHAIN))  # fmt: skip
+            model.generate(
+                torch.arange(3, 10)[None],
+                cache=cache,
+                max_new_tokens=20,
+                do_sample=False,
+                entmtp_config=EntMTPConfig(tree=CHAIN),
+            )
         assert forwards.count == 0, name
     forwards.handle.remove()
 
@@ -231,11 +260,13 @@ def test_a_left_padded_batch_continues_from_plain_generates_cache(tiny_cache):
 
     def second_turn(**extra):
         cache = DynamicCache(config=model.config)
-        first = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=10, do_sample=False,
-                               pad_token_id=0)  # fmt: skip
+        first = model.generate(
+            ids, attention_mask=mask, cache=cache, max_new_tokens=10, do_sample=False, pad_token_id=0
+        )
         prompt = torch.cat([first, more], dim=-1)
         full = torch.cat([mask, torch.ones(2, prompt.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=-1)
-        return model.generate(prompt, attention_mask=full, cache=cache, max_new_tokens=12,
-                              do_sample=False, pad_token_id=0, **extra)  # fmt: skip
+        return model.generate(
+            prompt, attention_mask=full, cache=cache, max_new_tokens=12, do_sample=False, pad_token_id=0, **extra
+        )
 
     assert torch.equal(second_turn(entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63)), second_turn())

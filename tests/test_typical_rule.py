@@ -13,15 +13,16 @@ import math
 
 import pytest
 import torch
+from test_generation import enabled, prompts, random_choices
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.decoding.acceptance import reference_typical_flags, typical_accept_flags, typical_best_path
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
-from test_generation import enabled, prompts, random_choices
 
 
-def published_typical(logits: list[list[float]], tokens: list[int], rows: list[list[int]], temperature: float,
-                      eps: float, alpha: float) -> list[int]:
+def published_typical(
+    logits: list[list[float]], tokens: list[int], rows: list[list[int]], temperature: float, eps: float, alpha: float
+) -> list[int]:
     """The published rule, node by node: the accepted path (node indices, root first)."""
 
     def posterior(node: int) -> list[float]:
@@ -48,15 +49,19 @@ def published_typical(logits: list[list[float]], tokens: list[int], rows: list[l
     return best
 
 
-def reference_path(logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature: float, eps: float,
-                   alpha: float) -> list[int]:
+def reference_path(
+    logits: torch.Tensor, tokens: torch.Tensor, tree: Tree, temperature: float, eps: float, alpha: float
+) -> list[int]:
     b = tree.buffers()
     passed, logp = reference_typical_flags(logits, tokens, b.parents, temperature, eps, alpha)
     return typical_best_path(passed, logp, b.retrieve_indices)
 
 
-TREES = {"mc_sim_7b_63": Tree.from_choices(MC_SIM_7B_63), "random": Tree.from_choices(random_choices(3)),
-         "chain": Tree.chain(4)}  # fmt: skip
+TREES = {
+    "mc_sim_7b_63": Tree.from_choices(MC_SIM_7B_63),
+    "random": Tree.from_choices(random_choices(3)),
+    "chain": Tree.chain(4),
+}
 
 
 @pytest.mark.parametrize("name", sorted(TREES))
@@ -79,8 +84,11 @@ def test_exact_ties_go_to_the_first_path_like_the_published_code():
     logits[:, 2:] = 3.0  # tokens 2 and 3 equally likely everywhere
     tokens = torch.tensor([0, 2, 3, 3, 2])
     rows = tree.buffers().retrieve_indices.tolist()
-    assert reference_path(logits, tokens, tree, 1.0, 0.09, 0.3) == published_typical(
-        logits.tolist(), tokens.tolist(), rows, 1.0, 0.09, 0.3) == [0, 1, 3]  # fmt: skip
+    assert (
+        reference_path(logits, tokens, tree, 1.0, 0.09, 0.3)
+        == published_typical(logits.tolist(), tokens.tolist(), rows, 1.0, 0.09, 0.3)
+        == [0, 1, 3]
+    )
 
 
 def test_the_entropy_offset_changes_borderline_decisions():
@@ -112,8 +120,9 @@ def test_typical_decoding_runs_with_either_rule(tiny_cache, rule):
     argmax_roots, all_roots, multi = 0, 0, 0
     for i, ids in enumerate(prompts(3, seed=5)):
         torch.manual_seed(i)
-        out = model.generate(ids, max_new_tokens=30, do_sample=True, temperature=0.7, entmtp_config=config,
-                             return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(
+            ids, max_new_tokens=30, do_sample=True, temperature=0.7, entmtp_config=config, return_dict_in_generate=True
+        )
         seq, lengths = out.sequences[0], out.entmtp_stats["accept_lengths"]
         assert seq.shape[0] == ids.shape[1] + 30
         multi += sum(n > 1 for n in lengths)

@@ -33,8 +33,23 @@ def test_number_accepts_finite_reals_as_floats():
     assert number(0.0, "x", low=0.0) == 0.0 and number(1.0, "x", high=1.0) == 1.0
 
 
-@pytest.mark.parametrize("value", [True, False, "1", None, [1.0], math.nan, math.inf, -math.inf, 10**400,
-                                   torch.tensor(1.0), torch.tensor([1.0, 2.0]), np.array([1.0])])  # fmt: skip
+@pytest.mark.parametrize(
+    "value",
+    [
+        True,
+        False,
+        "1",
+        None,
+        [1.0],
+        math.nan,
+        math.inf,
+        -math.inf,
+        10**400,
+        torch.tensor(1.0),
+        torch.tensor([1.0, 2.0]),
+        np.array([1.0]),
+    ],
+)
 def test_number_refuses_what_is_not_a_finite_real(value):
     with pytest.raises(ConfigError, match=r"^x: must be a finite number, got") as err:
         number(value, "x")

@@ -4,10 +4,8 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig
-
-from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 from test_generation import chi_square_p
+from transformers import DynamicCache, LlamaConfig
 
 from entmtp_hf.decoding.acceptance import (
     check_pick,
@@ -18,6 +16,7 @@ from entmtp_hf.decoding.acceptance import (
 )
 from entmtp_hf.decoding.attention import tree_attention_mask
 from entmtp_hf.decoding.cache import GROWTH_STEP, PreallocatedLayer, keep_accepted, preallocate
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 
 def test_walk_tree_greedy():
@@ -133,11 +132,13 @@ def test_keep_accepted_moves_path_to_front():
 
 
 def test_sample_tokens_draws_each_row_from_its_distribution():
-    probs = torch.tensor([
-        [0.5, 0.0, 0.25, 0.125, 0.0, 0.125],  # zeros inside and at both ends
-        [0.0, 0.0, 0.0, 0.0, 0.0, 3.0],  # unnormalised, one token
-        [1e-3, 2e-3, 0.0, 4e-3, 5e-3, 0.0],  # small total
-    ])
+    probs = torch.tensor(
+        [
+            [0.5, 0.0, 0.25, 0.125, 0.0, 0.125],  # zeros inside and at both ends
+            [0.0, 0.0, 0.0, 0.0, 0.0, 3.0],  # unnormalised, one token
+            [1e-3, 2e-3, 0.0, 4e-3, 5e-3, 0.0],  # small total
+        ]
+    )
     n = 20000
     g = torch.Generator().manual_seed(0)
     draws = sample_tokens(probs[:, None, :].expand(-1, n, -1).reshape(-1, 6), g).view(3, n)

@@ -72,8 +72,11 @@ def test_the_wheel_installs_and_decodes_away_from_the_checkout(tmp_path, demo_co
     assert "banks/smollm2-135m-cpu/gsm8k.safetensors" in packaged
     assert "demo/assets/smollm2-135m-hydra/model.safetensors" in packaged
     assert "tools/metrics/perplexity/perplexity.py" in packaged
-    assert {"tools/data/sets/gsm8k/test.jsonl", "tools/data/sets/gsm8k/LICENSE",
-            "tools/data/sets/spec_bench/question.jsonl"} <= packaged
+    assert {
+        "tools/data/sets/gsm8k/test.jsonl",
+        "tools/data/sets/gsm8k/LICENSE",
+        "tools/data/sets/spec_bench/question.jsonl",
+    } <= packaged
 
     third_party = sysconfig.get_paths()["purelib"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), third_party])}

@@ -19,11 +19,47 @@ from entmtp_hf.tools import build_drafter as bd
 from entmtp_hf.tools.cli import main
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:?$\n"
-TINY_ARGS = ["--tasks", "gsm8k", "--data-sources", "math", "--data-prompts", "8", "--data-new-tokens", "24",
-             "--data-batch-size", "8", "--depth", "3", "--draft-vocab-size", "32", "--train-tokens", "6000",
-             "--train-steps", "6", "--batch-tokens", "512", "--warmup-steps", "2", "--tau-prompts", "0",
-             "--search-prompts", "2", "--timing-prompts", "1", "--search-new-tokens", "16", "--timed-sizes", "1,2,3",
-             "--nodes", "8", "--cost-repeats", "2", "--threads", "1", "--no-progress"]  # fmt: skip
+TINY_ARGS = [
+    "--tasks",
+    "gsm8k",
+    "--data-sources",
+    "math",
+    "--data-prompts",
+    "8",
+    "--data-new-tokens",
+    "24",
+    "--data-batch-size",
+    "8",
+    "--depth",
+    "3",
+    "--draft-vocab-size",
+    "32",
+    "--train-tokens",
+    "6000",
+    "--train-steps",
+    "6",
+    "--batch-tokens",
+    "512",
+    "--warmup-steps",
+    "2",
+    "--tau-prompts",
+    "0",
+    "--search-prompts",
+    "2",
+    "--timing-prompts",
+    "1",
+    "--search-new-tokens",
+    "16",
+    "--timed-sizes",
+    "1,2,3",
+    "--nodes",
+    "8",
+    "--cost-repeats",
+    "2",
+    "--threads",
+    "1",
+    "--no-progress",
+]
 
 
 def char_tokenizer():
@@ -35,8 +71,9 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                   unk_token="<unk>")  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +83,18 @@ def tiny_base(tmp_path_factory) -> Path:
 
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         pad_token_id=0, bos_token_id=2, eos_token_id=None)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=None,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(4.0)  # not flat: greedy runs with some structure
@@ -64,8 +110,16 @@ def built(tiny_base, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("build")
     mp = pytest.MonkeyPatch()
     mp.setenv("ENTMTP_HF_CACHE", str(root / "cache"))  # the step-cost tables stay out of the user's cache
-    argv = ["build-drafter", "--model", str(tiny_base), "--work-dir", str(root / "work"), "--out", str(root / "out"),
-            *TINY_ARGS]  # fmt: skip
+    argv = [
+        "build-drafter",
+        "--model",
+        str(tiny_base),
+        "--work-dir",
+        str(root / "work"),
+        "--out",
+        str(root / "out"),
+        *TINY_ARGS,
+    ]
     try:
         first = main(argv)
         state = json.loads((root / "work" / bd.STATE_NAME).read_text())
@@ -161,8 +215,18 @@ def test_changed_arguments_of_a_finished_stage_are_refused_until_redone(built, c
 
 def test_a_budget_stops_a_stage_at_a_checkpoint_and_the_next_call_resumes(tiny_base, tmp_path, monkeypatch):
     monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path / "cache"))
-    argv = ["build-drafter", "--model", str(tiny_base), "--work-dir", str(tmp_path / "work"),
-            "--out", str(tmp_path / "out"), *TINY_ARGS, "--data-batch-size", "2"]  # fmt: skip
+    argv = [
+        "build-drafter",
+        "--model",
+        str(tiny_base),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--out",
+        str(tmp_path / "out"),
+        *TINY_ARGS,
+        "--data-batch-size",
+        "2",
+    ]
     # 0.06 s: the data stage's share runs out while the model loads, so it stops after its first batch
     assert main([*argv, "--budget-minutes", "0.001"]) == bd.EXIT_UNFINISHED
     state = json.loads((tmp_path / "work" / bd.STATE_NAME).read_text())
@@ -256,8 +320,9 @@ def test_push_to_hub_sends_the_heads_and_every_bank(built, monkeypatch):
 def test_drafters_with_a_decoder_layer_fit_gemma_3(family, arch):
     """Gemma 3's text config names its classes without "Text", its rotary embedding takes a layer
     type and its MLP a hidden_activation: the drafter a base Gemma 3 gets, lossless."""
-    from entmtp_hf import MC_SIM_7B_63
     from tiny import VOCAB, fitted_heads, tiny_model
+
+    from entmtp_hf import MC_SIM_7B_63
 
     model = tiny_model("gemma3", seed=1)
     enable_entmtp(model, fitted_heads(model, family, arch, steps=20))

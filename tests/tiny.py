@@ -50,13 +50,32 @@ ARCHS = {
 #: types, soft-capping, and a window shorter than the trees' depth
 SLIDING_ARCHS = {
     "mistral-sliding": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
-    "qwen2-sliding": (Qwen2Config, Qwen2ForCausalLM,
-                      {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "num_hidden_layers": 3}),
-    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {"head_dim": 8, "sliding_window": 8, "num_hidden_layers": 3,
-                                                 "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
-    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 8, "sliding_window": 8, "num_hidden_layers": 3,
-                                                     "layer_types": ["sliding_attention", "sliding_attention",
-                                                                     "full_attention"]}),
+    "qwen2-sliding": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "num_hidden_layers": 3},
+    ),
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        {
+            "head_dim": 8,
+            "sliding_window": 8,
+            "num_hidden_layers": 3,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {
+            "head_dim": 8,
+            "sliding_window": 8,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        },
+    ),
     "phi3-sliding": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 8}),
     "mistral-window-3": (MistralConfig, MistralForCausalLM, {"sliding_window": 3}),
 }
@@ -76,15 +95,25 @@ def tiny_model(arch: str = "llama", seed: int = 0, sharpen: float = 4.0):
     return model
 
 
-def fitted_heads(model, family: str = "hydra", arch: str = "mlp", num_heads: int = 4, steps: int = 60, seed: int = 0,
-                 use_base_lm_head: bool = False):
+def fitted_heads(
+    model,
+    family: str = "hydra",
+    arch: str = "mlp",
+    num_heads: int = 4,
+    steps: int = 60,
+    seed: int = 0,
+    use_base_lm_head: bool = False,
+):
     """Heads fitted briefly to the model's greedy continuations of random prompts. ``arch``
     "eagle+fuse": an EAGLE-1 drafter fusing the embeddings' and the first layer's states too."""
     torch.manual_seed(seed)
     layers = [0, 1, -1] if arch == "eagle+fuse" else None
     arch = "eagle" if layers else arch
-    heads = HEADS_REGISTRY[family].for_model(model, num_heads=num_heads, arch=arch, feature_layers=layers,
-                                             use_base_lm_head=use_base_lm_head).double()
+    heads = (
+        HEADS_REGISTRY[family]
+        .for_model(model, num_heads=num_heads, arch=arch, feature_layers=layers, use_base_lm_head=use_base_lm_head)
+        .double()
+    )
     if layers:  # a zero projection would hide a wrong fusion: start it random
         torch.nn.init.normal_(heads.fuse.weight, std=0.1)
     g = torch.Generator().manual_seed(seed)
@@ -98,7 +127,9 @@ def fitted_heads(model, family: str = "hydra", arch: str = "mlp", num_heads: int
     for _ in range(steps):
         logits = heads.forward_train(hidden, seqs, embed, lm_head)
         loss = sum(
-            torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets[:, i + 1 : i + 1 + lg.shape[1]].reshape(-1))
+            torch.nn.functional.cross_entropy(
+                lg.reshape(-1, lg.shape[-1]), targets[:, i + 1 : i + 1 + lg.shape[1]].reshape(-1)
+            )
             for i, lg in enumerate(logits)
         )
         opt.zero_grad()

@@ -30,16 +30,29 @@ def main(model_dir: str, heads_dir: str, out_dir: str) -> None:
     enable_entmtp(model, heads_dir)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.config.vocab_size, (1, 3 + i), generator=g) for i in range(3)]
-    report = {"sharded_q_proj": isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor),
-              "sharded_lm_head": isinstance(model.lm_head.weight, DTensor), "runs": []}  # fmt: skip
+    report = {
+        "sharded_q_proj": isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor),
+        "sharded_lm_head": isinstance(model.lm_head.weight, DTensor),
+        "runs": [],
+    }
     for name, tree in (("chain", CHAIN), ("mc_sim_7b_63", MC_SIM_7B_63)):
         for ids in prompts:
             ref = model.generate(ids, max_new_tokens=30, do_sample=False)
-            out = model.generate(ids, max_new_tokens=30, do_sample=False, entmtp_config=EntMTPConfig(tree=tree),
-                                 return_dict_in_generate=True)  # fmt: skip
-            report["runs"].append({"tree": name, "equal": bool(torch.equal(out.sequences, ref)),
-                                   "tokens": out.sequences[0].tolist(),
-                                   "longest_accept": max(out.entmtp_stats["accept_lengths"])})  # fmt: skip
+            out = model.generate(
+                ids,
+                max_new_tokens=30,
+                do_sample=False,
+                entmtp_config=EntMTPConfig(tree=tree),
+                return_dict_in_generate=True,
+            )
+            report["runs"].append(
+                {
+                    "tree": name,
+                    "equal": bool(torch.equal(out.sequences, ref)),
+                    "tokens": out.sequences[0].tolist(),
+                    "longest_accept": max(out.entmtp_stats["accept_lengths"]),
+                }
+            )
     rank = int(os.environ["RANK"])
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
 

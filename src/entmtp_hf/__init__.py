@@ -19,12 +19,12 @@ from .cpu_kernels import CPUKernels
 from .decoding.loop import EntMTPGenerateOutput
 from .decoding.stats import PhaseTimer
 from .drafting.candidates import EntMTPCandidateGenerator
-from .trees.retrieval import RetrievalConfig
 from .errors import ConfigError, EntMTPError, FileFormatError
 from .heads import DraftHeads, HydraHeads, MedusaHeads, load_heads
 from .integration import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
 from .scheduling.eas import EASConfig
 from .trees.bank import TopologyBank
+from .trees.retrieval import RetrievalConfig
 from .trees.tree import MC_SIM_7B_63, Tree
 
 __version__ = "0.2.0"

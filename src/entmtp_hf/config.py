@@ -13,14 +13,14 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-from .trees.retrieval import RetrievalConfig
+from .costs.table import CostTable
 from .errors import ConfigError
 from .scheduling.eas import EASConfig
 from .scheduling.features import FEATURES, MAX_FEATURE_WINDOW, feature_top
 from .scheduling.policies import NEEDS_ENTROPIES, SOURCES, default_policy, get_policy
 from .trees.bank import TopologyBank, check_task_name
-from .costs.table import CostTable
 from .trees.plan import DecodePlan, build_plan
+from .trees.retrieval import RetrievalConfig
 from .trees.tree import Tree
 from .validation import brief_repr, choice, integer, number, numbers_in, sequence, taus, thresholds
 
@@ -139,12 +139,14 @@ class EntMTPConfig:
     def _check_sources(self) -> None:
         given = [name for name in ("bank", "tree", "trees") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ConfigError("EntMTPConfig", f"needs exactly one of `bank` (with `task`), `tree` or `trees`; "
-                              f"got {given or 'none'}")  # fmt: skip
+            raise ConfigError(
+                "EntMTPConfig", f"needs exactly one of `bank` (with `task`), `tree` or `trees`; got {given or 'none'}"
+            )
         if self.bank is not None:
             if not isinstance(self.bank, (str, os.PathLike, TopologyBank)):
-                raise ConfigError(_name("bank"), f"must be a TopologyBank, a folder or a Hub repo id, got "
-                                  f"{type(self.bank).__name__}")  # fmt: skip
+                raise ConfigError(
+                    _name("bank"), f"must be a TopologyBank, a folder or a Hub repo id, got {type(self.bank).__name__}"
+                )
             if not self.task:
                 raise ConfigError(_name("task"), "a bank also needs `task=` (e.g. task='gsm8k')")
             try:
@@ -167,11 +169,17 @@ class EntMTPConfig:
         if self.guard is not True:
             return
         if self.bank is not None and self.adapt is False:
-            raise ConfigError(_name("guard"), "True prices trees with this machine's measured step costs, which "
-                              "adapt=False leaves out: drop adapt=False")  # fmt: skip
+            raise ConfigError(
+                _name("guard"),
+                "True prices trees with this machine's measured step costs, which "
+                "adapt=False leaves out: drop adapt=False",
+            )
         if self.bank is None and self.costs is None:
-            raise ConfigError(_name("guard"), "True needs each tree's step cost relative to one token: pass `trees=` "
-                              "with `costs=` (or a bank, priced by this machine's measured costs)")  # fmt: skip
+            raise ConfigError(
+                _name("guard"),
+                "True needs each tree's step cost relative to one token: pass `trees=` "
+                "with `costs=` (or a bank, priced by this machine's measured costs)",
+            )
 
     def _check_schedule(self) -> None:
         self.tau_on, self.tau_off = taus(self.tau_on, self.tau_off, low=0.0, prefix="EntMTPConfig.")
@@ -201,13 +209,17 @@ class EntMTPConfig:
 
     def _check_acceptance(self) -> None:
         choice(self.acceptance, _name("acceptance"), ACCEPTANCE_RULES)
-        self.posterior_threshold = number(self.posterior_threshold, _name("posterior_threshold"), low=0.0, high=1.0,
-                                          low_open=True)  # fmt: skip
+        self.posterior_threshold = number(
+            self.posterior_threshold, _name("posterior_threshold"), low=0.0, high=1.0, low_open=True
+        )
         self.posterior_alpha = number(self.posterior_alpha, _name("posterior_alpha"), low=0.0, low_open=True)
         choice(self.typical_rule, _name("typical_rule"), TYPICAL_RULES)
         if self.typical_rule == "reference" and self.acceptance != "typical":
-            raise ConfigError(_name("typical_rule"), f"'reference' is a typical-acceptance rule: it needs "
-                              f"acceptance='typical', got acceptance={self.acceptance!r}")  # fmt: skip
+            raise ConfigError(
+                _name("typical_rule"),
+                f"'reference' is a typical-acceptance rule: it needs "
+                f"acceptance='typical', got acceptance={self.acceptance!r}",
+            )
 
     def _check_policy_fits(self) -> None:
         """The trees given suit the policy (as registered: where it takes its trees from, how many)."""
@@ -222,8 +234,9 @@ class EntMTPConfig:
             given = " or ".join(f"`{s}=`" if s != "bank" else "a `bank`" for s in spec.sources)
             raise ConfigError(_name("policy"), f"the {spec.name} policy {spec.what}: pass {given}")
         if num_trees is not None and num_trees < spec.min_trees:
-            raise ConfigError(_name("policy"), f"the {spec.name} policy {spec.what}: `trees` needs at least "
-                              f"{spec.min_trees} trees")  # fmt: skip
+            raise ConfigError(
+                _name("policy"), f"the {spec.name} policy {spec.what}: `trees` needs at least {spec.min_trees} trees"
+            )
         if self.thresholds is not None and num_trees is not None and "thresholds" in spec.arguments:
             thresholds(self.thresholds, _name("thresholds"), count=num_trees - 1)
 

@@ -115,8 +115,14 @@ def _works(layout: str, weight: torch.Tensor) -> bool:
 def _linears(modules: Iterable[torch.nn.Module], exclude: torch.nn.Module | None = None) -> list[torch.nn.Linear]:
     """The plain CPU float ``nn.Linear`` layers oneDNN may take, with no instance-level ``forward``
     of anyone else's (accelerate's offloading hooks, for instance, install one)."""
-    return [m for m in modules if type(m) is torch.nn.Linear and m is not exclude and _onednn_takes(m.weight)
-            and isinstance(vars(m).get("forward"), (type(None), _Dispatch))]  # fmt: skip
+    return [
+        m
+        for m in modules
+        if type(m) is torch.nn.Linear
+        and m is not exclude
+        and _onednn_takes(m.weight)
+        and isinstance(vars(m).get("forward"), (type(None), _Dispatch))
+    ]
 
 
 def _pack(weight: torch.Tensor, rows: int = 4) -> torch.Tensor:
@@ -327,8 +333,9 @@ class CPUKernels:
     :attr:`reason` says why).
     """
 
-    def __init__(self, model, heads=None, *, rows: Sequence[int] = DEFAULT_ROWS, pack: bool | str = "auto",
-                 repeats: int = 3) -> None:
+    def __init__(
+        self, model, heads=None, *, rows: Sequence[int] = DEFAULT_ROWS, pack: bool | str = "auto", repeats: int = 3
+    ) -> None:
         if pack not in PACK_CHOICES:
             raise ValueError(f"pack must be one of {PACK_CHOICES}, got {pack!r}")
         rows = sorted(set(rows))
@@ -410,8 +417,10 @@ class CPUKernels:
             return {}
         size, free = sum(m.weight.numel() * m.weight.element_size() for m in layers), _available_bytes()
         if pack == "auto" and free is not None and size > PACK_MEMORY_SHARE * free:
-            self.pack_note = (f"not packed: copies of {size / 2**30:.1f} GiB would take over {PACK_MEMORY_SHARE:.0%} "
-                              "of the free memory")  # fmt: skip
+            self.pack_note = (
+                f"not packed: copies of {size / 2**30:.1f} GiB would take over {PACK_MEMORY_SHARE:.0%} "
+                "of the free memory"
+            )
             return {}
         try:
             return {id(m.weight): _pack(m.weight) for m in layers}
@@ -419,12 +428,16 @@ class CPUKernels:
             self.pack_note = f"not packed: {e}".splitlines()[0]
             return {}
 
-    def _decoder_pass(self, layers: list[torch.nn.Linear], packed: dict[int, torch.Tensor],
-                      rows: int) -> Callable[[str], None]:  # fmt: skip
+    def _decoder_pass(
+        self, layers: list[torch.nn.Linear], packed: dict[int, torch.Tensor], rows: int
+    ) -> Callable[[str], None]:
         """One pass of ``rows`` rows over every decoder weight, as a forward reads them."""
         g = torch.Generator().manual_seed(rows)
-        inputs = {n: torch.randn(rows, n, generator=g).to(layers[0].weight.dtype)
-                  for n in {m.in_features for m in layers}} if layers else {}  # fmt: skip
+        inputs = (
+            {n: torch.randn(rows, n, generator=g).to(layers[0].weight.dtype) for n in {m.in_features for m in layers}}
+            if layers
+            else {}
+        )
 
         def run(kernel: str) -> None:
             for m in layers:
@@ -488,8 +501,10 @@ class CPUKernels:
         if not self.active:
             return f"off ({self.reason})"
         note = f" ({self.pack_note})" if self.pack_note else ""
-        return (f"decoder {_runs(self.decoder)}{note}; LM head {_runs(self.lm_head)}; drafting {self.drafting} "
-                f"(measured {self.rows[0]}-{self.rows[-1]} rows in {self.seconds:.1f} s)")  # fmt: skip
+        return (
+            f"decoder {_runs(self.decoder)}{note}; LM head {_runs(self.lm_head)}; drafting {self.drafting} "
+            f"(measured {self.rows[0]}-{self.rows[-1]} rows in {self.seconds:.1f} s)"
+        )
 
     def __enter__(self) -> "CPUKernels":
         return self.install()

@@ -26,11 +26,14 @@ def attach_heads(model: Any, heads: "DraftHeads | str | os.PathLike | None") -> 
     carried = getattr(model, HEADS_ATTR, None)
     if heads is None:
         if carried is None:
-            raise EntMTPError("this model has no draft heads: pass entmtp_heads=<folder or Hub repo id> "
-                              "(or export the method with --heads)")  # fmt: skip
+            raise EntMTPError(
+                "this model has no draft heads: pass entmtp_heads=<folder or Hub repo id> "
+                "(or export the method with --heads)"
+            )
         return
-    same = carried is heads or (carried is not None and not isinstance(heads, DraftHeads)
-                                and carried.name_or_path == os.fspath(heads))  # fmt: skip
+    same = carried is heads or (
+        carried is not None and not isinstance(heads, DraftHeads) and carried.name_or_path == os.fspath(heads)
+    )
     if not same:
         enable_entmtp(model, heads)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 from huggingface_hub import constants as hf_constants
-from huggingface_hub.errors import HFValidationError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
 
@@ -40,7 +40,11 @@ def _cached_revisions(repo_id: str, cache_dir: str | os.PathLike | None) -> list
 
 
 def missing_revision(
-    repo_id: str, revision: str | None, *, cache_dir: str | os.PathLike | None = None, token: str | bool | None = None,
+    repo_id: str,
+    revision: str | None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
     offline: bool = False,
 ) -> str | None:
     """Why ``revision`` of ``repo_id`` cannot be read, or None when the revision is not the problem."""
@@ -49,8 +53,10 @@ def missing_revision(
     if offline or hf_constants.is_offline_mode():
         cached = _cached_revisions(repo_id, cache_dir)
         if cached is not None and revision not in cached:
-            return (f"revision {revision!r} of Hub repo {repo_id!r} is not in the local cache and the Hub is offline "
-                    f"or unreachable; cached revisions: {cached}")  # fmt: skip
+            return (
+                f"revision {revision!r} of Hub repo {repo_id!r} is not in the local cache and the Hub is offline "
+                f"or unreachable; cached revisions: {cached}"
+            )
         return None
     try:
         HfApi(token=token).repo_info(repo_id, revision=revision)

@@ -28,8 +28,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import output_capturing
 
 from .assisted import ACTIVE_EAS_CALL, EASCall, build_candidate_generator
+from .calibration import batch_bucket, tables_for
+from .calibration import calibrate as calibrate_costs
 from .config import EntMTPConfig
-from .calibration import batch_bucket, calibrate as calibrate_costs, tables_for
 from .cpu_kernels import CPUKernels, applied_kernels, kernels_of
 from .decoding.attention import restore_attention, use_tree_attention
 from .decoding.loop import EntMTPGenerateOutput, entmtp_decode
@@ -52,8 +53,12 @@ class EntMTPGenerationMixin:
     """Adds ``entmtp_config=`` and ``eas_config=`` to ``generate``. Mixed in ahead of the model's own class."""
 
     def generate(
-        self, *args, entmtp_config: EntMTPConfig | None = None, eas_config: EASConfig | None = None,
-        entmtp_observers: Sequence[DecodeObserver] = (), **kwargs,
+        self,
+        *args,
+        entmtp_config: EntMTPConfig | None = None,
+        eas_config: EASConfig | None = None,
+        entmtp_observers: Sequence[DecodeObserver] = (),
+        **kwargs,
     ):
         if isinstance(kwargs.get("custom_generate"), (str, os.PathLike)) and eas_config is None:
             # a repo's decoding method (such as the one `entmtp-hf export-generate` writes) gets the call as it is
@@ -82,9 +87,15 @@ class EntMTPGenerationMixin:
         with applied_kernels(self):
             if entmtp_config.adapts and plan.plain:  # this machine's ranking: nothing beats plain decoding here
                 return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
-            loop = functools.partial(entmtp_decode, entmtp_config=entmtp_config, plan=plan, heads=heads,
-                                     streamer=kwargs.get("streamer"), observers=tuple(entmtp_observers),
-                                     plan_for=plan_for)  # fmt: skip
+            loop = functools.partial(
+                entmtp_decode,
+                entmtp_config=entmtp_config,
+                plan=plan,
+                heads=heads,
+                streamer=kwargs.get("streamer"),
+                observers=tuple(entmtp_observers),
+                plan_for=plan_for,
+            )
             token = CALL_TOKENIZER.set(kwargs.get("tokenizer"))
             try:
                 return super().generate(*args, custom_generate=loop, **kwargs)
@@ -195,9 +206,18 @@ def _as_entmtp_output(out, args: tuple, kwargs: dict):
         return out
     prompt = _prompt(args, kwargs)
     steps = out.sequences.shape[1] - prompt.shape[1] - 1
-    stats = {"plain_decoding": True, "accept_lengths": [1] * steps, "tree_indices": [0] * steps,
-             "tree_sizes": [1] * steps, "features": [None] * steps, "steps": steps, "new_tokens": steps + 1,
-             "mean_accept_length": 1.0 if steps else 0.0, "drafted_tokens": 0, "accepted_draft_tokens": 0}  # fmt: skip
+    stats = {
+        "plain_decoding": True,
+        "accept_lengths": [1] * steps,
+        "tree_indices": [0] * steps,
+        "tree_sizes": [1] * steps,
+        "features": [None] * steps,
+        "steps": steps,
+        "new_tokens": steps + 1,
+        "mean_accept_length": 1.0 if steps else 0.0,
+        "drafted_tokens": 0,
+        "accepted_draft_tokens": 0,
+    }
     return EntMTPGenerateOutput(**dict(out.items()), entmtp_stats=stats)
 
 
@@ -219,7 +239,9 @@ def _check_batch(inputs: torch.Tensor, kwargs: dict) -> None:
     if isinstance(mask, torch.Tensor):
         if tuple(mask.shape) != tuple(inputs.shape):
             raise EntMTPError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(inputs.shape)}")
-        padded_right = (mask[:, -1] == 0) & (mask != 0).any(dim=-1)  # a row of padding alone decodes as in plain generate
+        padded_right = (mask[:, -1] == 0) & (mask != 0).any(
+            dim=-1
+        )  # a row of padding alone decodes as in plain generate
         if bool(padded_right.any()):
             raise EntMTPError(
                 "EntMTP decodes a batch of left-padded prompts; this attention_mask pads on the right "
@@ -261,12 +283,19 @@ def _entmtp_class(cls: type) -> type:
     supported-model check) still recognises the model; ``isinstance(model,
     EntMTPGenerationMixin)`` tells an enabled model apart.
     """
-    return type(cls.__name__, (EntMTPGenerationMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return type(
+        cls.__name__, (EntMTPGenerationMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    )
 
 
 def enable_entmtp(
-    model, heads: "DraftHeads | str | os.PathLike", *, revision: str | None = None,
-    calibrate: bool | Sequence[int] = False, cpu_kernels: bool | CPUKernels = True, **kernel_options: Any,
+    model,
+    heads: "DraftHeads | str | os.PathLike",
+    *,
+    revision: str | None = None,
+    calibrate: bool | Sequence[int] = False,
+    cpu_kernels: bool | CPUKernels = True,
+    **kernel_options: Any,
 ) -> Any:
     """Attach draft heads to ``model`` and give its ``generate`` the ``entmtp_config`` option.
 
@@ -314,8 +343,10 @@ def _install_kernels(model, heads: DraftHeads, kernels: bool | CPUKernels, optio
     elif kernels is True:
         kernels = CPUKernels(model, heads, **options)
         if kernels.active:  # a few seconds the user waited for: said whatever logging's level
-            message = (f"entmtp-hf: measured this machine's CPU kernels: {kernels.describe()}; EntMTP calls run on "
-                       "them (enable_entmtp(..., cpu_kernels=False): F.linear throughout)")  # fmt: skip
+            message = (
+                f"entmtp-hf: measured this machine's CPU kernels: {kernels.describe()}; EntMTP calls run on "
+                "them (enable_entmtp(..., cpu_kernels=False): F.linear throughout)"
+            )
             print(message, file=sys.stderr)
             log.info(message)
     else:

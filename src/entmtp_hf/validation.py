@@ -73,8 +73,16 @@ def _interval(low: float, high: float, low_open: bool, high_open: bool) -> str:
     return f"{left}{low:g}, {high:g}{right}"
 
 
-def number(value: Any, field: str, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False,
-           high_open: bool = False, error: Refusal = ConfigError) -> float:  # fmt: skip
+def number(
+    value: Any,
+    field: str,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+    error: Refusal = ConfigError,
+) -> float:
     """A finite real number in the range (``low``/``high`` included unless open), as a float.
 
     Real numbers of any type (``numpy.float32``, ``fractions.Fraction``) are accepted; bools,
@@ -139,12 +147,21 @@ def sequence(value: Any, field: str, *, of: str, max_len: int | None = None, err
     return tuple(value)
 
 
-def numbers_in(value: Any, field: str, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False,
-               max_len: int | None = None, error: Refusal = ConfigError) -> tuple[float, ...]:  # fmt: skip
+def numbers_in(
+    value: Any,
+    field: str,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    max_len: int | None = None,
+    error: Refusal = ConfigError,
+) -> tuple[float, ...]:
     """A list of finite numbers in the range, each one named ``field[i]`` when refused."""
     items = sequence(value, field, of="numbers", max_len=max_len, error=error)
-    return tuple(number(x, f"{field}[{i}]", low=low, high=high, low_open=low_open, error=error)
-                 for i, x in enumerate(items))  # fmt: skip
+    return tuple(
+        number(x, f"{field}[{i}]", low=low, high=high, low_open=low_open, error=error) for i, x in enumerate(items)
+    )
 
 
 def increasing(values: Sequence[float], field: str, *, error: Refusal = ConfigError) -> tuple:
@@ -154,8 +171,15 @@ def increasing(values: Sequence[float], field: str, *, error: Refusal = ConfigEr
     return tuple(values)
 
 
-def thresholds(value: Any, field: str, *, low: float = 0.0, high: float = math.inf, count: int | None = None,
-               error: Refusal = ConfigError) -> tuple[float, ...]:  # fmt: skip
+def thresholds(
+    value: Any,
+    field: str,
+    *,
+    low: float = 0.0,
+    high: float = math.inf,
+    count: int | None = None,
+    error: Refusal = ConfigError,
+) -> tuple[float, ...]:
     """A ladder's thresholds: strictly increasing finite numbers in ``[low, high]``; with ``count``,
     exactly that many (one fewer than the trees they bin the feature into)."""
     values = numbers_in(value, field, low=low, high=high, error=error)
@@ -164,8 +188,15 @@ def thresholds(value: Any, field: str, *, low: float = 0.0, high: float = math.i
     return increasing(values, field, error=error)
 
 
-def taus(tau_on: Any, tau_off: Any, *, low: float = -math.inf, high: float = math.inf, prefix: str = "",
-         error: Refusal = ConfigError) -> tuple[float | None, float | None]:  # fmt: skip
+def taus(
+    tau_on: Any,
+    tau_off: Any,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    prefix: str = "",
+    error: Refusal = ConfigError,
+) -> tuple[float | None, float | None]:
     """The hysteresis pair: each a finite number in ``[low, high]`` (or None, left unset), and
     ``tau_off <= tau_on`` when both are set (switching down never needs more confidence than
     switching up). ``prefix`` names their owner (``"EntMTPConfig."``)."""

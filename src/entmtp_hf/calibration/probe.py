@@ -101,8 +101,14 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def _timings(runs: dict, repeats: int, sync: Callable[[], None], on_round: Callable[[], None] | None = None,
-             *, warm_up: bool = True) -> dict[Any, list[float]]:  # fmt: skip
+def _timings(
+    runs: dict,
+    repeats: int,
+    sync: Callable[[], None],
+    on_round: Callable[[], None] | None = None,
+    *,
+    warm_up: bool = True,
+) -> dict[Any, list[float]]:
     """Seconds of each ``runs[key]()`` in ``repeats`` interleaved rounds, after a warm-up round
     unless ``warm_up`` is False (``on_round`` is called after each round: a progress bar's)."""
     times: dict = {k: [] for k in runs}
@@ -139,8 +145,11 @@ def doubtful(medians: dict[int, float]) -> set[int]:
     return out
 
 
-def settle(samples: dict[int, list[float]], time_again: Callable[[set[int], int], dict[int, list[float]]],
-           seconds_left: Callable[[], float] = lambda: float("inf")) -> set[int]:  # fmt: skip
+def settle(
+    samples: dict[int, list[float]],
+    time_again: Callable[[set[int], int], dict[int, list[float]]],
+    seconds_left: Callable[[], float] = lambda: float("inf"),
+) -> set[int]:
     """Time the sizes :func:`doubtful` doubts again, :data:`CHECK_ROUNDS` more rounds each (their
     samples pooled), up to :data:`CHECKS` times, while a check's rounds fit ``seconds_left()``
     (``time_again(sizes, rounds)`` returns the new samples). ``samples`` grow in place; the sizes
@@ -167,8 +176,12 @@ def _greedy(model, tokens: int, prompt_len: int | None = None) -> GenerationConf
     """Greedy decoding of exactly ``tokens`` tokens (no EOS: every timed decode has one length), as
     ``generate`` takes it, or with ``prompt_len``: with the ``max_length`` generate would derive
     (what a session opened without ``generate`` reads)."""
-    fields = {**model.generation_config.to_dict(), "eos_token_id": None, "do_sample": False,
-              "return_dict_in_generate": True}  # fmt: skip
+    fields = {
+        **model.generation_config.to_dict(),
+        "eos_token_id": None,
+        "do_sample": False,
+        "return_dict_in_generate": True,
+    }
     if prompt_len is None:
         return GenerationConfig(**{**fields, "max_new_tokens": tokens})
     return GenerationConfig(**{**fields, "max_new_tokens": None, "max_length": prompt_len + tokens})
@@ -179,11 +192,15 @@ def _session(model, heads, ids: torch.Tensor, tree: Tree, tokens: int) -> tuple[
     the arguments that open it again."""
     config = EntMTPConfig(tree=tree.choices)
     generation = _greedy(model, tokens, ids.shape[1])
-    args = dict(logits_processor=LogitsProcessorList(),
-                stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(generation.max_length)]),
-                generation_config=generation, entmtp_config=config, heads=heads,
-                plan=config.resolve(heads.num_heads, heads.config.draft_vocab_rows),
-                attention_mask=torch.ones_like(ids))  # fmt: skip
+    args = dict(
+        logits_processor=LogitsProcessorList(),
+        stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(generation.max_length)]),
+        generation_config=generation,
+        entmtp_config=config,
+        heads=heads,
+        plan=config.resolve(heads.num_heads, heads.config.draft_vocab_rows),
+        attention_mask=torch.ones_like(ids),
+    )
     return open_session(model, ids, **args), args
 
 
@@ -195,9 +212,17 @@ def prefilled(model, heads, *, prefix_len: int = PREFIX_LEN, batch_size: int = 1
     return session
 
 
-def forward_ms(model, heads, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: int = PREFIX_LEN,
-               repeats: int = REPEATS, batch_size: int = 1, on_round: Callable[[], None] | None = None,
-               session: DecodeSession | None = None) -> dict[int, float]:  # fmt: skip
+def forward_ms(
+    model,
+    heads,
+    sizes: Sequence[int] = PROBE_SIZES,
+    *,
+    prefix_len: int = PREFIX_LEN,
+    repeats: int = REPEATS,
+    batch_size: int = 1,
+    on_round: Callable[[], None] | None = None,
+    session: DecodeSession | None = None,
+) -> dict[int, float]:
     """Median ms of the verification forward of ``N`` chained nodes (in each of ``batch_size`` rows)
     after ``prefix_len`` cached tokens (:func:`forward_grid`). ``heads``: the model's draft heads;
     ``session``: one from :func:`prefilled` to time on again (a prefill of a batch costs as much
@@ -206,9 +231,15 @@ def forward_ms(model, heads, sizes: Sequence[int] = PROBE_SIZES, *, prefix_len: 
     return forward_grid(session, sizes, repeats, on_round=on_round)[0]
 
 
-def forward_grid(session: DecodeSession, sizes: Sequence[int], repeats: int = REPEATS, *,
-                 on_round: Callable[[], None] | None = None, warm_up: bool = True,
-                 seconds_left: Callable[[], float] = lambda: float("inf")) -> tuple[dict[int, float], set[int]]:  # fmt: skip
+def forward_grid(
+    session: DecodeSession,
+    sizes: Sequence[int],
+    repeats: int = REPEATS,
+    *,
+    on_round: Callable[[], None] | None = None,
+    warm_up: bool = True,
+    seconds_left: Callable[[], float] = lambda: float("inf"),
+) -> tuple[dict[int, float], set[int]]:
     """Median ms of the verification forward of each of ``sizes`` on ``session``, timed
     round-robin so drift hits every size alike, the doubtful ones timed again (:func:`settle`)
     while their rounds fit ``seconds_left()`` and take no longer than the grid took; and the
@@ -282,8 +313,9 @@ def _overhead_fit(rest: dict[int, float]) -> tuple[float, float]:
     return o1 - p * n1, p
 
 
-def step_costs(model, heads, per_node: float, batch_size: int = 1, *, tokens: int = STEP_TOKENS
-               ) -> tuple[tuple[float, float, float], tuple[float, float]]:  # fmt: skip
+def step_costs(
+    model, heads, per_node: float, batch_size: int = 1, *, tokens: int = STEP_TOKENS
+) -> tuple[tuple[float, float, float], tuple[float, float]]:
     """Per-row drafting ``(a, b, c)`` and overhead ``(o, p)`` at ``batch_size`` rows, from short
     EntMTP decodes: drafting's fixed and per-depth parts from chains one and three deep (a batch
     drafts its rows together, one head call per depth, so a row costs less than alone, the more so
@@ -335,15 +367,28 @@ def retry_seconds(elapsed: float, budget_s: float = BUDGET_S) -> float:
     return max(budget_s - elapsed, RETRY_SHARE * elapsed)
 
 
-def _measure(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, per_node: float, tick: Tick,
-             started: float, budget_s: float) -> tuple[dict[int, float], float, tuple, tuple, dict]:  # fmt: skip
+def _measure(
+    model,
+    heads,
+    batch_size: int,
+    sizes: Sequence[int],
+    repeats: int,
+    per_node: float,
+    tick: Tick,
+    started: float,
+    budget_s: float,
+) -> tuple[dict[int, float], float, tuple, tuple, dict]:
     """The forward grid, plain ms, per-row drafting and overhead at ``batch_size`` rows; then the
     one-node forward and the plain step timed again, and the one of them that disagrees
     (:func:`steady`) measured again if it fits :func:`retry_seconds` of the time since
     ``started``; and the table's notes on it."""
     session = prefilled(model, heads, batch_size=batch_size)  # the forwards' and the recheck's
-    forward, timed_again = forward_grid(session, sizes_at(batch_size, sizes), repeats, seconds_left=lambda: retry_seconds(
-        time.perf_counter() - started, CHECK_SHARE * budget_s))  # fmt: skip
+    forward, timed_again = forward_grid(
+        session,
+        sizes_at(batch_size, sizes),
+        repeats,
+        seconds_left=lambda: retry_seconds(time.perf_counter() - started, CHECK_SHARE * budget_s),
+    )
     tick("forward")
     t0 = time.perf_counter()
     plain = _plain_ms(model, _random_prompts(model, batch_size, 3, PLAIN_PROMPT_LEN), DECODE_TOKENS)
@@ -351,7 +396,9 @@ def _measure(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, 
     tick("plain decoding")
     draft, overhead = step_costs(model, heads, per_node, batch_size)
     tick("drafting")
-    recheck_ids = _random_prompts(model, batch_size, 3, PREFIX_LEN - STEP_TOKENS // 2)  # a shorter decode, centred alike
+    recheck_ids = _random_prompts(
+        model, batch_size, 3, PREFIX_LEN - STEP_TOKENS // 2
+    )  # a shorter decode, centred alike
     one, plain_then = forward_grid(session, (1,), repeats)[0][1], _plain_ms(model, recheck_ids, STEP_TOKENS)
     deadline = time.perf_counter() + retry_seconds(time.perf_counter() - started, budget_s)
 
@@ -361,8 +408,9 @@ def _measure(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, 
     forward_ok, plain_ok, again = steady(forward[1], one), steady(plain, plain_then), []
     if not forward_ok and repeats * sum(forward.values()) / 1e3 <= retry_left():
         first, again = forward[1], again + ["forward"]
-        forward, more = forward_grid(session, sizes_at(batch_size, sizes), repeats, warm_up=False,
-                                     seconds_left=retry_left)  # fmt: skip
+        forward, more = forward_grid(
+            session, sizes_at(batch_size, sizes), repeats, warm_up=False, seconds_left=retry_left
+        )
         forward_ok, timed_again = steady(forward[1], first, one), timed_again | more
     if not plain_ok and plain_s <= retry_left():
         first, again = plain, again + ["plain decoding"]
@@ -372,16 +420,30 @@ def _measure(model, heads, batch_size: int, sizes: Sequence[int], repeats: int, 
     unchecked = sorted(doubtful(forward) - timed_again)
     unsettled = [part for part, ok in (("forward", forward_ok), ("plain step", plain_ok)) if not ok]
     if unchecked:
-        log.warning("entmtp-hf: at batch size %d the forward of %s nodes disagrees with its neighbours and there was "
-                    "no time to time it again: the table is kept as unsteady (calibrate measures it again)",
-                    batch_size, ", ".join(map(str, unchecked)))  # fmt: skip
+        log.warning(
+            "entmtp-hf: at batch size %d the forward of %s nodes disagrees with its neighbours and there was "
+            "no time to time it again: the table is kept as unsteady (calibrate measures it again)",
+            batch_size,
+            ", ".join(map(str, unchecked)),
+        )
     if unsettled:
-        log.warning("entmtp-hf: at batch size %d the %s changed while measuring (one-node forward %.1f then %.1f ms, "
-                    "plain step %.1f then %.1f ms; measured again: %s): the machine looks busy; keeping the last",
-                    batch_size, " and ".join(unsettled), forward[1], one, plain, plain_then,
-                    ", ".join(again) or "nothing, no time left")  # fmt: skip
-    notes = {"timings_steady": forward_ok and plain_ok and not unchecked, "measured_again": again,
-             "timed_again": sorted(timed_again), "unchecked_sizes": unchecked}  # fmt: skip
+        log.warning(
+            "entmtp-hf: at batch size %d the %s changed while measuring (one-node forward %.1f then %.1f ms, "
+            "plain step %.1f then %.1f ms; measured again: %s): the machine looks busy; keeping the last",
+            batch_size,
+            " and ".join(unsettled),
+            forward[1],
+            one,
+            plain,
+            plain_then,
+            ", ".join(again) or "nothing, no time left",
+        )
+    notes = {
+        "timings_steady": forward_ok and plain_ok and not unchecked,
+        "measured_again": again,
+        "timed_again": sorted(timed_again),
+        "unchecked_sizes": unchecked,
+    }
     return forward, plain, draft, overhead, notes
 
 
@@ -390,22 +452,48 @@ def _noop(stage: str) -> None:
 
 
 @torch.no_grad()
-def probe_batch(model, heads, base: CostTable, batch_size: int, *, sizes: Sequence[int] = PROBE_SIZES,
-                repeats: int = REPEATS, tick: Tick = _noop, budget_s: float = BUDGET_S) -> CostTable:  # fmt: skip
+def probe_batch(
+    model,
+    heads,
+    base: CostTable,
+    batch_size: int,
+    *,
+    sizes: Sequence[int] = PROBE_SIZES,
+    repeats: int = REPEATS,
+    tick: Tick = _noop,
+    budget_s: float = BUDGET_S,
+) -> CostTable:
     """``base`` (this machine's batch-size-1 table) at ``batch_size`` rows: the verification forward,
     plain batched decoding and the per-row drafting and overhead measured anew. ``tick(stage)`` is
     called as each stage ends (a progress bar's); ``budget_s``: see :data:`BUDGET_S`."""
     t0 = time.perf_counter()
-    forward, plain, draft, overhead, notes = _measure(model, heads, batch_size, sizes, repeats, base.draft_ms[2], tick,
-                                                      t0, budget_s)  # fmt: skip
+    forward, plain, draft, overhead, notes = _measure(
+        model, heads, batch_size, sizes, repeats, base.draft_ms[2], tick, t0, budget_s
+    )
     seconds = time.perf_counter() - t0
-    return CostTable(base.fingerprint, base.model, forward, draft, overhead, plain, seconds,
-                     notes={**base.notes, **notes}, batch_size=batch_size)  # fmt: skip
+    return CostTable(
+        base.fingerprint,
+        base.model,
+        forward,
+        draft,
+        overhead,
+        plain,
+        seconds,
+        notes={**base.notes, **notes},
+        batch_size=batch_size,
+    )
 
 
 @torch.no_grad()
-def probe(model, heads, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = REPEATS, tick: Tick = _noop,
-          budget_s: float = BUDGET_S) -> CostTable:  # fmt: skip
+def probe(
+    model,
+    heads,
+    *,
+    sizes: Sequence[int] = PROBE_SIZES,
+    repeats: int = REPEATS,
+    tick: Tick = _noop,
+    budget_s: float = BUDGET_S,
+) -> CostTable:
     """Measure this machine's batch-size-1 :class:`CostTable` for ``model`` (enabled with ``heads``)."""
     t0 = time.perf_counter()
     lm = model.get_output_embeddings().weight
@@ -415,8 +503,16 @@ def probe(model, heads, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = RE
     forward, plain, draft, overhead, notes = _measure(model, heads, 1, sizes, repeats, shape[2], tick, t0, budget_s)
     seconds = time.perf_counter() - t0
     notes = {"draft_fit_max_error": fit_error, "prefix_len": PREFIX_LEN, **notes}
-    return CostTable({**fingerprint.to_dict(), "key": fingerprint.key()}, model_key(model, heads), forward, draft,
-                     overhead, plain, seconds, notes=notes)  # fmt: skip
+    return CostTable(
+        {**fingerprint.to_dict(), "key": fingerprint.key()},
+        model_key(model, heads),
+        forward,
+        draft,
+        overhead,
+        plain,
+        seconds,
+        notes=notes,
+    )
 
 
 #: the stages :func:`probe` reports to ``tick`` (:func:`probe_batch`: all but the first), in order

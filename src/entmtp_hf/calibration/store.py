@@ -52,8 +52,11 @@ def read_table(path: Path, key: str | None = None) -> CostTable | None:
         return None
     key = key or path.stem
     if table.key != key:
-        warnings.warn(f"entmtp-hf: ignoring the cached cost table {path}: it describes {table.key!r}, "
-                      f"not {key!r} (copied from another machine or model?)", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"entmtp-hf: ignoring the cached cost table {path}: it describes {table.key!r}, "
+            f"not {key!r} (copied from another machine or model?)",
+            stacklevel=2,
+        )
         return None
     return table
 
@@ -78,13 +81,17 @@ def write_table(table: CostTable, path: Path) -> Path | None:
 
 
 def _unusable(folder: Path, error: OSError) -> None:
-    warnings.warn(f"entmtp-hf: the cost-table cache {folder} cannot be used ({type(error).__name__}: "
-                  f"{error.strerror or error}); measured costs are not kept across processes. Set ENTMTP_HF_CACHE "
-                  "to a writable folder to keep them", stacklevel=3)  # fmt: skip
+    warnings.warn(
+        f"entmtp-hf: the cost-table cache {folder} cannot be used ({type(error).__name__}: "
+        f"{error.strerror or error}); measured costs are not kept across processes. Set ENTMTP_HF_CACHE "
+        "to a writable folder to keep them",
+        stacklevel=3,
+    )
 
 
-def find_table(model, heads, batch_size: int = 1, *, known: Iterable[CostTable] = (),
-               folder: Path | None = None) -> CostTable | None:  # fmt: skip
+def find_table(
+    model, heads, batch_size: int = 1, *, known: Iterable[CostTable] = (), folder: Path | None = None
+) -> CostTable | None:
     """This machine's measured table at ``batch_size`` rows, without measuring: one of ``known`` (a
     bank's machine entries) filed under this machine, else the cache's; None when neither has it."""
     key = key_for(model, heads, batch_size)

@@ -43,8 +43,15 @@ def _batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
     return sorted({1, *(batch_bucket(b) for b in sizes)})  # every size builds on batch size 1
 
 
-def calibrate(model, heads=None, *, batch_sizes: Sequence[int] = (1,), refresh: bool = False,
-              folder: str | Path | None = None, progress: bool = True) -> dict[int, CostTable]:  # fmt: skip
+def calibrate(
+    model,
+    heads=None,
+    *,
+    batch_sizes: Sequence[int] = (1,),
+    refresh: bool = False,
+    folder: str | Path | None = None,
+    progress: bool = True,
+) -> dict[int, CostTable]:
     """Measure this machine's step costs for ``model`` (and its draft heads, default the ones it is
     enabled with) at each of ``batch_sizes`` (rounded down to powers of two, as decoding ranks
     them) and cache them; sizes already cached are read, unless ``refresh`` or their timings
@@ -67,6 +74,7 @@ def calibrate(model, heads=None, *, batch_sizes: Sequence[int] = (1,), refresh: 
     stages = len(STAGES) * len(todo) - (len(todo) - (1 in todo))  # batch sizes above 1 skip the heads' stage
     with tqdm(total=stages, desc="entmtp-hf: measuring step costs", unit="stage", disable=not progress) as bar:
         for b in todo:
+
             def tick(stage: str, b: int = b) -> None:
                 bar.set_postfix_str(f"batch size {b}: {stage} done")
                 bar.update()
@@ -76,20 +84,26 @@ def calibrate(model, heads=None, *, batch_sizes: Sequence[int] = (1,), refresh: 
             tables[b] = table
             write_table(table, table_path(table.key, folder))
     seconds = time.perf_counter() - t0
-    message = (f"entmtp-hf: measured this machine's step costs at batch size{'s' * (len(todo) > 1)} "
-               f"{', '.join(map(str, todo))} in {seconds:.1f} s (cached in {table_path('', folder).parent})")  # fmt: skip
+    message = (
+        f"entmtp-hf: measured this machine's step costs at batch size{'s' * (len(todo) > 1)} "
+        f"{', '.join(map(str, todo))} in {seconds:.1f} s (cached in {table_path('', folder).parent})"
+    )
     unsteady = [b for b in todo if not tables[b].notes.get("timings_steady", True)]
     if unsteady:
-        warnings.warn(f"{message}; the timings at batch size {unsteady} changed while measuring (a busy machine): "
-                      "they are used, and measured again by the next calibrate call", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"{message}; the timings at batch size {unsteady} changed while measuring (a busy machine): "
+            "they are used, and measured again by the next calibrate call",
+            stacklevel=2,
+        )
     elif progress:
         tqdm.write(message, file=sys.stderr)  # beside the bar, and shown whatever logging's level
     log.info(message)
     return tables
 
 
-def tables_for(model, heads, batch_sizes: Iterable[int], *, known: Iterable[CostTable] = (),
-               folder: str | Path | None = None) -> dict[int, CostTable | None]:  # fmt: skip
+def tables_for(
+    model, heads, batch_sizes: Iterable[int], *, known: Iterable[CostTable] = (), folder: str | Path | None = None
+) -> dict[int, CostTable | None]:
     """The table that ranks each of ``batch_sizes`` for a ``generate`` call, read, never measured:
     the measured one (a bank's machine entry, else the cache), else the nearest measured batch
     size's (the largest below, else the smallest above; logged), else None for all (this machine
@@ -102,9 +116,12 @@ def tables_for(model, heads, batch_sizes: Iterable[int], *, known: Iterable[Cost
     if len(have) < len(wanted):
         have.update(_other_sizes(model, heads, known, folder, exclude=set(wanted)))
     if not have:
-        warnings.warn("entmtp-hf: this machine's step costs for this model were never measured, so the bank ranks its "
-                      "trees as stored; measure them once (seconds, cached) with enable_entmtp(model, heads, "
-                      "calibrate=True), entmtp_hf.calibrate(model) or `entmtp-hf calibrate`", stacklevel=4)  # fmt: skip
+        warnings.warn(
+            "entmtp-hf: this machine's step costs for this model were never measured, so the bank ranks its "
+            "trees as stored; measure them once (seconds, cached) with enable_entmtp(model, heads, "
+            "calibrate=True), entmtp_hf.calibrate(model) or `entmtp-hf calibrate`",
+            stacklevel=4,
+        )
         return dict.fromkeys(wanted)
     out = {}
     for b in wanted:
@@ -113,8 +130,13 @@ def tables_for(model, heads, batch_sizes: Iterable[int], *, known: Iterable[Cost
             continue
         below = [m for m in have if m < b]
         nearest = max(below) if below else min(have)
-        log.info("entmtp-hf: no step costs measured at batch size %d on this machine; ranking with those at batch "
-                 "size %d (calibrate(model, batch_sizes=[%d]) measures them)", b, nearest, b)  # fmt: skip
+        log.info(
+            "entmtp-hf: no step costs measured at batch size %d on this machine; ranking with those at batch "
+            "size %d (calibrate(model, batch_sizes=[%d]) measures them)",
+            b,
+            nearest,
+            b,
+        )
         out[b] = have[nearest]
     return out
 

@@ -71,8 +71,9 @@ def machine_fingerprint(device: torch.device, dtype: torch.dtype) -> Fingerprint
         processor, isa = torch.cuda.get_device_name(device), f"sm_{major}{minor}"
     else:
         processor, isa = _cpu()
-    return Fingerprint(device.type, processor, isa, torch.get_num_threads(), str(dtype).removeprefix("torch."),
-                       torch.__version__)  # fmt: skip
+    return Fingerprint(
+        device.type, processor, isa, torch.get_num_threads(), str(dtype).removeprefix("torch."), torch.__version__
+    )
 
 
 #: the decode step's implementation and the probe's method: a change that moves the costs (the
@@ -94,9 +95,12 @@ def model_key(model, heads) -> str:
         "hidden_size": getattr(config, "hidden_size", None),
         "layers": getattr(config, "num_hidden_layers", None),
         "vocab": getattr(config, "vocab_size", None),
-        "heads": {k: v for k, v in heads.config.to_dict().items() if k not in ("base_model_name_or_path",
-                                                                              "prefix_layer_config")},
-    }  # fmt: skip
+        "heads": {
+            k: v
+            for k, v in heads.config.to_dict().items()
+            if k not in ("base_model_name_or_path", "prefix_layer_config")
+        },
+    }
     routing = kernel_routing(model)
     if routing:  # only off the default path, so tables measured there keep their keys
         shape["kernels"] = routing

@@ -53,9 +53,15 @@ class Ranking:
     retrieval: dict[int, RetrievalConfig | None] = field(default_factory=dict)
 
 
-def rank(trees: Sequence[Tree], taus: dict[int, float], table: CostTable, value: Sequence[int] = (),
-         margin: float = MARGIN, retrieval: Mapping[int, Mapping[str, RetrievalFigures]] | None = None,
-         options: Mapping[str, RetrievalConfig] | None = None) -> Ranking:
+def rank(
+    trees: Sequence[Tree],
+    taus: dict[int, float],
+    table: CostTable,
+    value: Sequence[int] = (),
+    margin: float = MARGIN,
+    retrieval: Mapping[int, Mapping[str, RetrievalFigures]] | None = None,
+    options: Mapping[str, RetrievalConfig] | None = None,
+) -> Ranking:
     """Rank the trees with known tokens per step (``taus``: index -> τ) on ``table``'s machine;
     ``retrieval``: per tree, its replayed figures under each setting of ``options`` (label -> config)."""
     speedups = {k: table.speedup(trees[k], tau) for k, tau in taus.items() if trees[k].num_nodes > 1}
@@ -88,8 +94,14 @@ def _best(trees: Sequence[Tree], speedups: dict[int, float], tie: float) -> int 
     return min(near, key=lambda k: (trees[k].num_nodes, -speedups[k]))
 
 
-def priced(tree: Tree, tau: float, table: CostTable, retrieval: RetrievalConfig | None,
-           figures: Mapping[str, RetrievalFigures], options: Mapping[str, RetrievalConfig]) -> float | None:
+def priced(
+    tree: Tree,
+    tau: float,
+    table: CostTable,
+    retrieval: RetrievalConfig | None,
+    figures: Mapping[str, RetrievalFigures],
+    options: Mapping[str, RetrievalConfig],
+) -> float | None:
     """The modelled speed-up of ``tree`` (``tau`` tokens per step) run with ``retrieval`` (None:
     none), or None when its ``figures`` lack that setting."""
     if retrieval is None:
@@ -112,9 +124,22 @@ def scheduler_for(defaults, ranking: Ranking, root_only: int | None):
     if ranking.static is None:
         if root_only is None:
             return defaults
-        return replace(defaults, static=root_only, conservative=root_only, aggressive=root_only, policy="static",
-                       retrieval=None, value_costs=ranking.value_costs)  # fmt: skip
+        return replace(
+            defaults,
+            static=root_only,
+            conservative=root_only,
+            aggressive=root_only,
+            policy="static",
+            retrieval=None,
+            value_costs=ranking.value_costs,
+        )
     low, high = sorted((ranking.conservative, ranking.aggressive))
     retrieval = ranking.retrieval.get(ranking.static, defaults.retrieval)
-    return replace(defaults, static=ranking.static, conservative=low, aggressive=high, retrieval=retrieval,
-                   value_costs=ranking.value_costs)  # fmt: skip
+    return replace(
+        defaults,
+        static=ranking.static,
+        conservative=low,
+        aggressive=high,
+        retrieval=retrieval,
+        value_costs=ranking.value_costs,
+    )

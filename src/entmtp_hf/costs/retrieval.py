@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from ..trees.retrieval import RetrievalConfig, with_branch
 from ..errors import FieldError
-from ..validation import MAX_COUNT, brief_repr, integer
+from ..trees.retrieval import RetrievalConfig, with_branch
 from ..trees.tree import Tree
+from ..validation import MAX_COUNT, brief_repr, integer
 from .table import CostTable
 
 #: the settings a calibrated frontier is replayed with (labels are what banks store)
@@ -56,7 +56,9 @@ class RetrievalFigures:
         for name, value in (("tokens", self.tokens), ("drafted", self.drafted), *(("found", n) for n in self.found)):
             integer(value, f"retrieval figures' {name}", low=0, high=MAX_COUNT, error=FieldError)
         if self.steps == 0 or self.tokens < self.steps:
-            raise ValueError(f"retrieval figures: {self.tokens} tokens in {self.steps} steps (every step adds one at least)")
+            raise ValueError(
+                f"retrieval figures: {self.tokens} tokens in {self.steps} steps (every step adds one at least)"
+            )
 
     @property
     def steps(self) -> int:
@@ -69,15 +71,20 @@ class RetrievalFigures:
     def from_dict(cls, raw: object, max_tokens: int) -> "RetrievalFigures":
         """Validated: the keys above, and no continuation longer than the setting's ``max_tokens``."""
         if not isinstance(raw, Mapping) or set(raw) != {"tokens", "drafted", "found"}:
-            raise ValueError(f"retrieval figures must be a dict of 'tokens', 'drafted' and 'found', got {brief_repr(raw)}")
+            raise ValueError(
+                f"retrieval figures must be a dict of 'tokens', 'drafted' and 'found', got {brief_repr(raw)}"
+            )
         found = raw["found"]
         if not isinstance(found, list) or len(found) > max_tokens:
-            raise ValueError(f"retrieval figures: 'found' must list at most {max_tokens} counts, got {brief_repr(found)}")
+            raise ValueError(
+                f"retrieval figures: 'found' must list at most {max_tokens} counts, got {brief_repr(found)}"
+            )
         return cls(raw["tokens"], raw["drafted"], tuple(found))
 
 
-def _step_kinds(table: CostTable, tree: Tree, config: RetrievalConfig,
-                figures: RetrievalFigures) -> list[tuple[float, int, float]]:  # fmt: skip
+def _step_kinds(
+    table: CostTable, tree: Tree, config: RetrievalConfig, figures: RetrievalFigures
+) -> list[tuple[float, int, float]]:
     """(share of steps, nodes verified, drafting + overhead ms of the row) of each kind of step."""
     kinds = [(figures.drafted, tree, True)]
     for length, n in enumerate(figures.found, 1):
@@ -86,8 +93,11 @@ def _step_kinds(table: CostTable, tree: Tree, config: RetrievalConfig,
         else:
             kinds.append((n, with_branch(tree, length)[0], True))
     steps = figures.steps
-    return [(n / steps, t.num_nodes, (table.drafting(t) if drafted else 0.0) + table.overhead(t.num_nodes))
-            for n, t, drafted in kinds if n]  # fmt: skip
+    return [
+        (n / steps, t.num_nodes, (table.drafting(t) if drafted else 0.0) + table.overhead(t.num_nodes))
+        for n, t, drafted in kinds
+        if n
+    ]
 
 
 def retrieval_speedup(table: CostTable, tree: Tree, config: RetrievalConfig, figures: RetrievalFigures) -> float:

@@ -124,8 +124,10 @@ class CostTable:
         forward = data["forward_ms"]
         if not isinstance(forward, dict) or not 2 <= len(forward) <= MAX_SIZES:
             raise FieldError("forward_ms", f"must map 2 to {MAX_SIZES} sizes to milliseconds")
-        sizes = {_size(n): number(v, f"forward_ms[{n}]", low=0.0, low_open=True, error=FieldError)
-                 for n, v in forward.items()}  # fmt: skip
+        sizes = {
+            _size(n): number(v, f"forward_ms[{n}]", low=0.0, low_open=True, error=FieldError)
+            for n, v in forward.items()
+        }
         if min(sizes) != 1:
             raise FieldError("forward_ms", "must start at 1 node")
         draft = numbers_in(data["draft_ms"], "draft_ms", error=FieldError)
@@ -138,8 +140,18 @@ class CostTable:
         plain = number(data["plain_ms"], "plain_ms", low=0.0, low_open=True, error=FieldError)
         seconds = number(data.get("seconds", 0.0), "seconds", error=FieldError)
         notes = mapping(data.get("notes"), "notes", optional=True, error=FieldError)
-        return cls(dict(data["fingerprint"]), data["model"], sizes, draft, overhead, plain, seconds, FORMAT_VERSION,
-                   notes, batch)  # fmt: skip
+        return cls(
+            dict(data["fingerprint"]),
+            data["model"],
+            sizes,
+            draft,
+            overhead,
+            plain,
+            seconds,
+            FORMAT_VERSION,
+            notes,
+            batch,
+        )
 
 
 def _size(key: Any) -> int:

@@ -130,9 +130,7 @@ def reference_typical_flags(
     return passed, node_logp
 
 
-def typical_best_path(
-    passed: torch.Tensor, node_logp: torch.Tensor, retrieve_indices: torch.Tensor
-) -> list[int]:
+def typical_best_path(passed: torch.Tensor, node_logp: torch.Tensor, retrieve_indices: torch.Tensor) -> list[int]:
     """Longest path of consecutively passing nodes; ties broken by the larger sum of log p."""
     valid = retrieve_indices >= 0
     idx = retrieve_indices.clamp(min=0)

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import EntMTPError
@@ -72,8 +72,10 @@ class AttentionLayout:
         types, kwargs = get_layer_types_and_kwargs(text)
         unknown = sorted(set(types) - {FULL, SLIDING})
         if unknown:
-            raise EntMTPError(f"EntMTP verifies trees on full and sliding-window attention layers; this model has "
-                             f"{', '.join(unknown)} layers")  # fmt: skip
+            raise EntMTPError(
+                f"EntMTP verifies trees on full and sliding-window attention layers; this model has "
+                f"{', '.join(unknown)} layers"
+            )
         windows = {kw["sliding_window"] for t, kw in zip(types, kwargs) if t == SLIDING}
         if len(windows) > 1:
             raise EntMTPError(f"EntMTP supports one sliding window per model; this one has {sorted(windows)}")
@@ -97,8 +99,9 @@ class AttentionLayout:
         return {FULL: full, SLIDING: sliding} if self.mixed else sliding
 
 
-def tree_inputs(drafts: Sequence["Draft"], next_pos: Sequence[int], prefix: torch.Tensor, kv_len: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def tree_inputs(
+    drafts: Sequence["Draft"], next_pos: Sequence[int], prefix: torch.Tensor, kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token ids [B, N], position ids [B, N] and the 4D additive mask [B, 1, N, kv_len] of a batch
     of trees appended after the cached prefix.
 

@@ -33,12 +33,16 @@ import weakref
 
 import torch
 from transformers import DynamicCache, StaticCache
-from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer,
-                                     get_layer_types_and_kwargs)
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 
 from ..errors import EntMTPError
 from .attention import SLIDING
-
 
 #: a static cache's length is rounded up to a multiple of this: a compiled verification graph
 #: is specialised to the cache's shape, so prompts of nearby lengths share graphs
@@ -104,8 +108,9 @@ class PreallocatedLayer(DynamicLayer):
             for t, buf in ((self.keys, self._key_buffer), (self.values, self._value_buffer))
         )
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif not self._holds_views():
@@ -225,8 +230,10 @@ def check_cache(model, cache, rows: int) -> None:
     them); a layer that holds keys holds ``rows`` rows of the model's key/value heads, head size
     and dtype; a sliding-window layer sits where the model has one, with the model's window."""
     types, per_layer = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    foreign = ("the cache was built for another model: pass one built for this one (such as "
-               "DynamicCache(config=model.config)), or none")
+    foreign = (
+        "the cache was built for another model: pass one built for this one (such as "
+        "DynamicCache(config=model.config)), or none"
+    )
     if cache.layers and len(cache.layers) != len(types):
         raise EntMTPError(f"this cache has {len(cache.layers)} layers and the model {len(types)}: {foreign}")
     try:  # transformers' per-rank (kv heads, head dim), one value or one per layer; None where it cannot say
@@ -239,25 +246,32 @@ def check_cache(model, cache, rows: int) -> None:
         window = getattr(layer, "sliding_window", None)
         if getattr(layer, "is_sliding", False) and (kind != SLIDING or window not in (None, kwargs["sliding_window"])):
             model_says = f"a window of {kwargs['sliding_window']}" if kind == SLIDING else "full attention"
-            raise EntMTPError(f"cache layer {i} is a sliding-window layer{f' (window {window})' if window else ''} "
-                              f"where the model's layer has {model_says}: {foreign}")  # fmt: skip
+            raise EntMTPError(
+                f"cache layer {i} is a sliding-window layer{f' (window {window})' if window else ''} "
+                f"where the model's layer has {model_says}: {foreign}"
+            )
         keys = getattr(layer, "keys", None)
         if not getattr(layer, "is_initialized", False) or not isinstance(keys, torch.Tensor) or keys.ndim != 4:
             continue
         want_heads = heads[i] if isinstance(heads, (list, tuple)) else heads
         want_dim = dims[i] if isinstance(dims, (list, tuple)) else dims
         if want_heads not in (None, keys.shape[1]) or want_dim not in (None, keys.shape[3]):
-            raise EntMTPError(f"cache layer {i} holds {keys.shape[1]} key/value heads of size {keys.shape[3]}; the "
-                              f"model's have {want_heads} of size {want_dim}: {foreign}")  # fmt: skip
+            raise EntMTPError(
+                f"cache layer {i} holds {keys.shape[1]} key/value heads of size {keys.shape[3]}; the "
+                f"model's have {want_heads} of size {want_dim}: {foreign}"
+            )
         if keys.dtype != dtype:
             raise EntMTPError(f"cache layer {i} holds {keys.dtype} keys and the model computes in {dtype}: {foreign}")
         if keys.shape[2] and keys.shape[0] != rows:
-            raise EntMTPError(f"this cache holds {keys.shape[0]} rows and the call decodes {rows}: a cache continues "
-                              f"the batch that filled it; pass a new cache for this batch")  # fmt: skip
+            raise EntMTPError(
+                f"this cache holds {keys.shape[0]} rows and the call decodes {rows}: a cache continues "
+                f"the batch that filled it; pass a new cache for this batch"
+            )
 
 
-def prepare_cache(model, model_kwargs: dict, max_length: int, max_nodes: int, max_cache_len: int | None = None,
-                  rows: int = 1):  # fmt: skip
+def prepare_cache(
+    model, model_kwargs: dict, max_length: int, max_nodes: int, max_cache_len: int | None = None, rows: int = 1
+):
     """The cache to decode with, the caller's object (a new dynamic one when none was passed):
     dynamic layers (full or sliding, empty or filled by an earlier turn) become preallocated ones
     growing in steps up to ``max_length + max_nodes`` slots; a static cache decodes in full static
@@ -269,8 +283,13 @@ def prepare_cache(model, model_kwargs: dict, max_length: int, max_nodes: int, ma
     if cache in _LENT:  # a call that ended in an exception never handed it back: its text is unknown
         hand_back(cache, None)
     for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer,
-                               PreallocatedLayer):  # fmt: skip
+        if type(layer) not in (
+            DynamicLayer,
+            DynamicSlidingWindowLayer,
+            StaticLayer,
+            StaticSlidingWindowLayer,
+            PreallocatedLayer,
+        ):
             raise EntMTPError(
                 f"EntMTP decoding supports transformers' dynamic and static caches of full and sliding-window "
                 f"attention layers; this cache has {type(layer).__name__} layers"
@@ -309,9 +328,11 @@ def lend_static(model, cache: StaticCache, max_length: int, max_nodes: int, max_
     for i, (layer, kwargs) in enumerate(zip(cache.layers, per_layer)):
         # a ring that holds its window holds all plain decoding keeps, whatever the text's length
         if layer.max_cache_len < min(need, kwargs.get("sliding_window") or need):
-            raise EntMTPError(f"this StaticCache holds {layer.max_cache_len} tokens in layer {i} and the call's text "
-                              f"reaches {need} (max_length - 1): pass StaticCache(config=model.config, "
-                              f"max_cache_len={need}) or more, or a DynamicCache")  # fmt: skip
+            raise EntMTPError(
+                f"this StaticCache holds {layer.max_cache_len} tokens in layer {i} and the call's text "
+                f"reaches {need} (max_length - 1): pass StaticCache(config=model.config, "
+                f"max_cache_len={need}) or more, or a DynamicCache"
+            )
     filled = int(cache.get_seq_length())
     full = [layer.max_cache_len for layer in cache.layers if not layer.is_sliding]
     room = max_length + max_nodes
@@ -341,9 +362,9 @@ def _copy_text(src: StaticLayer, dst: StaticLayer, length: int) -> None:
     held_src, held_dst = min(length, src.max_cache_len), min(length, dst.max_cache_len)
     first = length - min(held_src, held_dst)  # the first token both hold
     for name in ("keys", "values"):
-        getattr(dst, name)[:, :, first - (length - held_dst) : held_dst] = (
-            getattr(src, name)[:, :, first - (length - held_src) : held_src]
-        )
+        getattr(dst, name)[:, :, first - (length - held_dst) : held_dst] = getattr(src, name)[
+            :, :, first - (length - held_src) : held_src
+        ]
     dst.cumulative_length.fill_(held_dst)
     if dst.is_sliding:
         dst.cumulative_length_int = length

@@ -85,10 +85,13 @@ def precompile(session: DecodeSession) -> dict[int, float]:
     graphs, limit = len(done) + len(todo) + 1, _recompile_limit()  # one per (rows, size), and plain decoding's
     if todo and limit and graphs > limit and not vars(session.forward).get("_entmtp_warned"):
         # past dynamo's limit a new shape runs eagerly
-        warnings.warn(f"entmtp-hf: compiled verification needs {graphs} graphs of the model's forward "
-                      f"(one per batch size and tree size, and plain decoding's), more than torch._dynamo.config."
-                      f"recompile_limit ({limit}): the shapes beyond it run uncompiled; raise the limit to compile "
-                      f"them all", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"entmtp-hf: compiled verification needs {graphs} graphs of the model's forward "
+            f"(one per batch size and tree size, and plain decoding's), more than torch._dynamo.config."
+            f"recompile_limit ({limit}): the shapes beyond it run uncompiled; raise the limit to compile "
+            f"them all",
+            stacklevel=2,
+        )
         vars(session.forward)["_entmtp_warned"] = True
     for n in todo:
         t0 = time.perf_counter()
@@ -116,28 +119,49 @@ def open_session(
     compiled call exactly when transformers' own generate would compile), before its prefill."""
     # the call's options were checked before generate ran (decoding.options: beam search, outputs it cannot return)
     if input_ids.shape[-1] == 0:
-        raise EntMTPError("input_ids is empty: EntMTP decoding continues a prompt of at least one token (plain "
-                          "generate cannot decode an empty one either); pass one, such as the tokenizer's BOS token")
+        raise EntMTPError(
+            "input_ids is empty: EntMTP decoding continues a prompt of at least one token (plain "
+            "generate cannot decode an empty one either); pass one, such as the tokenizer's BOS token"
+        )
     returns = bool(generation_config.return_dict_in_generate)
     temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
     rule = acceptance_rule(entmtp_config, generation_config, temperature)
     plan_for = plan_for or (lambda b: plan)
     plans = [plan_for(b) for b in range(1, input_ids.shape[0] + 1)]
-    cache = prepare_cache(model, model_kwargs, generation_config.max_length, max(p.max_nodes for p in plans),
-                          getattr(generation_config, "max_cache_len", None), rows=input_ids.shape[0])  # fmt: skip
+    cache = prepare_cache(
+        model,
+        model_kwargs,
+        generation_config.max_length,
+        max(p.max_nodes for p in plans),
+        getattr(generation_config, "max_cache_len", None),
+        rows=input_ids.shape[0],
+    )
     compiled = model._valid_auto_compile_criteria({"cache": cache}, generation_config)
     forward = model.get_compiled_call(generation_config.compile_config) if compiled else None
 
     def new_drafter(plan: DecodePlan, state) -> EntMTPCandidateGenerator:
-        return EntMTPCandidateGenerator(model, heads, plan, feature_window=entmtp_config.feature_window,
-                                        temperature=temperature, state=state)  # fmt: skip
+        return EntMTPCandidateGenerator(
+            model, heads, plan, feature_window=entmtp_config.feature_window, temperature=temperature, state=state
+        )
 
     pad = getattr(generation_config, "_pad_token_tensor", None)
-    return DecodeSession(model, plan_for, new_drafter, rule, cache, input_ids, model_kwargs.get("attention_mask"),
-                         logits_processor, stopping_criteria, pad_token_id=int(pad) if pad is not None else 0,
-                         max_length=generation_config.max_length, streamer=streamer, verify_forward=forward,
-                         keep_scores=returns and bool(generation_config.output_scores),
-                         keep_logits=returns and bool(generation_config.output_logits))  # fmt: skip
+    return DecodeSession(
+        model,
+        plan_for,
+        new_drafter,
+        rule,
+        cache,
+        input_ids,
+        model_kwargs.get("attention_mask"),
+        logits_processor,
+        stopping_criteria,
+        pad_token_id=int(pad) if pad is not None else 0,
+        max_length=generation_config.max_length,
+        streamer=streamer,
+        verify_forward=forward,
+        keep_scores=returns and bool(generation_config.output_scores),
+        keep_logits=returns and bool(generation_config.output_logits),
+    )
 
 
 def entmtp_decode(
@@ -158,9 +182,19 @@ def entmtp_decode(
     """Tree speculative decoding of one prompt or a batch (see the module docstring); ``plan_for(b)``
     is the plan for ``b`` rows in the forward (default: ``plan`` for every batch size)."""
     t_start = time.perf_counter()
-    session = open_session(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                           entmtp_config=entmtp_config, plan=plan, heads=heads, streamer=streamer, plan_for=plan_for,
-                           **model_kwargs)  # fmt: skip
+    session = open_session(
+        model,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        entmtp_config=entmtp_config,
+        plan=plan,
+        heads=heads,
+        streamer=streamer,
+        plan_for=plan_for,
+        **model_kwargs,
+    )
     stats = DecodeStats()
     watchers = (stats, *observers)
     for obs in watchers:
@@ -184,7 +218,9 @@ def entmtp_decode(
     cache = session.release_cache()  # the caller's next turn may continue from it
     if generation_config.return_dict_in_generate:
         return EntMTPGenerateOutput(
-            sequences=sequences, cache=cache, entmtp_stats=stats.as_dict(),
+            sequences=sequences,
+            cache=cache,
+            entmtp_stats=stats.as_dict(),
             scores=session.per_token("scores") if session.keep_scores else None,
             logits=session.per_token("logits") if session.keep_logits else None,
         )

@@ -94,10 +94,13 @@ _WARPER = "a sampling warper (with do_sample=True), applied to every tree node's
 _STOP = "the output is cut exactly where plain decoding stops"
 _ASSISTED = "read only by transformers' assisted decoding (assistant_model, prompt lookup), which EntMTP replaces"
 _BEAMS = "read only by beam search, which EntMTP refuses"
-_ANOTHER_DECODER = ("is another speculative decoder; EntMTP drafts with its heads: drop it, or generate without "
-                    "entmtp_config to use it")
-_REPO_MODE = ("is a decoding mode of its own (transformers loads it from a Hub repo); tree decoding verifies plain "
-              "greedy or sampled decoding only: drop it, or generate without entmtp_config")
+_ANOTHER_DECODER = (
+    "is another speculative decoder; EntMTP drafts with its heads: drop it, or generate without entmtp_config to use it"
+)
+_REPO_MODE = (
+    "is a decoding mode of its own (transformers loads it from a Hub repo); tree decoding verifies plain "
+    "greedy or sampled decoding only: drop it, or generate without entmtp_config"
+)
 
 #: every field of transformers' ``GenerationConfig`` (``GenerationConfig().to_dict()``)
 GENERATION_OPTIONS: dict[str, Option] = {
@@ -109,13 +112,19 @@ GENERATION_OPTIONS: dict[str, Option] = {
     "max_time": _honoured("a stopping criterion, checked after each emitted token"),
     "stop_strings": _honoured(
         "with tokenizer=: a stopping criterion, checked after each emitted token",
-        Refusal(lambda c: c.stop_strings is not None and c.tokenizer is None,
-                "stop strings are matched on decoded text: pass the model's tokenizer=... to generate")),
+        Refusal(
+            lambda c: c.stop_strings is not None and c.tokenizer is None,
+            "stop strings are matched on decoded text: pass the model's tokenizer=... to generate",
+        ),
+    ),
     "early_stopping": _irrelevant(_BEAMS),
     # ---- decoding mode
     "do_sample": _honoured("exact acceptance: the output's distribution is plain sampling's"),
-    "num_beams": _refused(_above("num_beams", 1), "beam search keeps several hypotheses per prompt; tree decoding "
-                          "continues one sequence per row: drop num_beams, or generate without entmtp_config"),
+    "num_beams": _refused(
+        _above("num_beams", 1),
+        "beam search keeps several hypotheses per prompt; tree decoding "
+        "continues one sequence per row: drop num_beams, or generate without entmtp_config",
+    ),
     "num_beam_groups": _refused(_above("num_beam_groups", 1), "group beam search " + _REPO_MODE),
     "diversity_penalty": _irrelevant("read only by group beam search, which EntMTP refuses"),
     "length_penalty": _irrelevant(_BEAMS),
@@ -128,17 +137,23 @@ GENERATION_OPTIONS: dict[str, Option] = {
         lambda c: c.guidance_scale is not None and c.guidance_scale != 1,
         "classifier-free guidance runs an unconditional forward of the model inside its logits processor, once per "
         "emitted token; a verified tree's nodes cannot feed it: drop guidance_scale, or generate without "
-        "entmtp_config"),
+        "entmtp_config",
+    ),
     "token_healing": _refused(
         _true("token_healing"),
         "token healing re-tokenizes the prompt inside generate, which can change its length under its attention "
-        "mask: heal it first (model.heal_tokens(input_ids, tokenizer)) and pass the healed ids"),
+        "mask: heal it first (model.heal_tokens(input_ids, tokenizer)) and pass the healed ids",
+    ),
     "use_mtp": _refused(_true("use_mtp"), "assisted decoding with the model's own MTP layers " + _ANOTHER_DECODER),
-    "prompt_lookup_num_tokens": _refused(_set("prompt_lookup_num_tokens"),
-                                         "prompt lookup decoding " + _ANOTHER_DECODER),
+    "prompt_lookup_num_tokens": _refused(
+        _set("prompt_lookup_num_tokens"), "prompt lookup decoding " + _ANOTHER_DECODER
+    ),
     "assistant_early_exit": _refused(_set("assistant_early_exit"), "early-exit self-speculation " + _ANOTHER_DECODER),
-    "is_assistant": _refused(_true("is_assistant"), "marks the config of an assistant model inside transformers' "
-                             "assisted decoding; the model EntMTP decodes with is not one: drop it"),
+    "is_assistant": _refused(
+        _true("is_assistant"),
+        "marks the config of an assistant model inside transformers' "
+        "assisted decoding; the model EntMTP decodes with is not one: drop it",
+    ),
     "num_assistant_tokens": _irrelevant(_ASSISTED),
     "num_assistant_tokens_schedule": _irrelevant(_ASSISTED),
     "assistant_confidence_threshold": _irrelevant(_ASSISTED),
@@ -152,20 +167,25 @@ GENERATION_OPTIONS: dict[str, Option] = {
     "cache_implementation": _honoured(
         "the dynamic and static caches ('dynamic', 'static'; 'sliding_window', 'hybrid', 'hybrid_chunked' are "
         "static ones); compiled verification with a static cache",
-        Refusal(lambda c: c.cache_implementation not in CACHE_IMPLEMENTATIONS,
-                "EntMTP verifies trees in transformers' dynamic and static caches on the model's device; offloaded, "
-                "quantized and paged (continuous batching) caches are not kept that way: use 'dynamic' or "
-                "'static'")),
+        Refusal(
+            lambda c: c.cache_implementation not in CACHE_IMPLEMENTATIONS,
+            "EntMTP verifies trees in transformers' dynamic and static caches on the model's device; offloaded, "
+            "quantized and paged (continuous batching) caches are not kept that way: use 'dynamic' or "
+            "'static'",
+        ),
+    ),
     "cache_config": _irrelevant("read only by cache_implementation='quantized', which EntMTP refuses"),
     "max_cache_len": _honoured("a static cache is at least this long"),
     "prefill_chunk_size": _refused(
         _set("prefill_chunk_size"),
         "EntMTP prefills the prompt in one forward (the draft heads read every prompt position's hidden state), so "
-        "the bound on the prefill's memory would not hold: drop prefill_chunk_size"),
+        "the bound on the prefill's memory would not hold: drop prefill_chunk_size",
+    ),
     "compile_config": _honoured("compiled verification, one graph per tree size"),
     "disable_compile": _honoured("no compiled verification, as plain generate compiles nothing"),
-    "continuous_batching_config": _irrelevant("read only by continuous batching (generate_batch, "
-                                              "cache_implementation='paged'), which EntMTP refuses"),
+    "continuous_batching_config": _irrelevant(
+        "read only by continuous batching (generate_batch, cache_implementation='paged'), which EntMTP refuses"
+    ),
     # ---- logits processors and warpers
     "temperature": _honoured(_WARPER),
     "top_k": _honoured(_WARPER),
@@ -190,23 +210,33 @@ GENERATION_OPTIONS: dict[str, Option] = {
     "sequence_bias": _honoured(_PROCESSOR),
     "watermarking_config": _honoured(
         _PROCESSOR + " (WatermarkingConfig's green lists depend on the context alone)",
-        Refusal(lambda c: isinstance(c.watermarking_config, SynthIDTextWatermarkingConfig),
-                "the SynthID watermark's processor keeps state that assumes one call per emitted token, which a "
-                "verified tree does not make: use WatermarkingConfig, or generate without entmtp_config")),
+        Refusal(
+            lambda c: isinstance(c.watermarking_config, SynthIDTextWatermarkingConfig),
+            "the SynthID watermark's processor keeps state that assumes one call per emitted token, which a "
+            "verified tree does not make: use WatermarkingConfig, or generate without entmtp_config",
+        ),
+    ),
     # ---- outputs and special tokens
-    "num_return_sequences": _honoured("with sampling, k independent rows per prompt (greedy k > 1 is refused by "
-                                      "plain generate)"),
+    "num_return_sequences": _honoured(
+        "with sampling, k independent rows per prompt (greedy k > 1 is refused by plain generate)"
+    ),
     "return_dict_in_generate": _honoured("sequences, cache and entmtp_stats"),
     "output_scores": _honoured("the processed scores each emitted token was picked from"),
     "output_logits": _honoured("the raw logits of each emitted token"),
     "output_attentions": _honoured(
         "without return_dict_in_generate, nothing is returned either way",
-        Refusal(lambda c: bool(c.output_attentions and c.return_dict_in_generate),
-                "a verified tree's attentions are not plain decoding's: drop output_attentions=True")),
+        Refusal(
+            lambda c: bool(c.output_attentions and c.return_dict_in_generate),
+            "a verified tree's attentions are not plain decoding's: drop output_attentions=True",
+        ),
+    ),
     "output_hidden_states": _honoured(
         "without return_dict_in_generate, nothing is returned either way",
-        Refusal(lambda c: bool(c.output_hidden_states and c.return_dict_in_generate),
-                "a verified tree's hidden states are not plain decoding's: drop output_hidden_states=True")),
+        Refusal(
+            lambda c: bool(c.output_hidden_states and c.return_dict_in_generate),
+            "a verified tree's hidden states are not plain decoding's: drop output_hidden_states=True",
+        ),
+    ),
     "pad_token_id": _honoured("stopped rows of a batch are padded with it"),
     "bos_token_id": _honoured("as plain generate reads it (an empty prompt starts with it)"),
     "eos_token_id": _honoured(_STOP + " (lists too)"),
@@ -222,16 +252,26 @@ GENERATE_ARGUMENTS: dict[str, Option] = {
     "stopping_criteria": _honoured("checked after each emitted token"),
     "prefix_allowed_tokens_fn": _honoured(_PROCESSOR),
     "streamer": _honoured("accepted tokens are pushed as they are accepted (one prompt)"),
-    "synced_gpus": _refused(_true("synced_gpus"), "EntMTP's loop does not keep the ranks of a DeepSpeed ZeRO-3 or "
-                            "FSDP model in step: generate without entmtp_config there"),
-    "assistant_model": _refused(_set("assistant_model"), "assisted decoding with a draft model " + _ANOTHER_DECODER
-                                + " (eas_config= runs entropy-adaptive drafting with a draft model)"),
+    "synced_gpus": _refused(
+        _true("synced_gpus"),
+        "EntMTP's loop does not keep the ranks of a DeepSpeed ZeRO-3 or "
+        "FSDP model in step: generate without entmtp_config there",
+    ),
+    "assistant_model": _refused(
+        _set("assistant_model"),
+        "assisted decoding with a draft model "
+        + _ANOTHER_DECODER
+        + " (eas_config= runs entropy-adaptive drafting with a draft model)",
+    ),
     "negative_prompt_ids": _irrelevant("read only by classifier-free guidance (guidance_scale), which EntMTP refuses"),
-    "negative_prompt_attention_mask": _irrelevant("read only by classifier-free guidance (guidance_scale), which "
-                                                  "EntMTP refuses"),
-    "custom_generate": _refused(lambda a: callable(a.custom_generate),
-                                "a custom_generate callable is another decode loop; EntMTP's is one (a custom_generate "
-                                "repo or folder gets the whole call instead)"),
+    "negative_prompt_attention_mask": _irrelevant(
+        "read only by classifier-free guidance (guidance_scale), which EntMTP refuses"
+    ),
+    "custom_generate": _refused(
+        lambda a: callable(a.custom_generate),
+        "a custom_generate callable is another decode loop; EntMTP's is one (a custom_generate "
+        "repo or folder gets the whole call instead)",
+    ),
 }
 
 
@@ -276,18 +316,23 @@ def check_generation_options(model, kwargs: dict, *, allowed: tuple[str, ...] = 
     call = Call(config, kwargs)
     for name, option in GENERATE_ARGUMENTS.items():
         if name not in allowed and option.refuses(call):
-            raise EntMTPError(f"EntMTP decoding does not support {name}={brief_repr(kwargs[name])}: "
-                              f"{option.refusal.why}")
+            raise EntMTPError(
+                f"EntMTP decoding does not support {name}={brief_repr(kwargs[name])}: {option.refusal.why}"
+            )
     for name, value in config.to_dict().items():
         option = GENERATION_OPTIONS.get(name)
         if option is None:
             if name in CONFIG_FIELDS and value is not None:
-                raise EntMTPError(f"EntMTP decoding does not know the generate option {name}={brief_repr(value)} "
-                                  f"of this transformers version{_source(name, kwargs)}: drop it, or generate "
-                                  f"without entmtp_config")
+                raise EntMTPError(
+                    f"EntMTP decoding does not know the generate option {name}={brief_repr(value)} "
+                    f"of this transformers version{_source(name, kwargs)}: drop it, or generate "
+                    f"without entmtp_config"
+                )
         elif option.refuses(call):
-            raise EntMTPError(f"EntMTP decoding does not support {name}={brief_repr(getattr(config, name))}"
-                              f"{_source(name, kwargs)}: {option.refusal.why}")
+            raise EntMTPError(
+                f"EntMTP decoding does not support {name}={brief_repr(getattr(config, name))}"
+                f"{_source(name, kwargs)}: {option.refusal.why}"
+            )
     mode = config.get_generation_mode()
     if mode not in ENTMTP_MODES:  # a field above turns every other mode on: this holds the table to transformers
         raise EntMTPError(f"EntMTP decoding does not support the decoding mode {mode.value!r} these options select")

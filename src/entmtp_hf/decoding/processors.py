@@ -95,8 +95,13 @@ def _prompt_of(row: int, batch_size: int, prompts: int) -> int:
 
 
 def process_tree_scores(
-    logits_processor, input_ids: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffers, logits: torch.Tensor,
-    *, row_wise: bool,
+    logits_processor,
+    input_ids: torch.Tensor,
+    tokens: torch.Tensor,
+    buffers: TreeBuffers,
+    logits: torch.Tensor,
+    *,
+    row_wise: bool,
 ) -> torch.Tensor:
     """Processed float32 scores [N, V] of every node of a verified tree (see the module docstring).
 

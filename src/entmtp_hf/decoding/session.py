@@ -48,8 +48,18 @@ from ..trees.plan import DecodePlan
 from ..trees.tree import Tree
 from .acceptance import check_pick, reference_typical_flags, typical_accept_flags, typical_best_path, walk_tree
 from .attention import AttentionLayout, tree_inputs, verifying
-from .cache import (accepted_slots, additive_mask, compact, hand_back, keep_accepted, prompt_positions, select_rows,
-                    sliding_layers, slot_indices, trim_windows)
+from .cache import (
+    accepted_slots,
+    additive_mask,
+    compact,
+    hand_back,
+    keep_accepted,
+    prompt_positions,
+    select_rows,
+    sliding_layers,
+    slot_indices,
+    trim_windows,
+)
 from .processors import for_row, process_tree_scores, row_wise
 from .stats import RowStep, StepRecord
 
@@ -129,10 +139,25 @@ class Row:
 class DecodeSession:
     """The state of one EntMTP ``generate`` call (built by :func:`~entmtp_hf.decoding.loop.entmtp_decode`)."""
 
-    def __init__(self, model, plan_for: Callable[[int], DecodePlan], new_drafter: DrafterFactory, rule: Rule, cache,
-                 input_ids: Tensor, attention_mask: Tensor | None, logits_processor, stopping_criteria, *,
-                 pad_token_id: int, max_length: int, streamer=None, verify_forward: Callable | None = None,
-                 keep_scores: bool = False, keep_logits: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model,
+        plan_for: Callable[[int], DecodePlan],
+        new_drafter: DrafterFactory,
+        rule: Rule,
+        cache,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        logits_processor,
+        stopping_criteria,
+        *,
+        pad_token_id: int,
+        max_length: int,
+        streamer=None,
+        verify_forward: Callable | None = None,
+        keep_scores: bool = False,
+        keep_logits: bool = False,
+    ) -> None:
         self.model, self.rule, self.cache = model, rule, cache
         #: the verification forward: the model's own, or its compiled call (one graph per tree size)
         self.forward = verify_forward or model
@@ -152,8 +177,16 @@ class DecodeSession:
         self.drops_rows = not isinstance(cache, StaticCache)
         batch = input_ids.shape[0]
         self.plan = plan_for(batch)
-        self.rows = [Row(b, input_ids[b : b + 1], new_drafter(self.plan, None), for_row(logits_processor, b, batch),
-                         input_ids.shape[1]) for b in range(batch)]  # fmt: skip
+        self.rows = [
+            Row(
+                b,
+                input_ids[b : b + 1],
+                new_drafter(self.plan, None),
+                for_row(logits_processor, b, batch),
+                input_ids.shape[1],
+            )
+            for b in range(batch)
+        ]
         self.live = list(self.rows)  # row b of the cache and of every forward is live[b]
         heads = self.rows[0].drafter.heads  # one set of heads for every row
         self.features, self.hidden_request = heads.features, heads.hidden_states_request
@@ -163,7 +196,9 @@ class DecodeSession:
         self.layout = AttentionLayout.of(model.config)  # sliding-window layers: their masks
         #: the cache's sliding layers this session trims (found once: decoding keeps the layer objects)
         self.sliding = sliding_layers(cache)
-        self._idle = Tree.root_only().buffers(self.device, self.dtype)  # what a stopped row kept in the forward verifies
+        self._idle = Tree.root_only().buffers(
+            self.device, self.dtype
+        )  # what a stopped row kept in the forward verifies
         self.finished = False
 
     # ------------------------------------------------------------------ prefill
@@ -176,13 +211,22 @@ class DecodeSession:
         ids, mask = self.prompt_ids, self.attention_mask
         cached = int(self.cache.get_seq_length())
         if cached >= ids.shape[1]:
-            raise EntMTPError(f"the cache already holds {cached} tokens and the prompt has {ids.shape[1]}: a call "
-                             f"that continues from a filled cache needs at least one new token")  # fmt: skip
+            raise EntMTPError(
+                f"the cache already holds {cached} tokens and the prompt has {ids.shape[1]}: a call "
+                f"that continues from a filled cache needs at least one new token"
+            )
         self.slot_index = slot_indices(mask)
         positions = prompt_positions(mask)  # as plain generate's: holes take no position
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
-        out = self.model(input_ids=ids[:, cached:], attention_mask=mask, position_ids=positions[:, cached:],
-                         cache=self.cache, use_cache=True, output_hidden_states=self.hidden_request, **keep)  # fmt: skip
+        out = self.model(
+            input_ids=ids[:, cached:],
+            attention_mask=mask,
+            position_ids=positions[:, cached:],
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=self.hidden_request,
+            **keep,
+        )
         features = self.features(out.hidden_states)
         last = out.logits[:, -1].float()
         for b, row in enumerate(self.rows):
@@ -213,8 +257,12 @@ class DecodeSession:
         union = [row for row in active if row.drafter.drafts_union(row.ids)]
         if len(union) > 1:  # one head call per depth for all of them
             first = union[0].drafter
-            proposals = first.heads.propose_rows([r.drafter.state for r in union], [r.ids[0, -1] for r in union],
-                                                 first.union_buffers, temperature=first.union_temperature)  # fmt: skip
+            proposals = first.heads.propose_rows(
+                [r.drafter.state for r in union],
+                [r.ids[0, -1] for r in union],
+                first.union_buffers,
+                temperature=first.union_temperature,
+            )
             for row, proposal in zip(union, proposals):
                 row.drafter.preset_union(proposal)
         return [self._idle_draft(row) if row.done else row.drafter.get_candidates(row.ids).draft for row in self.live]
@@ -239,16 +287,25 @@ class DecodeSession:
         node_index = positions + positions.new_tensor([r.shift for r in self.live])[:, None]
         mask = self.layout.masks(mask, node_index, self.slot_index, self.sliding[0].dropped if self.sliding else 0)
         with verifying():
-            return self.forward(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
-                                use_cache=True, output_hidden_states=self.hidden_request)  # fmt: skip
+            return self.forward(
+                input_ids=tokens,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+                output_hidden_states=self.hidden_request,
+            )
 
     def accept(self, drafts: list[Draft], verified: Verified) -> list[Accepted]:
         """Every row's processed scores, accepted path and next token, each against its own text."""
         return [
-            IDLE if row.done else
-            accept_tree(self.rule, row.processors, self.row_wise, row.ids, d, verified.logits[b, : d.buffers.num_nodes])
+            IDLE
+            if row.done
+            else accept_tree(
+                self.rule, row.processors, self.row_wise, row.ids, d, verified.logits[b, : d.buffers.num_nodes]
+            )
             for b, (row, d) in enumerate(zip(self.live, drafts))
-        ]  # fmt: skip
+        ]
 
     def commit(self, drafts: list[Draft], verified: Verified, accepted: list[Accepted]) -> StepRecord:
         paths = [a.path for a in accepted]
@@ -259,15 +316,18 @@ class DecodeSession:
         self.slot_index = accepted_slots(self.slot_index, verified.prefix_len, first, lengths)
         active = [b for b, row in enumerate(self.live) if not row.done]
         EntMTPCandidateGenerator.observe_rows(
-            [self.live[b].drafter for b in active], [verified.hidden[b, paths[b]] for b in active],
-            [verified.logits[b, paths[b][-1]] for b in active], [drafts[b].tokens[paths[b]] for b in active],
+            [self.live[b].drafter for b in active],
+            [verified.hidden[b, paths[b]] for b in active],
+            [verified.logits[b, paths[b][-1]] for b in active],
+            [drafts[b].tokens[paths[b]] for b in active],
         )
         steps = []
         for b in active:
             row, draft, path, scores = self.live[b], drafts[b], paths[b], accepted[b].scores
             row.next_pos += len(path)
-            emitted = self._emit(row, draft.tokens[path[1:]].tolist() + [accepted[b].next_token], scores[path],
-                                 verified.logits[b, path])  # fmt: skip
+            emitted = self._emit(
+                row, draft.tokens[path[1:]].tolist() + [accepted[b].next_token], scores[path], verified.logits[b, path]
+            )
             row.drafter.update_candidate_strategy(row.ids, scores[None], len(path) - 1)
             steps.append(RowStep(row.index, draft, path, emitted))
         trim_windows(self.sliding, self.slot_index, [r.last_index for r in self.live])
@@ -369,8 +429,9 @@ class DecodeSession:
         return out
 
 
-def accept_tree(rule: Rule, logits_processor, row_wise: bool, input_ids: Tensor, draft: Draft,
-                logits: Tensor) -> Accepted:  # fmt: skip
+def accept_tree(
+    rule: Rule, logits_processor, row_wise: bool, input_ids: Tensor, draft: Draft, logits: Tensor
+) -> Accepted:
     """One verified tree's processed scores [N, V], accepted path (root first) and next token.
 
     ``input_ids`` [1, L] is the text up to and including the root, ``logits`` [N, V] the raw
@@ -379,8 +440,9 @@ def accept_tree(rule: Rule, logits_processor, row_wise: bool, input_ids: Tensor,
     scores = process_tree_scores(logits_processor, input_ids, tokens, buffers, logits, row_wise=row_wise)
     if rule.name == "typical":
         if rule.reference:  # the published formula, on the raw logits
-            passed, node_logp = reference_typical_flags(logits, tokens, buffers.parents, rule.temperature,
-                                                        rule.epsilon, rule.alpha)  # fmt: skip
+            passed, node_logp = reference_typical_flags(
+                logits, tokens, buffers.parents, rule.temperature, rule.epsilon, rule.alpha
+            )
         else:
             passed, node_logp = typical_accept_flags(scores, tokens, buffers.parents, rule.epsilon, rule.alpha)
         path = typical_best_path(passed, node_logp, buffers.retrieve_indices)

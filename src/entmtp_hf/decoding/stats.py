@@ -119,9 +119,14 @@ class DecodeStats:
     def as_dict(self) -> dict:
         rows = [r.as_dict() for r in self.rows]
         d = rows[0].copy() if len(rows) == 1 else {}
-        d.update(rows=rows, steps=len(self.forward_rows), live_batch_sizes=list(self.forward_rows),
-                 prefill_time=self.prefill_time, total_time=self.total_time,
-                 new_tokens=sum(r["new_tokens"] for r in rows))  # fmt: skip
+        d.update(
+            rows=rows,
+            steps=len(self.forward_rows),
+            live_batch_sizes=list(self.forward_rows),
+            prefill_time=self.prefill_time,
+            total_time=self.total_time,
+            new_tokens=sum(r["new_tokens"] for r in rows),
+        )
         if self.compile_seconds is not None:
             d["compile_seconds"] = self.compile_seconds
         return d

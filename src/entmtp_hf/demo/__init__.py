@@ -29,10 +29,16 @@ DEMO_EAGLE_BANK = "smollm2-135m-cpu-eagle"  # searched with the EAGLE-style draf
 FALLBACK_BANK = "published-defaults"
 
 DEMO_PROMPTS = (
-    ("humaneval", "Write a Python function `is_palindrome(s)` that returns True when the string s reads "
-                  "the same forwards and backwards, ignoring case and spaces."),
-    ("gsm8k", "A baker makes 24 muffins in the morning and 18 in the afternoon. She sells 30 of them. "
-              "How many muffins are left? Explain step by step."),
+    (
+        "humaneval",
+        "Write a Python function `is_palindrome(s)` that returns True when the string s reads "
+        "the same forwards and backwards, ignoring case and spaces.",
+    ),
+    (
+        "gsm8k",
+        "A baker makes 24 muffins in the morning and 18 in the afternoon. She sells 30 of them. "
+        "How many muffins are left? Explain step by step.",
+    ),
     ("chat", "Give me three tips for staying focused while studying."),
 )
 
@@ -58,8 +64,14 @@ def demo_bank_dir(drafter: str = DEFAULT_DRAFTER) -> Path:
     raise FileNotFoundError("no shipped tree bank found in the package")
 
 
-def load_demo(heads: str | Path | None = None, *, model: str | None = None, banks: str | Path | None = None,
-              cache_dir: str | Path | None = None, calibrate: bool | Sequence[int] = False):
+def load_demo(
+    heads: str | Path | None = None,
+    *,
+    model: str | None = None,
+    banks: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    calibrate: bool | Sequence[int] = False,
+):
     """``(model, tokenizer, bank_dir)``: a demo model with a drafter enabled.
 
     ``model``: ``None`` (SmolLM2-135M-Instruct), a name of :data:`~entmtp_hf.demo.model.DEMO_MODELS`
@@ -79,12 +91,16 @@ def load_demo(heads: str | Path | None = None, *, model: str | None = None, bank
     elif model is not None and model != DEFAULT_DEMO:
         heads, bank_dir = own_drafter(model, heads, banks)
     else:
-        drafter = heads if isinstance(heads, str) and heads in DEMO_DRAFTERS else DEFAULT_DRAFTER if heads is None else None
+        drafter = (
+            heads if isinstance(heads, str) and heads in DEMO_DRAFTERS else DEFAULT_DRAFTER if heads is None else None
+        )
         heads = DEMO_DRAFTERS[drafter][0] if drafter is not None else Path(heads)
         beside = heads / "banks"  # where build-drafter puts a drafter's banks
         if banks is None and drafter is None and any(beside.glob("*.safetensors")):
             banks = beside
-        bank_dir = Path(banks) if banks is not None else demo_bank_dir(drafter or "hydra")  # a folder: the Hydra heads' banks
+        bank_dir = (
+            Path(banks) if banks is not None else demo_bank_dir(drafter or "hydra")
+        )  # a folder: the Hydra heads' banks
     if not (heads / "config.json").exists():
         raise FileNotFoundError(
             f"no draft heads at {heads}: train them with `entmtp-hf train-heads` (see docs/training.md)"
@@ -97,8 +113,10 @@ def load_demo(heads: str | Path | None = None, *, model: str | None = None, bank
 def own_drafter(model: str, heads: str | Path | None, banks: str | Path | None) -> tuple[Path, Path]:
     """The heads folder and the bank folder of a model without a shipped drafter, or an error
     that says how to build them."""
-    build = (f"build them with `entmtp-hf build-drafter --model {model} --work-dir runs/drafter --out my-drafter` "
-             f"(docs/your-model.md), then load_demo(model={model!r}, heads='my-drafter')")
+    build = (
+        f"build them with `entmtp-hf build-drafter --model {model} --work-dir runs/drafter --out my-drafter` "
+        f"(docs/your-model.md), then load_demo(model={model!r}, heads='my-drafter')"
+    )
     if heads is None or (isinstance(heads, str) and heads in DEMO_DRAFTERS):
         what = "no heads given" if heads is None else f"the shipped {heads!r} drafter is SmolLM2-135M-Instruct's"
         raise FileNotFoundError(f"no drafter ships for {model!r} ({what}): {build}")
@@ -117,5 +135,3 @@ def config_for(bank_dir: Path, task: str, policy: str | None = None) -> EntMTPCo
     tasks = TopologyBank.list_tasks(bank_dir)
     chosen = task if task in tasks else "default" if "default" in tasks else tasks[0]
     return EntMTPConfig(bank=str(bank_dir), task=chosen, policy=policy)
-
-

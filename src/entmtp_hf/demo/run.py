@@ -45,8 +45,12 @@ def _methods(configs: dict, kernels: CPUKernels | None) -> dict[str, tuple[Calla
     tree = {task: {"entmtp_config": cfg, "return_dict_in_generate": True} for task, cfg in configs.items()}
     if kernels is None:
         return {PLAIN: (nullcontext, plain), ENTMTP: (nullcontext, tree)}
-    return {PLAIN: (nullcontext, plain), PLAIN_K: (kernels.applied, plain), ENTMTP: (nullcontext, tree),
-            ENTMTP_F: (lambda: _lifted(kernels), tree)}  # fmt: skip
+    return {
+        PLAIN: (nullcontext, plain),
+        PLAIN_K: (kernels.applied, plain),
+        ENTMTP: (nullcontext, tree),
+        ENTMTP_F: (lambda: _lifted(kernels), tree),
+    }
 
 
 @contextmanager
@@ -63,8 +67,11 @@ def _rank_banks(model, configs: dict, setting: str = "") -> None:
     """The banks re-rank their trees for this machine from its step costs: measured here, up front
     and said so (the first time on a machine, and again for the CPU kernels, which change what a
     tree costs; read from the cache after), not inside a generate call."""
-    print(f"The banks pick their trees for this machine{setting} from its step costs (measured once per machine, "
-          "then cached) ...", flush=True)  # fmt: skip
+    print(
+        f"The banks pick their trees for this machine{setting} from its step costs (measured once per machine, "
+        "then cached) ...",
+        flush=True,
+    )
     heads = getattr(model, HEADS_ATTR)
     table = calibrate(model, heads)[1]
     chosen = []
@@ -89,7 +96,7 @@ def _measure(model, inputs, methods: dict, greedy: dict, repeats: int) -> dict:
     bar = tqdm(total=len(inputs) * len(methods) * repeats, desc="timing", unit="run")
     for task, ids, _ in inputs:
         for r in range(repeats):
-            order = list(methods)[r % len(methods):] + list(methods)[: r % len(methods)]  # rotate who goes first
+            order = list(methods)[r % len(methods) :] + list(methods)[: r % len(methods)]  # rotate who goes first
             for name in order:
                 context, kwargs = methods[name]
                 bar.set_postfix_str(f"{task}: {name}")
@@ -117,24 +124,44 @@ def _report(model, inputs, runs: dict, methods: list[str]) -> dict:
             diff = find_mismatch(ref, runs[task][name]["out"], model, ids[0].tolist())
             if diff is not None:
                 mismatches.append({"task": task, "method": name, **diff})
-    ratio = {name: statistics.median(statistics.median(runs[t][name]["tps"]) / statistics.median(runs[t][PLAIN]["tps"])
-                                     for t in runs) for name in methods}  # fmt: skip
+    ratio = {
+        name: statistics.median(
+            statistics.median(runs[t][name]["tps"]) / statistics.median(runs[t][PLAIN]["tps"]) for t in runs
+        )
+        for name in methods
+    }
     print(f"\n{'':<30}" + "".join(f"{task:>22}" for task in runs))
     for name in methods:
-        cells = [f"{statistics.median(runs[t][name]['tps']):.1f} tok/s, {statistics.mean(runs[t][name]['tau']):.2f}/step"
-                 for t in runs]  # fmt: skip
+        cells = [
+            f"{statistics.median(runs[t][name]['tps']):.1f} tok/s, {statistics.mean(runs[t][name]['tau']):.2f}/step"
+            for t in runs
+        ]
         print(f"{name:<30}" + "".join(f"{c:>22}" for c in cells))
     print("(tokens per second: the median of the timed runs; tokens per step: 1 for plain decoding)")
     fastest_plain = max((n for n in methods if n.startswith(PLAIN)), key=ratio.get)
     best = max((n for n in methods if n.startswith(ENTMTP)), key=ratio.get)
-    same = "identical token for token" if not mismatches else (
-        "NOT identical: " + "; ".join(f"{m['method']}, " + mismatch_text(m) for m in mismatches))
-    print(f"\nIn words: {best} answered these prompts {ratio[best]:.2f}x as fast as plain `generate`"
-          + (f" and {ratio[best] / ratio[fastest_plain]:.2f}x as fast as the fastest plain decoding measured here "
-             f"({fastest_plain})" if fastest_plain != PLAIN else "")
-          + f" (median over the prompts); the greedy outputs were {same}.")
-    return {"speedup": ratio, "best": best, "fastest_plain": fastest_plain, "identical_to_plain": not mismatches,
-            "mismatches": mismatches}  # fmt: skip
+    same = (
+        "identical token for token"
+        if not mismatches
+        else ("NOT identical: " + "; ".join(f"{m['method']}, " + mismatch_text(m) for m in mismatches))
+    )
+    print(
+        f"\nIn words: {best} answered these prompts {ratio[best]:.2f}x as fast as plain `generate`"
+        + (
+            f" and {ratio[best] / ratio[fastest_plain]:.2f}x as fast as the fastest plain decoding measured here "
+            f"({fastest_plain})"
+            if fastest_plain != PLAIN
+            else ""
+        )
+        + f" (median over the prompts); the greedy outputs were {same}."
+    )
+    return {
+        "speedup": ratio,
+        "best": best,
+        "fastest_plain": fastest_plain,
+        "identical_to_plain": not mismatches,
+        "mismatches": mismatches,
+    }
 
 
 def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = None) -> dict:
@@ -142,8 +169,10 @@ def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = N
     t0 = time.perf_counter()
     model, tokenizer, bank_dir = load_demo()
     drafter = {"eagle": "EAGLE-style drafter", "hydra": "Hydra heads"}[DEFAULT_DRAFTER]
-    print(f"entmtp-hf demo: SmolLM2-135M-Instruct (float32, {torch.get_num_threads()} CPU threads) with its shipped "
-          f"{drafter} and tree banks, loaded in {time.perf_counter() - t0:.1f} s\n")  # fmt: skip
+    print(
+        f"entmtp-hf demo: SmolLM2-135M-Instruct (float32, {torch.get_num_threads()} CPU threads) with its shipped "
+        f"{drafter} and tree banks, loaded in {time.perf_counter() - t0:.1f} s\n"
+    )
     greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
     configs = {task: config_for(bank_dir, task, policy) for task, _ in DEMO_PROMPTS}
     inputs = [(task, _encode(tokenizer, text), text) for task, text in DEMO_PROMPTS]

@@ -127,9 +127,11 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         first = plan.union.num_nodes  # pool index of the first retrieved token
         self.branch_nodes = tuple(tuple(m.index(first) for _, m in per) for per in plan.branches)
         choosers: dict[str, Callable[[torch.Tensor, bool], _Choice]] = {
-            NEEDS_NOTHING: self._current, NEEDS_FEATURE: self._by_feature, NEEDS_VALUES: self._by_value,
+            NEEDS_NOTHING: self._current,
+            NEEDS_FEATURE: self._by_feature,
+            NEEDS_VALUES: self._by_value,
             NEEDS_ENTROPIES: self._by_entropy,
-        }  # fmt: skip
+        }
         self._choose = choosers[self.scheduler.needs]
         self.guard = BreakEvenGuard() if plan.guarded else None
         self.root_buffers = Tree.root_only().buffers(device, dtype) if self.guard is not None else None
@@ -150,8 +152,9 @@ class EntMTPCandidateGenerator(CandidateGenerator):
         if self.index is not None:
             self.index.extend(input_ids[0, len(self.index.tokens) :].tolist())
         if self.guard is not None and self.guard.root_alone:  # the trees lose here: a plain step
-            draft = Draft(self.scheduler.current, input_ids[0, -1:].to(self.device), self.root_buffers, None,
-                          guarded=True)  # fmt: skip
+            draft = Draft(
+                self.scheduler.current, input_ids[0, -1:].to(self.device), self.root_buffers, None, guarded=True
+            )
         else:
             draft = self._draft(input_ids[0, -1])
         self._drafted, self._preset = draft, None
@@ -190,8 +193,12 @@ class EntMTPCandidateGenerator(CandidateGenerator):
             self.p0, self.entropy = float(p0), float(entropy)
 
     @staticmethod
-    def observe_rows(generators: list["EntMTPCandidateGenerator"], hiddens: list[torch.Tensor],
-                     root_logits: list[torch.Tensor], tokens: list[torch.Tensor]) -> None:  # fmt: skip
+    def observe_rows(
+        generators: list["EntMTPCandidateGenerator"],
+        hiddens: list[torch.Tensor],
+        root_logits: list[torch.Tensor],
+        tokens: list[torch.Tensor],
+    ) -> None:
         """:meth:`observe` for the rows of a batch, one generator each, sharing one set of heads
         (whose conditioning then runs once for every row)."""
         generators[0].heads.observe_rows([g.state for g in generators], hiddens, tokens)
@@ -229,7 +236,9 @@ class EntMTPCandidateGenerator(CandidateGenerator):
             if found and self.replace:
                 return False
         needs = self.scheduler.needs
-        return needs in (NEEDS_NOTHING, NEEDS_VALUES) or (needs == NEEDS_FEATURE and (self.feature.reads_draft or found))
+        return needs in (NEEDS_NOTHING, NEEDS_VALUES) or (
+            needs == NEEDS_FEATURE and (self.feature.reads_draft or found)
+        )
 
     @property
     def union_temperature(self) -> float:

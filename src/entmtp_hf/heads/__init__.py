@@ -17,8 +17,8 @@ Public API:
 from .base import HEADS_ATTR, DraftHeads, DraftState, HeadsMismatchError, Proposal
 from .card import DataSource, HeadsCard, TokensPerStep
 from .config import FORMAT_VERSION, HeadsConfig
-from .files import HeadsLoadError
 from .eagle import EagleHeads
+from .files import HeadsLoadError
 from .hydra import HydraHeads
 
 # The format modules register their readers on import, in this order: the own format first,

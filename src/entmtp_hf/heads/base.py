@@ -31,8 +31,8 @@ from huggingface_hub import ModelCard, ModelHubMixin
 from torch import Tensor, nn
 
 from ..cpu_kernels import fitted_layout, project
-from ..scheduling.features import entropy_from_logp
 from ..errors import EntMTPError
+from ..scheduling.features import entropy_from_logp
 from ..trees.tree import DepthStep, TreeBuffers
 from .card import CARD_NAME, HeadsCard, model_card
 from .config import FORMAT_VERSION, LAYER_ARCHS, HeadsConfig
@@ -46,6 +46,7 @@ StopFn = Callable[[int, Tensor], bool]
 
 #: the attribute an enabled model keeps its draft heads under (``enable_entmtp``)
 HEADS_ATTR = "entmtp_heads"
+
 
 class HeadsMismatchError(EntMTPError):
     """Heads that do not fit what they are used with: a base model (vocabulary, hidden size,
@@ -103,8 +104,6 @@ def text_config(config: Any) -> Any:
     """The decoder's config of a (possibly multimodal) transformers config."""
     get = getattr(config, "get_text_config", None)
     return get(decoder=True) if callable(get) else config
-
-
 
 
 def replicated(t: Tensor | None) -> Tensor | None:
@@ -336,8 +335,13 @@ class DraftHeads(nn.Module, ModelHubMixin):
         lm_weight = lm_bias = None
         if self.config.use_base_lm_head:
             lm_weight, lm_bias = self._base_lm_rows(model)
-        return DraftState(embed=embed, lm_weight=lm_weight, lm_bias=lm_bias, prefix_cache=self._new_prefix_cache(),
-                          kernel=fitted_layout(self.lm_kernel, lm_weight))
+        return DraftState(
+            embed=embed,
+            lm_weight=lm_weight,
+            lm_bias=lm_bias,
+            prefix_cache=self._new_prefix_cache(),
+            kernel=fitted_layout(self.lm_kernel, lm_weight),
+        )
 
     def _new_prefix_cache(self) -> Any:
         return None
@@ -372,7 +376,11 @@ class DraftHeads(nn.Module, ModelHubMixin):
             self.observe(state, hidden, toks)
 
     def propose(
-        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None,
+        self,
+        state: DraftState,
+        root_token: Tensor,
+        buffers: TreeBuffers,
+        until: StopFn | None = None,
         temperature: float = 1.0,
     ) -> Proposal:
         """Draft the tree of ``buffers`` from the root token.
@@ -386,8 +394,9 @@ class DraftHeads(nn.Module, ModelHubMixin):
         """
         raise NotImplementedError
 
-    def propose_rows(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers,
-                     temperature: float = 1.0) -> list[Proposal]:  # fmt: skip
+    def propose_rows(
+        self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers, temperature: float = 1.0
+    ) -> list[Proposal]:
         """:meth:`propose` of one tree for several rows' states (a batch's drafting); families that
         can draft the rows in one head call per depth override this loop."""
         return [self.propose(s, r, buffers, temperature=temperature) for s, r in zip(states, roots)]
@@ -398,7 +407,9 @@ class DraftHeads(nn.Module, ModelHubMixin):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ shared maths
-    def _head(self, i: int, x: Tensor, lm_weight: Tensor | None, lm_bias: Tensor | None, kernel: str = "linear") -> Tensor:
+    def _head(
+        self, i: int, x: Tensor, lm_weight: Tensor | None, lm_bias: Tensor | None, kernel: str = "linear"
+    ) -> Tensor:
         """Logits of head ``i`` (over the drafting vocabulary) for head inputs ``x``; ``kernel``:
         how the base LM rows multiply (:func:`~entmtp_hf.cpu_kernels.project`)."""
         for block in self.mlps[i]:
@@ -494,9 +505,16 @@ class DraftHeads(nn.Module, ModelHubMixin):
         for published prefix-mlp Hydra heads whose base model config cannot be fetched.
         """
         heads = load_from_source(
-            pretrained_model_name_or_path, revision=revision, base_config=base_config, cache_dir=cache_dir,
-            token=token, force_download=force_download, local_files_only=local_files_only,
-        )  # fmt: skip
+            pretrained_model_name_or_path,
+            revision=revision,
+            base_config=base_config,
+            cache_dir=cache_dir,
+            token=token,
+            force_download=force_download,
+            local_files_only=local_files_only,
+        )
         if cls.family and not isinstance(heads, cls):
-            raise HeadsMismatchError(f"{pretrained_model_name_or_path} holds {heads.family!r} heads, not {cls.family!r}")
+            raise HeadsMismatchError(
+                f"{pretrained_model_name_or_path} holds {heads.family!r} heads, not {cls.family!r}"
+            )
         return heads

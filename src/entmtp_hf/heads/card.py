@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 from huggingface_hub import ModelCardData
 
 from ..errors import ConfigError
-from ..validation import MAX_COUNT, brief_repr, integer, number, numbers_in, sequence
 from ..hub import hub_repo_id
+from ..validation import MAX_COUNT, brief_repr, integer, number, numbers_in, sequence
 from .config import HeadsConfig
 from .files import HeadsLoadError, read_json
 
@@ -53,8 +53,9 @@ def _entries(where: str, value: Any, kind: type, build: Callable[[dict], Any]) -
         if isinstance(item, dict):
             item = _from_fields(f"{where}[{i}]", kind, item, build)
         if not isinstance(item, kind):
-            raise ConfigError(f"{where}[{i}]", f"must be a {kind.__name__} or a dict of its fields, got "
-                              f"{brief_repr(item)}")  # fmt: skip
+            raise ConfigError(
+                f"{where}[{i}]", f"must be a {kind.__name__} or a dict of its fields, got {brief_repr(item)}"
+            )
         out.append(item)
     return tuple(out)
 
@@ -97,8 +98,9 @@ class TokensPerStep:
 
     def __post_init__(self) -> None:
         _text("HeadsCard.tokens_per_step.tree", self.tree, MAX_NAME, required=True)
-        object.__setattr__(self, "value", number(self.value, "HeadsCard.tokens_per_step.value", low=1.0,
-                                                 high=MAX_TOKENS_PER_STEP))  # fmt: skip
+        object.__setattr__(
+            self, "value", number(self.value, "HeadsCard.tokens_per_step.value", low=1.0, high=MAX_TOKENS_PER_STEP)
+        )
         object.__setattr__(self, "prompts", _count("HeadsCard.tokens_per_step.prompts", self.prompts))
         object.__setattr__(self, "new_tokens", _count("HeadsCard.tokens_per_step.new_tokens", self.new_tokens))
         _text("HeadsCard.tokens_per_step.note", self.note, MAX_NAME)
@@ -137,8 +139,9 @@ class HeadsCard:
     def check_heads(self, num_heads: int) -> None:
         """Per-head figures must cover every head (or be absent)."""
         if self.validation_top1 and len(self.validation_top1) != num_heads:
-            raise ConfigError("HeadsCard.validation_top1", f"has {len(self.validation_top1)} values for "
-                              f"{num_heads} heads")  # fmt: skip
+            raise ConfigError(
+                "HeadsCard.validation_top1", f"has {len(self.validation_top1)} values for {num_heads} heads"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data: the version and the fields that are set (entries without empty values)."""
@@ -188,29 +191,36 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]
 
 def _about(config: HeadsConfig, dtype: str, nbytes: int) -> list[str]:
     base = config.base_model_name_or_path
-    vocab = (f"a {config.draft_vocab_size}-token drafting vocabulary" if config.draft_vocab_size
-             else "the full vocabulary")  # fmt: skip
+    vocab = (
+        f"a {config.draft_vocab_size}-token drafting vocabulary" if config.draft_vocab_size else "the full vocabulary"
+    )
     lm = "the base model's own LM head rows" if config.use_base_lm_head else "an LM head of their own each"
     reads = " and the embeddings of the tokens drafted on its path" if config.family == "hydra" else ""
     if config.family == "eagle":
         title = "EAGLE-style drafter"
         lm = lm if config.use_base_lm_head else "its own LM head"
-        what = (f"An EAGLE-style drafter (`{config.head_arch}`, {config.num_layers} decoder layer(s), hidden size "
-                f"{config.hidden_size}, trees up to depth {config.num_heads}) drafting over {vocab} with {lm}; "
-                f"stored in {dtype} ({nbytes / 1e6:.1f} MB). At depth d it predicts the base model's feature from "
-                "its own output at depth d-1 and the token drafted there, so it drafts token t+d+1.")  # fmt: skip
+        what = (
+            f"An EAGLE-style drafter (`{config.head_arch}`, {config.num_layers} decoder layer(s), hidden size "
+            f"{config.hidden_size}, trees up to depth {config.num_heads}) drafting over {vocab} with {lm}; "
+            f"stored in {dtype} ({nbytes / 1e6:.1f} MB). At depth d it predicts the base model's feature from "
+            "its own output at depth d-1 and the token drafted there, so it drafts token t+d+1."
+        )
         layers = config.feature_layers or []
         if config.head_arch == "eagle" and len(layers) > 1:
-            what += (f" Its feature at committed positions is the base model's last hidden state plus a projection "
-                     f"of its states {', '.join(map(str, layers[:-1]))} (hidden-state indices, 0 = embeddings).")
+            what += (
+                f" Its feature at committed positions is the base model's last hidden state plus a projection "
+                f"of its states {', '.join(map(str, layers[:-1]))} (hidden-state indices, 0 = embeddings)."
+            )
         elif layers:
             what += f" It fuses the base model's hidden states {', '.join(map(str, layers))} (0 = embeddings)."
     else:
         title = f"{config.family.capitalize()} draft heads"
-        what = (f"{config.num_heads} {config.family} heads (`{config.head_arch}`, {config.num_layers} block(s) each, "
-                f"hidden size {config.hidden_size}) drafting over {vocab} with {lm}; stored in {dtype} "
-                f"({nbytes / 1e6:.1f} MB). Head i drafts token t+i+2 from the base model's last hidden state at "
-                f"t{reads}.")  # fmt: skip
+        what = (
+            f"{config.num_heads} {config.family} heads (`{config.head_arch}`, {config.num_layers} block(s) each, "
+            f"hidden size {config.hidden_size}) drafting over {vocab} with {lm}; stored in {dtype} "
+            f"({nbytes / 1e6:.1f} MB). Head i drafts token t+i+2 from the base model's last hidden state at "
+            f"t{reads}."
+        )
     return [
         f"# {title}" + (f" for `{base}`" if base else ""),
         "",
@@ -245,13 +255,23 @@ def _figures(card: HeadsCard) -> list[str]:
     lines = []
     if card.validation_top1:
         rows = [(i, f"t+{i + 2}", round(x, 3)) for i, x in enumerate(card.validation_top1)]
-        lines += ["## Validation", "", "Top-1 accuracy per head on held-out text (teacher-forced: the head's first "
-                  "choice is the base model's own token).", "", *_table(["head", "drafts", "top-1"], rows)]  # fmt: skip
+        lines += [
+            "## Validation",
+            "",
+            "Top-1 accuracy per head on held-out text (teacher-forced: the head's first "
+            "choice is the base model's own token).",
+            "",
+            *_table(["head", "drafts", "top-1"], rows),
+        ]
     if card.tokens_per_step:
         rows = [(t.tree, round(t.value, 3), t.prompts, t.new_tokens, t.note) for t in card.tokens_per_step]
-        lines += ["## Tokens per step", "", "Mean tokens per decode step (accepted drafted tokens plus the verifier's "
-                  "own; plain decoding: 1).", "",
-                  *_table(["tree", "tokens per step", "prompts", "new tokens each", "measured"], rows)]  # fmt: skip
+        lines += [
+            "## Tokens per step",
+            "",
+            "Mean tokens per decode step (accepted drafted tokens plus the verifier's own; plain decoding: 1).",
+            "",
+            *_table(["tree", "tokens per step", "prompts", "new tokens each", "measured"], rows),
+        ]
     if card.hardware:
         lines += ["## Hardware", "", f"Trained and measured on: {card.hardware}.", ""]
     return lines
@@ -261,8 +281,9 @@ def model_card(config: HeadsConfig, card: HeadsCard, dtype: str, nbytes: int) ->
     """The README.md of a heads folder: YAML front matter, what the heads are, how to use them,
     and what ``card`` records (sections for unknown figures are left out)."""
     family_tags = [*TAGS, config.family]
-    front = ModelCardData(library_name="entmtp-hf", base_model=hub_repo_id(config.base_model_name_or_path),
-                          tags=family_tags).to_yaml()  # fmt: skip
+    front = ModelCardData(
+        library_name="entmtp-hf", base_model=hub_repo_id(config.base_model_name_or_path), tags=family_tags
+    ).to_yaml()
     body = _about(config, dtype, nbytes) + _training(card) + _figures(card)
     if card.empty:
         body += ["No training record or measured figures were saved with these heads.", ""]

@@ -88,8 +88,11 @@ def check_prefix_layer_config(cfg: Any, hidden_size: int) -> None:
     if cfg.get("num_hidden_layers", 1) != 1:  # the prefix layer is one decoder layer
         raise ConfigError(f"{_PREFIX}.num_hidden_layers", f"must be 1, got {brief_repr(cfg['num_hidden_layers'])}")
     _check_attention(cfg, hidden_size)
-    for key, maximum in (("intermediate_size", MAX_INTERMEDIATE_SIZE), ("max_position_embeddings", MAX_POSITIONS),
-                         ("vocab_size", MAX_VOCAB_SIZE)):  # fmt: skip
+    for key, maximum in (
+        ("intermediate_size", MAX_INTERMEDIATE_SIZE),
+        ("max_position_embeddings", MAX_POSITIONS),
+        ("vocab_size", MAX_VOCAB_SIZE),
+    ):
         if cfg.get(key) is not None:
             integer(cfg[key], f"{_PREFIX}.{key}", low=1, high=maximum)
     if "hidden_act" in cfg:
@@ -116,24 +119,35 @@ def check_prefix_layer_config(cfg: Any, hidden_size: int) -> None:
 class HeadsConfig:
     """Shape and family of a set of draft heads (validated on construction)."""
 
-    family: str = field(metadata={"help": "'hydra' (path-dependent), 'medusa' (independent), 'eagle' (feature drafter) "
-                                       "or 'mtp' (the model's own MTP layers)"})
+    family: str = field(
+        metadata={
+            "help": "'hydra' (path-dependent), 'medusa' (independent), 'eagle' (feature drafter) "
+            "or 'mtp' (the model's own MTP layers)"
+        }
+    )
     num_heads: int = field(metadata={"help": "number of heads = maximum draft depth (eagle: the depth it drafts to)"})
     hidden_size: int = field(metadata={"help": "hidden size H of the base model"})
     vocab_size: int = field(metadata={"help": "vocabulary size V of the base model"})
     head_arch: str = field(default="mlp", metadata={"help": "'mlp', (hydra) 'prefix-mlp', (eagle) 'eagle' or 'eagle3'"})
-    num_layers: int = field(default=1, metadata={"help": "residual blocks per head (eagle: decoder layers, "
-                                                          "mtp: the model's MTP layers)"})
+    num_layers: int = field(
+        default=1, metadata={"help": "residual blocks per head (eagle: decoder layers, mtp: the model's MTP layers)"}
+    )
     use_base_lm_head: bool = field(default=False, metadata={"help": "project with the base LM head"})
     draft_vocab_size: int = field(default=0, metadata={"help": "V' of the drafting vocabulary; 0 = full"})
     base_model_name_or_path: str | None = field(default=None, metadata={"help": "base model the heads fit"})
     prefix_layer_config: dict[str, Any] | None = field(
         default=None,
-        metadata={"help": "one-layer base model config dict the prefix layer (prefix-mlp) or drafter layers (eagle) are built from"},
+        metadata={
+            "help": "one-layer base model config dict the prefix layer (prefix-mlp) or drafter layers (eagle) are "
+            "built from"
+        },
     )
     feature_layers: list[int] | None = field(
-        default=None, metadata={"help": "eagle3: the base hidden-state indices fused into the drafter's feature; "
-                                         "eagle: further states fused into the last one (-1, listed last)"}
+        default=None,
+        metadata={
+            "help": "eagle3: the base hidden-state indices fused into the drafter's feature; "
+            "eagle: further states fused into the last one (-1, listed last)"
+        },
     )
     format_version: int = field(default=FORMAT_VERSION, metadata={"help": "on-disk layout version"})
 
@@ -144,10 +158,16 @@ class HeadsConfig:
         if not isinstance(self.head_arch, str) or self.head_arch not in archs:
             got = brief_repr(self.head_arch)
             raise ConfigError(f"{_FIELD}.head_arch", f"for {self.family!r} must be one of {archs}, got {got}")
-        for name, maximum in (("num_heads", MAX_HEADS), ("num_layers", MAX_LAYERS), ("hidden_size", MAX_HIDDEN_SIZE),
-                              ("vocab_size", MAX_VOCAB_SIZE)):  # fmt: skip
+        for name, maximum in (
+            ("num_heads", MAX_HEADS),
+            ("num_layers", MAX_LAYERS),
+            ("hidden_size", MAX_HIDDEN_SIZE),
+            ("vocab_size", MAX_VOCAB_SIZE),
+        ):
             setattr(self, name, integer(getattr(self, name), f"{_FIELD}.{name}", low=1, high=maximum))
-        self.draft_vocab_size = integer(self.draft_vocab_size, f"{_FIELD}.draft_vocab_size", low=0, high=self.vocab_size)
+        self.draft_vocab_size = integer(
+            self.draft_vocab_size, f"{_FIELD}.draft_vocab_size", low=0, high=self.vocab_size
+        )
         self.format_version = integer(self.format_version, f"{_FIELD}.format_version", low=1, high=_MAX_VERSION)
         if self.format_version > FORMAT_VERSION:
             raise ConfigError(
@@ -168,8 +188,11 @@ class HeadsConfig:
         where, layers = f"{_FIELD}.feature_layers", self.feature_layers
         if self.head_arch == "eagle" and layers is not None:  # further base states fused into an EAGLE-1 feature
             if not isinstance(layers, list) or len(layers) < 2 or layers[-1] != -1:
-                raise ConfigError(where, "an 'eagle' drafter fuses base hidden states into its feature: a list "
-                                  f"of indices ending with -1 (the last state), got {brief_repr(layers)}")
+                raise ConfigError(
+                    where,
+                    "an 'eagle' drafter fuses base hidden states into its feature: a list "
+                    f"of indices ending with -1 (the last state), got {brief_repr(layers)}",
+                )
             for index in layers[:-1]:
                 integer(index, where, low=0, high=MAX_BASE_LAYERS)
             if len(set(layers)) != len(layers):
@@ -180,8 +203,12 @@ class HeadsConfig:
                 raise ConfigError(where, "is only used by head_arch 'eagle3' (and 'eagle', fusing further states)")
             return
         if not isinstance(layers, list) or len(layers) != 3:
-            raise ConfigError(where, f"eagle3 fuses three base hidden states: a list of 3 indices, got {brief_repr(layers)}")
-        for index in layers:  # hidden-state indices: 0 is the embeddings' output (checked against a model in check_fits)
+            raise ConfigError(
+                where, f"eagle3 fuses three base hidden states: a list of 3 indices, got {brief_repr(layers)}"
+            )
+        for (
+            index
+        ) in layers:  # hidden-state indices: 0 is the embeddings' output (checked against a model in check_fits)
             integer(index, where, low=0, high=MAX_BASE_LAYERS)
         if self.num_layers != 1:
             raise ConfigError(f"{_FIELD}.num_layers", f"eagle3 has one decoder layer, got {self.num_layers}")

@@ -99,8 +99,13 @@ class DraftAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """Queries from ``x`` [B, Q, in] over ``keys`` / ``values`` [B, kv_heads, K, d] (the queries'
         own included) under ``mask`` [B, Q, K] (additive)."""
-        out = F.scaled_dot_product_attention(self.queries(x, cos, sin), keys, values, attn_mask=mask[:, None],
-                                             enable_gqa=self.num_heads != self.num_kv_heads)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            self.queries(x, cos, sin),
+            keys,
+            values,
+            attn_mask=mask[:, None],
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
         return self.merge(out)
 
 
@@ -179,8 +184,10 @@ class PairQueue:
         those positions) complete; the last feature waits for the next root."""
         hidden = self._observed(hidden)
         if tokens is None or tokens.reshape(-1).shape[0] != hidden.shape[0]:
-            raise ValueError(f"{type(self).__name__} pairs each feature with the next token: pass tokens=[T] (the "
-                             "ids at the hidden states' positions)")
+            raise ValueError(
+                f"{type(self).__name__} pairs each feature with the next token: pass tokens=[T] (the "
+                "ids at the hidden states' positions)"
+            )
         cache = state.prefix_cache
         hidden, tokens = hidden.to(self._dtype), tokens.reshape(-1).to(hidden.device)
         if cache.waiting is not None:
@@ -221,9 +228,7 @@ class EagleHeads(PairQueue, DraftHeads):
         h, fused = config.hidden_size, config.head_arch == "eagle3"
         self.fused = fused
         self.fc = nn.Linear((3 if fused else 2) * h, h, bias=not fused)
-        self.layers = nn.ModuleList(
-            DraftLayer(layer_config, fused, input_norm=i > 0) for i in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(DraftLayer(layer_config, fused, input_norm=i > 0) for i in range(config.num_layers))
         self.norm = RMSNorm(h, eps=layer_config.rms_norm_eps) if fused else None
         extra = len(config.feature_layers or ()) - 1 if not fused else 0
         # eagle with further base states: f + fuse(cat[norm(s_i)]); a zero ``fuse`` drafts as without them
@@ -279,8 +284,9 @@ class EagleHeads(PairQueue, DraftHeads):
     def _layer_input(self, feat: Tensor, emb: Tensor) -> Tensor:
         return feat if self.fused else self.fc(torch.cat([emb, feat], dim=-1))
 
-    def run(self, feat: Tensor, emb: Tensor, positions: Tensor, past: tuple[list[Tensor], list[Tensor]],
-            mask: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
+    def run(
+        self, feat: Tensor, emb: Tensor, positions: Tensor, past: tuple[list[Tensor], list[Tensor]], mask: Tensor
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """Outputs [B, Q, H] of pairs (``feat``, ``emb``) [B, Q, H] at ``positions`` [B, Q] over the keys in
         ``past`` (per layer, [B, kv_heads, K, d]; empty lists: none) and their own, under ``mask``
         [B, Q, K + Q]; with the keys and values extended by theirs."""
@@ -347,7 +353,11 @@ class EagleHeads(PairQueue, DraftHeads):
 
     @torch.no_grad()
     def propose(
-        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None,
+        self,
+        state: DraftState,
+        root_token: Tensor,
+        buffers: TreeBuffers,
+        until: StopFn | None = None,
         temperature: float = 1.0,
     ) -> Proposal:
         """Draft the tree depth by depth, one drafter call per depth over its expanded nodes
@@ -355,13 +365,20 @@ class EagleHeads(PairQueue, DraftHeads):
         return self._draft([state], [root_token], buffers, temperature, until)[0]
 
     @torch.no_grad()
-    def propose_rows(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers,
-                     temperature: float = 1.0) -> list[Proposal]:  # fmt: skip
+    def propose_rows(
+        self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers, temperature: float = 1.0
+    ) -> list[Proposal]:
         """:meth:`propose` for several rows, one drafter call per depth over every row's nodes."""
         return self._draft(states, roots, buffers, temperature)
 
-    def _draft(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers, temperature: float,
-               until: StopFn | None = None) -> list[Proposal]:  # fmt: skip
+    def _draft(
+        self,
+        states: list[DraftState],
+        roots: list[Tensor],
+        buffers: TreeBuffers,
+        temperature: float,
+        until: StopFn | None = None,
+    ) -> list[Proposal]:
         """Each row commits its own queued pairs (their number differs per row), then every depth
         runs one drafter call over all rows' expanded nodes, on the rows' committed caches
         left-padded to the longest (padding masked out). ``until`` reads the first row's entropies.
@@ -395,8 +412,9 @@ class EagleHeads(PairQueue, DraftHeads):
                     mask[:, :, :longest].masked_fill_(padding[:, None], torch.finfo(dtype).min)
                 positions = (lengths - 1 + i)[:, None].expand(-1, parents.shape[0])
                 emb = first.embed(tokens[:, parents]).to(dtype)
-                outs[:, parents], keys, values = self.run(outs[:, buffers.parents[parents]], emb, positions,
-                                                          (keys, values), mask)  # fmt: skip
+                outs[:, parents], keys, values = self.run(
+                    outs[:, buffers.parents[parents]], emb, positions, (keys, values), mask
+                )
                 drafted += parents.shape[0]
             logits = self.logits(outs[:, step.parents], first.lm_weight, first.lm_bias, first.kernel)
             tok, p, h = self._children(logits, step.child_parent_row, step, temperature)
@@ -406,8 +424,9 @@ class EagleHeads(PairQueue, DraftHeads):
         return [Proposal(tokens=tokens[b], probs=probs[b], entropy=entropy[b]) for b in range(rows)]
 
     @staticmethod
-    def _tree_mask(buffers: TreeBuffers, parents: Tensor, row_of: Tensor, committed: int, drafted: int,
-                   dtype: torch.dtype) -> Tensor:  # fmt: skip
+    def _tree_mask(
+        buffers: TreeBuffers, parents: Tensor, row_of: Tensor, committed: int, drafted: int, dtype: torch.dtype
+    ) -> Tensor:
         """[P, committed + drafted + P] additive: every committed key, and the drafted pairs of each
         query's own path (its ancestors below the root and itself)."""
         q = parents.shape[0]
@@ -431,7 +450,9 @@ class EagleHeads(PairQueue, DraftHeads):
         exactly as a drafted path attends at decode time. Right padding only.
         """
         if embed is None:
-            raise ValueError("EAGLE drafters need the base model's input embeddings (embed=model.get_input_embeddings())")
+            raise ValueError(
+                "EAGLE drafters need the base model's input embeddings (embed=model.get_input_embeddings())"
+            )
         seq, dtype = hidden.shape[1], self._dtype
         lm_weight, lm_bias = self._train_lm(lm_head)
         emb = embed(input_ids).to(dtype)
@@ -450,8 +471,9 @@ class EagleHeads(PairQueue, DraftHeads):
                 k, v = att.project_kv(a_in, cos, sin)
                 past_k[i].append(k)
                 past_v[i].append(v)
-                attn = unrolled_attention(att.queries(a_in, cos, sin), past_k[i], past_v[i],
-                                          att.num_heads // att.num_kv_heads)  # fmt: skip
+                attn = unrolled_attention(
+                    att.queries(a_in, cos, sin), past_k[i], past_v[i], att.num_heads // att.num_kv_heads
+                )
                 x = layer.finish(x, att.merge(attn))
             out_list.append(self.logits(x, lm_weight, lm_bias))
             feat = x
@@ -479,7 +501,7 @@ def left_padded(per_row: list[list[Tensor]], longest: int) -> list[Tensor]:
         stacked = ref.new_zeros(len(per_row), ref.shape[0], longest, ref.shape[-1])
         for b, layers in enumerate(per_row):
             if layers:
-                stacked[b, :, longest - layers[i].shape[1]:] = layers[i]
+                stacked[b, :, longest - layers[i].shape[1] :] = layers[i]
         out.append(stacked)
     return out
 
@@ -504,4 +526,3 @@ def unrolled_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], grou
     for r, v in enumerate(diag_v):
         out = out + weights[..., n + r : n + r + 1] * v
     return out
-

@@ -27,10 +27,10 @@ from huggingface_hub.errors import (
 )
 
 from ..errors import FileFormatError
-from ..hub import missing_revision
 from ..files import check_relative_name, read_json_object, resolve_inside
-from ..validation import brief_list
+from ..hub import missing_revision
 from ..trees.bank_format import METADATA_KEY as BANK_METADATA_KEY
+from ..validation import brief_list
 
 #: ``config.json`` of heads: a few kB (the prefix layer's config included); multimodal base
 #: configs reach ~100 kB. Shard indexes of the largest models are well under 1 MiB.
@@ -45,10 +45,17 @@ GROWTH_ALLOWANCE = 16 * 2**20
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
-}  # fmt: skip
+}
 
 
 class HeadsLoadError(FileFormatError):
@@ -90,13 +97,21 @@ def resolve_file(
         raise HeadsLoadError(source, "expected a folder (or Hub repo id) holding the heads, got a file")
     _relative(filename, where)
     try:
-        return hf_hub_download(source, filename, revision=revision, cache_dir=cache_dir, token=token,
-                               force_download=force_download, local_files_only=local_files_only)  # fmt: skip
+        return hf_hub_download(
+            source,
+            filename,
+            revision=revision,
+            cache_dir=cache_dir,
+            token=token,
+            force_download=force_download,
+            local_files_only=local_files_only,
+        )
     except RevisionNotFoundError as e:
         raise HeadsLoadError(source, f"the Hub repo has no revision {revision!r} (a branch, tag or commit)") from e
     except EntryNotFoundError as e:  # LocalEntryNotFoundError included: offline and not cached
-        problem = missing_revision(source, revision, cache_dir=cache_dir, token=token,
-                                   offline=isinstance(e, LocalEntryNotFoundError))  # fmt: skip
+        problem = missing_revision(
+            source, revision, cache_dir=cache_dir, token=token, offline=isinstance(e, LocalEntryNotFoundError)
+        )
         if problem is not None:
             raise HeadsLoadError(source, problem) from e
         if required:
@@ -238,12 +253,18 @@ def open_pickle(path: str, keys_with_prefix: str | None = None) -> Weights:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise HeadsLoadError(path, f"refused or unreadable pickle ({_pickle_problem(e)}); nothing in it was run. "
-                             "Only plain tensor state dicts are read: re-save the tensors from a copy you trust "
-                             "(torch.save of a dict of tensors, or safetensors)") from e  # fmt: skip
+        raise HeadsLoadError(
+            path,
+            f"refused or unreadable pickle ({_pickle_problem(e)}); nothing in it was run. "
+            "Only plain tensor state dicts are read: re-save the tensors from a copy you trust "
+            "(torch.save of a dict of tensors, or safetensors)",
+        ) from e
     tensors = _check_tensors(data, path)
-    kept = {k.removeprefix(keys_with_prefix or ""): stored_tensor(v) for k, v in tensors.items()
-            if keys_with_prefix is None or k.startswith(keys_with_prefix)}  # fmt: skip
+    kept = {
+        k.removeprefix(keys_with_prefix or ""): stored_tensor(v)
+        for k, v in tensors.items()
+        if keys_with_prefix is None or k.startswith(keys_with_prefix)
+    }
     return Weights(path, kept, os.path.getsize(path))
 
 
@@ -268,8 +289,11 @@ def merge_weights(path: str, parts: list[Weights]) -> Weights:
 # --------------------------------------------------------------------------- matching
 def _shape_problems(weights: Weights, expected: Mapping[str, tuple[str, torch.Tensor]]) -> list[str]:
     problems = []
-    wrong = [f"{k} {tuple(weights.tensors[k].shape)} (expected {tuple(t.shape)})"
-             for k, (_, t) in sorted(expected.items()) if weights.tensors[k].shape != t.shape]  # fmt: skip
+    wrong = [
+        f"{k} {tuple(weights.tensors[k].shape)} (expected {tuple(t.shape)})"
+        for k, (_, t) in sorted(expected.items())
+        if weights.tensors[k].shape != t.shape
+    ]
     if wrong:
         problems.append(f"wrong shapes: {brief_list(wrong)}")
     dtypes = []
@@ -295,8 +319,10 @@ def check_weights(
     """
     present = {k for k in weights.tensors if not k.endswith(ignore)} if ignore else set(weights.tensors)
     if expected and not present & set(expected):
-        raise HeadsLoadError(weights.path, f"holds none of the heads' tensors (it has {brief_list(sorted(present))}): "
-                             "not weights of these heads")  # fmt: skip
+        raise HeadsLoadError(
+            weights.path,
+            f"holds none of the heads' tensors (it has {brief_list(sorted(present))}): not weights of these heads",
+        )
     missing = sorted(set(expected) - present)
     unexpected = sorted(present - set(expected))
     problems = []
@@ -314,4 +340,3 @@ def check_weights(
             weights.path, f"the heads would take {needed} bytes, far more than the {weights.nbytes} bytes of weights"
         )
     return {own: weights.tensors[k] for k, (own, _) in expected.items()}
-

@@ -23,10 +23,22 @@ from .registry import register_heads
 
 #: config entries that describe the checkpoint, not the layer; dropped from prefix_layer_config
 _NOISE_KEYS = (
-    "architectures", "_name_or_path", "transformers_version", "id2label", "label2id", "auto_map",
-    "quantization_config", "dtype", "torch_dtype", "_commit_hash", "output_hidden_states",
-    "output_attentions", "return_dict", "problem_type", "chunk_size_feed_forward",
-)  # fmt: skip
+    "architectures",
+    "_name_or_path",
+    "transformers_version",
+    "id2label",
+    "label2id",
+    "auto_map",
+    "quantization_config",
+    "dtype",
+    "torch_dtype",
+    "_commit_hash",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "problem_type",
+    "chunk_size_feed_forward",
+)
 
 
 def prefix_layer_config(base_config: Any) -> dict[str, Any]:
@@ -63,8 +75,9 @@ def _architecture_classes(config: Any) -> tuple[type, type, type]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"heads with a decoder layer need the base architecture's module; {config.model_type!r} "
-                         f"has none ({e})") from e  # fmt: skip
+        raise ValueError(
+            f"heads with a decoder layer need the base architecture's module; {config.model_type!r} has none ({e})"
+        ) from e
     for prefix in dict.fromkeys((name, name.removesuffix("Text"))):
         if all(hasattr(module, f"{prefix}{part}") for part in parts):
             return tuple(getattr(module, f"{prefix}{part}") for part in parts)
@@ -157,8 +170,16 @@ class PrefixLayer(nn.Module):
             for b, layer in filled:
                 keys[b, :, past - pasts[b] :], values[b, :, past - pasts[b] :] = layer.keys[0], layer.values[0]
             joint.update(keys, values, 0)
-        out = self.norm(self.layers[0](x, attention_mask=mask, position_ids=positions, cache=joint, use_cache=True,
-                                       position_embeddings=self.rotary_emb(x, positions, **self._rope_kwargs)))  # fmt: skip
+        out = self.norm(
+            self.layers[0](
+                x,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=joint,
+                use_cache=True,
+                position_embeddings=self.rotary_emb(x, positions, **self._rope_kwargs),
+            )
+        )
         new_keys, new_values = joint.layers[0].keys[:, :, past:], joint.layers[0].values[:, :, past:]
         for b, (h, cache) in enumerate(zip(hiddens, caches)):
             t = h.shape[0]
@@ -213,10 +234,15 @@ class HydraHeads(DraftHeads):
 
     @torch.no_grad()
     def propose(
-        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None,
+        self,
+        state: DraftState,
+        root_token: Tensor,
+        buffers: TreeBuffers,
+        until: StopFn | None = None,
         temperature: float = 1.0,
     ) -> Proposal:
-        """Draft the tree depth by depth, one batched head call per depth (``until``, ``temperature``: see the base class).
+        """Draft the tree depth by depth, one batched head call per depth (``until``, ``temperature``: see the
+        base class).
 
         ``feats`` holds, for every node of the previous depth, its head input
         concat[c_t, E(root), E(path...)]; a parent's row is found through ``slot`` (each
@@ -239,8 +265,9 @@ class HydraHeads(DraftHeads):
         return Proposal(tokens=tokens, probs=probs, entropy=entropy)
 
     @torch.no_grad()
-    def propose_rows(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers,
-                     temperature: float = 1.0) -> list[Proposal]:  # fmt: skip
+    def propose_rows(
+        self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers, temperature: float = 1.0
+    ) -> list[Proposal]:
         """:meth:`propose` for several rows at once: one head call per depth over every row's parents."""
         starts = [self._start(s, r, buffers) for s, r in zip(states, roots)]
         tokens, probs, entropy = (torch.stack(t) for t in zip(*starts))  # [B, N] each

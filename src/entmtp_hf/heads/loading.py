@@ -81,8 +81,15 @@ def load_heads(
         return MtpHeads.from_model(model)
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_heads takes DraftHeads, a folder or a repo id, got {type(source).__name__}")
-    return DraftHeads.from_pretrained(source, revision, base_config=base_config, cache_dir=cache_dir, token=token,
-                                      force_download=force_download, local_files_only=local_files_only)  # fmt: skip
+    return DraftHeads.from_pretrained(
+        source,
+        revision,
+        base_config=base_config,
+        cache_dir=cache_dir,
+        token=token,
+        force_download=force_download,
+        local_files_only=local_files_only,
+    )
 
 
 def convert_heads(

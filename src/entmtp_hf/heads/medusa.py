@@ -29,7 +29,11 @@ class MedusaHeads(DraftHeads):
 
     @torch.no_grad()
     def propose(
-        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None,
+        self,
+        state: DraftState,
+        root_token: Tensor,
+        buffers: TreeBuffers,
+        until: StopFn | None = None,
         temperature: float = 1.0,
     ) -> Proposal:
         """One call per depth's head on h_t; children take their rank of that head's top-k

@@ -123,11 +123,19 @@ class MtpHeads(PairQueue, DraftHeads):
     deep (see the module docstring). Build with :meth:`from_model` (or ``enable_entmtp(model, "mtp")``);
     the weights are the model's own and are not saved apart from it."""
 
-    def __init__(self, config: HeadsConfig, layers: nn.ModuleList | None = None, mtp_config: Any = None,
-                 shared_post_norm: nn.Module | None = None, rotary: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        config: HeadsConfig,
+        layers: nn.ModuleList | None = None,
+        mtp_config: Any = None,
+        shared_post_norm: nn.Module | None = None,
+        rotary: nn.Module | None = None,
+    ) -> None:
         if layers is None or mtp_config is None or rotary is None:
-            raise ValueError("MTP heads are a model's own layers: build them with MtpHeads.from_model(model) or "
-                             "enable_entmtp(model, 'mtp'), not from a heads config")
+            raise ValueError(
+                "MTP heads are a model's own layers: build them with MtpHeads.from_model(model) or "
+                "enable_entmtp(model, 'mtp'), not from a heads config"
+            )
         if len(layers) != config.num_layers:
             raise ValueError(f"the config says {config.num_layers} MTP layers, {len(layers)} were given")
         super().__init__(config)
@@ -151,8 +159,14 @@ class MtpHeads(PairQueue, DraftHeads):
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_model(cls, model: nn.Module, depth: int | None = None, *, draft_vocab: Tensor | list[int] | None = None,
-                   mtp_model: Any = None) -> MtpHeads:
+    def from_model(
+        cls,
+        model: nn.Module,
+        depth: int | None = None,
+        *,
+        draft_vocab: Tensor | list[int] | None = None,
+        mtp_model: Any = None,
+    ) -> MtpHeads:
         """The MTP layers of ``model``, as transformers loads them for ``generate(use_mtp=True)``:
         ``MtpModel.from_pretrained(model)``, from the checkpoint the model was loaded from (its
         ``config.name_or_path``). ``depth``: the deepest tree they draft (default: the larger of
@@ -181,16 +195,27 @@ class MtpHeads(PairQueue, DraftHeads):
         layer_types = getattr(mtp_model.config, "layer_types", None) or []
         odd = sorted(set(layer_types) - set(_MASKABLE))
         if odd:
-            raise HeadsMismatchError(f"{name}'s MTP layers include {', '.join(odd)} layers, which a tree mask cannot "
-                                     "express; EntMTP drafts with full and sliding-window attention layers")
+            raise HeadsMismatchError(
+                f"{name}'s MTP layers include {', '.join(odd)} layers, which a tree mask cannot "
+                "express; EntMTP drafts with full and sliding-window attention layers"
+            )
         rotary = getattr(mtp_model, "rotary_emb", None)
         if rotary is None or hasattr(mtp_model.embed_tokens, "embed_norm"):
-            raise HeadsMismatchError(f"{name}'s MTP layers use learned position biases or embeddings without their "
-                                     "norm (a copy of the embedding layer); EntMTP does not draft with those yet")
-        config = HeadsConfig(family="mtp", head_arch="mtp", num_heads=depth, num_layers=count,
-                             hidden_size=text.hidden_size, vocab_size=text.vocab_size, use_base_lm_head=True,
-                             draft_vocab_size=0 if dv is None else int(dv.numel()),
-                             base_model_name_or_path=getattr(model, "name_or_path", None) or None)
+            raise HeadsMismatchError(
+                f"{name}'s MTP layers use learned position biases or embeddings without their "
+                "norm (a copy of the embedding layer); EntMTP does not draft with those yet"
+            )
+        config = HeadsConfig(
+            family="mtp",
+            head_arch="mtp",
+            num_heads=depth,
+            num_layers=count,
+            hidden_size=text.hidden_size,
+            vocab_size=text.vocab_size,
+            use_base_lm_head=True,
+            draft_vocab_size=0 if dv is None else int(dv.numel()),
+            base_model_name_or_path=getattr(model, "name_or_path", None) or None,
+        )
         heads = cls(config, mtp_model.layers, mtp_model.config, getattr(mtp_model, "shared_post_norm", None), rotary)
         if dv is not None:
             heads.draft_vocab.copy_(dv)
@@ -203,12 +228,22 @@ class MtpHeads(PairQueue, DraftHeads):
         raise ValueError("MTP heads are a model's own layers: MtpHeads.from_model(model)")
 
     def _save_pretrained(self, save_directory: Any) -> None:
-        raise ValueError("MTP heads are the model's own layers and are saved with it, in its checkpoint; "
-                         "enable them on the loaded model with enable_entmtp(model, 'mtp')")
+        raise ValueError(
+            "MTP heads are the model's own layers and are saved with it, in its checkpoint; "
+            "enable them on the loaded model with enable_entmtp(model, 'mtp')"
+        )
 
     # ------------------------------------------------------------------ the layers' maths
-    def _run(self, layer: int, states: Tensor, tokens: Tensor, positions: Tensor, embed: nn.Module,
-             past: tuple[Tensor | None, Tensor | None], allowed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _run(
+        self,
+        layer: int,
+        states: Tensor,
+        tokens: Tensor,
+        positions: Tensor,
+        embed: nn.Module,
+        past: tuple[Tensor | None, Tensor | None],
+        allowed: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Outputs [B, Q, H] of ``layer``'s entries (``states``, ``tokens``) [B, Q, *] at ``positions`` [B, Q],
         attending to ``past`` then themselves where ``allowed`` [B, Q, K + Q]; and their keys and values."""
         emb = embed(tokens).to(states.dtype)
@@ -216,8 +251,9 @@ class MtpHeads(PairQueue, DraftHeads):
         mask = torch.zeros(allowed.shape, dtype=states.dtype, device=states.device)
         mask.masked_fill_(~allowed, torch.finfo(states.dtype).min)
         cache = _Past(*past)
-        out = self.layers[layer](emb, states, position_embeddings=cos_sin, attention_mask=mask[:, None],
-                                 position_ids=positions, cache=cache)
+        out = self.layers[layer](
+            emb, states, position_embeddings=cos_sin, attention_mask=mask[:, None], position_ids=positions, cache=cache
+        )
         if self.shared_post_norm is not None:
             out = self.shared_post_norm(out)
         return out, *cache.new
@@ -278,8 +314,9 @@ class MtpHeads(PairQueue, DraftHeads):
                 cache.last_outs[layer] = out[-1]
         return caches
 
-    def _commit_layer(self, layer: int, caches: list[MtpCache], inputs: list[tuple[Tensor, Tensor, Tensor]],
-                      embed: nn.Module) -> list[Tensor]:
+    def _commit_layer(
+        self, layer: int, caches: list[MtpCache], inputs: list[tuple[Tensor, Tensor, Tensor]], embed: nn.Module
+    ) -> list[Tensor]:
         """Append the rows' new entries to ``layer``'s committed caches; their outputs, one [n_b, H] per row."""
         device = inputs[0][0].device
         counts = torch.tensor([x[0].shape[0] for x in inputs], device=device)
@@ -312,15 +349,20 @@ class MtpHeads(PairQueue, DraftHeads):
     # ------------------------------------------------------------------ drafting
     @torch.no_grad()
     def propose(
-        self, state: DraftState, root_token: Tensor, buffers: TreeBuffers, until: StopFn | None = None,
+        self,
+        state: DraftState,
+        root_token: Tensor,
+        buffers: TreeBuffers,
+        until: StopFn | None = None,
         temperature: float = 1.0,
     ) -> Proposal:
         """Draft the tree depth by depth, one layer call per depth (``until``, ``temperature``: see the base class)."""
         return self._draft([state], [root_token], buffers, temperature, until)[0]
 
     @torch.no_grad()
-    def propose_rows(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers,
-                     temperature: float = 1.0) -> list[Proposal]:
+    def propose_rows(
+        self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers, temperature: float = 1.0
+    ) -> list[Proposal]:
         """:meth:`propose` for several rows, one layer call per depth over every row's entries."""
         return self._draft(states, roots, buffers, temperature)
 
@@ -344,14 +386,29 @@ class MtpHeads(PairQueue, DraftHeads):
             keys = torch.tensor(scratch[layer], dtype=torch.long, device=device)
             idx = torch.tensor(nodes, dtype=torch.long, device=device)
             depth = buffers.position_ids[idx]
-            plan.append(_Rows(layer=layer, prev=prev, nodes=idx, parents=buffers.parents[idx], depth=depth,
-                              see=visible[idx][:, keys], gap=depth[:, None] - buffers.position_ids[keys][None],
-                              start=start))
+            plan.append(
+                _Rows(
+                    layer=layer,
+                    prev=prev,
+                    nodes=idx,
+                    parents=buffers.parents[idx],
+                    depth=depth,
+                    see=visible[idx][:, keys],
+                    gap=depth[:, None] - buffers.position_ids[keys][None],
+                    start=start,
+                )
+            )
         cache.plans[id(buffers)] = (buffers, plan)
         return plan
 
-    def _draft(self, states: list[DraftState], roots: list[Tensor], buffers: TreeBuffers, temperature: float,
-               until: StopFn | None = None) -> list[Proposal]:
+    def _draft(
+        self,
+        states: list[DraftState],
+        roots: list[Tensor],
+        buffers: TreeBuffers,
+        temperature: float,
+        until: StopFn | None = None,
+    ) -> list[Proposal]:
         """Each row commits its text up to its root; then every depth runs one layer call over all rows'
         entries of that depth (see :class:`_Rows`), on the rows' committed caches left-padded to the
         longest (padding masked out). ``until`` reads the first row's entropies.
@@ -392,11 +449,20 @@ class MtpHeads(PairQueue, DraftHeads):
                 tree = (rows_i.see[None] & entry_ok[layer][:, None]) & self._window(layer, rows_i.gap)[None]
                 tree[:, torch.arange(q, device=device), rows_i.start + torch.arange(q, device=device)] = True
                 allowed = torch.cat([old, tree], dim=-1)
-                out, keys, values = self._run(layer, outs[:, rows_i.parents], tokens[:, rows_i.nodes], positions,
-                                              first.embed, past[layer], allowed)
+                out, keys, values = self._run(
+                    layer,
+                    outs[:, rows_i.parents],
+                    tokens[:, rows_i.nodes],
+                    positions,
+                    first.embed,
+                    past[layer],
+                    allowed,
+                )
                 pk, pv = past[layer]
-                past[layer] = (keys if pk is None else torch.cat([pk, keys], dim=-2),
-                               values if pv is None else torch.cat([pv, values], dim=-2))
+                past[layer] = (
+                    keys if pk is None else torch.cat([pk, keys], dim=-2),
+                    values if pv is None else torch.cat([pv, values], dim=-2),
+                )
                 outs[:, rows_i.nodes], valid[:, rows_i.nodes] = out, ok
             logits = self.logits(outs[:, step.parents], first.lm_weight, first.lm_bias, first.kernel)
             tok, p, h = self._children(logits, step.child_parent_row, step, temperature)
@@ -414,8 +480,9 @@ class MtpHeads(PairQueue, DraftHeads):
         return torch.stack([o if o is not None else torch.zeros_like(like) for o in outs]), have
 
     @staticmethod
-    def _committed(caches: list[MtpCache], layer: int, root_pos: Tensor
-                   ) -> tuple[tuple[Tensor | None, Tensor | None], tuple[Tensor, Tensor]]:
+    def _committed(
+        caches: list[MtpCache], layer: int, root_pos: Tensor
+    ) -> tuple[tuple[Tensor | None, Tensor | None], tuple[Tensor, Tensor]]:
         """``layer``'s committed keys and values of every row, left-padded to the longest; the
         positions of those entries (ending at the row's root) and which are not padding."""
         lengths = torch.tensor([c.length(layer) for c in caches], device=root_pos.device)
@@ -462,12 +529,17 @@ def _load_mtp_model(model: nn.Module, name: str) -> Any:
 
     source = getattr(model.config, "name_or_path", None)  # where MtpModel.from_pretrained reads the files
     if not source:
-        raise HeadsMismatchError(f"{name} was not loaded from a checkpoint (its config has no name_or_path): its MTP "
-                                 "layers are read from the checkpoint's files; load the model with from_pretrained")
+        raise HeadsMismatchError(
+            f"{name} was not loaded from a checkpoint (its config has no name_or_path): its MTP "
+            "layers are read from the checkpoint's files; load the model with from_pretrained"
+        )
     decoder = model.get_decoder()
     device = next(decoder.layers[-1].parameters()).device
     try:
         return MtpModel.from_pretrained(model, device_map={"": device})
     except (OSError, RuntimeError, ValueError, KeyError) as e:
-        raise HeadsMismatchError(f"{name}'s checkpoint {source} holds no MTP layers transformers can load "
-                                 f"({type(e).__name__}: {e})".replace("\n", " ")) from e
+        raise HeadsMismatchError(
+            f"{name}'s checkpoint {source} holds no MTP layers transformers can load ({type(e).__name__}: {e})".replace(
+                "\n", " "
+            )
+        ) from e

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from ..validation import brief_list, brief_repr, integer
-from .config import MAX_BASE_LAYERS, MAX_HEADS, MAX_HIDDEN_SIZE, MAX_LAYERS, MAX_VOCAB_SIZE, HeadsConfig
-from .files import MAX_INDEX_BYTES, HeadsLoadError, Weights, stored_tensor, merge_weights, open_weights, read_json
 from .base import text_config
+from .config import MAX_BASE_LAYERS, MAX_HEADS, MAX_HIDDEN_SIZE, MAX_LAYERS, MAX_VOCAB_SIZE, HeadsConfig
 from .eagle import EagleHeads, eagle3_feature_layers
+from .files import MAX_INDEX_BYTES, HeadsLoadError, Weights, merge_weights, open_weights, read_json, stored_tensor
 from .hydra import HydraHeads, prefix_layer_config
 from .medusa import MedusaHeads
 from .registry import Resolver, build_checked, register_format
@@ -110,8 +110,13 @@ def _check_declared_sizes(cfg: dict[str, Any], cfg_path: str, weights: Weights, 
     for name, actual in found.items():
         if cfg.get(name) is None:
             continue
-        declared = integer(cfg[name], name, low=1, high=DECLARED_SIZES[name],
-                           error=lambda field, problem: HeadsLoadError(cfg_path, f"{field} {problem}"))
+        declared = integer(
+            cfg[name],
+            name,
+            low=1,
+            high=DECLARED_SIZES[name],
+            error=lambda field, problem: HeadsLoadError(cfg_path, f"{field} {problem}"),
+        )
         if declared != actual:
             raise HeadsLoadError(cfg_path, f"{name} is {declared}, but the weights in {weights.path} have {actual}")
 
@@ -145,7 +150,7 @@ def _hydra_base_config(base_config: Any, base_name: str | None, path: str) -> An
         raise HeadsLoadError(
             path,
             f"prefix-mlp heads need the config of base model {brief_repr(base_name)}, which could not be loaded "
-            f"({type(e).__name__}: {e}); pass base_config=model.config"
+            f"({type(e).__name__}: {e}); pass base_config=model.config",
         ) from e
 
 
@@ -180,9 +185,17 @@ def load_published_hydra(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, 
             theirs = brief_repr(prefix.get("hidden_size"))
             raise HeadsLoadError(path, f"hidden size {hidden} differs from the base config's {theirs}")
     config = _sized_config(
-        weights, cfg_path, family="hydra", head_arch=arch, num_heads=num_heads, num_layers=num_layers,
-        hidden_size=hidden, vocab_size=vocab, base_model_name_or_path=base_name, prefix_layer_config=prefix,
-    )  # fmt: skip
+        weights,
+        cfg_path,
+        family="hydra",
+        head_arch=arch,
+        num_heads=num_heads,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        base_model_name_or_path=base_name,
+        prefix_layer_config=prefix,
+    )
     return build_checked(config, weights, cfg_path, lambda k: hydra_published_name(k, arch), ignore=HYDRA_IGNORED)
 
 
@@ -268,17 +281,25 @@ def load_published_medusa(
             stacklevel=3,
         )
     config = _sized_config(
-        weights, cfg_path, family="medusa", num_heads=num_heads, num_layers=num_layers, hidden_size=hidden,
-        vocab_size=vocab, base_model_name_or_path=base_name,
-    )  # fmt: skip
+        weights,
+        cfg_path,
+        family="medusa",
+        num_heads=num_heads,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        base_model_name_or_path=base_name,
+    )
     return build_checked(config, weights, cfg_path, lambda k: medusa_published_name(k, num_layers))
 
 
 # --------------------------------------------------------------------------- EAGLE
 def is_eagle_config(cfg: dict[str, Any]) -> bool:
     """A published EAGLE drafter's config: a one-layer Llama config (EAGLE-3's names its draft vocabulary)."""
-    return cfg.get("num_hidden_layers") == 1 and "hidden_size" in cfg and (
-        "draft_vocab_size" in cfg or cfg.get("model_type", "llama") == "llama"
+    return (
+        cfg.get("num_hidden_layers") == 1
+        and "hidden_size" in cfg
+        and ("draft_vocab_size" in cfg or cfg.get("model_type", "llama") == "llama")
     )
 
 
@@ -297,7 +318,9 @@ def _eagle_layer_config(cfg: dict[str, Any], cfg_path: str) -> dict[str, Any]:
     layer.setdefault("model_type", "llama")
     layer.setdefault("hidden_act", "silu")
     if layer["model_type"] != "llama":
-        raise HeadsLoadError(cfg_path, f"EAGLE drafters are Llama layers; got model_type {brief_repr(layer['model_type'])}")
+        raise HeadsLoadError(
+            cfg_path, f"EAGLE drafters are Llama layers; got model_type {brief_repr(layer['model_type'])}"
+        )
     try:
         from transformers import LlamaConfig
 
@@ -319,11 +342,20 @@ def load_published_eagle(cfg: dict[str, Any], cfg_path: str, resolve: Resolver, 
         raise HeadsLoadError(path, "no 'fc.weight': not an EAGLE drafter's weights")
     hidden, fc_in = _shape(weights, "fc.weight", 2)
     if fc_in != (3 if arch == "eagle3" else 2) * hidden:
-        raise HeadsLoadError(path, f"fc.weight has shape {(hidden, fc_in)}; {arch} expects [H, {3 if arch == 'eagle3' else 2}H]")
+        raise HeadsLoadError(
+            path, f"fc.weight has shape {(hidden, fc_in)}; {arch} expects [H, {3 if arch == 'eagle3' else 2}H]"
+        )
     layer = _eagle_layer_config(cfg, cfg_path)
     vocab = _field(cfg, "vocab_size", int, cfg_path)
-    fields: dict[str, Any] = dict(family="eagle", head_arch=arch, num_heads=EAGLE_MAX_DEPTH, num_layers=1,
-                                  hidden_size=hidden, vocab_size=vocab, prefix_layer_config=layer)  # fmt: skip
+    fields: dict[str, Any] = dict(
+        family="eagle",
+        head_arch=arch,
+        num_heads=EAGLE_MAX_DEPTH,
+        num_layers=1,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        prefix_layer_config=layer,
+    )
     if arch == "eagle":
         layers = {int(k.split(".")[1]) for k in tensors if re.fullmatch(r"layers\.\d{1,3}\..+", k)}
         if layers != set(range(len(layers))) or not layers:
@@ -359,18 +391,27 @@ def _eagle3_layers(base_config: Any, cfg_path: str, cfg: dict[str, Any] | None =
     (a config or its dict)."""
     named = (cfg or {}).get("eagle_aux_hidden_state_layer_ids")
     if named is not None:
-        if not isinstance(named, list) or len(named) != 3 or not all(
-                type(i) is int and 0 <= i <= MAX_BASE_LAYERS for i in named):  # fmt: skip
-            raise HeadsLoadError(cfg_path, f"eagle_aux_hidden_state_layer_ids must list 3 hidden-state indices in "
-                                 f"[0, {MAX_BASE_LAYERS}], got {brief_repr(named)}")  # fmt: skip
+        if (
+            not isinstance(named, list)
+            or len(named) != 3
+            or not all(type(i) is int and 0 <= i <= MAX_BASE_LAYERS for i in named)
+        ):
+            raise HeadsLoadError(
+                cfg_path,
+                f"eagle_aux_hidden_state_layer_ids must list 3 hidden-state indices in "
+                f"[0, {MAX_BASE_LAYERS}], got {brief_repr(named)}",
+            )
         return list(named)
     if isinstance(base_config, dict):
         depth = base_config.get("num_hidden_layers")
     else:
         depth = getattr(text_config(base_config), "num_hidden_layers", None) if base_config is not None else None
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise HeadsLoadError(cfg_path, "an EAGLE-3 drafter fuses base layers 2, L/2 and L-3: pass base_config= "
-                             "(the base model's config; enable_entmtp does)")  # fmt: skip
+        raise HeadsLoadError(
+            cfg_path,
+            "an EAGLE-3 drafter fuses base layers 2, L/2 and L-3: pass base_config= "
+            "(the base model's config; enable_entmtp does)",
+        )
     return eagle3_feature_layers(depth)
 
 

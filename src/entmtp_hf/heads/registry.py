@@ -61,8 +61,9 @@ class CheckpointFormat:
 FORMATS: dict[str, CheckpointFormat] = {}
 
 
-def register_format(name: str, marker: str, load: Loader,
-                    detect: Callable[[dict[str, Any]], bool] | None = None) -> None:  # fmt: skip
+def register_format(
+    name: str, marker: str, load: Loader, detect: Callable[[dict[str, Any]], bool] | None = None
+) -> None:
     """Add a checkpoint format recognised by ``marker`` in ``config.json`` (or by ``detect(cfg)``,
     for layouts without a key of their own) and read by ``load``."""
     FORMATS[name] = CheckpointFormat(name, marker, load, detect)
@@ -85,14 +86,24 @@ def load_from_source(
 ) -> nn.Module:
     """Load heads of any registered format from a local folder or a Hub repo id; the heads
     remember ``source`` as their ``name_or_path``."""
-    resolve = functools.partial(resolve_file, source, revision=revision, cache_dir=cache_dir, token=token,
-                                force_download=force_download, local_files_only=local_files_only)  # fmt: skip
+    resolve = functools.partial(
+        resolve_file,
+        source,
+        revision=revision,
+        cache_dir=cache_dir,
+        token=token,
+        force_download=force_download,
+        local_files_only=local_files_only,
+    )
     cfg_path = resolve(CONFIG_NAME, required=True)
     cfg = read_json(cfg_path)
     kind = detect_format(cfg)
     if not kind:
         markers = ", ".join(repr(f.marker) for f in FORMATS.values() if f.marker)
-        raise HeadsLoadError(cfg_path, f"not a draft-heads config (none of the fields {markers}, nor a one-layer EAGLE config){_foreign(cfg)}")
+        raise HeadsLoadError(
+            cfg_path,
+            f"not a draft-heads config (none of the fields {markers}, nor a one-layer EAGLE config){_foreign(cfg)}",
+        )
     heads = FORMATS[kind].load(cfg, cfg_path, resolve, base_config)
     heads.name_or_path = os.fspath(source)
     return heads

@@ -62,9 +62,14 @@ MAX_TOKENS = 2**62
 MAX_BANDS = 64
 MAX_SETTINGS_BYTES = 2**16
 #: the integer fields' ranges (``fork_min_history`` is also at most ``window``)
-_INTEGER_RANGES = {"k_max": (1, MAX_CHAIN), "window": (1, MAX_WINDOW), "fork_min_history": (1, MAX_WINDOW),
-                   "warmup_tokens": (0, MAX_TOKENS), "warmup_length": (0, MAX_CHAIN),
-                   "min_length": (0, MAX_CHAIN)}  # fmt: skip
+_INTEGER_RANGES = {
+    "k_max": (1, MAX_CHAIN),
+    "window": (1, MAX_WINDOW),
+    "fork_min_history": (1, MAX_WINDOW),
+    "warmup_tokens": (0, MAX_TOKENS),
+    "warmup_length": (0, MAX_CHAIN),
+    "min_length": (0, MAX_CHAIN),
+}
 
 
 def _name(field_name: str) -> str:
@@ -97,22 +102,25 @@ class EASConfig:
     warmup_tokens: int = field(default=100, metadata={"help": "generated tokens drafted at the fixed length"})
     warmup_length: int = field(default=4, metadata={"help": "fixed chain length during warm-up (capped at k_max)"})
     min_length: int = field(
-        default=0, metadata={"help": "no entropy halt before this many tokens (where a CPU verifies them at no extra cost)"}
+        default=0,
+        metadata={"help": "no entropy halt before this many tokens (where a CPU verifies them at no extra cost)"},
     )
 
     def __post_init__(self) -> None:
         for name, (low, high) in _INTEGER_RANGES.items():
             object.__setattr__(self, name, integer(getattr(self, name), _name(name), low=low, high=high))
         if self.fork_min_history > self.window:
-            raise ConfigError(_name("fork_min_history"), f"must be at most window ({self.window}), "
-                              f"got {self.fork_min_history}")  # fmt: skip
+            raise ConfigError(
+                _name("fork_min_history"), f"must be at most window ({self.window}), got {self.fork_min_history}"
+            )
         bands = numbers_in(self.thresholds, _name("thresholds"), low=0.0, max_len=MAX_BANDS)
         if not bands:
             raise ConfigError(_name("thresholds"), "needs one entropy threshold per band, at least one")
         edges = numbers_in(self.band_edges, _name("band_edges"), max_len=MAX_BANDS)
         if len(edges) != len(bands) - 1:
-            raise ConfigError(_name("band_edges"), f"needs {len(bands) - 1} edges for {len(bands)} thresholds, "
-                              f"got {len(edges)}")  # fmt: skip
+            raise ConfigError(
+                _name("band_edges"), f"needs {len(bands) - 1} edges for {len(bands)} thresholds, got {len(edges)}"
+            )
         object.__setattr__(self, "thresholds", bands)
         object.__setattr__(self, "band_edges", increasing(edges, _name("band_edges")))
         object.__setattr__(self, "fork_margin", number(self.fork_margin, _name("fork_margin"), low=0.0))
@@ -297,6 +305,7 @@ class EASController:
         self.stats.verified_draft_tokens += verified
         self.stats.accepted_draft_tokens += min(accepted, verified)
         self.generated += new_tokens
+
 
 def fixed_length(k: int) -> EASConfig:
     """An :class:`EASConfig` that drafts exactly ``k`` tokens every step (the fixed-chain

@@ -113,8 +113,10 @@ class FeatureTracker:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in FEATURES:
-            raise ConfigError("FeatureTracker.name", f"unknown scheduler feature {brief_repr(self.name)}; choose one "
-                              f"of {list(FEATURES)}")  # fmt: skip
+            raise ConfigError(
+                "FeatureTracker.name",
+                f"unknown scheduler feature {brief_repr(self.name)}; choose one of {list(FEATURES)}",
+            )
         self.window = integer(self.window, "FeatureTracker.window", low=1, high=MAX_FEATURE_WINDOW)
 
     def observe_accept(self, accept_length: int) -> None:

@@ -84,9 +84,17 @@ _REGISTRY: dict[str, PolicySpec] = {}
 _ALIASES: dict[str, str] = {}
 
 
-def register_policy(name: str, rule: type, *, needs: str, aliases: tuple[str, ...] = (),
-                    sources: tuple[str, ...] = SOURCES, min_trees: int = 1, what: str = "",
-                    from_bank: FromBank | None = None) -> PolicySpec:  # fmt: skip
+def register_policy(
+    name: str,
+    rule: type,
+    *,
+    needs: str,
+    aliases: tuple[str, ...] = (),
+    sources: tuple[str, ...] = SOURCES,
+    min_trees: int = 1,
+    what: str = "",
+    from_bank: FromBank | None = None,
+) -> PolicySpec:
     """Register a tree policy under ``name``.
 
     ``rule``: a dataclass taking ``num_trees`` then the policy's arguments (each with a default),
@@ -100,8 +108,10 @@ def register_policy(name: str, rule: type, *, needs: str, aliases: tuple[str, ..
     programming error, not bad input).
     """
     if not isinstance(name, str) or not name or any(n in _REGISTRY or n in _ALIASES for n in (name, *aliases)):
-        raise ValueError(f"policy name {brief_repr(name)} or one of its aliases {list(aliases)} is taken; "
-                         f"registered: {policy_names()}, aliases: {list(_ALIASES)}")  # fmt: skip
+        raise ValueError(
+            f"policy name {brief_repr(name)} or one of its aliases {list(aliases)} is taken; "
+            f"registered: {policy_names()}, aliases: {list(_ALIASES)}"
+        )
     if needs not in NEEDS:
         raise ValueError(f"a policy needs one of {list(NEEDS)}, got {brief_repr(needs)}")
     if not set(sources) <= set(SOURCES):
@@ -131,8 +141,9 @@ def canonical_policy(name: object) -> object:
     return _ALIASES.get(name, name) if isinstance(name, str) else name
 
 
-def get_policy(name: object, field: str = f"{_FIELD}.policy", *, in_banks: bool = False,
-               error: Refusal = ConfigError) -> PolicySpec:  # fmt: skip
+def get_policy(
+    name: object, field: str = f"{_FIELD}.policy", *, in_banks: bool = False, error: Refusal = ConfigError
+) -> PolicySpec:
     """The registered policy ``name`` (or an alias) names; anything else (an unknown name, a
     list, a number) is ``error(field, ...)`` listing the registered names."""
     spec = _REGISTRY.get(canonical_policy(name)) if isinstance(name, str) else None
@@ -197,6 +208,7 @@ class Scheduler:
 
 def tree_index(value: Any, name: str, num_trees: int) -> int:
     """An index among ``num_trees`` trees."""
+
     def refuse(field: str, problem: str) -> ConfigError:
         return ConfigError(field, f"is not a tree index: {problem}")
 
@@ -252,8 +264,9 @@ class LadderRule:
     current: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self.thresholds = thresholds(self.thresholds, f"{_FIELD}.thresholds", low=-float("inf"),
-                                     count=self.num_trees - 1)  # fmt: skip
+        self.thresholds = thresholds(
+            self.thresholds, f"{_FIELD}.thresholds", low=-float("inf"), count=self.num_trees - 1
+        )
 
     def choose(self, s: float) -> int:
         self.current = bisect.bisect_left(self.thresholds, s)
@@ -272,8 +285,10 @@ class ValueRule:
     def __post_init__(self) -> None:
         costs = numbers_in(self.costs, f"{_FIELD}.costs")
         if costs and (len(costs) != self.num_trees or min(costs) <= 0):
-            raise ConfigError(f"{_FIELD}.costs", f"must give one positive cost per tree ({self.num_trees}), "
-                              f"got {brief_repr(list(costs))}")  # fmt: skip
+            raise ConfigError(
+                f"{_FIELD}.costs",
+                f"must give one positive cost per tree ({self.num_trees}), got {brief_repr(list(costs))}",
+            )
         self.costs = costs
 
     def choose(self, values: list[float]) -> int:
@@ -289,16 +304,41 @@ def _hysteresis_from_bank(d: Any, trees: tuple) -> tuple[tuple[int, ...], dict[s
     return (low, high), {"low": 0, "high": 1, "tau_on": d.tau_on, "tau_off": d.tau_off}
 
 
-register_policy("static", StaticRule, needs=NEEDS_NOTHING, aliases=("EntMTP*",), what="verifies one tree",
-                from_bank=lambda d, trees: ((d.static,), {}))  # fmt: skip
-register_policy("hysteresis", HysteresisRule, needs=NEEDS_FEATURE, aliases=("EntMTPτ", "EntMTPtau"), min_trees=2,
-                what="switches between two trees (T-, T+)", from_bank=_hysteresis_from_bank)  # fmt: skip
-register_policy("ladder", LadderRule, needs=NEEDS_FEATURE, aliases=("EntMTP-l",), sources=("bank", "trees"),
-                what="picks among several trees", from_bank=lambda d, trees: (tuple(d.ladder),
-                                                                             {"thresholds": tuple(d.thresholds)}))  # fmt: skip
-register_policy("value", ValueRule, needs=NEEDS_VALUES, aliases=("EntMTP-v",), sources=("bank", "trees"),
-                what="picks among several trees", from_bank=lambda d, trees: (tuple(d.value),
-                                                                             {"costs": tuple(d.value_costs)}))  # fmt: skip
+register_policy(
+    "static",
+    StaticRule,
+    needs=NEEDS_NOTHING,
+    aliases=("EntMTP*",),
+    what="verifies one tree",
+    from_bank=lambda d, trees: ((d.static,), {}),
+)
+register_policy(
+    "hysteresis",
+    HysteresisRule,
+    needs=NEEDS_FEATURE,
+    aliases=("EntMTPτ", "EntMTPtau"),
+    min_trees=2,
+    what="switches between two trees (T-, T+)",
+    from_bank=_hysteresis_from_bank,
+)
+register_policy(
+    "ladder",
+    LadderRule,
+    needs=NEEDS_FEATURE,
+    aliases=("EntMTP-l",),
+    sources=("bank", "trees"),
+    what="picks among several trees",
+    from_bank=lambda d, trees: (tuple(d.ladder), {"thresholds": tuple(d.thresholds)}),
+)
+register_policy(
+    "value",
+    ValueRule,
+    needs=NEEDS_VALUES,
+    aliases=("EntMTP-v",),
+    sources=("bank", "trees"),
+    what="picks among several trees",
+    from_bank=lambda d, trees: (tuple(d.value), {"costs": tuple(d.value_costs)}),
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -26,13 +26,15 @@ from ..trees.tree import MC_SIM_7B_63, Tree
 from .search.trajectories import Trajectory, rank_tuples, simulate_canonical
 
 
-def trajectories(model, heads, results: dict, task: str, method: str = "vanilla",
-                 progress: bool = False) -> list[Trajectory]:
+def trajectories(
+    model, heads, results: dict, task: str, method: str = "vanilla", progress: bool = False
+) -> list[Trajectory]:
     """One trajectory per prompt of ``task``: prompt + the greedy output ``method`` produced
     (``progress``: a bar over the prompts)."""
     prompts = results["prompts"][task]
-    records = sorted((r for r in results["records"] if r["task"] == task and r["method"] == method),
-                     key=lambda r: r["prompt_index"])  # fmt: skip
+    records = sorted(
+        (r for r in results["records"] if r["task"] == task and r["method"] == method), key=lambda r: r["prompt_index"]
+    )
     if not records:
         raise ValueError(f"the results hold no {method!r} records for task {task!r}")
     if results["settings"]["mode"] != "greedy":
@@ -56,13 +58,18 @@ def mean_accept(trajs: Sequence[Trajectory], tree: Tree) -> float:
 
 def measured_accept(results: dict, task: str, method: str) -> float | None:
     """Pooled tokens per step of a tree method's records (None if it did not run)."""
-    lengths = [a for r in results["records"] if r["task"] == task and r["method"] == method
-               for a in (r.get("accept_lengths") or [])]  # fmt: skip
+    lengths = [
+        a
+        for r in results["records"]
+        if r["task"] == task and r["method"] == method
+        for a in (r.get("accept_lengths") or [])
+    ]
     return sum(lengths) / len(lengths) if lengths else None
 
 
-def acceptance_table(model, heads, results: dict, trees: dict[str, dict[str, Tree]],
-                     progress: bool = False) -> dict[str, Any]:
+def acceptance_table(
+    model, heads, results: dict, trees: dict[str, dict[str, Tree]], progress: bool = False
+) -> dict[str, Any]:
     """τ per task for the named trees; ``trees[task]`` maps a label to a tree."""
     table: dict[str, Any] = {}
     for task, named in trees.items():
@@ -83,11 +90,16 @@ def markdown(table: dict[str, Any]) -> str:
         cells = [table[t]["tau"].get(label) for t in tasks]
         nodes = next(c["num_nodes"] for c in cells if c)
         vals = [c["tau"] if c else float("nan") for c in cells]
-        lines.append(f"| {label} | {nodes} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {sum(vals) / len(vals):.2f} |")
+        lines.append(
+            f"| {label} | {nodes} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {sum(vals) / len(vals):.2f} |"
+        )
     measured = [table[t]["measured_hydra_default"] for t in tasks]
     if all(m is not None for m in measured):
-        lines.append("| mc_sim_7b_63 measured by the run (`hydra-default`) | 64 | "
-                     + " | ".join(f"{m:.2f}" for m in measured) + f" | {sum(measured) / len(measured):.2f} |")  # fmt: skip
+        lines.append(
+            "| mc_sim_7b_63 measured by the run (`hydra-default`) | 64 | "
+            + " | ".join(f"{m:.2f}" for m in measured)
+            + f" | {sum(measured) / len(measured):.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

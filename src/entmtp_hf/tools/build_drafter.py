@@ -99,13 +99,17 @@ class BuildOptions:
         if self.budget_minutes is not None and self.budget_minutes <= 0:
             raise ValueError(f"--budget-minutes must be > 0, got {self.budget_minutes}")
         if self.timing_prompts > self.search_prompts:
-            raise ValueError(f"--timing-prompts ({self.timing_prompts}) must not exceed --search-prompts "
-                             f"({self.search_prompts}): the timed prompts are the first calibration prompts")
+            raise ValueError(
+                f"--timing-prompts ({self.timing_prompts}) must not exceed --search-prompts "
+                f"({self.search_prompts}): the timed prompts are the first calibration prompts"
+            )
         from .training.config import TAU_TREE_DEPTH
 
         if self.tau_prompts > 0 and self.depth < TAU_TREE_DEPTH:
-            raise ValueError(f"--tau-prompts checks the drafter with mc_sim_7b_63, a tree of depth {TAU_TREE_DEPTH}, "
-                             f"deeper than --depth {self.depth}: use --depth {TAU_TREE_DEPTH} or more, or --tau-prompts 0")
+            raise ValueError(
+                f"--tau-prompts checks the drafter with mc_sim_7b_63, a tree of depth {TAU_TREE_DEPTH}, "
+                f"deeper than --depth {self.depth}: use --depth {TAU_TREE_DEPTH} or more, or --tau-prompts 0"
+            )
         if not any(n <= self.nodes for n in self.timed_sizes):
             raise ValueError(f"--timed-sizes {list(self.timed_sizes)} has no size within --nodes {self.nodes}")
 
@@ -117,16 +121,43 @@ class BuildOptions:
             return {"model": self.model, **{n: d[n] for n in names}}
 
         return {
-            "data": pick("data_sources", "data_prompts", "data_new_tokens", "data_max_prompt_tokens", "data_dtype",
-                         "data_from", "seed"),
-            "train": pick("arch", "depth", "draft_vocab_size", "train_tokens", "train_epochs", "train_steps",
-                          "batch_tokens", "lr", "warmup_steps", "teacher_dtype", "mixed_precision", "tau_prompts",
-                          "seed"),
-            "search": pick("tasks", "search_prompts", "timing_prompts", "search_new_tokens", "timed_sizes", "nodes",
-                           "cost_repeats", "seed"),
+            "data": pick(
+                "data_sources",
+                "data_prompts",
+                "data_new_tokens",
+                "data_max_prompt_tokens",
+                "data_dtype",
+                "data_from",
+                "seed",
+            ),
+            "train": pick(
+                "arch",
+                "depth",
+                "draft_vocab_size",
+                "train_tokens",
+                "train_epochs",
+                "train_steps",
+                "batch_tokens",
+                "lr",
+                "warmup_steps",
+                "teacher_dtype",
+                "mixed_precision",
+                "tau_prompts",
+                "seed",
+            ),
+            "search": pick(
+                "tasks",
+                "search_prompts",
+                "timing_prompts",
+                "search_new_tokens",
+                "timed_sizes",
+                "nodes",
+                "cost_repeats",
+                "seed",
+            ),
             "calibrate": pick("tasks", "nodes", "out"),  # it writes OUT/banks
             "publish": pick("out", "push_to_hub", "banks_repo"),
-        }  # fmt: skip
+        }
 
 
 @dataclass(frozen=True)
@@ -167,8 +198,13 @@ class Layout:
 
     def outputs(self, stage: str) -> list[Path]:
         """What a stage writes (deleted when it is redone)."""
-        return {"data": [self.data], "train": [self.train, self.heads], "search": [self.search, self.banks],
-                "calibrate": [self.out_banks], "publish": []}[stage]  # fmt: skip
+        return {
+            "data": [self.data],
+            "train": [self.train, self.heads],
+            "search": [self.search, self.banks],
+            "calibrate": [self.out_banks],
+            "publish": [],
+        }[stage]
 
 
 class BuildState:
@@ -201,20 +237,28 @@ class BuildState:
                 raise ValueError(
                     f"{self.path}: stage {name!r} was {'run' if self.done(name) else 'started'} with other arguments "
                     f"({changes}); pass the same arguments to continue, or --redo {name} to run it and the later "
-                    "stages anew")
+                    "stages anew"
+                )
 
     def reset(self, first: str) -> None:
-        for name in STAGES[STAGES.index(first):]:
+        for name in STAGES[STAGES.index(first) :]:
             self.data["stages"].pop(name, None)
         self.save()
 
-    def record(self, name: str, args: dict[str, Any], seconds: float, done: bool, result: dict[str, Any],
-               summary: str) -> None:  # fmt: skip
+    def record(
+        self, name: str, args: dict[str, Any], seconds: float, done: bool, result: dict[str, Any], summary: str
+    ) -> None:
         entry = self.data["stages"].setdefault(name, {"calls": []})
-        entry["calls"].append({"seconds": round(seconds, 1), "finished": done,
-                               "ended": time.strftime("%Y-%m-%d %H:%M:%S")})  # fmt: skip
-        entry.update(args=args, done=done, seconds=round(sum(c["seconds"] for c in entry["calls"]), 1),
-                     result=json_safe(result), summary=summary)  # NaN (e.g. no held-out data) as null
+        entry["calls"].append(
+            {"seconds": round(seconds, 1), "finished": done, "ended": time.strftime("%Y-%m-%d %H:%M:%S")}
+        )
+        entry.update(
+            args=args,
+            done=done,
+            seconds=round(sum(c["seconds"] for c in entry["calls"]), 1),
+            result=json_safe(result),
+            summary=summary,
+        )  # NaN (e.g. no held-out data) as null
         self.save()
 
     def save(self) -> None:
@@ -254,25 +298,42 @@ class _Build:
         o = self.opts
         if o.data_from is not None:
             return self._data_from(Path(o.data_from))
-        cfg = DistillConfig(self.paths.data, o.model, o.data_batch_size, max_new_tokens=o.data_new_tokens,
-                            max_prompt_tokens=o.data_max_prompt_tokens, limit=o.data_prompts, sources=o.data_sources,
-                            seed=1234 + o.seed, dtype=o.data_dtype)  # fmt: skip
+        cfg = DistillConfig(
+            self.paths.data,
+            o.model,
+            o.data_batch_size,
+            max_new_tokens=o.data_new_tokens,
+            max_prompt_tokens=o.data_max_prompt_tokens,
+            limit=o.data_prompts,
+            sources=o.data_sources,
+            seed=1234 + o.seed,
+            dtype=o.data_dtype,
+        )
         model, tokenizer = self.loaded() if o.data_dtype == "float32" else (None, None)
         ran = distill(cfg, model, tokenizer, deadline=deadline, progress=o.progress)
         answers = _answers(self.paths.data)
         tokens = sum(len(a) for a in answers)
         result = {**ran, "answers": len(answers), "answer_tokens": tokens, "vocab_coverage": vocab_coverage(answers)}
         cover = ", ".join(f"{k}: {v:.3f}" for k, v in result["vocab_coverage"].items())
-        return ran["complete"], result, f"{len(answers)} answers, {tokens} answer tokens; held-out coverage by " \
-                                        f"drafting vocabulary size {{{cover}}}"
+        return (
+            ran["complete"],
+            result,
+            f"{len(answers)} answers, {tokens} answer tokens; held-out coverage by "
+            f"drafting vocabulary size {{{cover}}}",
+        )
 
     def _data_from(self, source: Path) -> tuple[bool, dict[str, Any], str]:
         """The data stage on answers the model gave before (``--data-from``): their records copied in."""
         copied = copy_records(source, self.paths.data, vocab_size=self.loaded()[0].config.get_text_config().vocab_size)
         answers = _answers(self.paths.data)
         tokens = sum(len(a) for a in answers)
-        result = {"from": str(source), "files": copied, "answers": len(answers), "answer_tokens": tokens,
-                  "vocab_coverage": vocab_coverage(answers)}
+        result = {
+            "from": str(source),
+            "files": copied,
+            "answers": len(answers),
+            "answer_tokens": tokens,
+            "vocab_coverage": vocab_coverage(answers),
+        }
         return True, result, f"{len(answers)} answers, {tokens} answer tokens, copied from {source}"
 
     # ------------------------------------------------------------------ 2. train
@@ -280,28 +341,57 @@ class _Build:
         from .training import TrainConfig, train_heads
 
         o = self.opts
-        cfg = TrainConfig(model=o.model, arch=o.arch, num_heads=o.depth, draft_vocab_size=o.draft_vocab_size,
-                          work_dir=str(self.paths.train), run_name="drafter", output=str(self.paths.heads),
-                          distill_dir=str(self.paths.data), sources=("distill",), max_tokens=o.train_tokens,
-                          distill_share=1.0, batch_tokens=o.batch_tokens, epochs=o.train_epochs,
-                          max_steps=o.train_steps, lr=o.lr, warmup_steps=o.warmup_steps,
-                          teacher_dtype=o.teacher_dtype, mixed_precision=o.mixed_precision, eval_every=0,
-                          tau_prompts=o.tau_prompts, seed=o.seed)  # fmt: skip
+        cfg = TrainConfig(
+            model=o.model,
+            arch=o.arch,
+            num_heads=o.depth,
+            draft_vocab_size=o.draft_vocab_size,
+            work_dir=str(self.paths.train),
+            run_name="drafter",
+            output=str(self.paths.heads),
+            distill_dir=str(self.paths.data),
+            sources=("distill",),
+            max_tokens=o.train_tokens,
+            distill_share=1.0,
+            batch_tokens=o.batch_tokens,
+            epochs=o.train_epochs,
+            max_steps=o.train_steps,
+            lr=o.lr,
+            warmup_steps=o.warmup_steps,
+            teacher_dtype=o.teacher_dtype,
+            mixed_precision=o.mixed_precision,
+            eval_every=0,
+            tau_prompts=o.tau_prompts,
+            seed=o.seed,
+        )
         model, tokenizer = self.loaded()
         minutes = None if deadline is None else max(1e-3, (deadline - time.perf_counter()) / 60)
-        summary = train_heads(cfg, model, tokenizer, resume=True, max_minutes=minutes,
-                              measure=o.tau_prompts > 0, command=o.command)  # fmt: skip
+        summary = train_heads(
+            cfg, model, tokenizer, resume=True, max_minutes=minutes, measure=o.tau_prompts > 0, command=o.command
+        )
         done = summary["steps"] >= summary["total_steps"]
         val = summary["validation"]
-        result = {k: summary.get(k) for k in ("steps", "total_steps", "train_seconds", "train_tokens_per_s",
-                                              "draft_vocab_size", "draft_vocab_val_coverage", "weights_bytes")}
+        result = {
+            k: summary.get(k)
+            for k in (
+                "steps",
+                "total_steps",
+                "train_seconds",
+                "train_tokens_per_s",
+                "draft_vocab_size",
+                "draft_vocab_val_coverage",
+                "weights_bytes",
+            )
+        }
         result["top1"] = val.get("top1")
         tau = (summary.get("tau_mc_sim_7b_63") or {}).get("mean_accept_length")
         result["tau_mc_sim_7b_63"] = tau
         top1 = " / ".join(f"{x:.3f}" for x in val.get("top1", []))
-        text = (f"{summary['steps']} of {summary['total_steps']} steps, drafting vocabulary {summary['draft_vocab_size']} "
-                f"(held-out coverage {summary['draft_vocab_val_coverage']:.3f}), top-1 by depth {top1}"
-                + (f", tau {tau:.2f}" if tau else ""))  # fmt: skip
+        text = (
+            f"{summary['steps']} of {summary['total_steps']} steps, drafting vocabulary {summary['draft_vocab_size']} "
+            f"(held-out coverage {summary['draft_vocab_val_coverage']:.3f}), top-1 by depth {top1}"
+            + (f", tau {tau:.2f}" if tau else "")
+        )
         return done, result, text
 
     # ------------------------------------------------------------------ 3. search
@@ -309,16 +399,25 @@ class _Build:
         from .search.config import SearchConfig
 
         o = self.opts
-        return SearchConfig(num_prompts=o.search_prompts, timing_prompts=o.timing_prompts,
-                            max_new_tokens=o.search_new_tokens, budget=o.nodes,
-                            timed_sizes=tuple(n for n in o.timed_sizes if n <= o.nodes), time_reference=False,
-                            sweep_prompts=min(3, o.timing_prompts), cost_repeats=o.cost_repeats, seed=o.seed)  # fmt: skip
+        return SearchConfig(
+            num_prompts=o.search_prompts,
+            timing_prompts=o.timing_prompts,
+            max_new_tokens=o.search_new_tokens,
+            budget=o.nodes,
+            timed_sizes=tuple(n for n in o.timed_sizes if n <= o.nodes),
+            time_reference=False,
+            sweep_prompts=min(3, o.timing_prompts),
+            cost_repeats=o.cost_repeats,
+            seed=o.seed,
+        )
 
     def _search_info(self) -> dict[str, str]:
         from ..demo.model import base_model_id
 
-        return {"heads_name": self.opts.push_to_hub or f"build-drafter heads ({Path(self.opts.out).name})",
-                "base_model": base_model_id(self.opts.model)}
+        return {
+            "heads_name": self.opts.push_to_hub or f"build-drafter heads ({Path(self.opts.out).name})",
+            "base_model": base_model_id(self.opts.model),
+        }
 
     def search(self, deadline: float | None) -> tuple[bool, dict[str, Any], str]:
         from .search.cli import search_tasks, task_name
@@ -331,13 +430,22 @@ class _Build:
                 if task_name(task) in done:
                     continue
                 check_deadline(deadline, f"search, before task {task}")
-                result = search_tasks(model, tokenizer, [task], str(self.paths.search / "{task}"),
-                                      self.search_config(), bank_dir=str(self.paths.banks),
-                                      progress=self.opts.progress, deadline=deadline,
-                                      **self._search_info())[task_name(task)]  # fmt: skip
+                result = search_tasks(
+                    model,
+                    tokenizer,
+                    [task],
+                    str(self.paths.search / "{task}"),
+                    self.search_config(),
+                    bank_dir=str(self.paths.banks),
+                    progress=self.opts.progress,
+                    deadline=deadline,
+                    **self._search_info(),
+                )[task_name(task)]
                 static = result.timed[result.labels[result.choice.static]]
-                done[task_name(task)] = {"entmtp_star_nodes": static["num_nodes"],
-                                         "stage_seconds": {k: round(v, 1) for k, v in result.elapsed.items()}}
+                done[task_name(task)] = {
+                    "entmtp_star_nodes": static["num_nodes"],
+                    "stage_seconds": {k: round(v, 1) for k, v in result.elapsed.items()},
+                }
         except OutOfTime as stop:
             return False, {"tasks": done}, f"{len(done)} of {len(self.opts.tasks)} tasks searched; {stop}"
         text = "; ".join(f"{t}: EntMTP* {nodes_text(r['entmtp_star_nodes'])}" for t, r in done.items())
@@ -352,12 +460,22 @@ class _Build:
         o = self.opts
         model, tokenizer = self.with_heads()
         info = self._search_info()
-        searches = {task_name(t): task_search(model, tokenizer, t, self.paths.search / task_name(t),
-                                              self.search_config(), progress=o.progress, **info)
-                    for t in o.tasks}  # fmt: skip
-        args = calibrate_options(self.paths.banks, self.paths.out_banks, tasks=list(searches), frontier=True,
-                                 threads=o.threads, num_prompts=o.search_prompts, max_new_tokens=o.search_new_tokens,
-                                 budget=o.nodes)  # fmt: skip
+        searches = {
+            task_name(t): task_search(
+                model, tokenizer, t, self.paths.search / task_name(t), self.search_config(), progress=o.progress, **info
+            )
+            for t in o.tasks
+        }
+        args = calibrate_options(
+            self.paths.banks,
+            self.paths.out_banks,
+            tasks=list(searches),
+            frontier=True,
+            threads=o.threads,
+            num_prompts=o.search_prompts,
+            max_new_tokens=o.search_new_tokens,
+            budget=o.nodes,
+        )
         report = calibrate(args, loaded=(model, tokenizer), searches=searches)
         chosen = {t: r.get("num_nodes") for t, r in report["tasks"].items()}
         text = "this machine's EntMTP*: " + ", ".join(f"{t} {nodes_text(n)}" for t, n in chosen.items())
@@ -414,8 +532,10 @@ def copy_records(source: Path, dest: Path, vocab_size: int) -> list[str]:
     for where, record in records:
         ids = (record.get("prompt_ids"), record.get("response_ids")) if isinstance(record, dict) else (None, None)
         if not all(isinstance(x, list) and all(isinstance(t, int) and 0 <= t < vocab_size for t in x) for x in ids):
-            raise ValueError(f"--data-from {source / where.split(':')[0]} line {int(where.split(':')[1]) + 1}: not a "
-                             f"record of this model (prompt_ids and response_ids: lists of ids below {vocab_size})")
+            raise ValueError(
+                f"--data-from {source / where.split(':')[0]} line {int(where.split(':')[1]) + 1}: not a "
+                f"record of this model (prompt_ids and response_ids: lists of ids below {vocab_size})"
+            )
     dest.mkdir(parents=True, exist_ok=True)
     names = [f.name for f in files] + (["disjointness.json"] if (source / "disjointness.json").is_file() else [])
     for name in names:
@@ -469,7 +589,7 @@ def build_drafter(opts: BuildOptions, log: Callable[[str], None] = print) -> dic
     wanted = opts.stage_args()
     state.check(wanted, opts.redo)
     if opts.redo is not None:
-        for name in STAGES[STAGES.index(opts.redo):]:
+        for name in STAGES[STAGES.index(opts.redo) :]:
             for path in paths.outputs(name):
                 shutil.rmtree(path, ignore_errors=True)
         state.reset(opts.redo)
@@ -479,7 +599,8 @@ def build_drafter(opts: BuildOptions, log: Callable[[str], None] = print) -> dic
     complete = True
     for i, name in enumerate(STAGES, 1):
         if state.done(name):
-            log(f"[build-drafter] {i}/{len(STAGES)} {name}: done earlier ({state.stage(name)['seconds']:.0f} s), skipped")
+            seconds = state.stage(name)["seconds"]
+            log(f"[build-drafter] {i}/{len(STAGES)} {name}: done earlier ({seconds:.0f} s), skipped")
             continue
         if deadlines[name] is not None and time.perf_counter() > deadlines[name]:
             log(f"[build-drafter] {i}/{len(STAGES)} {name}: no time left in this call's budget")
@@ -500,8 +621,10 @@ def build_drafter(opts: BuildOptions, log: Callable[[str], None] = print) -> dic
     state.save()
     if complete:
         write_json(paths.out / STATE_NAME, state.data)  # provenance beside the heads and banks
-        log(f"[build-drafter] drafter in {paths.out}, banks in {paths.out_banks}: "
-            f"load_demo(model={opts.model!r}, heads={str(paths.out)!r})")
+        log(
+            f"[build-drafter] drafter in {paths.out}, banks in {paths.out_banks}: "
+            f"load_demo(model={opts.model!r}, heads={str(paths.out)!r})"
+        )
     return state.data
 
 
@@ -523,17 +646,24 @@ _HELP = {
     "eagle (EAGLE-style, one decoder layer, generate only with a drafting vocabulary), prefix-mlp or mlp (Hydra heads)",
     "depth": "tokens the drafter drafts ahead (heads, or the EAGLE-style drafter's unrolled steps)",
     "draft_vocab_size": "rows of the drafting vocabulary: the most frequent tokens of the model's answers",
-    "train_tokens": "token budget of the training data", "train_epochs": "passes over the training data",
+    "train_tokens": "token budget of the training data",
+    "train_epochs": "passes over the training data",
     "train_steps": "stop training after this many steps (else --train-epochs)",
-    "batch_tokens": "padded tokens per training batch", "lr": "peak learning rate", "warmup_steps": "linear warm-up",
+    "batch_tokens": "padded tokens per training batch",
+    "lr": "peak learning rate",
+    "warmup_steps": "linear warm-up",
     "teacher_dtype": "precision of the teacher pass: float32 or bfloat16",
     "mixed_precision": "the drafter's training precision: no, bf16 or fp16",
     "tau_prompts": "held-out prompts of the training's accept-length check (0: skip it)",
-    "search_prompts": "calibration prompts per task", "timing_prompts": "of them, how many are timed",
-    "search_new_tokens": "tokens per calibration run", "timed_sizes": "comma-separated tree sizes timed",
+    "search_prompts": "calibration prompts per task",
+    "timing_prompts": "of them, how many are timed",
+    "search_new_tokens": "tokens per calibration run",
+    "timed_sizes": "comma-separated tree sizes timed",
     "nodes": "largest tree of the frontier (nodes, root included)",
-    "cost_repeats": "rounds of the forward-cost timing", "seed": "seed of the data order, split and training",
-    "threads": "torch CPU threads", "budget_minutes": "time for this call, shared among the stages; a stage out of "
+    "cost_repeats": "rounds of the forward-cost timing",
+    "seed": "seed of the data order, split and training",
+    "threads": "torch CPU threads",
+    "budget_minutes": "time for this call, shared among the stages; a stage out of "
     "its share stops at a checkpoint (exit status 3) and the same command continues",
     "redo": "run this stage and every later one anew (their outputs are deleted first); for one call: drop it to "
     "continue an interrupted redo",
@@ -565,7 +695,9 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, choices=STAGES, default=None, help=_HELP[f.name])
         elif default is None or isinstance(default, str) or required:
             kind = {"train_steps": int, "threads": int, "budget_minutes": float}.get(f.name, str)
-            p.add_argument(flag, type=kind, required=required, default=None if required else default, help=_HELP[f.name])
+            p.add_argument(
+                flag, type=kind, required=required, default=None if required else default, help=_HELP[f.name]
+            )
         else:
             p.add_argument(flag, type=type(default), default=default, help=_HELP[f.name])
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -28,8 +28,9 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..calibration import batch_bucket
+from ..calibration import calibrate as measure_costs
 from ..config import EntMTPConfig
-from ..calibration import batch_bucket, calibrate as measure_costs
 from ..costs.retrieval import RETRIEVAL_OPTIONS, retrieval_label
 from ..costs.table import CostTable
 from ..trees.bank import TopologyBank, list_local_tasks
@@ -38,10 +39,9 @@ from .checkpoint import json_safe, write_json
 from .machine import hardware_string, set_threads
 from .search.config import SearchConfig
 from .search.frontier import greedy_frontier, rank_tuple_scorer
-from .search.runner import TreeSearch
 from .search.replay import retrieval_figures
+from .search.runner import TreeSearch
 from .search.trajectories import simulate_canonical
-
 
 # ============================================================================ the frontier
 #: depth caps of the shallower frontiers a bank carries beside the full one. A drafter that
@@ -73,13 +73,25 @@ def frontier_of(search: TreeSearch) -> tuple[list[Tree], list[float], list[dict]
         trees.append(p.tree)
         accept.append(sum(lengths) / len(lengths))
         extra = {} if cap is None else {"name": f"frontier-{p.num_nodes}-depth{cap}", "max_depth": cap}
-        replayed = {label: retrieval_figures(trajectories, p.tree, config, search.heads.num_heads).to_dict()
-                    for label, config in RETRIEVAL_OPTIONS.items()}  # fmt: skip
-        info.append({"biased_accept_length": p.accept, "source": "greedy acceptance frontier"
-                     + ("" if cap is None else f", depth <= {cap}"), "retrieval": replayed, **extra})  # fmt: skip
-    source = {"source": f"rank tuples of greedy runs: {len(trajectories)} calibration prompts x "
-                        f"{search.cfg.max_new_tokens} tokens", "prompt_ids": search.prompt_ids,
-              "depth_caps": caps, "retrieval": {k: dataclasses.asdict(c) for k, c in RETRIEVAL_OPTIONS.items()}}  # fmt: skip
+        replayed = {
+            label: retrieval_figures(trajectories, p.tree, config, search.heads.num_heads).to_dict()
+            for label, config in RETRIEVAL_OPTIONS.items()
+        }
+        info.append(
+            {
+                "biased_accept_length": p.accept,
+                "source": "greedy acceptance frontier" + ("" if cap is None else f", depth <= {cap}"),
+                "retrieval": replayed,
+                **extra,
+            }
+        )
+    source = {
+        "source": f"rank tuples of greedy runs: {len(trajectories)} calibration prompts x "
+        f"{search.cfg.max_new_tokens} tokens",
+        "prompt_ids": search.prompt_ids,
+        "depth_caps": caps,
+        "retrieval": {k: dataclasses.asdict(c) for k, c in RETRIEVAL_OPTIONS.items()},
+    }
     return trees, accept, info, source
 
 
@@ -108,27 +120,45 @@ def search_machine_costs(bank: TopologyBank) -> CostTable | None:
     extra = [1e3 * i["measured_accept_length"] / i["tokens_per_s"] - forward[t.num_nodes] for t, i in rows]
     coef = torch.linalg.lstsq(x, torch.tensor(extra, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
     fingerprint = {"key": "search-machine", "processor": meta.get("hardware", "the search machine")}
-    return CostTable(fingerprint, SEARCH_MODEL_KEY, forward, (coef[0], coef[1], coef[2]), (0.0, 0.0), plain,
-                     notes={"reconstructed": "from the search's timed runs stored in the bank"})  # fmt: skip
+    return CostTable(
+        fingerprint,
+        SEARCH_MODEL_KEY,
+        forward,
+        (coef[0], coef[1], coef[2]),
+        (0.0, 0.0),
+        plain,
+        notes={"reconstructed": "from the search's timed runs stored in the bank"},
+    )
 
 
 # ============================================================================ against the clock
-def check_against_clock(model, bank: TopologyBank, table: CostTable, prompts: Sequence[torch.Tensor | tuple],
-                        top: int, max_new_tokens: int = 64) -> dict[str, Any]:
+def check_against_clock(
+    model,
+    bank: TopologyBank,
+    table: CostTable,
+    prompts: Sequence[torch.Tensor | tuple],
+    top: int,
+    max_new_tokens: int = 64,
+) -> dict[str, Any]:
     """Time the ranking's best ``top`` trees and plain decoding on ``prompts``, interleaved. A prompt
     is ids [1, L], or ``(ids, attention_mask)`` of a left-padded batch (then ``table`` is that batch
     size's and the figures are total tokens/s)."""
     ranking = bank.ranking(table)
     best = sorted(ranking.speedups, key=ranking.speedups.get, reverse=True)[:top]
     labels = ["plain", *(f"tree {k}" for k in best)]
-    configs = {"plain": None, **{f"tree {k}": EntMTPConfig(tree=bank.trees[k].choices,
-                                                          retrieval=ranking.retrieval.get(k) or False) for k in best}}
+    configs = {
+        "plain": None,
+        **{
+            f"tree {k}": EntMTPConfig(tree=bank.trees[k].choices, retrieval=ranking.retrieval.get(k) or False)
+            for k in best
+        },
+    }
     greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
     times: dict[str, list[float]] = {lab: [] for lab in labels}
     for i, prompt in enumerate(tqdm(prompts, desc=f"check {bank.task}", unit="prompt")):
         ids, mask = prompt if isinstance(prompt, tuple) else (prompt, None)
         masked = {"attention_mask": mask} if mask is not None else {}
-        for lab in labels[i % len(labels):] + labels[: i % len(labels)]:  # rotate who goes first
+        for lab in labels[i % len(labels) :] + labels[: i % len(labels)]:  # rotate who goes first
             extra = {"entmtp_config": configs[lab]} if configs[lab] is not None else {}
             t0 = time.perf_counter()
             out = model.generate(ids, **greedy, **masked, **extra)
@@ -136,10 +166,17 @@ def check_against_clock(model, bank: TopologyBank, table: CostTable, prompts: Se
     measured = {k: statistics.median(a / b for a, b in zip(times[f"tree {k}"], times["plain"])) for k in best}
     fastest = max(measured, key=measured.get)
     chosen = best[0]
-    return {"trees": {k: {"num_nodes": bank.trees[k].num_nodes, "modelled": ranking.speedups[k], "measured": measured[k]}
-                      for k in best},
-            "chosen": chosen, "fastest_measured": fastest, "same_tree": chosen == fastest,
-            "ratio_lost": measured[fastest] / measured[chosen], "prompts": len(prompts)}  # fmt: skip
+    return {
+        "trees": {
+            k: {"num_nodes": bank.trees[k].num_nodes, "modelled": ranking.speedups[k], "measured": measured[k]}
+            for k in best
+        },
+        "chosen": chosen,
+        "fastest_measured": fastest,
+        "same_tree": chosen == fastest,
+        "ratio_lost": measured[fastest] / measured[chosen],
+        "prompts": len(prompts),
+    }
 
 
 # ============================================================================ report
@@ -147,35 +184,59 @@ def _task_lines(bank: TopologyBank, table: CostTable, top: int = 6) -> list[str]
     ranking = bank.ranking(table)
     chosen = bank.scheduler_for(table)
     static = bank.trees[chosen.static]
-    verdict = ("plain decoding (no tree beats it here)" if static.num_nodes == 1 else
-               f"tree {chosen.static}: {static.num_nodes} nodes, depth {static.depth}, retrieval "
-               f"{retrieval_label(chosen.retrieval)}, modelled {ranking.speedups[chosen.static]:.2f}x plain")  # fmt: skip
+    verdict = (
+        "plain decoding (no tree beats it here)"
+        if static.num_nodes == 1
+        else f"tree {chosen.static}: {static.num_nodes} nodes, depth {static.depth}, retrieval "
+        f"{retrieval_label(chosen.retrieval)}, modelled {ranking.speedups[chosen.static]:.2f}x plain"
+    )
     batch = f", batch size {table.batch_size}" if table.batch_size > 1 else ""
-    lines = [f"### Task `{bank.task}`{batch}", "", f"EntMTP* here: {verdict}.", "",
-             "| tree | nodes | depth | tokens/step | step ms | retrieval | modelled speed-up |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"### Task `{bank.task}`{batch}",
+        "",
+        f"EntMTP* here: {verdict}.",
+        "",
+        "| tree | nodes | depth | tokens/step | step ms | retrieval | modelled speed-up |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for k in sorted(ranking.speedups, key=ranking.speedups.get, reverse=True)[:top]:
         t = bank.trees[k]
-        lines.append(f"| {k} | {t.num_nodes} | {t.depth} | {bank.frontier[k]:.2f} | {table.step(t):.1f} | "
-                     f"{retrieval_label(ranking.retrieval.get(k))} | {ranking.speedups[k]:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {k} | {t.num_nodes} | {t.depth} | {bank.frontier[k]:.2f} | {table.step(t):.1f} | "
+            f"{retrieval_label(ranking.retrieval.get(k))} | {ranking.speedups[k]:.2f}x |"
+        )
     search = search_machine_costs(bank) if table.batch_size == 1 else None
     if search is not None:
         theirs = bank.ranking(search)
         stored = bank.scheduler.static
         picked = "plain decoding (no tree by 5%)" if theirs.static is None else f"tree {theirs.static}"
         agree = "the same tree" if theirs.static == stored else f"{picked} instead of tree {stored}"
-        lines += ["", f"On the search machine's figures ({search.fingerprint['processor']}) the cost model picks "
-                      f"{agree}, which that search chose by timing every frontier tree."]  # fmt: skip
+        lines += [
+            "",
+            f"On the search machine's figures ({search.fingerprint['processor']}) the cost model picks "
+            f"{agree}, which that search chose by timing every frontier tree.",
+        ]
     return lines + [""]
 
 
 def _check_lines(check: dict[str, Any]) -> list[str]:
-    lines = [f"Against the clock ({check['prompts']} calibration prompts, interleaved, median of per-prompt ratios):",
-             "", "| tree | nodes | modelled | measured |", "|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {k} | {r['num_nodes']} | {r['modelled']:.2f}x | {r['measured']:.2f}x |" for k, r in check["trees"].items()]
-    same = "the fastest measured tree" if check["same_tree"] else (
-        f"tree {check['chosen']}, not the fastest measured (tree {check['fastest_measured']}): "
-        f"{check['ratio_lost']:.3f}x lost")
+    lines = [
+        f"Against the clock ({check['prompts']} calibration prompts, interleaved, median of per-prompt ratios):",
+        "",
+        "| tree | nodes | modelled | measured |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {k} | {r['num_nodes']} | {r['modelled']:.2f}x | {r['measured']:.2f}x |" for k, r in check["trees"].items()
+    ]
+    same = (
+        "the fastest measured tree"
+        if check["same_tree"]
+        else (
+            f"tree {check['chosen']}, not the fastest measured (tree {check['fastest_measured']}): "
+            f"{check['ratio_lost']:.3f}x lost"
+        )
+    )
     return lines + ["", f"The probe picked {same}.", ""]
 
 
@@ -189,9 +250,19 @@ def timed_choice(bank: TopologyBank, table: CostTable, check: dict[str, Any]) ->
     return bank.with_machine(table, dataclasses.replace(ranked, static=static))
 
 
-def time_batch_sizes(model, heads, tokenizer, bank_dirs: Sequence[Path], task: str, batch_sizes: Sequence[int],
-                     *, top: int = 4, prompts_per_size: int = 4, max_new_tokens: int = 64,
-                     prompt_source: str | None = None) -> dict[int, dict]:  # fmt: skip
+def time_batch_sizes(
+    model,
+    heads,
+    tokenizer,
+    bank_dirs: Sequence[Path],
+    task: str,
+    batch_sizes: Sequence[int],
+    *,
+    top: int = 4,
+    prompts_per_size: int = 4,
+    max_new_tokens: int = 64,
+    prompt_source: str | None = None,
+) -> dict[int, dict]:
     """For every batch size: this machine's costs there, the ranking's best ``top`` trees timed against
     plain batched decoding on batches of the task's calibration prompts, and the bank (in every
     folder of ``bank_dirs``) given that batch size's entry with the tree the clock chose.
@@ -214,9 +285,13 @@ def time_batch_sizes(model, heads, tokenizer, bank_dirs: Sequence[Path], task: s
 def forward_cost_lines(tables: Sequence[CostTable]) -> list[str]:
     """c(N, B): the verification forward of B rows of N nodes over plain batched decoding's step."""
     sizes = sorted(set.intersection(*(set(t.forward_ms) for t in tables)))
-    lines = ["c(N, B): a verification forward of B rows of N nodes each, over one step of plain batched "
-             "decoding at B rows (its ms per step in the last column).", "",
-             "| B | " + " | ".join(f"N={n}" for n in sizes) + " | plain ms/step |", "|---|" + "---|" * (len(sizes) + 1)]  # fmt: skip
+    lines = [
+        "c(N, B): a verification forward of B rows of N nodes each, over one step of plain batched "
+        "decoding at B rows (its ms per step in the last column).",
+        "",
+        "| B | " + " | ".join(f"N={n}" for n in sizes) + " | plain ms/step |",
+        "|---|" + "---|" * (len(sizes) + 1),
+    ]
     for t in tables:
         cells = " | ".join(f"{t.forward_ms[n] / t.plain_ms:.2f}" for n in sizes)
         lines.append(f"| {t.batch_size} | {cells} | {t.plain_ms:.1f} |")
@@ -237,8 +312,9 @@ def _calibration_inputs(tokenizer, task: str, n: int) -> tuple[list[list[int]], 
     return [p.render(tokenizer) for p in prompts], [p.prompt_id for p in prompts]
 
 
-def calibrate(args: argparse.Namespace, *, loaded: tuple[Any, Any] | None = None,
-              searches: dict[str, TreeSearch] | None = None) -> dict[str, Any]:
+def calibrate(
+    args: argparse.Namespace, *, loaded: tuple[Any, Any] | None = None, searches: dict[str, TreeSearch] | None = None
+) -> dict[str, Any]:
     """Load the model and heads, probe, (re)build frontiers if asked, rank, check, write.
 
     ``loaded``: ``(model, tokenizer)`` with the heads already enabled (``--model`` and ``--heads``
@@ -262,10 +338,20 @@ def calibrate(args: argparse.Namespace, *, loaded: tuple[Any, Any] | None = None
     tables = [measured[b] for b in sorted({batch_bucket(b) for b in args.batch_sizes})]
     table = tables[0]
     probe_s = time.perf_counter() - t0
-    report = {"machine": table.fingerprint, "hardware": hardware_string(), "probe_seconds": table.seconds,
-              "lookup_seconds": probe_s, "tasks": {}}  # fmt: skip
-    lines = ["# Calibration", "", f"Machine: {hardware_string()}; step costs measured in "
-             f"{sum(t.seconds for t in tables):.1f} s (this run: {probe_s:.1f} s, from the cache if lower).", ""]  # fmt: skip
+    report = {
+        "machine": table.fingerprint,
+        "hardware": hardware_string(),
+        "probe_seconds": table.seconds,
+        "lookup_seconds": probe_s,
+        "tasks": {},
+    }
+    lines = [
+        "# Calibration",
+        "",
+        f"Machine: {hardware_string()}; step costs measured in "
+        f"{sum(t.seconds for t in tables):.1f} s (this run: {probe_s:.1f} s, from the cache if lower).",
+        "",
+    ]
     if len(tables) > 1 or table.batch_size > 1:
         lines += forward_cost_lines(tables)
         report["forward_cost"] = {t.batch_size: {"forward_ms": t.forward_ms, "plain_ms": t.plain_ms} for t in tables}
@@ -287,10 +373,16 @@ def calibrate(args: argparse.Namespace, *, loaded: tuple[Any, Any] | None = None
             bank = bank.with_machine(t)
             lines += _task_lines(bank, t)
             static = bank.scheduler_for(t).static
-            entry = {"static": static, "num_nodes": bank.trees[static].num_nodes, "speedups": bank.machines[-1]["speedups"]}
+            entry = {
+                "static": static,
+                "num_nodes": bank.trees[static].num_nodes,
+                "speedups": bank.machines[-1]["speedups"],
+            }
             if args.check:
                 prompts, _ = _calibration_inputs(tokenizer, task, args.check_prompts * t.batch_size)
-                inputs = [torch.tensor([p]) for p in prompts] if t.batch_size == 1 else _batches(prompts, t.batch_size, pad)
+                inputs = (
+                    [torch.tensor([p]) for p in prompts] if t.batch_size == 1 else _batches(prompts, t.batch_size, pad)
+                )
                 entry["check"] = check_against_clock(model, bank, t, inputs, args.check)
                 lines += _check_lines(entry["check"])
             entries[t.batch_size] = entry
@@ -322,10 +414,20 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per frontier run")
     p.add_argument("--budget", type=int, default=64, help="largest frontier tree (nodes)")
     p.add_argument("--check", type=int, default=0, metavar="K", help="time the K best trees end to end")
-    p.add_argument("--check-prompts", type=int, default=6,
-                   help="calibration prompts the check times (batches of them at each batch size)")
-    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1], metavar="B",
-                   help="also probe c(N, B) and rank the frontier at these batch sizes (an entry per size)")
+    p.add_argument(
+        "--check-prompts",
+        type=int,
+        default=6,
+        help="calibration prompts the check times (batches of them at each batch size)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        nargs="+",
+        type=int,
+        default=[1],
+        metavar="B",
+        help="also probe c(N, B) and rank the frontier at these batch sizes (an entry per size)",
+    )
     p.set_defaults(func=_run)
 
 

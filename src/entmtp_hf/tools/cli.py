@@ -14,8 +14,21 @@ Registrar = Callable[[argparse._SubParsersAction], None]
 #: reads: each is checked before the command runs (:func:`check_inputs`), so a missing or
 #: unreadable input is one line, not a traceback after minutes of loading
 INPUTS: dict[str, str] = {
-    **dict.fromkeys(("src", "heads", "bank", "model", "base_config", "hydra_heads", "medusa_heads", "eagle_heads",
-                     "eagle_bank", "init_from"), LOCAL_OR_HUB),
+    **dict.fromkeys(
+        (
+            "src",
+            "heads",
+            "bank",
+            "model",
+            "base_config",
+            "hydra_heads",
+            "medusa_heads",
+            "eagle_heads",
+            "eagle_bank",
+            "init_from",
+        ),
+        LOCAL_OR_HUB,
+    ),
     **dict.fromkeys(("results", "eas_config", "distill_dir", "data_from"), LOCAL),
 }
 
@@ -58,15 +71,28 @@ def subcommands() -> list[Registrar]:
     from .calibrate import add_subcommand as calibrate
     from .eas_calibration import add_subcommand as eas_calibrate
     from .export import add_subcommand as export
-    from .export_heads import add_subcommand as export_heads
     from .export_generate import add_subcommand as export_generate
+    from .export_heads import add_subcommand as export_heads
     from .profile import add_subcommand as profile
     from .regime import add_subcommand as regime
     from .search.cli import add_subcommand as search
     from .training.cli import add_subcommand as train_heads
 
-    return [_add_convert_heads, export_generate, build_drafter, train_heads, search, calibrate, export, export_heads, bench, regime,
-            profile, acceptance, eas_calibrate]
+    return [
+        _add_convert_heads,
+        export_generate,
+        build_drafter,
+        train_heads,
+        search,
+        calibrate,
+        export,
+        export_heads,
+        bench,
+        regime,
+        profile,
+        acceptance,
+        eas_calibrate,
+    ]
 
 
 def check_inputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -39,8 +39,8 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..scheduling.features import entropy_from_logp
 from ..scheduling.eas import ChainRule, EASConfig, EASController, entropy_nats, fixed_length
+from ..scheduling.features import entropy_from_logp
 from ..trees.tree import Tree
 from .checkpoint import heads_fingerprint, read_json, write_json
 
@@ -165,14 +165,24 @@ def grid(depth: int) -> dict[str, EASConfig]:
     out["report"] = EASConfig(k_max=depth)
     out["report-w16"] = EASConfig(k_max=depth, warmup_tokens=16)
     for scale in (0.5, 0.75):
-        out[f"report-x{scale:g}"] = EASConfig(k_max=depth, thresholds=tuple(t * scale for t in (3.0, 2.0, 1.5)),
-                                              band_edges=tuple(e * scale for e in (1.0, 2.0)), warmup_tokens=0)  # fmt: skip
+        out[f"report-x{scale:g}"] = EASConfig(
+            k_max=depth,
+            thresholds=tuple(t * scale for t in (3.0, 2.0, 1.5)),
+            band_edges=tuple(e * scale for e in (1.0, 2.0)),
+            warmup_tokens=0,
+        )
     for tau in (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0):
         for min_length in range(min(depth, 3)):
             for forks in (False, True) if tau >= 2.0 else (False,):  # forks need H >= m + 1.5: above low taus
                 label = f"tau-{tau:g}" + (f"-min{min_length}" if min_length else "") + ("-forks" if forks else "")
-                out[label] = EASConfig(k_max=depth, thresholds=(tau,), band_edges=(), warmup_tokens=0,
-                                       detect_forks=forks, min_length=min_length)  # fmt: skip
+                out[label] = EASConfig(
+                    k_max=depth,
+                    thresholds=(tau,),
+                    band_edges=(),
+                    warmup_tokens=0,
+                    detect_forks=forks,
+                    min_length=min_length,
+                )
     return out
 
 
@@ -229,8 +239,10 @@ def load_replays(path: str | os.PathLike) -> dict[str, ChainReplay]:
         raise ValueError(f"{path}: not a chain-replay file ({e})") from e
 
 
-TABLE_HEADER = ("| setting | modelled speed-up | tokens/step | mean chain | rejected | depths drafted/step |",
-                "|---|---|---|---|---|---|")
+TABLE_HEADER = (
+    "| setting | modelled speed-up | tokens/step | mean chain | rejected | depths drafted/step |",
+    "|---|---|---|---|---|---|",
+)
 
 
 def check_settings(path: Path, settings: dict) -> None:
@@ -238,8 +250,10 @@ def check_settings(path: Path, settings: dict) -> None:
     saved = read_json(path)
     if saved is not None and saved != settings:
         diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
-        raise ValueError(f"{path}: this folder's replays were made with other settings {diff} "
-                         "(saved, now); use another --out or delete the folder")  # fmt: skip
+        raise ValueError(
+            f"{path}: this folder's replays were made with other settings {diff} "
+            "(saved, now); use another --out or delete the folder"
+        )
     write_json(path, settings)
 
 
@@ -263,15 +277,23 @@ def markdown(result: dict, task: str, costs: Costs, top: int = 12) -> str:
     flat = result.get("flat_cost")
     if flat:
         keep = [r for r in flat["rows"] if r["label"] in (flat["best"], "report") or is_fixed(r["label"])]
-        lines += ["", "With a flat forward cost (c(N) = 1 for every N, the regime of a GPU; modelled only, same "
-                  f"drafting costs): fastest adaptive **{flat['best']}**, fastest fixed {flat['best_fixed']}.", "",
-                  *TABLE_HEADER, *_rows(keep)]  # fmt: skip
+        lines += [
+            "",
+            "With a flat forward cost (c(N) = 1 for every N, the regime of a GPU; modelled only, same "
+            f"drafting costs): fastest adaptive **{flat['best']}**, fastest fixed {flat['best_fixed']}.",
+            "",
+            *TABLE_HEADER,
+            *_rows(keep),
+        ]
     return "\n".join(lines) + "\n"
 
 
 def _rows(rows: Sequence[dict]) -> list[str]:
-    return [f"| {r['label']} | {r['speedup']:.3f} | {r['tokens_per_step']:.2f} | {r['mean_chain']:.2f} "
-            f"| {r['rejected_fraction']:.0%} | {r['drafted_depths_per_step']:.2f} |" for r in rows]  # fmt: skip
+    return [
+        f"| {r['label']} | {r['speedup']:.3f} | {r['tokens_per_step']:.2f} | {r['mean_chain']:.2f} "
+        f"| {r['rejected_fraction']:.0%} | {r['drafted_depths_per_step']:.2f} |"
+        for r in rows
+    ]
 
 
 # ============================================================================ CLI
@@ -288,8 +310,15 @@ def run_cli(args: argparse.Namespace) -> int:
     heads = load_heads(args.heads or str(DEMO_HEADS), model=model, base_config=model.config).eval()
     out = Path(args.out.replace("{task}", Path(args.task).stem))
     out.mkdir(parents=True, exist_ok=True)
-    check_settings(out / "settings.json", {"model": args.model, "heads": heads_fingerprint(heads),
-                                           "task": args.task, "max_new_tokens": args.max_new_tokens})  # fmt: skip
+    check_settings(
+        out / "settings.json",
+        {
+            "model": args.model,
+            "heads": heads_fingerprint(heads),
+            "task": args.task,
+            "max_new_tokens": args.max_new_tokens,
+        },
+    )
     replays = load_replays(out / "replays.json") if (out / "replays.json").is_file() else {}
     prompts = calibration_prompts(args.task, args.n)
     for p in tqdm(prompts, desc="replay", unit="prompt"):
@@ -297,21 +326,31 @@ def run_cli(args: argparse.Namespace) -> int:
             continue
         ids = p.render(tokenizer)
         with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+            gen = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
         replays[p.prompt_id] = replay_chains(model, heads, gen[0].tolist(), len(ids))
         save_replays(out / "replays.json", replays)  # checkpoint per prompt
     chosen = [replays[p.prompt_id] for p in prompts]  # a larger earlier --n left more in the file
     prefix = int(statistics.median(len(r.tokens) for r in chosen))
     depth = heads.num_heads
-    forward = forward_costs(model, list(range(1, depth + 2)), prefix_len=prefix, repeats=args.repeats, progress=True,
-                            heads=heads)
+    forward = forward_costs(
+        model, list(range(1, depth + 2)), prefix_len=prefix, repeats=args.repeats, progress=True, heads=heads
+    )
     costs = Costs(forward, drafting_costs(model, heads, repeats=args.repeats, prefix_len=prefix, progress=True))
     result = calibrate(chosen, costs)
     # the regime EAS was designed for, modelled only: verifying N tokens costs what one does (a GPU)
     result["flat_cost"] = calibrate(chosen, Costs({n: forward[1] for n in forward}, costs.draft))
-    result.update(task=args.task, replays=len(chosen), new_tokens=sum(r.new_tokens for r in chosen),
-                  forward_costs={str(n): s for n, s in forward.items()}, drafting_costs=costs.draft)  # fmt: skip
+    result.update(
+        task=args.task,
+        replays=len(chosen),
+        new_tokens=sum(r.new_tokens for r in chosen),
+        forward_costs={str(n): s for n, s in forward.items()},
+        drafting_costs=costs.draft,
+    )
     (out / "calibration.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     (out / "eas_config.json").write_text(json.dumps(result["config"], indent=1), encoding="utf-8")
     report = markdown(result, args.task, costs)
@@ -409,8 +448,12 @@ def measure_overhead(model=None, heads=None, repeats: int = 200, tree=None) -> d
 
         result["base_step_ms"] = median_ms(base_step) if repeats else None
     result.update(
-        tree_nodes=tree.num_nodes, chain_depth=tree.depth, head_rows_per_depth=rows,
-        draft_vocab=heads.config.draft_vocab_rows, vocab=model.config.vocab_size,
-        torch_threads=torch.get_num_threads(), repeats=repeats,
-    )  # fmt: skip
+        tree_nodes=tree.num_nodes,
+        chain_depth=tree.depth,
+        head_rows_per_depth=rows,
+        draft_vocab=heads.config.draft_vocab_rows,
+        vocab=model.config.vocab_size,
+        torch_threads=torch.get_num_threads(),
+        repeats=repeats,
+    )
     return result

@@ -39,29 +39,41 @@ DRAFTERS: dict[str, tuple[str, ...]] = {
 
 #: where each engine's rules were read (docs/export.md has the versions)
 SOURCES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("trtllm", "medusa"): ("tensorrt_llm/llmapi/llm_args.py (MedusaDecodingConfig)",
-                           "tensorrt_llm/runtime/medusa_utils.py (_medusa_setup, get_medusa_tree)",
-                           "tensorrt_llm/models/medusa/config.py (max_draft_len 63, num_medusa_heads 4)"),
-    ("trtllm", "eagle"): ("tensorrt_llm/llmapi/llm_args.py (EagleDecodingConfig.check_eagle_choices)",
-                          "tensorrt_llm/_torch/speculative/spec_tree_manager.py (top_k_list per node)",
-                          "NVIDIA/TensorRT-LLM#11761 (deprecated), #18210 (removed), #10325 (a chain as eagle_choices "
-                          "crashes)"),
-    ("vllm", "eagle"): ("vllm/v1/sample/rejection_sampler.py (draft i checked against the target at position i-1: "
-                        "a chain)", "vllm/config/speculative.py (num_speculative_tokens)",
-                        "vllm-project/vllm#22752 (tree rejection sampler, closed unmerged)"),
-    ("vllm", "eagle-tree"): ("vllm/config/speculative.py (speculative_token_tree, breadth-first sort, unchecked)",
-                             "vllm/v1/spec_decode/eagle.py (child_drafts_per_level: one top-k per level)",
-                             "vllm/v1/attention/backends/tree_attn.py", "vllm/v1/sample/rejection_sampler.py (a chain)",
-                             "vllm-project/vllm#42121 (tree attention removed)"),
+    ("trtllm", "medusa"): (
+        "tensorrt_llm/llmapi/llm_args.py (MedusaDecodingConfig)",
+        "tensorrt_llm/runtime/medusa_utils.py (_medusa_setup, get_medusa_tree)",
+        "tensorrt_llm/models/medusa/config.py (max_draft_len 63, num_medusa_heads 4)",
+    ),
+    ("trtllm", "eagle"): (
+        "tensorrt_llm/llmapi/llm_args.py (EagleDecodingConfig.check_eagle_choices)",
+        "tensorrt_llm/_torch/speculative/spec_tree_manager.py (top_k_list per node)",
+        "NVIDIA/TensorRT-LLM#11761 (deprecated), #18210 (removed), #10325 (a chain as eagle_choices crashes)",
+    ),
+    ("vllm", "eagle"): (
+        "vllm/v1/sample/rejection_sampler.py (draft i checked against the target at position i-1: a chain)",
+        "vllm/config/speculative.py (num_speculative_tokens)",
+        "vllm-project/vllm#22752 (tree rejection sampler, closed unmerged)",
+    ),
+    ("vllm", "eagle-tree"): (
+        "vllm/config/speculative.py (speculative_token_tree, breadth-first sort, unchecked)",
+        "vllm/v1/spec_decode/eagle.py (child_drafts_per_level: one top-k per level)",
+        "vllm/v1/attention/backends/tree_attn.py",
+        "vllm/v1/sample/rejection_sampler.py (a chain)",
+        "vllm-project/vllm#42121 (tree attention removed)",
+    ),
     ("vllm", "medusa"): ("vllm/v1/spec_decode/medusa.py (argmax of each head)",),
-    ("sglang", "eagle"): ("python/sglang/srt/speculative/eagle_utils.py (select_top_k_tokens, organize_draft_results)",
-                          "python/sglang/srt/server_args.py (topk 1 => num_draft_tokens = num_steps + 1; topk > 1 with "
-                          "page_size > 1 needs flashinfer or fa3)",
-                          "sgl-project/sglang#26866 (SpecV2 with topk > 1 at page_size 1)"),
-}  # fmt: skip
+    ("sglang", "eagle"): (
+        "python/sglang/srt/speculative/eagle_utils.py (select_top_k_tokens, organize_draft_results)",
+        "python/sglang/srt/server_args.py (topk 1 => num_draft_tokens = num_steps + 1; topk > 1 with "
+        "page_size > 1 needs flashinfer or fa3)",
+        "sgl-project/sglang#26866 (SpecV2 with topk > 1 at page_size 1)",
+    ),
+}
 
-HYDRA_NOTE = ("No engine runs Hydra heads: this is the bank's tree for its own heads, to be drafted by the "
-              "engine's drafter family; tokens per step are the bank's figures for its heads on its task.")  # fmt: skip
+HYDRA_NOTE = (
+    "No engine runs Hydra heads: this is the bank's tree for its own heads, to be drafted by the "
+    "engine's drafter family; tokens per step are the bank's figures for its heads on its task."
+)
 
 
 # ============================================================================ shape rules
@@ -133,8 +145,9 @@ def best_chain(paths: Paths, frontier: Frontier) -> Paths:
     frontier, or none inside the chain) the whole chain is kept.
     """
     chain = sorted(top1_chain(paths), key=len)
-    figures = [max((v for s, v in frontier if s and s <= frozenset(chain[:k])), default=None)
-               for k in range(1, len(chain) + 1)]  # fmt: skip
+    figures = [
+        max((v for s, v in frontier if s and s <= frozenset(chain[:k])), default=None) for k in range(1, len(chain) + 1)
+    ]
     known = [(v, -k) for k, v in enumerate(figures, start=1) if v is not None]
     if not known:
         return frozenset(chain)
@@ -181,27 +194,38 @@ class Rule:
     project: Callable[[Paths], Paths]
 
 
-def rules_for(target: tuple[str, str], max_depth: int | None, max_nodes: int | None,
-              frontier: Frontier) -> list[Rule]:  # fmt: skip
+def rules_for(target: tuple[str, str], max_depth: int | None, max_nodes: int | None, frontier: Frontier) -> list[Rule]:
     """The rules of ``target`` (engine, drafter variant) in the order they apply, with the user's
     depth and node caps where given."""
     caps = f" within {max_nodes} drafted nodes (--max-nodes)" if max_nodes else ""
     depth = [Rule(f"at most {max_depth} levels (--max-depth)", lambda s: within_depth(s, max_depth))]
     depth = depth if max_depth else []
-    budget = [Rule(f"at most {max_nodes} drafted nodes (--max-nodes), the most valuable first",
-                   lambda s: within_budget(s, max_nodes, frontier_priority(frontier)))] if max_nodes else []
+    budget = (
+        [
+            Rule(
+                f"at most {max_nodes} drafted nodes (--max-nodes), the most valuable first",
+                lambda s: within_budget(s, max_nodes, frontier_priority(frontier)),
+            )
+        ]
+        if max_nodes
+        else []
+    )
     topk = Rule("each node's children are its top-k: ranks 0..k-1 without gaps", contiguous)
     if target == ("trtllm", "medusa"):
         return [*depth, Rule("the first level's ranks 0..k-1 without gaps", lambda s: contiguous(s, 1)), *budget]
     if target == ("vllm", "medusa"):
         return [*depth, Rule("a top-1 chain: one argmax per Medusa head", top1_chain), *budget]
     if target == ("vllm", "eagle"):
-        chain = Rule("vLLM verifies drafts as a chain: the tree's top-1 chain, as long as the bank's figures "
-                     "support", lambda s: best_chain(s, frontier))  # fmt: skip
+        chain = Rule(
+            "vLLM verifies drafts as a chain: the tree's top-1 chain, as long as the bank's figures support",
+            lambda s: best_chain(s, frontier),
+        )
         return [*depth, chain, *budget]
     if target == ("vllm", "eagle-tree"):
-        uniform = Rule(f"every node of a level has the same number of children{caps}",
-                       lambda s: largest_uniform(s, max_nodes, frontier))
+        uniform = Rule(
+            f"every node of a level has the same number of children{caps}",
+            lambda s: largest_uniform(s, max_nodes, frontier),
+        )
         return [*depth, topk, uniform]
     return [*depth, topk, *budget]
 
@@ -240,9 +264,13 @@ def tokens_per_step(source: Tree, exported: Tree, frontier: Frontier, dynamic: b
         return {**out, "estimate": "the engine picks its tree each step from the drafter's scores: not modelled"}
     lo, hi = accept_bounds(frozenset(exported.paths), frontier)
     lost = [None if None in (src_lo, hi) else max(src_lo - hi, 0.0), None if None in (src_hi, lo) else src_hi - lo]
-    return {**out, "exported_bounds": [lo, hi], "lost_bounds": lost,
-            "estimate": "frontier bounds: the largest frontier tree inside the tree (lower) and the smallest "
-                        "one around it (upper)"}  # fmt: skip
+    return {
+        **out,
+        "exported_bounds": [lo, hi],
+        "lost_bounds": lost,
+        "estimate": "frontier bounds: the largest frontier tree inside the tree (lower) and the smallest "
+        "one around it (upper)",
+    }
 
 
 # ============================================================================ engine settings
@@ -279,8 +307,13 @@ def engine_config(target: tuple[str, str], tree: Tree) -> tuple[dict[str, Any], 
     if target == ("trtllm", "eagle") and is_chain(tree):  # the one-model EAGLE-3 drafts a chain of max_draft_len
         return {"decoding_type": "Eagle", "max_draft_len": drafted}, {}
     if target == ("trtllm", "eagle"):
-        return {"decoding_type": "Eagle", "max_draft_len": tree.depth, "max_total_draft_tokens": drafted,
-                "eagle_choices": choices, "eagle3_one_model": False}, {}  # fmt: skip
+        return {
+            "decoding_type": "Eagle",
+            "max_draft_len": tree.depth,
+            "max_total_draft_tokens": drafted,
+            "eagle_choices": choices,
+            "eagle3_one_model": False,
+        }, {}
     if target == ("vllm", "medusa"):
         return {"method": "medusa", "num_speculative_tokens": drafted}, {}
     if target == ("vllm", "eagle"):  # a chain: the same keys before and after vllm#42121
@@ -288,44 +321,68 @@ def engine_config(target: tuple[str, str], tree: Tree) -> tuple[dict[str, Any], 
     if target == ("vllm", "eagle-tree"):
         tree_text = choices_literal(tree)
         return {"method": "eagle3", "num_speculative_tokens": drafted, "speculative_token_tree": tree_text}, {
-            "attention_backend": "TREE_ATTN"}
+            "attention_backend": "TREE_ATTN"
+        }
     steps, topk, tokens = sglang_budget(tree)
-    return {"speculative_algorithm": "EAGLE3", "speculative_num_steps": steps, "speculative_eagle_topk": topk,
-            "speculative_num_draft_tokens": tokens}, {}  # fmt: skip
+    return {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_num_steps": steps,
+        "speculative_eagle_topk": topk,
+        "speculative_num_draft_tokens": tokens,
+    }, {}
 
 
 #: what vLLM does with a branching speculative_token_tree, said wherever one is exported
-VLLM_TREE_NOTE = ("vLLM verifies drafted tokens as a chain (v1/sample/rejection_sampler.py: draft i against the "
-                  "target's prediction at flattened position i-1; the tree rejection sampler vllm#22752 was closed "
-                  "unmerged): a branching tree is checked breadth-first as one chain, gains nothing, and a sibling "
-                  "matching by chance can be accepted on the wrong prefix")  # fmt: skip
+VLLM_TREE_NOTE = (
+    "vLLM verifies drafted tokens as a chain (v1/sample/rejection_sampler.py: draft i against the "
+    "target's prediction at flattened position i-1; the tree rejection sampler vllm#22752 was closed "
+    "unmerged): a branching tree is checked breadth-first as one chain, gains nothing, and a sibling "
+    "matching by chance can be accepted on the wrong prefix"
+)
 
 
 def engine_notes(target: tuple[str, str], tree: Tree) -> list[str]:
     """What else the engine needs or does with this tree, from its sources."""
     topk = sglang_budget(tree)[1] if tree.num_nodes > 1 else 1
-    sglang = ["SGLang builds its tree each step from the drafter's scores: this budget makes the exported tree one "
-              "it can build; EAGLE for EAGLE-2 drafts"]  # fmt: skip
+    sglang = [
+        "SGLang builds its tree each step from the drafter's scores: this budget makes the exported tree one "
+        "it can build; EAGLE for EAGLE-2 drafts"
+    ]
     if topk > 1:
-        sglang.append("topk > 1: with page_size > 1 it needs the flashinfer or fa3 attention backend (server_args.py "
-                      "refuses triton and the others); SpecV2 (the overlap worker) takes it at page_size 1 since "
-                      "sglang#26866 and falls back to v1 above; trtllm_mha needs topk 1")  # fmt: skip
+        sglang.append(
+            "topk > 1: with page_size > 1 it needs the flashinfer or fa3 attention backend (server_args.py "
+            "refuses triton and the others); SpecV2 (the overlap worker) takes it at page_size 1 since "
+            "sglang#26866 and falls back to v1 above; trtllm_mha needs topk 1"
+        )
     notes = {
-        ("trtllm", "medusa"): [f"TensorRT backend only; the checkpoint needs num_medusa_heads >= {tree.depth} and "
-                               f"the engine max_draft_len >= {tree.num_nodes - 1} (default 63)"],
-        ("trtllm", "eagle"): ["a chain: the one-model EAGLE-3 (the default) drafts max_draft_len tokens; no "
-                              "eagle_choices (a chain written as eagle_choices with eagle3_one_model=False crashes "
-                              "on 1.2.0rc6: TensorRT-LLM#10325)"] if is_chain(tree) else
-                             ["eagle_choices needs the two-model EAGLE-3 (eagle3_one_model=False); deprecated in "
-                              "TensorRT-LLM#11761 and removed in #18210: use a release from before it"],
-        ("vllm", "eagle"): ["a chain of num_speculative_tokens drafts, valid on releases before and after vllm#42121 "
-                            "(which removed tree attention); method 'eagle' for EAGLE-1 drafts", VLLM_TREE_NOTE],
-        ("vllm", "eagle-tree"): ["--vllm-tree: speculative_token_tree needs the TREE_ATTN attention backend (before "
-                                 "vllm#26315: VLLM_ATTENTION_BACKEND=TREE_ATTN) and a release between vllm#20401 and "
-                                 "vllm#42121 (0.18.0 has it)", VLLM_TREE_NOTE],
+        ("trtllm", "medusa"): [
+            f"TensorRT backend only; the checkpoint needs num_medusa_heads >= {tree.depth} and "
+            f"the engine max_draft_len >= {tree.num_nodes - 1} (default 63)"
+        ],
+        ("trtllm", "eagle"): [
+            "a chain: the one-model EAGLE-3 (the default) drafts max_draft_len tokens; no "
+            "eagle_choices (a chain written as eagle_choices with eagle3_one_model=False crashes "
+            "on 1.2.0rc6: TensorRT-LLM#10325)"
+        ]
+        if is_chain(tree)
+        else [
+            "eagle_choices needs the two-model EAGLE-3 (eagle3_one_model=False); deprecated in "
+            "TensorRT-LLM#11761 and removed in #18210: use a release from before it"
+        ],
+        ("vllm", "eagle"): [
+            "a chain of num_speculative_tokens drafts, valid on releases before and after vllm#42121 "
+            "(which removed tree attention); method 'eagle' for EAGLE-1 drafts",
+            VLLM_TREE_NOTE,
+        ],
+        ("vllm", "eagle-tree"): [
+            "--vllm-tree: speculative_token_tree needs the TREE_ATTN attention backend (before "
+            "vllm#26315: VLLM_ATTENTION_BACKEND=TREE_ATTN) and a release between vllm#20401 and "
+            "vllm#42121 (0.18.0 has it)",
+            VLLM_TREE_NOTE,
+        ],
         ("vllm", "medusa"): ["vLLM's Medusa drafts the argmax of each head: a top-1 chain, one token per head"],
         ("sglang", "eagle"): sglang,
-    }  # fmt: skip
+    }
     return [HYDRA_NOTE, *notes[target]]
 
 
@@ -345,12 +402,14 @@ def trtllm_snippet(config: dict[str, Any]) -> str:
     kwargs = {k: v for k, v in config.items() if k != "decoding_type"}
     draft = "<Medusa heads>" if kind == "Medusa" else "<EAGLE-3 draft model>"
     yaml = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in config.items())
-    return (f"# Python (TensorRT-LLM LLM API)\nfrom tensorrt_llm import LLM\nfrom tensorrt_llm.llmapi import "
-            f"{kind}DecodingConfig\n\nspeculative_config = {kind}DecodingConfig(\n{_kwargs(kwargs)}"
-            f"    speculative_model={_py(draft)},\n)\n"
-            f"llm = LLM(\"<target model>\", speculative_config=speculative_config)\n\n"
-            f"# YAML (trtllm-serve / trtllm-bench --config FILE)\nspeculative_config:\n{yaml}"
-            f"  speculative_model: {draft}\n")  # fmt: skip
+    return (
+        f"# Python (TensorRT-LLM LLM API)\nfrom tensorrt_llm import LLM\nfrom tensorrt_llm.llmapi import "
+        f"{kind}DecodingConfig\n\nspeculative_config = {kind}DecodingConfig(\n{_kwargs(kwargs)}"
+        f"    speculative_model={_py(draft)},\n)\n"
+        f'llm = LLM("<target model>", speculative_config=speculative_config)\n\n'
+        f"# YAML (trtllm-serve / trtllm-bench --config FILE)\nspeculative_config:\n{yaml}"
+        f"  speculative_model: {draft}\n"
+    )
 
 
 def vllm_snippet(config: dict[str, Any], options: dict[str, Any]) -> str:
@@ -359,19 +418,26 @@ def vllm_snippet(config: dict[str, Any], options: dict[str, Any]) -> str:
     spec = {"method": config["method"], "model": draft, **{k: v for k, v in config.items() if k != "method"}}
     body = "".join(f"        {json.dumps(k)}: {_py(v)},\n" for k, v in spec.items())
     flags = "".join(f" --{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in options.items())
-    return (f"# Python (vLLM)\nfrom vllm import LLM\n\nllm = LLM(\n    model=\"<target model>\",\n{_kwargs(options)}"
-            f"    speculative_config={{\n{body}    }},\n)\n\n# command line\n"
-            f"vllm serve '<target model>'{flags} --speculative-config {shlex.quote(json.dumps(spec))}\n")  # fmt: skip
+    return (
+        f'# Python (vLLM)\nfrom vllm import LLM\n\nllm = LLM(\n    model="<target model>",\n{_kwargs(options)}'
+        f"    speculative_config={{\n{body}    }},\n)\n\n# command line\n"
+        f"vllm serve '<target model>'{flags} --speculative-config {shlex.quote(json.dumps(spec))}\n"
+    )
 
 
 def sglang_snippet(config: dict[str, Any]) -> str:
     """``sglang.Engine(...)`` keyword arguments and the same as ``sglang.launch_server`` flags."""
-    args = {"speculative_algorithm": config["speculative_algorithm"],
-            "speculative_draft_model_path": "<EAGLE-3 draft model>", **config}  # fmt: skip
+    args = {
+        "speculative_algorithm": config["speculative_algorithm"],
+        "speculative_draft_model_path": "<EAGLE-3 draft model>",
+        **config,
+    }
     flags = " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in args.items())
-    return (f"# Python (SGLang)\nimport sglang as sgl\n\nengine = sgl.Engine(\n    model_path=\"<target model>\",\n"
-            f"{_kwargs(args)})\n\n# command line\npython3 -m sglang.launch_server --model-path '<target model>' "
-            f"{flags}\n")  # fmt: skip
+    return (
+        f'# Python (SGLang)\nimport sglang as sgl\n\nengine = sgl.Engine(\n    model_path="<target model>",\n'
+        f"{_kwargs(args)})\n\n# command line\npython3 -m sglang.launch_server --model-path '<target model>' "
+        f"{flags}\n"
+    )
 
 
 def snippet(engine: str, config: dict[str, Any], options: dict[str, Any]) -> str:
@@ -389,8 +455,9 @@ def pick_tree(scheduler: SchedulerDefaults, which: str, num_trees: int) -> int:
     if which in ("static", "conservative", "aggressive"):
         return getattr(scheduler, which)
     if not which.isdigit() or int(which) >= num_trees:
-        raise ValueError(f"--tree must be static, conservative, aggressive or an index below {num_trees}, "
-                         f"got {which!r}")
+        raise ValueError(
+            f"--tree must be static, conservative, aggressive or an index below {num_trees}, got {which!r}"
+        )
     return int(which)
 
 
@@ -408,27 +475,42 @@ def machine_scheduler(bank: TopologyBank, machine: str | None, batch_size: int =
     found = [t for t in tables if t.key == machine] or [t for t in tables if t.batch_size == batch_size and named(t)]
     if len(found) != 1:
         known = [f"{t.key} ({t.fingerprint.get('processor')}, batch size {t.batch_size})" for t in tables]
-        raise ValueError(f"--machine {machine!r} matches {len(found)} of the bank's machine entries at batch size "
-                         f"{batch_size}: {known}")  # fmt: skip
+        raise ValueError(
+            f"--machine {machine!r} matches {len(found)} of the bank's machine entries at batch size "
+            f"{batch_size}: {known}"
+        )
     return bank.scheduler_for(found[0])
 
 
 def scheduler_note(bank: TopologyBank, scheduler: SchedulerDefaults, exported: int) -> dict[str, Any]:
     """What the bank's scheduler would have switched between, which an engine with one tree does not."""
+
     def tree(k: int) -> dict[str, Any]:
         t = bank.trees[k]
         return {"index": k, "num_nodes": t.num_nodes, "depth": t.depth, "tokens_per_step": bank.frontier.get(k)}
 
     s = scheduler
-    switched = {"static": f"the static tree {s.static}", "hysteresis": f"trees {s.conservative} and {s.aggressive} "
-                f"(T-/T+) on {s.feature} at tau_on {s.tau_on:g} / tau_off {s.tau_off:g}",
-                "ladder": f"the ladder {list(s.ladder)} on {s.ladder_feature}",
-                "value": f"the value policy's trees {list(s.value)}"}.get(s.policy, f"the {s.policy} policy")  # fmt: skip
-    text = (f"The bank's default policy is {s.policy}: in generate it runs {switched}. An engine runs one tree "
-            f"(SGLang: one budget) for every step: tree {exported} is exported.")
-    return {"policy": s.policy, "static": tree(s.static), "conservative": tree(s.conservative),
-            "aggressive": tree(s.aggressive), "tau_on": s.tau_on, "tau_off": s.tau_off, "feature": s.feature,
-            "text": text}  # fmt: skip
+    switched = {
+        "static": f"the static tree {s.static}",
+        "hysteresis": f"trees {s.conservative} and {s.aggressive} "
+        f"(T-/T+) on {s.feature} at tau_on {s.tau_on:g} / tau_off {s.tau_off:g}",
+        "ladder": f"the ladder {list(s.ladder)} on {s.ladder_feature}",
+        "value": f"the value policy's trees {list(s.value)}",
+    }.get(s.policy, f"the {s.policy} policy")
+    text = (
+        f"The bank's default policy is {s.policy}: in generate it runs {switched}. An engine runs one tree "
+        f"(SGLang: one budget) for every step: tree {exported} is exported."
+    )
+    return {
+        "policy": s.policy,
+        "static": tree(s.static),
+        "conservative": tree(s.conservative),
+        "aggressive": tree(s.aggressive),
+        "tau_on": s.tau_on,
+        "tau_off": s.tau_off,
+        "feature": s.feature,
+        "text": text,
+    }
 
 
 def batch_note(batch_size: int, machine: str | None) -> str:
@@ -436,13 +518,28 @@ def batch_note(batch_size: int, machine: str | None) -> str:
     if machine is not None:
         return f"ranked with the machine entry's step costs at batch size {batch_size}"
     note = "the bank's stored (batch-1) choice"
-    return note if batch_size == 1 else (f"{note}, not ranked for batch size {batch_size}: pass --machine with an "
-                                         "entry calibrated at that size (entmtp-hf calibrate --batch-sizes)")  # fmt: skip
+    return (
+        note
+        if batch_size == 1
+        else (
+            f"{note}, not ranked for batch size {batch_size}: pass --machine with an "
+            "entry calibrated at that size (entmtp-hf calibrate --batch-sizes)"
+        )
+    )
 
 
-def export(bank: TopologyBank, engine: str, drafter: str | None = None, *, tree: str = "static",
-           machine: str | None = None, max_depth: int | None = None, max_nodes: int | None = None,
-           batch_size: int = 1, vllm_tree: bool = False) -> dict[str, Any]:  # fmt: skip
+def export(
+    bank: TopologyBank,
+    engine: str,
+    drafter: str | None = None,
+    *,
+    tree: str = "static",
+    machine: str | None = None,
+    max_depth: int | None = None,
+    max_nodes: int | None = None,
+    batch_size: int = 1,
+    vllm_tree: bool = False,
+) -> dict[str, Any]:
     """The export of one bank task to one engine, as the JSON the CLI writes (``vllm_tree``: vLLM's
     branching ``speculative_token_tree`` instead of the chain it verifies)."""
     if engine not in DRAFTERS:
@@ -459,15 +556,24 @@ def export(bank: TopologyBank, engine: str, drafter: str | None = None, *, tree:
     exported, steps = project(source, rules_for(target, max_depth, max_nodes, frontier))
     config, options = engine_config(target, exported)
     return {
-        "engine": engine, "drafter": drafter, "vllm_tree": vllm_tree, "task": bank.task,
+        "engine": engine,
+        "drafter": drafter,
+        "vllm_tree": vllm_tree,
+        "task": bank.task,
         "source_tree": {"index": index, "num_nodes": source.num_nodes, "depth": source.depth, "tree": source.choices},
-        "tree": exported.choices, "config": config, "engine_options": options,
-        "dropped": [p for step in steps for p in step["dropped"]], "projection": steps,
+        "tree": exported.choices,
+        "config": config,
+        "engine_options": options,
+        "dropped": [p for step in steps for p in step["dropped"]],
+        "projection": steps,
         "tokens_per_step": tokens_per_step(source, exported, frontier, dynamic=engine == "sglang"),
-        "scheduler": scheduler_note(bank, scheduler, index), "machine": machine,
-        "batch_size": batch_size, "batch_note": batch_note(batch_size, machine),
-        "notes": engine_notes(target, exported), "sources": list(SOURCES[target]),
-    }  # fmt: skip
+        "scheduler": scheduler_note(bank, scheduler, index),
+        "machine": machine,
+        "batch_size": batch_size,
+        "batch_note": batch_note(batch_size, machine),
+        "notes": engine_notes(target, exported),
+        "sources": list(SOURCES[target]),
+    }
 
 
 def _number(value: float | None) -> str:
@@ -477,9 +583,11 @@ def _number(value: float | None) -> str:
 def report_lines(result: dict[str, Any]) -> list[str]:
     """The export's report as comment lines above the snippet."""
     src, tps = result["source_tree"], result["tokens_per_step"]
-    lines = [f"# entmtp-hf export: task {result['task']} -> {result['engine']} ({result['drafter']} drafter)",
-             f"# bank tree {src['index']}: {src['num_nodes']} nodes, depth {src['depth']}; exported: "
-             f"{len(result['tree']) + 1} nodes"]  # fmt: skip
+    lines = [
+        f"# entmtp-hf export: task {result['task']} -> {result['engine']} ({result['drafter']} drafter)",
+        f"# bank tree {src['index']}: {src['num_nodes']} nodes, depth {src['depth']}; exported: "
+        f"{len(result['tree']) + 1} nodes",
+    ]
     lines += [f"# dropped ({step['rule']}): {step['dropped']}" for step in result["projection"] if step["dropped"]]
     if "source_bounds" not in tps:
         lines.append(f"# tokens per step: {tps['estimate']}")
@@ -487,8 +595,10 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"# tokens per step: {_number(tps['source'])}, the bank tree's: nothing dropped")
     elif "exported_bounds" in tps:
         (lo, hi), (lost_lo, lost_hi) = tps["exported_bounds"], tps["lost_bounds"]
-        lines.append(f"# tokens per step: bank tree {_number(tps['source'])}; exported {_number(lo)}..{_number(hi)}; "
-                     f"lost {_number(lost_lo)}..{_number(lost_hi)} ({tps['estimate']})")  # fmt: skip
+        lines.append(
+            f"# tokens per step: bank tree {_number(tps['source'])}; exported {_number(lo)}..{_number(hi)}; "
+            f"lost {_number(lost_lo)}..{_number(lost_hi)} ({tps['estimate']})"
+        )
     else:
         lines.append(f"# tokens per step: bank tree {_number(tps.get('source'))} ({tps['estimate']})")
     lines += [f"# {result['scheduler']['text']}", f"# batch size {result['batch_size']}: {result['batch_note']}"]
@@ -515,8 +625,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.out and os.path.isdir(args.out):  # refused before any work, like any bad argument
         raise EntMTPError(f"--out {args.out} is a folder; give the path of the JSON file to write")
     bank = TopologyBank.from_pretrained(bank_source(args.bank), task=args.task, revision=args.revision)
-    result = export(bank, args.to, args.drafter, tree=args.tree, machine=args.machine, max_depth=args.max_depth,
-                    max_nodes=args.max_nodes, batch_size=args.batch_size, vllm_tree=args.vllm_tree)  # fmt: skip
+    result = export(
+        bank,
+        args.to,
+        args.drafter,
+        tree=args.tree,
+        machine=args.machine,
+        max_depth=args.max_depth,
+        max_nodes=args.max_nodes,
+        batch_size=args.batch_size,
+        vllm_tree=args.vllm_tree,
+    )
     result["bank"], result["revision"] = args.bank, args.revision
     print("\n".join(report_lines(result)) + "\n")
     print(snippet(result["engine"], result["config"], result["engine_options"]), end="")
@@ -542,16 +661,22 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("bank", help="bank folder, shipped bank name (smollm2-135m-cpu, published-defaults) or Hub repo id")
     p.add_argument("--task", required=True, help="task of the bank")
     p.add_argument("--to", required=True, choices=sorted(DRAFTERS), help="the engine")
-    p.add_argument("--drafter", default=None,
-                   help="trtllm: medusa (default) or eagle; vllm: eagle (default) or medusa; sglang: eagle")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="trtllm: medusa (default) or eagle; vllm: eagle (default) or medusa; sglang: eagle",
+    )
     p.add_argument("--tree", default="static", help="static (EntMTP*, default), conservative, aggressive or an index")
     p.add_argument("--machine", default=None, help="use this stored machine entry's scheduler (key or processor name)")
     p.add_argument("--max-depth", type=_positive, default=None, help="deepest level the drafter drafts (e.g. heads)")
     p.add_argument("--max-nodes", type=_positive, default=None, help="most drafted nodes the engine takes")
     p.add_argument("--batch-size", type=_positive, default=1, help="serving batch size (banks are batch-1 today)")
-    p.add_argument("--vllm-tree", action="store_true",
-                   help="vLLM: write a branching speculative_token_tree (TREE_ATTN; releases between vllm#20401 and "
-                   "#42121, e.g. 0.18.0) instead of the chain; vLLM still verifies it as a chain")
+    p.add_argument(
+        "--vllm-tree",
+        action="store_true",
+        help="vLLM: write a branching speculative_token_tree (TREE_ATTN; releases between vllm#20401 and "
+        "#42121, e.g. 0.18.0) instead of the chain; vLLM still verifies it as a chain",
+    )
     p.add_argument("--revision", default=None, help="Hub revision of BANK")
     p.add_argument("--out", default=None, help="also write the export as JSON to this file")
     p.set_defaults(func=_run)

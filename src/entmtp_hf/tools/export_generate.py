@@ -120,13 +120,27 @@ def _code(value: str | None) -> str:
 def _readme(heads: str | None, bank: str | None, task: str | None, base_model: str | None) -> str:
     trees = f"the bank {_code(bank)}, task {_code(task)}" if bank else "the published default tree `mc_sim_7b_63`"
     local = [name for name in (heads, bank) if name is not None and os.path.isabs(name)]
-    note = (f" The local folders {', '.join(map(_code, local))} work on this machine only: export with Hub repo ids "
-            "to share this repo." if local else "")  # fmt: skip
-    base = (f"`{base_model}`, the model the heads were trained for; another model needs its own heads." if base_model
-            else "The model the draft heads were trained for; another model needs its own heads.")  # fmt: skip
-    return README.format(base_yaml=f"base_model: {base_model}\n" if base_model else "", heads=_code(heads),
-                         bank=_code(bank), task=_code(task), trees=trees, local=note, base=base,
-                         example_model=repr(base_model or "<base model>"))  # fmt: skip
+    note = (
+        f" The local folders {', '.join(map(_code, local))} work on this machine only: export with Hub repo ids "
+        "to share this repo."
+        if local
+        else ""
+    )
+    base = (
+        f"`{base_model}`, the model the heads were trained for; another model needs its own heads."
+        if base_model
+        else "The model the draft heads were trained for; another model needs its own heads."
+    )
+    return README.format(
+        base_yaml=f"base_model: {base_model}\n" if base_model else "",
+        heads=_code(heads),
+        bank=_code(bank),
+        task=_code(task),
+        trees=trees,
+        local=note,
+        base=base,
+        example_model=repr(base_model or "<base model>"),
+    )
 
 
 def _base_model(heads: str | None) -> str | None:
@@ -136,8 +150,9 @@ def _base_model(heads: str | None) -> str | None:
     return hub_repo_id(DraftHeads.from_pretrained(heads).config.base_model_name_or_path)
 
 
-def export_generate(folder: str | os.PathLike, *, heads: str | None = None, bank: str | None = None,
-                    task: str | None = None) -> Path:
+def export_generate(
+    folder: str | os.PathLike, *, heads: str | None = None, bank: str | None = None, task: str | None = None
+) -> Path:
     """Write the ``custom_generate`` repo into ``folder`` (created if needed); returns the generate.py path.
 
     ``heads``, ``bank`` (with its ``task``): folders or Hub repo ids baked in as the method's
@@ -161,8 +176,10 @@ def export_generate(folder: str | os.PathLike, *, heads: str | None = None, bank
 
 def _command(args: argparse.Namespace) -> int:
     path = export_generate(args.dir, heads=args.heads, bank=args.bank, task=args.task)
-    print(f"wrote {path.parent.parent}: use it with model.generate(custom_generate={str(args.dir)!r}, "
-          "trust_remote_code=True)")  # fmt: skip
+    print(
+        f"wrote {path.parent.parent}: use it with model.generate(custom_generate={str(args.dir)!r}, "
+        "trust_remote_code=True)"
+    )
     return 0
 
 

@@ -54,8 +54,10 @@ def serving(heads: DraftHeads) -> str:
     cfg = heads.config
     for layout in LAYOUTS:
         if refusal(heads, layout) is None:
-            return (f"{', '.join(SERVED_BY[layout])} (entmtp-hf export-heads HEADS --to {layout}) and transformers' "
-                    "generate")
+            return (
+                f"{', '.join(SERVED_BY[layout])} (entmtp-hf export-heads HEADS --to {layout}) and transformers' "
+                "generate"
+            )
     nearest = cfg.head_arch if cfg.head_arch in LAYOUTS else ("medusa" if cfg.family == "medusa" else "eagle3")
     return f"transformers' generate only: no engine layout holds them ({refusal(heads, nearest)})"
 
@@ -68,16 +70,20 @@ def refusal(heads: DraftHeads, layout: str) -> str | None:
     """Why ``heads`` cannot be written as ``layout`` (None: they can), in words a user can act on."""
     cfg = heads.config
     if cfg.family == "hydra":
-        return ("Hydra heads are sequentially dependent (each head reads the tokens drafted before it): no engine "
-                "runs them and no engine layout holds them")  # fmt: skip
+        return (
+            "Hydra heads are sequentially dependent (each head reads the tokens drafted before it): no engine "
+            "runs them and no engine layout holds them"
+        )
     if layout == "medusa":
         if cfg.family != "medusa":
             return f"the Medusa layout holds Medusa heads; these are {cfg.family} ({cfg.head_arch})"
         if cfg.use_base_lm_head:
             return "the Medusa layout stores each head's own LM head; these heads project with the base model's"
         if cfg.draft_vocab_size:
-            return (f"the Medusa layout's LM heads span the whole vocabulary; these draft over a pruned one of "
-                    f"{cfg.draft_vocab_size} tokens")  # fmt: skip
+            return (
+                f"the Medusa layout's LM heads span the whole vocabulary; these draft over a pruned one of "
+                f"{cfg.draft_vocab_size} tokens"
+            )
         return None
     if cfg.family != "eagle" or cfg.head_arch != layout:
         return f"an {layout} checkpoint holds an {layout} drafter; these are {cfg.family} heads ({cfg.head_arch})"
@@ -91,14 +97,20 @@ def refusal(heads: DraftHeads, layout: str) -> str | None:
     if not cfg.use_base_lm_head:
         return "EAGLE-1 drafts through the base model's LM head; these heads have their own"
     if cfg.draft_vocab_size:
-        return (f"the EAGLE-1 layout has no drafting vocabulary (these draft over {cfg.draft_vocab_size} tokens): "
-                "an engine would draft over the whole vocabulary")  # fmt: skip
+        return (
+            f"the EAGLE-1 layout has no drafting vocabulary (these draft over {cfg.draft_vocab_size} tokens): "
+            "an engine would draft over the whole vocabulary"
+        )
     if heads.fuse is not None:
-        return (f"the drafter fuses further base states (feature_layers {cfg.feature_layers}), which the EAGLE-1 "
-                "layout has no place for")  # fmt: skip
+        return (
+            f"the drafter fuses further base states (feature_layers {cfg.feature_layers}), which the EAGLE-1 "
+            "layout has no place for"
+        )
     if cfg.num_layers != 1:
-        return (f"the drafter has {cfg.num_layers} decoder layers; published EAGLE-1 drafters, and this project's "
-                "reader of them, have one")  # fmt: skip
+        return (
+            f"the drafter has {cfg.num_layers} decoder layers; published EAGLE-1 drafters, and this project's "
+            "reader of them, have one"
+        )
     return None
 
 
@@ -106,8 +118,14 @@ def _layer_config(heads: DraftHeads, architecture: str) -> dict[str, Any]:
     """The drafter layer's Llama config as a published EAGLE config.json holds it."""
     cfg = heads.config
     layer = {k: v for k, v in dict(cfg.prefix_layer_config or {}).items() if k not in _LAYER_SKIP}
-    layer.update(architectures=[architecture], model_type="llama", num_hidden_layers=1, hidden_size=cfg.hidden_size,
-                 vocab_size=cfg.vocab_size, tie_word_embeddings=False)  # fmt: skip
+    layer.update(
+        architectures=[architecture],
+        model_type="llama",
+        num_hidden_layers=1,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        tie_word_embeddings=False,
+    )
     return layer
 
 
@@ -123,14 +141,15 @@ def eagle3_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torc
     layers = list(cfg.feature_layers)
     order = sorted(range(len(layers)), key=layers.__getitem__)
     h = cfg.hidden_size
-    tensors["fc.weight"] = torch.cat([tensors["fc.weight"][:, i * h:(i + 1) * h] for i in order], dim=1).contiguous()
+    tensors["fc.weight"] = torch.cat([tensors["fc.weight"][:, i * h : (i + 1) * h] for i in order], dim=1).contiguous()
     rows = cfg.draft_vocab_rows
     draft = heads.draft_vocab.cpu().long() if heads.draft_vocab is not None else torch.arange(rows)
     tensors["d2t"] = draft - torch.arange(rows)
     tensors["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, draft, True)
     config = _layer_config(heads, EAGLE3_ARCHITECTURE)
-    config.update(draft_vocab_size=rows, target_hidden_size=h,
-                  eagle_aux_hidden_state_layer_ids=[layers[i] for i in order])  # fmt: skip
+    config.update(
+        draft_vocab_size=rows, target_hidden_size=h, eagle_aux_hidden_state_layer_ids=[layers[i] for i in order]
+    )
     return config, tensors
 
 
@@ -151,13 +170,21 @@ def eagle1_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torc
 def medusa_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """config.json and tensors of a Medusa-1 head file."""
     cfg = heads.config
-    config = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-              "vocab_size": cfg.vocab_size, "base_model_name_or_path": cfg.base_model_name_or_path}  # fmt: skip
+    config = {
+        "medusa_num_heads": cfg.num_heads,
+        "medusa_num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "base_model_name_or_path": cfg.base_model_name_or_path,
+    }
     return config, _weights(heads, lambda k: medusa_published_name(k, cfg.num_layers))
 
 
-WRITERS = {"eagle3": (eagle3_checkpoint, "model.safetensors"), "eagle": (eagle1_checkpoint, "model.safetensors"),
-           "medusa": (medusa_checkpoint, "medusa_lm_head.safetensors")}  # fmt: skip
+WRITERS = {
+    "eagle3": (eagle3_checkpoint, "model.safetensors"),
+    "eagle": (eagle1_checkpoint, "model.safetensors"),
+    "medusa": (medusa_checkpoint, "medusa_lm_head.safetensors"),
+}
 
 
 def export_heads(heads: DraftHeads, layout: str, out: str | os.PathLike) -> Path:
@@ -212,7 +239,9 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", required=True, choices=LAYOUTS, help="the checkpoint layout")
     p.add_argument("--out", required=True, help="the folder to write (new or empty)")
     p.add_argument("--revision", default=None, help="Hub revision of HEADS")
-    p.add_argument("--base-config", default=None,
-                   help="folder or repo id of the base model's config (published EAGLE-3 heads that name no fused "
-                   "layers)")  # fmt: skip
+    p.add_argument(
+        "--base-config",
+        default=None,
+        help="folder or repo id of the base model's config (published EAGLE-3 heads that name no fused layers)",
+    )
     p.set_defaults(func=_run)

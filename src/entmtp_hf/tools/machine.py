@@ -39,8 +39,12 @@ def versions() -> dict[str, str]:
 
     from .. import __version__ as entmtp_version
 
-    return {"entmtp_hf": entmtp_version, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": sys.version.split()[0]}  # fmt: skip
+    return {
+        "entmtp_hf": entmtp_version,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }
 
 
 def set_threads(threads: int | None) -> None:

@@ -51,7 +51,12 @@ def _prefilled_cache(model, prefix_len: int, g: torch.Generator) -> DynamicCache
 
 
 def forward_costs(
-    model, sizes: Sequence[int] = SIZES, *, prefix_len: int = 256, repeats: int = 7, progress: bool = False,
+    model,
+    sizes: Sequence[int] = SIZES,
+    *,
+    prefix_len: int = 256,
+    repeats: int = 7,
+    progress: bool = False,
     heads=None,
 ) -> dict[int, float]:
     """Median seconds of one verification forward over ``N`` chained tokens after a ``prefix_len``
@@ -59,7 +64,10 @@ def forward_costs(
     with ``heads``, default the ones the model is enabled with; ``progress``: a bar over the
     rounds), with the CPU kernels an EntMTP model was enabled with, if any."""
     heads = heads if heads is not None else getattr(model, HEADS_ATTR)
-    with torch.inference_mode(), tqdm(total=repeats + 1, desc="forward costs", unit="round", disable=not progress) as bar:
+    with (
+        torch.inference_mode(),
+        tqdm(total=repeats + 1, desc="forward costs", unit="round", disable=not progress) as bar,
+    ):
         ms = forward_ms(model, heads, sizes, prefix_len=prefix_len, repeats=repeats, on_round=bar.update)
     return {n: v / 1e3 for n, v in ms.items()}
 
@@ -100,8 +108,14 @@ def step_breakdown(
     sample = {**SAMPLING, "temperature": temperature} if temperature else {"do_sample": False}
     timer = PhaseTimer()
     with torch.inference_mode():
-        out = model.generate(input_ids, max_new_tokens=max_new_tokens, entmtp_config=config,
-                             return_dict_in_generate=True, entmtp_observers=[timer], **sample)  # fmt: skip
+        out = model.generate(
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            entmtp_config=config,
+            return_dict_in_generate=True,
+            entmtp_observers=[timer],
+            **sample,
+        )
     st = out.entmtp_stats
     steps = max(st["steps"], 1)
     decode = st["total_time"] - st["prefill_time"]
@@ -177,40 +191,63 @@ def _markdown(report: dict) -> str:
     lines = ["## Forward cost by tokens verified", "", "| tokens N | ms | c(N) |", "|---|---|---|"]
     base = report["forward_costs_ms"]["1"]
     lines += [f"| {n} | {ms:.1f} | {ms / base:.2f} |" for n, ms in report["forward_costs_ms"].items()]
-    lines += ["", "## Step breakdown (per decode step)", "",
-              "| run | nodes | tau | ms/step | drafting | verifier forward | acceptance | commit (cache, heads' "
-              "conditioning, emit) | other | drafting share | other share |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "## Step breakdown (per decode step)",
+        "",
+        "| run | nodes | tau | ms/step | drafting | verifier forward | acceptance | commit (cache, heads' "
+        "conditioning, emit) | other | drafting share | other share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, b in report["breakdown"].items():
-        lines.append(f"| {name} | {b['mean_tree_nodes']:.1f} | {b['mean_accept_length']:.2f} | {b['ms_per_step']:.1f} | "
-                     f"{b['draft_ms']:.1f} | {b['forward_ms']:.1f} | {b['accept_ms']:.1f} | {b['commit_ms']:.1f} | "
-                     f"{b['other_ms']:.1f} | {b['draft_share']:.1%} | {b['other_share']:.1%} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {b['mean_tree_nodes']:.1f} | {b['mean_accept_length']:.2f} | {b['ms_per_step']:.1f} | "
+            f"{b['draft_ms']:.1f} | {b['forward_ms']:.1f} | {b['accept_ms']:.1f} | {b['commit_ms']:.1f} | "
+            f"{b['other_ms']:.1f} | {b['draft_share']:.1%} | {b['other_share']:.1%} |"
+        )
     if report.get("linear_costs_ms"):
         sizes = list(next(iter(report["linear_costs_ms"].values())))
-        lines += ["", "## One linear layer by rows (time relative to one row)", "",
-                  "| weight | ms at 1 row | " + " | ".join(f"{m} rows" for m in sizes) + " |",
-                  "|---|---|" + "---|" * len(sizes)]  # fmt: skip
+        lines += [
+            "",
+            "## One linear layer by rows (time relative to one row)",
+            "",
+            "| weight | ms at 1 row | " + " | ".join(f"{m} rows" for m in sizes) + " |",
+            "|---|---|" + "---|" * len(sizes),
+        ]
         for name, per in report["linear_costs_ms"].items():
-            lines.append(f"| {name} | {per[sizes[0]]:.3f} | " + " | ".join(f"{per[m] / per[sizes[0]]:.2f}" for m in sizes)
-                         + " |")  # fmt: skip
+            lines.append(
+                f"| {name} | {per[sizes[0]]:.3f} | " + " | ".join(f"{per[m] / per[sizes[0]]:.2f}" for m in sizes) + " |"
+            )
     ref = report.get("kernel_reference_ms")
     if ref:
-        lines += ["", "## The kernel reference", "",
-                  f"A one-token forward takes {ref['model']:.1f} ms with the model's own kernels and {ref['onednn']:.1f} ms "
-                  f"with every linear layer on oneDNN (`vanilla-onednn`): {ref['onednn'] / ref['model']:.2f} of it. The "
-                  f"bound over vanilla-onednn is tau / c(N) times that."]  # fmt: skip
+        lines += [
+            "",
+            "## The kernel reference",
+            "",
+            f"A one-token forward takes {ref['model']:.1f} ms with the model's own kernels and {ref['onednn']:.1f} ms "
+            f"with every linear layer on oneDNN (`vanilla-onednn`): {ref['onednn'] / ref['model']:.2f} of it. The "
+            f"bound over vanilla-onednn is tau / c(N) times that.",
+        ]
     for task, rows in report.get("bound", {}).items():
         over = bool(rows) and "bound_over_reference" in rows[0]
-        lines += ["", f"## Analytic bound, task {task} (tau / c(N))", "",
-                  "| nodes | tau | c(N) | bound |" + (" over vanilla-onednn |" if over else ""),
-                  "|---|---|---|---|" + ("---|" if over else "")]  # fmt: skip
-        lines += [f"| {r['num_nodes']} | {r['mean_accept_length']:.2f} | {r['relative_cost']:.2f} | {r['bound']:.2f}x |"
-                  + (f" {r['bound_over_reference']:.2f}x |" if over else "") for r in rows]  # fmt: skip
+        lines += [
+            "",
+            f"## Analytic bound, task {task} (tau / c(N))",
+            "",
+            "| nodes | tau | c(N) | bound |" + (" over vanilla-onednn |" if over else ""),
+            "|---|---|---|---|" + ("---|" if over else ""),
+        ]
+        lines += [
+            f"| {r['num_nodes']} | {r['mean_accept_length']:.2f} | {r['relative_cost']:.2f} | {r['bound']:.2f}x |"
+            + (f" {r['bound_over_reference']:.2f}x |" if over else "")
+            for r in rows
+        ]
     return "\n".join(lines) + "\n"
 
 
-def _breakdowns(model, tokenizer, bank_dir: Path, args: argparse.Namespace, costs: dict[int, float],
-                reference: float) -> tuple[dict, dict]:
+def _breakdowns(
+    model, tokenizer, bank_dir: Path, args: argparse.Namespace, costs: dict[int, float], reference: float
+) -> tuple[dict, dict]:
     """Per task: the step breakdown of the bank's static tree and default policy (greedy, and
     sampled at ``--temperature`` if given), and the analytic bound of every bank tree."""
     from ..demo.run import config_for
@@ -245,10 +282,13 @@ def _profile(args: argparse.Namespace) -> int:
     report["forward_costs_ms"] = {str(n): 1e3 * s for n, s in costs.items()}
     plain = kernel_reference(model, prefix_len=args.prefix_len, repeats=args.repeats, progress=True)
     report["kernel_reference_ms"] = {k: 1e3 * v for k, v in plain.items()}
-    report["linear_costs_ms"] = {k: {str(m): 1e3 * t for m, t in per.items()}
-                                 for k, per in linear_costs(model, repeats=args.repeats, progress=True).items()}  # fmt: skip
-    report["breakdown"], report["bound"] = _breakdowns(model, tokenizer, bank_dir, args, costs,
-                                                       plain["onednn"] / plain["model"])  # fmt: skip
+    report["linear_costs_ms"] = {
+        k: {str(m): 1e3 * t for m, t in per.items()}
+        for k, per in linear_costs(model, repeats=args.repeats, progress=True).items()
+    }
+    report["breakdown"], report["bound"] = _breakdowns(
+        model, tokenizer, bank_dir, args, costs, plain["onednn"] / plain["model"]
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
@@ -272,8 +312,12 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prefix-len", type=int, default=256, help="cached tokens before the timed forward")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--temperature", type=float, default=None,
-                   help="also break down sampled steps (exact acceptance) at this temperature")  # fmt: skip
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="also break down sampled steps (exact acceptance) at this temperature",
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="runs/profile")
     p.set_defaults(func=_profile)

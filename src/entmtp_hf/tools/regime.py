@@ -47,10 +47,18 @@ from .checkpoint import json_safe
 
 ENTROPY_WINDOWS = (4, 8, 12, 16, 24, 32, 64)
 FEATURES = (
-    "entropy", *(f"entropy_ema{w}" for w in ENTROPY_WINDOWS), "base_top1",
-    "accept_ema8", "accept_last4_mean", "accept_last4_min", "accept_last4_max",
-    "head_confidence", "head_entropy", "chain_value", "head_agreement",
-)  # fmt: skip
+    "entropy",
+    *(f"entropy_ema{w}" for w in ENTROPY_WINDOWS),
+    "base_top1",
+    "accept_ema8",
+    "accept_last4_mean",
+    "accept_last4_min",
+    "accept_last4_max",
+    "head_confidence",
+    "head_entropy",
+    "chain_value",
+    "head_agreement",
+)
 DEFAULT_METHODS = ("entmtp-static",)
 
 
@@ -85,8 +93,9 @@ def _history(accepts: list[int]) -> list[float]:
 
 
 @torch.no_grad()
-def trace_generation(model, heads, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                     accept_lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def trace_generation(
+    model, heads, prompt_ids: Sequence[int], output_ids: Sequence[int], accept_lengths: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
     """Rebuild the per-step features of one EntMTP generation; ``(features, accept)``."""
     device = next(model.parameters()).device
     seq = list(prompt_ids) + list(output_ids)
@@ -110,8 +119,18 @@ def trace_generation(model, heads, prompt_ids: Sequence[int], output_ids: Sequen
         for w in ENTROPY_WINDOWS:
             emas[w] = ema(emas[w], h, w)
         agree = _agreement(prev[0], prev[1], r, chain) if prev else math.nan
-        rows.append([h, *(emas[w] for w in ENTROPY_WINDOWS), p0, *_history(list(accept_lengths[:k])),
-                     probs[1], float(np.mean(ents[1:])), p0 * float(np.prod(probs[1:])), agree])  # fmt: skip
+        rows.append(
+            [
+                h,
+                *(emas[w] for w in ENTROPY_WINDOWS),
+                p0,
+                *_history(list(accept_lengths[:k])),
+                probs[1],
+                float(np.mean(ents[1:])),
+                p0 * float(np.prod(probs[1:])),
+                agree,
+            ]
+        )
         targets.append(a)
         prev = (r, chain)
         nxt = min(r + a, len(seq))
@@ -120,8 +139,9 @@ def trace_generation(model, heads, prompt_ids: Sequence[int], output_ids: Sequen
     return np.asarray(rows, dtype=np.float64).reshape(-1, len(FEATURES)), np.asarray(targets, dtype=np.float64)
 
 
-def trace_results(results: dict, heads_by_family: dict, model, methods: Sequence[str] = DEFAULT_METHODS,
-                  progress: bool = False) -> list[Trace]:
+def trace_results(
+    results: dict, heads_by_family: dict, model, methods: Sequence[str] = DEFAULT_METHODS, progress: bool = False
+) -> list[Trace]:
     """Traces of every record of ``methods`` (each needs its heads family in ``heads_by_family``;
     ``progress``: a bar over the records)."""
     traces = []
@@ -192,8 +212,16 @@ def check_disjoint(train_groups: Sequence[str], test_groups: Sequence[str]) -> N
         raise ValueError(f"train and test share samples {sorted(both)[:5]}: split by sample, not by row")
 
 
-def mlp_auroc(x: np.ndarray, y: np.ndarray, groups: Sequence[str], *, test_fraction: float = 0.3, seed: int = 0,
-              hidden: int = 16, epochs: int = 300) -> dict[str, Any]:  # fmt: skip
+def mlp_auroc(
+    x: np.ndarray,
+    y: np.ndarray,
+    groups: Sequence[str],
+    *,
+    test_fraction: float = 0.3,
+    seed: int = 0,
+    hidden: int = 16,
+    epochs: int = 300,
+) -> dict[str, Any]:
     """Test AUROC of a small MLP classifying ``y`` (bool) from ``x``, split by sample.
 
     Features are standardised with the training rows' statistics; NaNs become 0 (the
@@ -205,16 +233,24 @@ def mlp_auroc(x: np.ndarray, y: np.ndarray, groups: Sequence[str], *, test_fract
     mu, sd = np.nan_to_num(mu), np.where(np.isfinite(sd) & (sd > 0), sd, 1.0)
     z = np.nan_to_num((x - mu) / sd, nan=0.0, posinf=0.0, neginf=0.0)
     xt, yt = torch.tensor(z[train], dtype=torch.float32), torch.tensor(y[train], dtype=torch.float32)
-    info = {"n_train": int(train.sum()), "n_test": int(test.sum()),
-            "train_samples": len({g for g, t in zip(groups, train) if t}),
-            "test_samples": len({g for g, t in zip(groups, test) if t}),
-            "positive_rate": float(np.mean(y)) if len(y) else math.nan}  # fmt: skip
+    info = {
+        "n_train": int(train.sum()),
+        "n_test": int(test.sum()),
+        "train_samples": len({g for g, t in zip(groups, train) if t}),
+        "test_samples": len({g for g, t in zip(groups, test) if t}),
+        "positive_rate": float(np.mean(y)) if len(y) else math.nan,
+    }
     if yt.numel() == 0 or float(yt.min()) == float(yt.max()):
         return info | {"auroc": math.nan, "note": "training rows hold one class only"}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = torch.nn.Sequential(torch.nn.Linear(z.shape[1], hidden), torch.nn.ReLU(),
-                                  torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))  # fmt: skip
+        net = torch.nn.Sequential(
+            torch.nn.Linear(z.shape[1], hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 1),
+        )
         opt = torch.optim.Adam(net.parameters(), lr=1e-2, weight_decay=1e-3)
         pos = float(yt.sum())
         loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor((len(yt) - pos) / pos))
@@ -238,8 +274,12 @@ def analyse(traces: list[Trace], *, seed: int = 0) -> dict[str, dict]:
         x = np.concatenate([t.features for t in ts])
         a = np.concatenate([t.accept for t in ts])
         groups = [t.sample for t in ts for _ in range(len(t.accept))]
-        res = {"steps": int(len(a)), "samples": len(set(groups)), "mean_accept": float(a.mean()),
-               "pearson": {f: pearson(x[:, i], a) for i, f in enumerate(FEATURES)}}  # fmt: skip
+        res = {
+            "steps": int(len(a)),
+            "samples": len(set(groups)),
+            "mean_accept": float(a.mean()),
+            "pearson": {f: pearson(x[:, i], a) for i, f in enumerate(FEATURES)},
+        }
         try:
             res["mlp_accept_eq_1"] = mlp_auroc(x, (a == 1).astype(np.float64), groups, seed=seed)
         except ValueError as e:
@@ -269,8 +309,14 @@ def heatmap(analysis: dict[str, dict], path: str | os.PathLike, title: str = "Pe
     return path
 
 
-def analyse_results(results: dict, ctx, out_dir: str | os.PathLike, methods: Sequence[str] = DEFAULT_METHODS,
-                    seed: int = 0, progress: bool = False) -> dict:  # fmt: skip
+def analyse_results(
+    results: dict,
+    ctx,
+    out_dir: str | os.PathLike,
+    methods: Sequence[str] = DEFAULT_METHODS,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict:
     """Trace, analyse and write ``regime.json``, ``regime_heatmap.png`` and ``regime.md`` into ``out_dir``."""
     traces = trace_results(results, ctx.heads, ctx.model, methods, progress=progress)
     if not traces:
@@ -281,11 +327,27 @@ def analyse_results(results: dict, ctx, out_dir: str | os.PathLike, methods: Seq
     by_method = {m: analyse([t for t in traces if t.method == m], seed=seed) for m in traced} if len(traced) > 1 else {}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc = {"format": "entmtp-regime", "format_version": 1, "methods": list(methods), "features": list(FEATURES),
-           "target": "accept length of the step (tokens added)", "split": "by sample (prompt id), 30% test",
-           "source": results.get("environment", {}).get("date_utc"), "tasks": analysis, "by_method": by_method,
-           "traces": [{"task": t.task, "sample": t.sample, "method": t.method, "features": t.features.tolist(),
-                       "accept": t.accept.tolist()} for t in traces]}  # fmt: skip
+    doc = {
+        "format": "entmtp-regime",
+        "format_version": 1,
+        "methods": list(methods),
+        "features": list(FEATURES),
+        "target": "accept length of the step (tokens added)",
+        "split": "by sample (prompt id), 30% test",
+        "source": results.get("environment", {}).get("date_utc"),
+        "tasks": analysis,
+        "by_method": by_method,
+        "traces": [
+            {
+                "task": t.task,
+                "sample": t.sample,
+                "method": t.method,
+                "features": t.features.tolist(),
+                "accept": t.accept.tolist(),
+            }
+            for t in traces
+        ],
+    }
     (out_dir / "regime.json").write_text(json.dumps(json_safe(doc), allow_nan=False), encoding="utf-8")
     heatmap(analysis, out_dir / "regime_heatmap.png", f"Pearson r with accept length ({', '.join(methods)})")
     (out_dir / "regime.md").write_text(regime_markdown(doc) + "\n", encoding="utf-8")
@@ -330,8 +392,12 @@ def _regime(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     results = read_results(args.results)
     random_heads = any(str(v).startswith("random") for v in results.get("context", {}).get("heads", {}).values())
-    ctx = load_context(args.model, heads={"hydra": args.hydra_heads, "medusa": args.medusa_heads, "eagle": args.eagle_heads},
-                       random_missing=random_heads or args.random_heads, device=args.device)  # fmt: skip
+    ctx = load_context(
+        args.model,
+        heads={"hydra": args.hydra_heads, "medusa": args.medusa_heads, "eagle": args.eagle_heads},
+        random_missing=random_heads or args.random_heads,
+        device=args.device,
+    )
     out = Path(args.out) if args.out else Path(args.results).parent
     doc = analyse_results(results, ctx, out, tuple(args.methods), seed=args.seed, progress=True)
     print(regime_markdown(doc))
@@ -341,9 +407,12 @@ def _regime(args: argparse.Namespace) -> int:
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
     """Register ``entmtp-hf regime``."""
-    p = sub.add_parser("regime", help="per-step regime analysis of a bench run (Pearson r, AUROC, heatmap)",
-                       description="Trace the EntMTP records of RESULTS.json step by step and correlate "
-                       "per-step features with the accept length.")  # fmt: skip
+    p = sub.add_parser(
+        "regime",
+        help="per-step regime analysis of a bench run (Pearson r, AUROC, heatmap)",
+        description="Trace the EntMTP records of RESULTS.json step by step and correlate "
+        "per-step features with the accept length.",
+    )
     p.add_argument("results", help="results.json written by entmtp-hf bench")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help="methods whose records are traced")
     p.add_argument("--model", default=None, help="base model (default: the demo model)")

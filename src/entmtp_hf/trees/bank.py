@@ -32,11 +32,10 @@ from huggingface_hub.errors import (
 )
 from safetensors.torch import save as safetensors_bytes
 
-from ..errors import EntMTPError
 from ..costs.ranking import Ranking, priced, rank, scheduler_for
 from ..costs.retrieval import RetrievalFigures
 from ..costs.table import CostTable
-from .retrieval import RetrievalConfig
+from ..errors import EntMTPError
 from ..hub import missing_revision
 from .bank_card import CARD_NAME, model_card
 from .bank_format import (
@@ -62,17 +61,39 @@ from .bank_format import (
     load_bank_contents,
     tasks_from_names,
 )
+from .retrieval import RetrievalConfig
 from .tree import MC_SIM_7B_63, Tree
 
 #: the banks shipped with the package (package data: present in wheels and checkouts alike)
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "banks"
 
 __all__ = [
-    "CARD_NAME", "FORMAT_VERSION", "MAX_BANK_NODES", "MAX_FILE_BYTES", "MAX_METADATA_BYTES", "MAX_METADATA_DEPTH",
-    "MAX_TREE_DEPTH", "MAX_TREE_NODES", "MAX_TREES", "METADATA_KEY", "SHIPPED_DIR", "SUFFIX", "BankFormatError",
-    "SchedulerDefaults", "TopologyBank", "check_task_name", "decode_tree", "default_thresholds", "encode_tree",
-    "list_local_tasks", "load_bank_file", "main", "model_card", "published_defaults_bank", "shipped_bank_path",
-]  # fmt: skip
+    "CARD_NAME",
+    "FORMAT_VERSION",
+    "MAX_BANK_NODES",
+    "MAX_FILE_BYTES",
+    "MAX_METADATA_BYTES",
+    "MAX_METADATA_DEPTH",
+    "MAX_TREE_DEPTH",
+    "MAX_TREE_NODES",
+    "MAX_TREES",
+    "METADATA_KEY",
+    "SHIPPED_DIR",
+    "SUFFIX",
+    "BankFormatError",
+    "SchedulerDefaults",
+    "TopologyBank",
+    "check_task_name",
+    "decode_tree",
+    "default_thresholds",
+    "encode_tree",
+    "list_local_tasks",
+    "load_bank_file",
+    "main",
+    "model_card",
+    "published_defaults_bank",
+    "shipped_bank_path",
+]
 
 
 def load_bank_file(path: str | os.PathLike[str]) -> "TopologyBank":
@@ -143,9 +164,14 @@ class TopologyBank:
         listed = (self._metadata.get("frontier") or {}).get("retrieval") or {}
         options = {label: RetrievalConfig(**fields) for label, fields in listed.items()}
         per_tree = self._metadata.get("trees") or []
-        figures = {k: {label: RetrievalFigures.from_dict(f, options[label].num_tokens)
-                       for label, f in per_tree[k]["retrieval"].items()}
-                   for k in self.frontier if options and "retrieval" in per_tree[k]}  # fmt: skip
+        figures = {
+            k: {
+                label: RetrievalFigures.from_dict(f, options[label].num_tokens)
+                for label, f in per_tree[k]["retrieval"].items()
+            }
+            for k in self.frontier
+            if options and "retrieval" in per_tree[k]
+        }
         return options, figures
 
     @property
@@ -178,8 +204,13 @@ class TopologyBank:
         root = next((k for k, t in enumerate(self._trees) if t.num_nodes == 1), None)
         return scheduler_for(self._scheduler, ranking, root), ranking
 
-    def with_frontier(self, trees: Sequence[Tree], accept: Sequence[float], info: Sequence[Mapping[str, Any]] = (),
-                      source: Mapping[str, Any] | None = None) -> "TopologyBank":
+    def with_frontier(
+        self,
+        trees: Sequence[Tree],
+        accept: Sequence[float],
+        info: Sequence[Mapping[str, Any]] = (),
+        source: Mapping[str, Any] | None = None,
+    ) -> "TopologyBank":
         """A copy of this bank that carries the task's acceptance frontier ``trees`` with their
         tokens per step ``accept`` (debiased), merged with the bank's own trees: a tree the bank
         has keeps its figures and gets the frontier's; every index (scheduler, machines) follows
@@ -233,11 +264,17 @@ class TopologyBank:
             else:
                 speedups[k] = price
         scheduler = scheduler or ranked
-        entry = {"costs": table.to_dict(), "scheduler": scheduler.to_dict(),
-                 "speedups": {str(k): round(v, 4) for k, v in speedups.items()}}  # fmt: skip
+        entry = {
+            "costs": table.to_dict(),
+            "scheduler": scheduler.to_dict(),
+            "speedups": {str(k): round(v, 4) for k, v in speedups.items()},
+        }
         machine = (table.fingerprint.get("key", ""), table.batch_size)
-        others = [m for m, known in zip(self._metadata.get("machines", []), self.machine_tables())
-                  if (known.fingerprint.get("key", ""), known.batch_size) != machine]  # fmt: skip
+        others = [
+            m
+            for m, known in zip(self._metadata.get("machines", []), self.machine_tables())
+            if (known.fingerprint.get("key", ""), known.batch_size) != machine
+        ]
         return TopologyBank(self._task, self._trees, {**self._metadata, "machines": [*others, entry]})
 
     def __len__(self) -> int:
@@ -296,8 +333,9 @@ class TopologyBank:
             raise EntMTPError(f"Hub repo {repo_id!r} has no revision {revision!r} (a branch, tag or commit)") from e
         except (RemoteEntryNotFoundError, LocalEntryNotFoundError) as e:
             offline = isinstance(e, LocalEntryNotFoundError)  # offline, or the Hub unreachable, and not cached
-            problem = missing_revision(repo_id, revision, cache_dir=hub_kwargs.get("cache_dir"),
-                                       token=hub_kwargs.get("token"), offline=offline)  # fmt: skip
+            problem = missing_revision(
+                repo_id, revision, cache_dir=hub_kwargs.get("cache_dir"), token=hub_kwargs.get("token"), offline=offline
+            )
             if problem is not None:
                 raise EntMTPError(problem) from e
             tasks = _tasks_or_unknown(repo_id, revision, hub_kwargs, cached_only=offline)
@@ -324,8 +362,14 @@ class TopologyBank:
             return list_local_tasks(Path(path_or_repo_id))
         repo_id = str(path_or_repo_id)
         if local_files_only or hf_constants.is_offline_mode():
-            snap = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, token=token,
-                                     allow_patterns=[f"*{SUFFIX}"], local_files_only=True)  # fmt: skip
+            snap = snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=cache_dir,
+                token=token,
+                allow_patterns=[f"*{SUFFIX}"],
+                local_files_only=True,
+            )
             names = [p.name for p in Path(snap).iterdir()]
         else:
             names = HfApi(token=token).list_repo_files(repo_id, revision=revision)
@@ -381,8 +425,13 @@ def _tasks_or_unknown(
 ) -> list[str] | str:
     """Best-effort task list for an error message that is already being raised."""
     try:
-        return TopologyBank.list_tasks(repo_id, revision, token=hub_kwargs.get("token"),
-                                       cache_dir=hub_kwargs.get("cache_dir"), local_files_only=cached_only)  # fmt: skip
+        return TopologyBank.list_tasks(
+            repo_id,
+            revision,
+            token=hub_kwargs.get("token"),
+            cache_dir=hub_kwargs.get("cache_dir"),
+            local_files_only=cached_only,
+        )
     except Exception as e:  # noqa: BLE001 - cosmetic; the original error is chained
         return f"unknown ({type(e).__name__})"
 
@@ -404,8 +453,15 @@ def published_defaults_bank() -> TopologyBank:
                 {"num_nodes": 5, "name": "chain-4", "source": "top-1 chain of depth 4"},
                 {"num_nodes": 64, "name": "mc_sim_7b_63", "source": source},
             ],
-            "scheduler": {"static": 2, "conservative": 1, "aggressive": 2, "tau_on": 0.01, "tau_off": 0.01,
-                          "ladder": [0, 1, 2], "thresholds": [0.005, 0.02]},  # fmt: skip
+            "scheduler": {
+                "static": 2,
+                "conservative": 1,
+                "aggressive": 2,
+                "tau_on": 0.01,
+                "tau_off": 0.01,
+                "ladder": [0, 1, 2],
+                "thresholds": [0.005, 0.02],
+            },
         },
     )
 

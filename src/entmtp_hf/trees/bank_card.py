@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..costs.retrieval import retrieval_label
-from .retrieval import RetrievalConfig
 from .bank_format import (
     FIGURES,
     SUFFIX,
@@ -22,6 +21,7 @@ from .bank_format import (
     list_local_tasks,
     load_bank_contents,
 )
+from .retrieval import RetrievalConfig
 
 CARD_NAME = "README.md"
 #: EntMTP*, the static policy's tree, written so that Markdown does not read the star as emphasis
@@ -80,13 +80,22 @@ def _machine_rows(bank: BankContents) -> list[list[str]]:
         costs, chosen = entry["costs"], scheduler.static
         speedups = entry.get("speedups", {})
         best = max(speedups, key=speedups.get, default=None)
-        reconstructed = " (costs reconstructed from the search's timed runs)" if (costs.get("notes") or {}).get(
-            "reconstructed") else ""  # fmt: skip
+        reconstructed = (
+            " (costs reconstructed from the search's timed runs)"
+            if (costs.get("notes") or {}).get("reconstructed")
+            else ""
+        )
         modelled = 1.0 if bank.trees[chosen].num_nodes == 1 else speedups.get(str(chosen))
         batch = f", batches of {costs['batch_size']}" if costs.get("batch_size", 1) > 1 else ""
-        rows.append([_cell(_machine_name(costs["fingerprint"]) + batch + reconstructed), _tree_text(bank, chosen),
-                     retrieval_label(scheduler.retrieval), _times(modelled),
-                     f"{_times(speedups[best])}, {_tree_text(bank, int(best))}" if best else ""])
+        rows.append(
+            [
+                _cell(_machine_name(costs["fingerprint"]) + batch + reconstructed),
+                _tree_text(bank, chosen),
+                retrieval_label(scheduler.retrieval),
+                _times(modelled),
+                f"{_times(speedups[best])}, {_tree_text(bank, int(best))}" if best else "",
+            ]
+        )
     return rows
 
 
@@ -95,23 +104,35 @@ def _speedup_section(bank: BankContents) -> list[str]:
     modelled from measured step costs on every machine it carries an entry for."""
     meta, static = bank.metadata, bank.scheduler.static
     per_tree = meta.get("trees") or [{} for _ in bank.trees]
-    timed = {k: info["speedup_vs_plain"] for k, info in enumerate(per_tree)
-             if "speedup_vs_plain" in info and bank.trees[k].num_nodes > 1}  # fmt: skip
+    timed = {
+        k: info["speedup_vs_plain"]
+        for k, info in enumerate(per_tree)
+        if "speedup_vs_plain" in info and bank.trees[k].num_nodes > 1
+    }
     lines = []
     if timed:
         best = max(timed, key=timed.get)
         plain = (meta.get("calibration") or {}).get("vanilla_tokens_per_s")
         plain_text = f" (plain `generate`: {plain:.4g} tokens/s)" if isinstance(plain, (int, float)) else ""
-        lines += [f"Measured on {_cell(meta.get('hardware', 'hardware not recorded'))}{plain_text} by the search "
-                  f"that wrote this bank: {STATIC} = {_tree_text(bank, static)} at {_times(timed.get(static))} the "
-                  f"speed of plain decoding; the fastest timed tree: {_tree_text(bank, best)} at "
-                  f"{_times(timed[best])}.", ""]  # fmt: skip
+        lines += [
+            f"Measured on {_cell(meta.get('hardware', 'hardware not recorded'))}{plain_text} by the search "
+            f"that wrote this bank: {STATIC} = {_tree_text(bank, static)} at {_times(timed.get(static))} the "
+            f"speed of plain decoding; the fastest timed tree: {_tree_text(bank, best)} at "
+            f"{_times(timed[best])}.",
+            "",
+        ]
     rows = _machine_rows(bank)
     if rows:
         header = ["machine", f"{STATIC} there", "retrieval there", "its modelled speed-up", "best modelled"]
-        lines += ["Modelled from each machine's measured step costs (`entmtp-hf calibrate`; another machine re-ranks "
-                  "the frontier at its first `generate`):", "", "| " + " | ".join(header) + " |",
-                  "|" + "---|" * len(header), *("| " + " | ".join(row) + " |" for row in rows), ""]  # fmt: skip
+        lines += [
+            "Modelled from each machine's measured step costs (`entmtp-hf calibrate`; another machine re-ranks "
+            "the frontier at its first `generate`):",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows),
+            "",
+        ]
     return ["### Speed-ups", "", *lines] if lines else []
 
 

@@ -33,14 +33,24 @@ from safetensors import SafetensorError, safe_open
 
 from ..costs.retrieval import RetrievalFigures
 from ..costs.table import CostTable
-from .retrieval import RetrievalConfig
 from ..errors import EntMTPError, FieldError, FileFormatError
 from ..files import nesting_depth, parse_json
 from ..scheduling.features import FEATURES
 from ..scheduling.policies import get_policy
 from ..validation import (
-    brief_list, brief_repr, choice, increasing, integer, mapping, number, numbers_in, sequence, taus, thresholds,
+    brief_list,
+    brief_repr,
+    choice,
+    increasing,
+    integer,
+    mapping,
+    number,
+    numbers_in,
+    sequence,
+    taus,
+    thresholds,
 )
+from .retrieval import RetrievalConfig
 from .tree import Tree
 
 FORMAT_VERSION = 1
@@ -67,9 +77,13 @@ MAX_RETRIEVAL_OPTIONS = 32
 TASK_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 _RESERVED = ("format_version", "task", "num_trees")
 TEXT_KEYS = ("base_model", "heads", "hardware", "created_by")
-FIGURES = {"mean_accept_length": "mean accept length", "biased_accept_length": "biased accept length",
-           "measured_accept_length": "measured accept length", "tokens_per_s": "tokens/s",
-           "speedup_vs_plain": "speed-up vs plain"}  # fmt: skip
+FIGURES = {
+    "mean_accept_length": "mean accept length",
+    "biased_accept_length": "biased accept length",
+    "measured_accept_length": "measured accept length",
+    "tokens_per_s": "tokens/s",
+    "speedup_vs_plain": "speed-up vs plain",
+}
 _INT32_MAX = 2**31 - 1
 #: Ends of the paper's threshold grid (0.001 … 0.05), used for default ladder thresholds.
 _TAU_GRID_ENDS = (0.001, 0.05)
@@ -147,12 +161,19 @@ class SchedulerDefaults:
         tau_on, tau_off = taus(self.tau_on, self.tau_off, error=FieldError)
         self._set("tau_on", tau_on)
         self._set("tau_off", tau_off)
-        self._set("value", tuple(_index(i, "value entry") for i in sequence(self.value, "value", of="tree indices",
-                                                                            max_len=MAX_TREES, error=FieldError)))
+        self._set(
+            "value",
+            tuple(
+                _index(i, "value entry")
+                for i in sequence(self.value, "value", of="tree indices", max_len=MAX_TREES, error=FieldError)
+            ),
+        )
         costs = numbers_in(self.value_costs, "value_costs", max_len=MAX_TREES, error=FieldError)
         if len(costs) != len(self.value) or any(c <= 0 for c in costs):
-            raise FieldError("value_costs", f"must give one positive cost per value tree ({len(self.value)}), "
-                             f"got {brief_repr(list(costs))}")  # fmt: skip
+            raise FieldError(
+                "value_costs",
+                f"must give one positive cost per value tree ({len(self.value)}), got {brief_repr(list(costs))}",
+            )
         self._set("value_costs", costs)
         if self.policy == "value" and not self.value:
             raise FieldError("policy", "'value' needs the trees it picks from in `value`")
@@ -169,8 +190,10 @@ class SchedulerDefaults:
         if not ladder:
             raise FieldError("ladder", "must list one or more tree indices")
         self._set("ladder", increasing(tuple(_index(i, "ladder entry") for i in ladder), "ladder", error=FieldError))
-        self._set("thresholds", thresholds(self.thresholds, "thresholds", low=-math.inf, count=len(ladder) - 1,
-                                           error=FieldError))  # fmt: skip
+        self._set(
+            "thresholds",
+            thresholds(self.thresholds, "thresholds", low=-math.inf, count=len(ladder) - 1, error=FieldError),
+        )
 
     @classmethod
     def from_metadata(cls, raw: Mapping[str, Any] | None, num_trees: int) -> "SchedulerDefaults":
@@ -188,8 +211,9 @@ class SchedulerDefaults:
             raise EntMTPError(f"unknown scheduler keys [{brief_list(map(brief_repr, unknown))}]; allowed: {allowed}")
         last = num_trees - 1
         tau_on = _finite(raw.get("tau_on", raw.get("tau_off", 0.01)), "tau_on")
-        ladder = sequence(raw.get("ladder", range(num_trees)), "ladder", of="tree indices", max_len=MAX_TREES,
-                          error=FieldError)  # fmt: skip
+        ladder = sequence(
+            raw.get("ladder", range(num_trees)), "ladder", of="tree indices", max_len=MAX_TREES, error=FieldError
+        )
         thresholds = raw.get("thresholds")
         if thresholds is None:
             thresholds = default_thresholds(len(ladder) - 1, tau_on)
@@ -331,8 +355,10 @@ def _check_retrieval_figures(meta: dict[str, Any]) -> None:
     :class:`~entmtp_hf.costs.retrieval.RetrievalFigures`."""
     raw = (meta.get("frontier") or {}).get("retrieval")
     if raw is not None and (not isinstance(raw, dict) or len(raw) > MAX_RETRIEVAL_OPTIONS):
-        raise ValueError(f"metadata['frontier']['retrieval'] must map at most {MAX_RETRIEVAL_OPTIONS} labels "
-                         f"to retrieval settings, got {brief_repr(raw)}")  # fmt: skip
+        raise ValueError(
+            f"metadata['frontier']['retrieval'] must map at most {MAX_RETRIEVAL_OPTIONS} labels "
+            f"to retrieval settings, got {brief_repr(raw)}"
+        )
     options = {}
     for label, config in (raw or {}).items():
         try:
@@ -344,8 +370,10 @@ def _check_retrieval_figures(meta: dict[str, Any]) -> None:
         if figures is None:
             continue
         if not isinstance(figures, dict) or set(figures) - set(options):
-            raise ValueError(f"metadata['trees'][{k}]['retrieval'] must map labels of metadata['frontier']"
-                             f"['retrieval'] ({sorted(options)}) to figures, got {brief_repr(figures)}")  # fmt: skip
+            raise ValueError(
+                f"metadata['trees'][{k}]['retrieval'] must map labels of metadata['frontier']"
+                f"['retrieval'] ({sorted(options)}) to figures, got {brief_repr(figures)}"
+            )
         for label, f in figures.items():
             try:
                 RetrievalFigures.from_dict(f, options[label].num_tokens)

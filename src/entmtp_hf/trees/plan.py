@@ -18,12 +18,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..costs.table import CostTable
-from .retrieval import RetrievalConfig, with_branch
 from ..errors import ConfigError
 from ..scheduling.eas import EASConfig
 from ..scheduling.features import feature_top
 from ..scheduling.policies import NEEDS_FEATURE, PolicySpec, Scheduler, default_policy, get_policy
 from ..validation import number, numbers_in
+from .retrieval import RetrievalConfig, with_branch
 from .tree import Tree
 
 if TYPE_CHECKING:
@@ -80,8 +80,9 @@ class DecodePlan:
         return max(self.node_counts)
 
 
-def build_plan(config: Any, num_heads: int, draft_rows: int | None = None, costs: CostTable | None = None
-               ) -> DecodePlan:
+def build_plan(
+    config: Any, num_heads: int, draft_rows: int | None = None, costs: CostTable | None = None
+) -> DecodePlan:
     """The plan of an :class:`~entmtp_hf.config.EntMTPConfig` for heads with ``num_heads`` heads
     drafting from ``draft_rows`` tokens (ranks at or above it cannot be drafted); ``costs``: this
     machine's step costs, which re-rank a bank that carries its acceptance frontier."""
@@ -113,8 +114,11 @@ def _priced(plan: DecodePlan, config: Any, costs: CostTable | None) -> DecodePla
         def price(tree: Tree, k: int) -> float:
             return float(config.costs[k])
     else:
-        raise ConfigError("EntMTPConfig.guard", "True needs each tree's step cost: this machine's measured costs "
-                          "(a bank that adapts, after calibrate(model)) or `costs=` with `trees=`")  # fmt: skip
+        raise ConfigError(
+            "EntMTPConfig.guard",
+            "True needs each tree's step cost: this machine's measured costs "
+            "(a bank that adapts, after calibrate(model)) or `costs=` with `trees=`",
+        )
     step_costs = tuple(price(t, k) for k, t in enumerate(plan.trees))
     branch_costs = tuple(tuple(price(b, k) for b, _ in per) for k, per in enumerate(plan.branches))
     return replace(plan, step_costs=step_costs, branch_costs=branch_costs)
@@ -160,8 +164,10 @@ def _from_trees(config: Any) -> tuple[tuple[Tree, ...], PolicySpec, dict]:
         args["costs"] = tuple(float(c) for c in config.costs)
     if "thresholds" in spec.arguments:
         if config.thresholds is None:
-            raise ConfigError("EntMTPConfig.thresholds", f"the {spec.name} policy over {len(trees)} trees needs "
-                              f"{len(trees) - 1} increasing values")  # fmt: skip
+            raise ConfigError(
+                "EntMTPConfig.thresholds",
+                f"the {spec.name} policy over {len(trees)} trees needs {len(trees) - 1} increasing values",
+            )
         args["thresholds"] = tuple(config.thresholds)
     return trees, spec, args
 
@@ -177,8 +183,9 @@ def _from_bank(config: Any, bank: "TopologyBank", d: "SchedulerDefaults") -> tup
         spec = get_policy("static")
     indices, args = spec.from_bank(d, trees)
     if not indices:
-        raise ConfigError("EntMTPConfig.policy", f"the bank for task {bank.task!r} lists no trees for the "
-                          f"{spec.name} policy")  # fmt: skip
+        raise ConfigError(
+            "EntMTPConfig.policy", f"the bank for task {bank.task!r} lists no trees for the {spec.name} policy"
+        )
     if config.thresholds is not None and "thresholds" in spec.arguments:
         args["thresholds"] = tuple(config.thresholds)
     return tuple(trees[i] for i in indices), spec, args
@@ -220,17 +227,28 @@ def _check_trees(trees: tuple[Tree, ...], num_heads: int, draft_rows: int | None
     """Every tree must be draftable: no deeper than the heads, no rank beyond their vocabulary."""
     for i, t in enumerate(trees):
         if t.depth > num_heads:
-            raise ConfigError("EntMTPConfig", f"tree #{i} has depth {t.depth} but the heads draft only {num_heads} "
-                              f"tokens ahead; use a tree of depth <= {num_heads} or heads with more heads")  # fmt: skip
+            raise ConfigError(
+                "EntMTPConfig",
+                f"tree #{i} has depth {t.depth} but the heads draft only {num_heads} "
+                f"tokens ahead; use a tree of depth <= {num_heads} or heads with more heads",
+            )
         widest = max((r for p in t.paths for r in p), default=-1)
         if draft_rows is not None and widest >= draft_rows:
-            raise ConfigError("EntMTPConfig", f"tree #{i} asks for the rank-{widest} child but the heads draft from "
-                              f"{draft_rows} tokens; use ranks below {draft_rows}")  # fmt: skip
+            raise ConfigError(
+                "EntMTPConfig",
+                f"tree #{i} asks for the rank-{widest} child but the heads draft from "
+                f"{draft_rows} tokens; use ranks below {draft_rows}",
+            )
 
 
 def _plan(
-    trees: tuple[Tree, ...], chain: Tree, scheduler_args: dict, *, feature: str = "best_path_value",
-    eas: EASConfig | None = None, retrieval: RetrievalConfig | None = None,
+    trees: tuple[Tree, ...],
+    chain: Tree,
+    scheduler_args: dict,
+    *,
+    feature: str = "best_path_value",
+    eas: EASConfig | None = None,
+    retrieval: RetrievalConfig | None = None,
 ) -> DecodePlan:
     """The plan over ``trees``: their union with ``chain`` (read by the feature) and index maps."""
     union = trees[0].union(*trees[1:], chain)

@@ -15,7 +15,6 @@ from ..errors import ConfigError
 from ..validation import brief_list, brief_repr, choice, integer
 from .tree import Tree
 
-
 RETRIEVAL_MODES = ("append", "replace")
 #: Most tokens one retrieved branch may carry: a plan precomputes one branch per length, and
 #: every token is one more row to verify, so far longer branches only slow decoding down.
@@ -38,10 +37,12 @@ class RetrievalConfig:
     def __post_init__(self) -> None:
         choice(self.mode, f"{_FIELD}.mode", RETRIEVAL_MODES)
         object.__setattr__(self, "min_ngram", integer(self.min_ngram, f"{_FIELD}.min_ngram", low=1, high=MAX_NGRAM))
-        object.__setattr__(self, "max_ngram", integer(self.max_ngram, f"{_FIELD}.max_ngram", low=self.min_ngram,
-                                                      high=MAX_NGRAM))  # fmt: skip
-        object.__setattr__(self, "num_tokens", integer(self.num_tokens, f"{_FIELD}.num_tokens", low=1,
-                                                       high=MAX_NUM_TOKENS))  # fmt: skip
+        object.__setattr__(
+            self, "max_ngram", integer(self.max_ngram, f"{_FIELD}.max_ngram", low=self.min_ngram, high=MAX_NGRAM)
+        )
+        object.__setattr__(
+            self, "num_tokens", integer(self.num_tokens, f"{_FIELD}.num_tokens", low=1, high=MAX_NUM_TOKENS)
+        )
 
     @classmethod
     def from_dict(cls, raw: object) -> "RetrievalConfig":

@@ -76,11 +76,19 @@ def _batch_capable(method: Method) -> str | None:
 def _eos(ctx: BenchContext) -> set[int]:
     eos = ctx.model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    return {int(e) for e in eos} | ({int(ctx.tokenizer.eos_token_id)} if ctx.tokenizer.eos_token_id is not None else set())
+    return {int(e) for e in eos} | (
+        {int(ctx.tokenizer.eos_token_id)} if ctx.tokenizer.eos_token_id is not None else set()
+    )
 
 
-def run_batched(ctx: BenchContext, settings: BenchSettings, batch_sizes: Sequence[int], *, progress: bool = True,
-                out_path: Path | None = None) -> dict[str, Any]:  # fmt: skip
+def run_batched(
+    ctx: BenchContext,
+    settings: BenchSettings,
+    batch_sizes: Sequence[int],
+    *,
+    progress: bool = True,
+    out_path: Path | None = None,
+) -> dict[str, Any]:
     """Every method on every task's groups of every batch size, interleaved; returns the result dict."""
     methods = chosen_methods(settings.methods or BATCH_METHODS)
     skipped = {m.name: why for m in methods if (why := _batch_capable(m))}
@@ -91,8 +99,13 @@ def run_batched(ctx: BenchContext, settings: BenchSettings, batch_sizes: Sequenc
     eos, memory = _eos(ctx), PeakMemory(ctx.device)
     gen = _gen_kwargs(ctx, settings, settings.max_new_tokens)
     pad = gen["pad_token_id"]
-    results: dict[str, Any] = {"format": "entmtp-hf-batched-bench", "settings": {**settings.__dict__, "batch_sizes":
-                               list(batch_sizes)}, "environment": environment(ctx.device, memory.source), "skipped": skipped, "records": []}  # fmt: skip
+    results: dict[str, Any] = {
+        "format": "entmtp-hf-batched-bench",
+        "settings": {**settings.__dict__, "batch_sizes": list(batch_sizes)},
+        "environment": environment(ctx.device, memory.source),
+        "skipped": skipped,
+        "records": [],
+    }
     baskets = {}
     for task in settings.tasks:
         basket = evaluation_basket(task, settings.num_prompts)
@@ -105,8 +118,12 @@ def run_batched(ctx: BenchContext, settings: BenchSettings, batch_sizes: Sequenc
             for m in methods:  # warm-up (and a bank's step costs at this batch size, measured once)
                 ids, mask = batch_inputs(groups[0], pad, ctx.device)
                 t0 = time.perf_counter()
-                kwargs = _kwargs(ctx, m, task, settings.mode)  # before ``generate`` is looked up: it re-classes the model
-                ctx.model.generate(ids, attention_mask=mask, **{**gen, "max_new_tokens": settings.warmup_tokens}, **kwargs)
+                kwargs = _kwargs(
+                    ctx, m, task, settings.mode
+                )  # before ``generate`` is looked up: it re-classes the model
+                ctx.model.generate(
+                    ids, attention_mask=mask, **{**gen, "max_new_tokens": settings.warmup_tokens}, **kwargs
+                )
                 log.info("%s B=%d %s warm-up %.1f s", label, b, m.name, time.perf_counter() - t0)
             for gi, group in enumerate(groups):
                 ids, mask = batch_inputs(group, pad, ctx.device)
@@ -120,12 +137,21 @@ def run_batched(ctx: BenchContext, settings: BenchSettings, batch_sizes: Sequenc
                     elapsed = time.perf_counter() - t0
                     rows = [row_tokens(r, eos) for r in out.sequences[:, ids.shape[1] :].tolist()]
                     stats = getattr(out, "entmtp_stats", None) or {}
-                    results["records"].append({
-                        "task": label, "batch_size": b, "group": gi, "method": name, "time_s": elapsed,
-                        "new_tokens": sum(len(r) for r in rows), "rows": rows, "peak_memory_bytes": memory.peak_bytes(),
-                        "plain_decoding": bool(stats.get("plain_decoding")),
-                        "tree_sizes": [r.get("tree_sizes") for r in stats.get("rows", [])] or stats.get("tree_sizes"),
-                    })  # fmt: skip
+                    results["records"].append(
+                        {
+                            "task": label,
+                            "batch_size": b,
+                            "group": gi,
+                            "method": name,
+                            "time_s": elapsed,
+                            "new_tokens": sum(len(r) for r in rows),
+                            "rows": rows,
+                            "peak_memory_bytes": memory.peak_bytes(),
+                            "plain_decoding": bool(stats.get("plain_decoding")),
+                            "tree_sizes": [r.get("tree_sizes") for r in stats.get("rows", [])]
+                            or stats.get("tree_sizes"),
+                        }
+                    )
                     bar.update(1)
                 _check_rows(ctx, results["records"], label, b, gi, group, mode_kwargs)
             if out_path is not None:
@@ -169,11 +195,15 @@ def summarize_batched(results: dict) -> dict:
             per_method[name] = {
                 "tokens_per_s": sum(r["new_tokens"] for r in rs) / sum(r["time_s"] for r in rs),
                 "median_ratio_to_vanilla": statistics.median(ratios) if ratios else None,
-                "calls": len(rs), "rows": rows, "rows_identical": rows - len(bad),
-                "min_abs_logit_gap": min((abs(m["logit_gap"]) for m in bad if m.get("logit_gap") is not None), default=None),
+                "calls": len(rs),
+                "rows": rows,
+                "rows_identical": rows - len(bad),
+                "min_abs_logit_gap": min(
+                    (abs(m["logit_gap"]) for m in bad if m.get("logit_gap") is not None), default=None
+                ),
                 "peak_memory_mb": statistics.median(r["peak_memory_bytes"] for r in rs) / 2**20,
                 "plain_decoding_calls": sum(r["plain_decoding"] for r in rs),
-            }  # fmt: skip
+            }
         out.setdefault(task, {})[str(b)] = per_method
     return out
 
@@ -192,13 +222,20 @@ def batched_table(results: dict) -> str:
     summary, s = results["summary"], results["settings"]
     methods = list(dict.fromkeys(m for per_b in summary.values() for per in per_b.values() for m in per))
     skipped = "; ".join(f"{m}: {why}" for m, why in results.get("skipped", {}).items()) or "none"
-    lines = ["# Batched benchmark", "", f"Machine: {machine_line(results['environment'])}.", "",
-             f"{s['num_prompts']} prompts per task x up to {s['max_new_tokens']} new tokens, mode `{s['mode']}`, "
-             f"in consecutive groups of B (an incomplete last group left out), left-padded; methods interleaved "
-             f"per group after a warm-up call per method and batch size. Cells: total tokens/s (new tokens of every "
-             f"row up to its EOS over the calls' wall time, prefill included) and the median over groups of each "
-             f"call's ratio to plain batched `generate`. Skipped: {skipped}.", "",
-             "| task | B | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]  # fmt: skip
+    lines = [
+        "# Batched benchmark",
+        "",
+        f"Machine: {machine_line(results['environment'])}.",
+        "",
+        f"{s['num_prompts']} prompts per task x up to {s['max_new_tokens']} new tokens, mode `{s['mode']}`, "
+        f"in consecutive groups of B (an incomplete last group left out), left-padded; methods interleaved "
+        f"per group after a warm-up call per method and batch size. Cells: total tokens/s (new tokens of every "
+        f"row up to its EOS over the calls' wall time, prefill included) and the median over groups of each "
+        f"call's ratio to plain batched `generate`. Skipped: {skipped}.",
+        "",
+        "| task | B | " + " | ".join(methods) + " |",
+        "|---|---|" + "---|" * len(methods),
+    ]
     for task, per_b in summary.items():
         for b, per in sorted(per_b.items(), key=lambda kv: int(kv[0])):
             cells = []
@@ -211,15 +248,22 @@ def batched_table(results: dict) -> str:
                 same = "" if s["rows_identical"] == s["rows"] else f", {s['rows'] - s['rows_identical']} rows differ"
                 cells.append(f"{s['tokens_per_s']:.1f} tok/s ({ratio:.2f}x{same})")
             lines.append(f"| {task} | {b} | " + " | ".join(cells) + " |")
-    lines += ["", "Rows identical to plain batched `generate`, peak memory (MB, median over calls) and calls that "
-              "ran plain batched decoding because no tree paid at that batch size:", "",
-              "| task | B | method | rows identical | peak MB | plain calls |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Rows identical to plain batched `generate`, peak memory (MB, median over calls) and calls that "
+        "ran plain batched decoding because no tree paid at that batch size:",
+        "",
+        "| task | B | method | rows identical | peak MB | plain calls |",
+        "|---|---|---|---|---|---|",
+    ]
     for task, per_b in summary.items():
         for b, per in sorted(per_b.items(), key=lambda kv: int(kv[0])):
             for m, v in per.items():
                 gap = "" if v["min_abs_logit_gap"] is None else f" (min gap {v['min_abs_logit_gap']:.3g})"
-                lines.append(f"| {task} | {b} | {m} | {v['rows_identical']}/{v['rows']}{gap} | {v['peak_memory_mb']:.0f} | "
-                             f"{v['plain_decoding_calls']}/{v['calls']} |")  # fmt: skip
+                lines.append(
+                    f"| {task} | {b} | {m} | {v['rows_identical']}/{v['rows']}{gap} | {v['peak_memory_mb']:.0f} | "
+                    f"{v['plain_decoding_calls']}/{v['calls']} |"
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -15,8 +15,14 @@ from .settings import BenchSettings
 log = logging.getLogger("entmtp_hf.tools.bench")
 
 
-def postprocess(ctx: BenchContext, records: list[dict], prompts: list[dict], settings: BenchSettings,
-                references: dict[str, str] | None = None, models: dict[str, Any] | None = None) -> None:
+def postprocess(
+    ctx: BenchContext,
+    records: list[dict],
+    prompts: list[dict],
+    settings: BenchSettings,
+    references: dict[str, str] | None = None,
+    models: dict[str, Any] | None = None,
+) -> None:
     """Speedups over vanilla, greedy mismatch checks (each method against its ``references``
     entry, vanilla by default; a divergence's logit gap read from the method's entry in ``models``,
     the fp32 model by default) and response perplexity, in place."""
@@ -34,8 +40,14 @@ def postprocess(ctx: BenchContext, records: list[dict], prompts: list[dict], set
             model = models.get(r["method"], ctx.model)
             r["mismatch"] = find_mismatch(ref["output_ids"], r["output_ids"], model, prompt_ids)
             if r["mismatch"] is not None:
-                log.warning("%s %s prompt %d: output differs from %s: %s",
-                            r["task"], r["method"], r["prompt_index"], ref_name, r["mismatch"])  # fmt: skip
+                log.warning(
+                    "%s %s prompt %d: output differs from %s: %s",
+                    r["task"],
+                    r["method"],
+                    r["prompt_index"],
+                    ref_name,
+                    r["mismatch"],
+                )
     if settings.perplexity:
         add_perplexity(ctx, records, prompts)
 
@@ -52,7 +64,8 @@ def add_perplexity(ctx: BenchContext, records: list[dict], prompts: list[dict]) 
             if not text.strip():
                 cache[key] = None
             else:
-                res = metric.compute(predictions=[text], contexts=[context], model=ctx.model,
-                                     tokenizer=ctx.tokenizer, batch_size=1)  # fmt: skip
+                res = metric.compute(
+                    predictions=[text], contexts=[context], model=ctx.model, tokenizer=ctx.tokenizer, batch_size=1
+                )
                 cache[key] = res["perplexities"][0]
         r["perplexity"] = cache[key]

@@ -26,10 +26,16 @@ def _settings_from_args(args: argparse.Namespace) -> BenchSettings:
         preset = named[0] if named else f"custom ({n} prompts x {tokens} tokens)"
     mode = "typical" if args.typical else "sampling" if args.sampling else "greedy"
     settings = BenchSettings(
-        tasks=tuple(args.tasks), num_prompts=n, max_new_tokens=tokens, preset=preset, mode=mode,
-        methods=tuple(args.methods or ()), seed=args.seed, warmup_tokens=args.warmup_tokens,
+        tasks=tuple(args.tasks),
+        num_prompts=n,
+        max_new_tokens=tokens,
+        preset=preset,
+        mode=mode,
+        methods=tuple(args.methods or ()),
+        seed=args.seed,
+        warmup_tokens=args.warmup_tokens,
         perplexity=not args.no_perplexity,
-    )  # fmt: skip
+    )
     chosen_methods(settings.methods)  # unknown names fail now, before the model is loaded
     return settings
 
@@ -54,13 +60,20 @@ def _bench(args: argparse.Namespace) -> int:
     if args.batch_size:
         return _bench_batched(args, settings, out, heads, banks, t0)
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it
-        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
-                           family_banks=banks, device=args.device)  # fmt: skip
+        ctx = load_context(
+            args.model,
+            heads=heads,
+            random_missing=args.random_heads,
+            bank=args.bank,
+            family_banks=banks,
+            device=args.device,
+        )
         ctx.eas_config = args.eas_config
         ctx.bank_tasks = _bank_tasks(args.bank_tasks or [])
         previous = read_results(out / "results.json") if args.resume and (out / "results.json").is_file() else None
-        results = run_benchmark(ctx, settings, out_path=out / "results.json", resume=previous,
-                                progress=not args.no_progress)  # fmt: skip
+        results = run_benchmark(
+            ctx, settings, out_path=out / "results.json", resume=previous, progress=not args.no_progress
+        )
     results["environment"]["wall_time_s"] = time.perf_counter() - t0
     write_results(results, out / "results.json")
     paths = write_report(out / "results.json", out)
@@ -82,14 +95,21 @@ def write_batched_report(results: dict, out: Path) -> str:
     table = batched_table(results)
     (out / "table.md").write_text(table, encoding="utf-8")
     batched_plot(results, out / "throughput_by_batch_size.png")
-    summary = portable({"settings": results["settings"], "environment": results["environment"],
-                        "skipped": results["skipped"], "summary": results["summary"]})  # a record: no machine paths
+    summary = portable(
+        {
+            "settings": results["settings"],
+            "environment": results["environment"],
+            "skipped": results["skipped"],
+            "summary": results["summary"],
+        }
+    )  # a record: no machine paths
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
     return table
 
 
-def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path, heads: dict, banks: dict,
-                   t0: float) -> int:  # fmt: skip
+def _bench_batched(
+    args: argparse.Namespace, settings: BenchSettings, out: Path, heads: dict, banks: dict, t0: float
+) -> int:
     """``--batch-size``: :mod:`~entmtp_hf.tools.bench.batched` instead of the per-prompt runner."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -98,11 +118,18 @@ def _bench_batched(args: argparse.Namespace, settings: BenchSettings, out: Path,
     if any(b < 1 for b in args.batch_size):
         raise SystemExit(f"--batch-size: batch sizes must be positive, got {args.batch_size}")
     with logging_redirect_tqdm():
-        ctx = load_context(args.model, heads=heads, random_missing=args.random_heads, bank=args.bank,
-                           family_banks=banks, device=args.device)  # fmt: skip
+        ctx = load_context(
+            args.model,
+            heads=heads,
+            random_missing=args.random_heads,
+            bank=args.bank,
+            family_banks=banks,
+            device=args.device,
+        )
         ctx.batch_sizes = tuple(sorted(set(args.batch_size)))
-        results = run_batched(ctx, settings, sorted(set(args.batch_size)), progress=not args.no_progress,
-                              out_path=out / "results.json")  # fmt: skip
+        results = run_batched(
+            ctx, settings, sorted(set(args.batch_size)), progress=not args.no_progress, out_path=out / "results.json"
+        )
     results["environment"]["wall_time_s"] = time.perf_counter() - t0
     write_batched(results, out / "results.json")
     print(write_batched_report(results, out))
@@ -135,20 +162,31 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         description="Run the methods interleaved on per-task prompt baskets; write results.json, "
         "a Table-1 style Markdown table and plots to --out.",
     )
-    p.add_argument("--tasks", nargs="+", default=list(BUILTIN_TASKS),
-                   help="humaneval, gsm8k, chat, a JSONL file or a Hub dataset")  # fmt: skip
+    p.add_argument(
+        "--tasks", nargs="+", default=list(BUILTIN_TASKS), help="humaneval, gsm8k, chat, a JSONL file or a Hub dataset"
+    )
     size = p.add_mutually_exclusive_group()
     for name in ("quick", "standard"):
-        size.add_argument(f"--{name}", action="store_true",
-                          help=f"preset {name}: {PRESETS[name][0]} prompts x {PRESETS[name][1]} tokens")  # fmt: skip
+        size.add_argument(
+            f"--{name}",
+            action="store_true",
+            help=f"preset {name}: {PRESETS[name][0]} prompts x {PRESETS[name][1]} tokens",
+        )
     n, tokens = PRESETS[DEFAULT_PRESET]
-    size.add_argument("--preset", choices=list(PRESETS), default=DEFAULT_PRESET,
-                      help=f"basket preset (default: {DEFAULT_PRESET}, {n} x {tokens})")  # fmt: skip
+    size.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=DEFAULT_PRESET,
+        help=f"basket preset (default: {DEFAULT_PRESET}, {n} x {tokens})",
+    )
     p.add_argument("--n", type=int, default=None, help="prompts per task (overrides the preset)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (overrides the preset)")
-    p.add_argument("--methods", nargs="+", default=None,
-                   help=f"methods to run (default: {' '.join(default_method_names())}); registered: "
-                   f"{', '.join(METHODS)}")  # fmt: skip
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help=f"methods to run (default: {' '.join(default_method_names())}); registered: {', '.join(METHODS)}",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--sampling", action="store_true", help="T=0.7 sampling, exact (lossless) acceptance")
     mode.add_argument("--typical", action="store_true", help="T=0.7 sampling, typical acceptance (eps 0.09, alpha 0.3)")
@@ -156,39 +194,74 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hydra-heads", default=None, help=f"Hydra heads (default {DEFAULT_HEADS['hydra']})")
     p.add_argument("--medusa-heads", default=None, help=f"Medusa heads (default {DEFAULT_HEADS['medusa']})")
     p.add_argument("--eagle-heads", default=None, help=f"EAGLE-style drafter (default {DEFAULT_HEADS['eagle']})")
-    p.add_argument("--eagle-bank", default=None,
-                   help=f"bank of the eagle-* methods, searched with the drafter (default {DEFAULT_FAMILY_BANKS['eagle']})")
-    p.add_argument("--random-heads", action="store_true", help="use random heads where trained ones are missing (smoke runs)")
-    p.add_argument("--eas-config", default=None,
-                   help="EAS settings (JSON) of the eas-calibrated method; {task} is replaced by the task")  # fmt: skip
-    p.add_argument("--bank-tasks", nargs="+", default=None, metavar="FILE_STEM=TASK",
-                   help="decode a prompt file's prompts with another bank task (e.g. unseen-code=humaneval)")
-    p.add_argument("--bank", default=None,
-                   help="tree bank folder (default: the shipped smollm2-135m-cpu bank, else published-defaults)")
+    p.add_argument(
+        "--eagle-bank",
+        default=None,
+        help=f"bank of the eagle-* methods, searched with the drafter (default {DEFAULT_FAMILY_BANKS['eagle']})",
+    )
+    p.add_argument(
+        "--random-heads", action="store_true", help="use random heads where trained ones are missing (smoke runs)"
+    )
+    p.add_argument(
+        "--eas-config",
+        default=None,
+        help="EAS settings (JSON) of the eas-calibrated method; {task} is replaced by the task",
+    )
+    p.add_argument(
+        "--bank-tasks",
+        nargs="+",
+        default=None,
+        metavar="FILE_STEM=TASK",
+        help="decode a prompt file's prompts with another bank task (e.g. unseen-code=humaneval)",
+    )
+    p.add_argument(
+        "--bank",
+        default=None,
+        help="tree bank folder (default: the shipped smollm2-135m-cpu bank, else published-defaults)",
+    )
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice; 1 is far faster on an oversubscribed CPU)")
-    p.add_argument("--seed", type=int, default=123,
-                   help="seed of the sampling draws (prompt i of every method: seed * 100003 + i); it does not "
-                        "choose the prompts: --n takes the first N of each task's fixed evaluation pool")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice; 1 is far faster on an oversubscribed CPU)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=123,
+        help="seed of the sampling draws (prompt i of every method: seed * 100003 + i); it does not "
+        "choose the prompts: --n takes the first N of each task's fixed evaluation pool",
+    )
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each method's warm-up generation")
     p.add_argument("--no-perplexity", action="store_true", help="skip the response perplexity")
-    p.add_argument("--resume", action="store_true", help="keep the complete prompts of --out's results.json, run the rest")
+    p.add_argument(
+        "--resume", action="store_true", help="keep the complete prompts of --out's results.json, run the rest"
+    )
     p.add_argument("--regime", action="store_true", help="also run the regime analysis on the EntMTP records")
     p.add_argument("--plugin", nargs="+", default=None, help="modules to import first (they may register methods)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--batch-size", nargs="+", type=int, default=None, metavar="B",
-                   help="batched decoding instead: total tokens/s per method and batch size (default methods: "
-                        "vanilla hydra-default entmtp-static entmtp-tau)")  # fmt: skip
+    p.add_argument(
+        "--batch-size",
+        nargs="+",
+        type=int,
+        default=None,
+        metavar="B",
+        help="batched decoding instead: total tokens/s per method and batch size (default methods: "
+        "vanilla hydra-default entmtp-static entmtp-tau)",
+    )
     p.add_argument("--out", default=None, help="output folder (default runs/bench-<mode>-<utc time>)")
     p.set_defaults(func=_bench)
 
 
 def _add_bench_report(sub: argparse._SubParsersAction) -> None:
-    r = sub.add_parser("bench-report", help="tables and plots from a bench results.json",
-                       description="Regenerate table.md and the PNG plots from RESULTS.json; given several "
-                       "files (the same basket's tasks split over processes), merge them into --out/results.json "
-                       "first.")  # fmt: skip
+    r = sub.add_parser(
+        "bench-report",
+        help="tables and plots from a bench results.json",
+        description="Regenerate table.md and the PNG plots from RESULTS.json; given several "
+        "files (the same basket's tasks split over processes), merge them into --out/results.json "
+        "first.",
+    )
     r.add_argument("results", nargs="+", help="results.json written by entmtp-hf bench (one or more)")
     r.add_argument("--out", default=None, help="output folder (default: next to RESULTS; required to merge)")
     r.add_argument("--results-md", default=None, help="also write the docs/results.md page to this path")

@@ -39,8 +39,9 @@ def quantized_draft(model):
     a draft/target pair that needs no second checkpoint and no training."""
     with warnings.catch_warnings():  # torch.ao's eager quantisation warns that it moved to torchao
         warnings.simplefilter("ignore")
-        draft = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear},
-                                                       dtype=torch.qint8)  # fmt: skip
+        draft = torch.ao.quantization.quantize_dynamic(
+            copy.deepcopy(model).float(), {torch.nn.Linear}, dtype=torch.qint8
+        )
     return draft.eval()
 
 
@@ -160,8 +161,9 @@ def random_heads(model, family: str, seed: int = 0):
     vocab = model.get_output_embeddings().weight.shape[0]
     torch.manual_seed(seed)
     arch = "eagle" if family == "eagle" else "mlp"
-    heads = HEADS_REGISTRY[family].for_model(model, num_heads=4, arch=arch,
-                                             draft_vocab=torch.arange(min(vocab, RANDOM_HEADS_VOCAB)))  # fmt: skip
+    heads = HEADS_REGISTRY[family].for_model(
+        model, num_heads=4, arch=arch, draft_vocab=torch.arange(min(vocab, RANDOM_HEADS_VOCAB))
+    )
     return heads.to(dtype=model.get_output_embeddings().weight.dtype).eval()
 
 

@@ -227,6 +227,7 @@ def eas_bench_config(ctx: BenchContext, task: str, acceptance: dict, eas: EASCon
 
 def fixed_chain_config(k: int) -> ConfigFactory:
     """Benchmark factory: the fixed head chain of length ``k`` (unavailable with fewer heads)."""
+
     def make(ctx: BenchContext, task: str, acceptance: dict) -> EntMTPConfig:
         return EntMTPConfig(tree=Tree.chain(k).choices, **acceptance)
 
@@ -314,78 +315,236 @@ class DraftMethod(Method):
 # ============================================================================ the registry
 register_method(Method("vanilla", "plain autoregressive generate", default=True))
 register_method(KernelReference("vanilla-onednn", "plain generate, every linear layer on oneDNN (kernel reference)"))
-register_method(PackedKernelReference("vanilla-packed", "plain generate, the decoder's layers packed and the LM head "
-                                      "on oneDNN (kernel reference)"))  # fmt: skip
+register_method(
+    PackedKernelReference(
+        "vanilla-packed", "plain generate, the decoder's layers packed and the LM head on oneDNN (kernel reference)"
+    )
+)
 register_method(MeasuredKernels("vanilla-kernels", "plain generate with this machine's measured CPU kernels"))
 register_method(InDtype("vanilla-bf16", "plain generate on a bfloat16 copy of the model"))
-register_method(InDtype("entmtp-static-bf16", "EntMTP* on a bfloat16 copy of the model and heads", heads="hydra",
-                        entmtp=_bank_policy("static"), reference="vanilla-bf16"))
-register_method(InDtype("eagle-static-bf16", "EntMTP* with the EAGLE-style drafter and its bank on a bfloat16 copy of "
-                        "the model and drafter", heads="eagle", entmtp=_bank_policy("static", "eagle"),
-                        reference="vanilla-bf16"))  # fmt: skip
-_compiled(Method("vanilla-compiled", "plain generate, static cache and the forward compiled (inductor)",
-                       generate_kwargs=compiled_kwargs()))
-_compiled(Method("entmtp-static-compiled", "EntMTP*, static cache and the verification compiled (one graph per "
-                       "tree size)", heads="hydra", entmtp=_bank_policy("static"), generate_kwargs=compiled_kwargs()))
-_compiled(Method("vanilla-compiled-frozen", "plain generate, static cache, the forward compiled by inductor with "
-                       "its weights frozen (prepacked for oneDNN)", generate_kwargs=compiled_kwargs(freezing=True)))
-_compiled(Method("eagle-static-compiled", "EntMTP* with the EAGLE-style drafter, static cache and the verification "
-                       "compiled (inductor)", heads="eagle", entmtp=_bank_policy("static", "eagle"),
-                       generate_kwargs=compiled_kwargs()))  # fmt: skip
-_compiled(Method("eagle-static-compiled-frozen", "EntMTP* with the EAGLE-style drafter, the verification compiled "
-                       "by inductor with frozen weights", heads="eagle", entmtp=_bank_policy("static", "eagle"),
-                       generate_kwargs=compiled_kwargs(freezing=True)))  # fmt: skip
-_compiled(CompiledWith("vanilla-zentorch", "plain generate, static cache, the forward compiled by AMD's zentorch "
-                             "backend", generate_kwargs=compiled_kwargs("zentorch"), backend_module="zentorch"))
-_compiled(CompiledWith("eagle-static-zentorch", "EntMTP* with the EAGLE-style drafter, the verification compiled "
-                             "by AMD's zentorch backend", heads="eagle", entmtp=_bank_policy("static", "eagle"),
-                             generate_kwargs=compiled_kwargs("zentorch"), backend_module="zentorch"))  # fmt: skip
-register_method(Method("pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10},
-                       default=True))  # fmt: skip
+register_method(
+    InDtype(
+        "entmtp-static-bf16",
+        "EntMTP* on a bfloat16 copy of the model and heads",
+        heads="hydra",
+        entmtp=_bank_policy("static"),
+        reference="vanilla-bf16",
+    )
+)
+register_method(
+    InDtype(
+        "eagle-static-bf16",
+        "EntMTP* with the EAGLE-style drafter and its bank on a bfloat16 copy of the model and drafter",
+        heads="eagle",
+        entmtp=_bank_policy("static", "eagle"),
+        reference="vanilla-bf16",
+    )
+)
+_compiled(
+    Method(
+        "vanilla-compiled",
+        "plain generate, static cache and the forward compiled (inductor)",
+        generate_kwargs=compiled_kwargs(),
+    )
+)
+_compiled(
+    Method(
+        "entmtp-static-compiled",
+        "EntMTP*, static cache and the verification compiled (one graph per tree size)",
+        heads="hydra",
+        entmtp=_bank_policy("static"),
+        generate_kwargs=compiled_kwargs(),
+    )
+)
+_compiled(
+    Method(
+        "vanilla-compiled-frozen",
+        "plain generate, static cache, the forward compiled by inductor with its weights frozen (prepacked for oneDNN)",
+        generate_kwargs=compiled_kwargs(freezing=True),
+    )
+)
+_compiled(
+    Method(
+        "eagle-static-compiled",
+        "EntMTP* with the EAGLE-style drafter, static cache and the verification compiled (inductor)",
+        heads="eagle",
+        entmtp=_bank_policy("static", "eagle"),
+        generate_kwargs=compiled_kwargs(),
+    )
+)
+_compiled(
+    Method(
+        "eagle-static-compiled-frozen",
+        "EntMTP* with the EAGLE-style drafter, the verification compiled by inductor with frozen weights",
+        heads="eagle",
+        entmtp=_bank_policy("static", "eagle"),
+        generate_kwargs=compiled_kwargs(freezing=True),
+    )
+)
+_compiled(
+    CompiledWith(
+        "vanilla-zentorch",
+        "plain generate, static cache, the forward compiled by AMD's zentorch backend",
+        generate_kwargs=compiled_kwargs("zentorch"),
+        backend_module="zentorch",
+    )
+)
+_compiled(
+    CompiledWith(
+        "eagle-static-zentorch",
+        "EntMTP* with the EAGLE-style drafter, the verification compiled by AMD's zentorch backend",
+        heads="eagle",
+        entmtp=_bank_policy("static", "eagle"),
+        generate_kwargs=compiled_kwargs("zentorch"),
+        backend_module="zentorch",
+    )
+)
+register_method(
+    Method(
+        "pld", "prompt lookup decoding (transformers)", generate_kwargs={"prompt_lookup_num_tokens": 10}, default=True
+    )
+)
 register_method(Method("medusa-default", "Medusa heads + mc_sim_7b_63", heads="medusa", entmtp=_default_tree))
-register_method(Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hydra", entmtp=_default_tree,
-                       default=True))  # fmt: skip
-register_method(Method("entmtp-static", "EntMTP*: the bank's static optimum for this machine (its frontier re-ranked "
-                       "by this machine's step costs where the bank carries one)", heads="hydra",
-                       entmtp=_bank_policy("static"), default=True))  # fmt: skip
+register_method(
+    Method("hydra-default", "Hydra heads + mc_sim_7b_63", heads="hydra", entmtp=_default_tree, default=True)
+)
+register_method(
+    Method(
+        "entmtp-static",
+        "EntMTP*: the bank's static optimum for this machine (its frontier re-ranked "
+        "by this machine's step costs where the bank carries one)",
+        heads="hydra",
+        entmtp=_bank_policy("static"),
+        default=True,
+    )
+)
 register_method(Method("eagle-default", "the EAGLE-style drafter + mc_sim_7b_63", heads="eagle", entmtp=_default_tree))
-register_method(Method("eagle-static", "EntMTP* with the EAGLE-style drafter and the bank searched with it",
-                       heads="eagle", entmtp=_bank_policy("static", "eagle")))  # fmt: skip
-register_method(Method("eagle-tau", "EntMTPτ (hysteresis) with the EAGLE-style drafter and its bank", heads="eagle",
-                       entmtp=_bank_policy("hysteresis", "eagle")))  # fmt: skip
-register_method(Method("entmtp-static-stored", "EntMTP*: the tree the bank stores (chosen on the machine it was "
-                       "searched on), not re-ranked", heads="hydra", entmtp=_bank_policy("static", adapt=False)))
-register_method(Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis"),
-                       default=True))  # fmt: skip
-register_method(PackedWeights("entmtp-static-packed", "EntMTP*, the decoder's layers packed for oneDNN", heads="hydra",
-                              entmtp=_bank_policy("static"), cpu_kernels=False))  # fmt: skip
-register_method(Method("eagle-static-guard", "EntMTP* with the EAGLE-style drafter and its bank, and the break-even "
-                       "guard demanded (the root alone while a prompt's trees lose to plain steps)", heads="eagle",
-                       entmtp=_bank_policy("static", "eagle", guard=True)))  # fmt: skip
-register_method(Method("eagle-static-no-guard", "EntMTP* with the EAGLE-style drafter and its bank, the break-even guard "
-                       "off", heads="eagle", entmtp=_bank_policy("static", "eagle", guard=False)))  # fmt: skip
-register_method(Method("entmtp-static-mkl", "EntMTP* without the measured CPU kernels (cpu_kernels=False: F.linear "
-                       "throughout)", heads="hydra", entmtp=_bank_policy("static"), cpu_kernels=False))
-register_method(Method("eagle-static-mkl", "EntMTP* with the EAGLE-style drafter and its bank, without the measured CPU "
-                       "kernels", heads="eagle", entmtp=_bank_policy("static", "eagle"), cpu_kernels=False))
-register_method(Method("entmtp-value", "EntMTP-v: per step, the bank's value tree with the most path value",
-                       heads="hydra", entmtp=_bank_policy("value")))  # fmt: skip
+register_method(
+    Method(
+        "eagle-static",
+        "EntMTP* with the EAGLE-style drafter and the bank searched with it",
+        heads="eagle",
+        entmtp=_bank_policy("static", "eagle"),
+    )
+)
+register_method(
+    Method(
+        "eagle-tau",
+        "EntMTPτ (hysteresis) with the EAGLE-style drafter and its bank",
+        heads="eagle",
+        entmtp=_bank_policy("hysteresis", "eagle"),
+    )
+)
+register_method(
+    Method(
+        "entmtp-static-stored",
+        "EntMTP*: the tree the bank stores (chosen on the machine it was searched on), not re-ranked",
+        heads="hydra",
+        entmtp=_bank_policy("static", adapt=False),
+    )
+)
+register_method(
+    Method("entmtp-tau", "EntMTPτ: hysteresis T-/T+", heads="hydra", entmtp=_bank_policy("hysteresis"), default=True)
+)
+register_method(
+    PackedWeights(
+        "entmtp-static-packed",
+        "EntMTP*, the decoder's layers packed for oneDNN",
+        heads="hydra",
+        entmtp=_bank_policy("static"),
+        cpu_kernels=False,
+    )
+)
+register_method(
+    Method(
+        "eagle-static-guard",
+        "EntMTP* with the EAGLE-style drafter and its bank, and the break-even "
+        "guard demanded (the root alone while a prompt's trees lose to plain steps)",
+        heads="eagle",
+        entmtp=_bank_policy("static", "eagle", guard=True),
+    )
+)
+register_method(
+    Method(
+        "eagle-static-no-guard",
+        "EntMTP* with the EAGLE-style drafter and its bank, the break-even guard off",
+        heads="eagle",
+        entmtp=_bank_policy("static", "eagle", guard=False),
+    )
+)
+register_method(
+    Method(
+        "entmtp-static-mkl",
+        "EntMTP* without the measured CPU kernels (cpu_kernels=False: F.linear throughout)",
+        heads="hydra",
+        entmtp=_bank_policy("static"),
+        cpu_kernels=False,
+    )
+)
+register_method(
+    Method(
+        "eagle-static-mkl",
+        "EntMTP* with the EAGLE-style drafter and its bank, without the measured CPU kernels",
+        heads="eagle",
+        entmtp=_bank_policy("static", "eagle"),
+        cpu_kernels=False,
+    )
+)
+register_method(
+    Method(
+        "entmtp-value",
+        "EntMTP-v: per step, the bank's value tree with the most path value",
+        heads="hydra",
+        entmtp=_bank_policy("value"),
+    )
+)
 register_method(Method("entmtp-ladder", "EntMTP-l: threshold ladder", heads="hydra", entmtp=_bank_policy("ladder")))
-register_method(Method("entmtp-tau-retrieval", "EntMTPτ + a retrieval branch copied from earlier text", heads="hydra",
-                       entmtp=_bank_policy("hysteresis", retrieval=True)))  # fmt: skip
-register_method(Method("entmtp-tau-no-retrieval", "EntMTPτ without retrieval branches, whatever the bank's default",
-                       heads="hydra", entmtp=_bank_policy("hysteresis", retrieval=False)))  # fmt: skip
+register_method(
+    Method(
+        "entmtp-tau-retrieval",
+        "EntMTPτ + a retrieval branch copied from earlier text",
+        heads="hydra",
+        entmtp=_bank_policy("hysteresis", retrieval=True),
+    )
+)
+register_method(
+    Method(
+        "entmtp-tau-no-retrieval",
+        "EntMTPτ without retrieval branches, whatever the bank's default",
+        heads="hydra",
+        entmtp=_bank_policy("hysteresis", retrieval=False),
+    )
+)
 # Entropy-adaptive speculation (EAS) on the Hydra head chain and its fixed-chain baselines.
 # Chains longer than the heads are skipped.
 register_method(Method("eas", "EAS: Hydra head chain halted by entropy", heads="hydra", entmtp=eas_bench_config))
-register_method(Method("eas-w16", "EAS with a 16-token warm-up (the default waits 100 tokens)", heads="hydra",
-                       entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, EASConfig(warmup_tokens=16))))
-register_method(Method("eas-calibrated", "EAS with the task's calibrated settings (--eas-config)", heads="hydra",
-                       entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, calibrated_eas(ctx, task))))
+register_method(
+    Method(
+        "eas-w16",
+        "EAS with a 16-token warm-up (the default waits 100 tokens)",
+        heads="hydra",
+        entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, EASConfig(warmup_tokens=16)),
+    )
+)
+register_method(
+    Method(
+        "eas-calibrated",
+        "EAS with the task's calibrated settings (--eas-config)",
+        heads="hydra",
+        entmtp=lambda ctx, task, acc: eas_bench_config(ctx, task, acc, calibrated_eas(ctx, task)),
+    )
+)
 for _k in (2, 4, 8, 12):  # short chains: verifying a few tokens costs about one forward where the cost is flat in N
-    register_method(Method(f"chain-{_k}", f"fixed Hydra head chain, k={_k}", heads="hydra", entmtp=fixed_chain_config(_k)))
+    register_method(
+        Method(f"chain-{_k}", f"fixed Hydra head chain, k={_k}", heads="hydra", entmtp=fixed_chain_config(_k))
+    )
 # The draft-model form of EAS against fixed chains, with the target's own int8 copy as the draft.
-register_method(DraftMethod("draft-eas", "int8 draft model, chain halted by EAS (k_max 12, 16-token warm-up)",
-                            eas=EASConfig(warmup_tokens=16)))  # fmt: skip
+register_method(
+    DraftMethod(
+        "draft-eas",
+        "int8 draft model, chain halted by EAS (k_max 12, 16-token warm-up)",
+        eas=EASConfig(warmup_tokens=16),
+    )
+)
 for _k in (4, 8, 12):
     register_method(DraftMethod(f"draft-chain-{_k}", f"int8 draft model, fixed chain k={_k}", eas=fixed_length(_k)))

@@ -40,8 +40,13 @@ def make_plots(results: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
 
     tree_methods = [m for m in methods if any(r.get("accept_lengths") for r in recs if r["method"] == m)]
     if tree_methods:
-        fig, axes = plt.subplots(len(tasks), len(tree_methods), squeeze=False, sharex=True,
-                                 figsize=(2.4 * len(tree_methods), 1.9 * len(tasks)))  # fmt: skip
+        fig, axes = plt.subplots(
+            len(tasks),
+            len(tree_methods),
+            squeeze=False,
+            sharex=True,
+            figsize=(2.4 * len(tree_methods), 1.9 * len(tasks)),
+        )
         top = max(max(r["accept_lengths"] or [1]) for r in recs if r.get("accept_lengths"))
         for i, t in enumerate(tasks):
             for j, m in enumerate(tree_methods):

@@ -17,20 +17,24 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from .plots import make_plots
 from ..checkpoint import write_json
+from .plots import make_plots
 from .results import merge_results, portable, read_results, summary_of, write_results
 from .summary import bootstrap_interval, geomean, paired_ratios, ran_methods, summarize
 
 DASH = "–"
-PAIRWISE_NOTE = ("Per prompt, a method's tok/s over the reference's on the same prompt (same interleaved round), "
-                 "their geometric mean, a bootstrap 95% interval over prompts, and the tokens-per-step ratio "
-                 "(no timing noise in it). A ratio whose interval spans 1 is not resolved by the run.")
+PAIRWISE_NOTE = (
+    "Per prompt, a method's tok/s over the reference's on the same prompt (same interleaved round), "
+    "their geometric mean, a bootstrap 95% interval over prompts, and the tokens-per-step ratio "
+    "(no timing noise in it). A ratio whose interval spans 1 is not resolved by the run."
+)
 PAIR_REFERENCE = "entmtp-static"  # EntMTP*: what a scheduler must beat to pay for itself
 #: plain decoding with oneDNN's kernels: the speed-up speculation adds over the kernel alone
 KERNEL_REFERENCE = "vanilla-onednn"
-KERNEL_NOTE = ("Every method against plain decoding with every linear layer on oneDNN (the kernel the tree "
-               "methods verify with where it was timed faster): what speculation adds beyond the kernel.")
+KERNEL_NOTE = (
+    "Every method against plain decoding with every linear layer on oneDNN (the kernel the tree "
+    "methods verify with where it was timed faster): what speculation adds beyond the kernel."
+)
 
 
 def _f(x: float | None, fmt: str = ".2f", suffix: str = "") -> str:
@@ -60,13 +64,20 @@ def details_markdown(results: dict) -> str:
     """One table per task with the secondary figures."""
     summary = results.get("summary") or summarize(results)
     out = []
-    head = ("| method | tok/s median | ρ median | ρ geomean (95% interval) | τ | drafted → accepted (rate) "
-            "| draft / verify time | peak MB | PPL median | mismatches |")  # fmt: skip
+    head = (
+        "| method | tok/s median | ρ median | ρ geomean (95% interval) | τ | drafted → accepted (rate) "
+        "| draft / verify time | peak MB | PPL median | mismatches |"
+    )
     for task, per in summary.items():
         out += [f"#### {task}", "", head, "|---" * 10 + "|"]
         for m, s in per.items():
-            drafted = DASH if s["drafted_tokens"] is None else (
-                f"{s['drafted_tokens']:.0f} → {s['accepted_draft_tokens']:.0f} ({_f(s['acceptance_rate'], '.1%')})")
+            drafted = (
+                DASH
+                if s["drafted_tokens"] is None
+                else (
+                    f"{s['drafted_tokens']:.0f} → {s['accepted_draft_tokens']:.0f} ({_f(s['acceptance_rate'], '.1%')})"
+                )
+            )
             split = DASH if s["draft_share"] is None else f"{s['draft_share']:.0%} / {s['verify_share']:.0%}"
             mb = None if s["peak_memory_bytes"] is None else s["peak_memory_bytes"] / 2**20
             gap = "" if s["mismatch_min_logit_gap"] is None else f" (min gap {s['mismatch_min_logit_gap']:.2g})"
@@ -96,7 +107,10 @@ def eas_markdown(results: dict) -> str:
         agg["accepted"] += e.get("accepted_draft_tokens", 0)
     if not rows:
         return ""
-    out = ["| task | method | chains | mean chain | halts by cause | verified drafts rejected |", "|---|---|---|---|---|---|"]
+    out = [
+        "| task | method | chains | mean chain | halts by cause | verified drafts rejected |",
+        "|---|---|---|---|---|---|",
+    ]
     for (task, method), a in rows.items():
         mean = sum(a["chains"]) / len(a["chains"]) if a["chains"] else 0.0
         halts = ", ".join(f"{k} {v}" for k, v in a["halts"].items() if v) or DASH
@@ -116,13 +130,14 @@ def speculation_markdown(results: dict) -> str:
             if not s or not s.get("drafted_tokens") or not s.get("steps"):
                 continue
             rate = s["accepted_draft_tokens"] / s["drafted_tokens"]
-            out.append(f"| {task} | {method} | {_f(s['speedup_geomean'], '.2f', '×')} | {_f(s['tau'])} | "
-                       f"{s['drafted_tokens'] / s['steps']:.2f} | {rate:.1%} | {1 - rate:.1%} |")  # fmt: skip
+            out.append(
+                f"| {task} | {method} | {_f(s['speedup_geomean'], '.2f', '×')} | {_f(s['tau'])} | "
+                f"{s['drafted_tokens'] / s['steps']:.2f} | {rate:.1%} | {1 - rate:.1%} |"
+            )
     if not out:
         return ""
     head = ["| task | method | speed-up | tokens/step | verified drafts/step | accepted | wasted |", "|---" * 7 + "|"]
     return "\n".join(head + out) + "\n"
-
 
 
 def pairwise_markdown(results: dict, reference: str = PAIR_REFERENCE) -> str:
@@ -138,12 +153,16 @@ def pairwise_markdown(results: dict, reference: str = PAIR_REFERENCE) -> str:
             speed = [p[0] for p in pairs]
             ci = bootstrap_interval(speed)
             ci_text = f"{ci[0]:.2f}–{ci[1]:.2f}" if ci else DASH
-            rows.append(f"| {task} | {method} | {len(pairs)} | {_f(geomean(speed), '.3f', '×')} | {ci_text} | "
-                        f"{_f(geomean([p[1] for p in pairs]), '.3f', '×')} |")  # fmt: skip
+            rows.append(
+                f"| {task} | {method} | {len(pairs)} | {_f(geomean(speed), '.3f', '×')} | {ci_text} | "
+                f"{_f(geomean([p[1] for p in pairs]), '.3f', '×')} |"
+            )
     if not rows:
         return ""
-    head = [f"| task | method | prompts | tok/s over {reference} (geomean) | 95% interval | tokens/step over "
-            f"{reference} |", "|---" * 6 + "|"]  # fmt: skip
+    head = [
+        f"| task | method | prompts | tok/s over {reference} (geomean) | 95% interval | tokens/step over {reference} |",
+        "|---" * 6 + "|",
+    ]
     return "\n".join(head + rows) + "\n"
 
 
@@ -170,38 +189,53 @@ def skipped_lines(results: dict) -> list[str]:
 
 def _basket_line(results: dict) -> str:
     s = results["settings"]
-    return (f"basket `{s['preset']}`: the first {s['num_prompts']} prompts of each task's evaluation pool × up to "
-            f"{s['max_new_tokens']} new tokens, mode `{s['mode']}`, one warm-up generation per method "
-            f"({s['warmup_tokens']} tokens) excluded, prefill included, sampling seed {s['seed']}")  # fmt: skip
+    return (
+        f"basket `{s['preset']}`: the first {s['num_prompts']} prompts of each task's evaluation pool × up to "
+        f"{s['max_new_tokens']} new tokens, mode `{s['mode']}`, one warm-up generation per method "
+        f"({s['warmup_tokens']} tokens) excluded, prefill included, sampling seed {s['seed']}"
+    )
 
 
 def machine_line(env: dict) -> str:
     hw = env.get("gpu") or f"{env.get('cpu_model')} ({env.get('cpu_affinity') or env.get('cpu_count')} cores)"
     v = env.get("versions", {})
-    return (f"{hw}, device `{env.get('device')}`, torch threads {env.get('torch_threads')}, "
-            f"load average at start {env.get('load_average')}; torch {v.get('torch')}, transformers "
-            f"{v.get('transformers')}, entmtp-hf {v.get('entmtp-hf')} (commit {str(env.get('git_commit'))[:10]}"
-            f"{', dirty tree' if env.get('git_dirty') else ''}); {env.get('date_utc')}")  # fmt: skip
+    return (
+        f"{hw}, device `{env.get('device')}`, torch threads {env.get('torch_threads')}, "
+        f"load average at start {env.get('load_average')}; torch {v.get('torch')}, transformers "
+        f"{v.get('transformers')}, entmtp-hf {v.get('entmtp-hf')} (commit {str(env.get('git_commit'))[:10]}"
+        f"{', dirty tree' if env.get('git_dirty') else ''}); {env.get('date_utc')}"
+    )
 
 
 def table_markdown(results: dict) -> str:
     """``table.md``: Table 1 layout, details, mismatches and skips of one run."""
     env, ctx = results["environment"], portable(results.get("context", {}))
     parts = [
-        "# Benchmark", "",
-        f"Machine: {machine_line(env)}.", "",
-        f"Model: {ctx.get('model')}; heads: {ctx.get('heads')}; bank: {ctx.get('bank')}.", "",
-        _basket_line(results) + ".", "",
-        "Cells: tok/s (speedup ρ over vanilla, geometric mean over prompts; τ = tokens per step).", "",
-        table1_markdown(results), "", "### Details", "", details_markdown(results),
-    ]  # fmt: skip
+        "# Benchmark",
+        "",
+        f"Machine: {machine_line(env)}.",
+        "",
+        f"Model: {ctx.get('model')}; heads: {ctx.get('heads')}; bank: {ctx.get('bank')}.",
+        "",
+        _basket_line(results) + ".",
+        "",
+        "Cells: tok/s (speedup ρ over vanilla, geometric mean over prompts; τ = tokens per step).",
+        "",
+        table1_markdown(results),
+        "",
+        "### Details",
+        "",
+        details_markdown(results),
+    ]
     spec = speculation_markdown(results)
     if spec:
         parts += ["### Speculation: speed-up and wasted verification", "", spec]
     parts += _comparison_sections(results, "###")
     mism = mismatch_lines(results)
     if results["settings"]["mode"] == "greedy":
-        parts += ["### Greedy mismatches against vanilla", ""] + (mism or ["none: every output is token-identical"]) + [""]
+        parts += (
+            ["### Greedy mismatches against vanilla", ""] + (mism or ["none: every output is token-identical"]) + [""]
+        )
     skipped = skipped_lines(results)
     if skipped:
         parts += ["### Skipped methods", ""] + skipped + [""]
@@ -229,18 +263,23 @@ def _command_lines(env: dict) -> list[str]:
 
     if not env.get("parts"):
         return [f"- command: {line(env)}"]
-    return ["- commands (one process per task group, run at the same time; ratios are taken within a task):",
-            *[f"  - {line(e)}" for e in env["parts"]]]  # fmt: skip
+    return [
+        "- commands (one process per task group, run at the same time; ratios are taken within a task):",
+        *[f"  - {line(e)}" for e in env["parts"]],
+    ]
 
 
 def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
     """The ``docs/results.md`` page for one run; ``plots`` maps a caption to a relative path."""
     env = results["environment"]
     parts = [
-        "# Results", "",
+        "# Results",
+        "",
         "The latest benchmark run of `entmtp-hf bench` (regenerate this page with "
-        "`entmtp-hf bench-report RESULTS.json --results-md docs/results.md`).", "",
-        "## Setup", "",
+        "`entmtp-hf bench-report RESULTS.json --results-md docs/results.md`).",
+        "",
+        "## Setup",
+        "",
         f"- machine: {machine_line(env)}",
         f"- {_basket_line(results)}",
         f"- model: {results.get('context', {}).get('model')}",
@@ -248,15 +287,26 @@ def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
         f"- bank: {results.get('context', {}).get('bank')}",
         f"- peak memory source: {env.get('memory_source')}",
         *_command_lines(env),
-        "", "## Table 1 layout", "",
+        "",
+        "## Table 1 layout",
+        "",
         "Cells: tok/s (ρ× over vanilla, τ). tok/s = all new tokens / all timed seconds; ρ = geometric mean over "
         "prompts of the per-prompt speedup; τ = tokens per decoding step. Compare methods within this run only: "
-        "the machine is shared and absolute speeds drift.", "",
-        table1_markdown(results), "", "## Details", "", details_markdown(results),
-    ]  # fmt: skip
+        "the machine is shared and absolute speeds drift.",
+        "",
+        table1_markdown(results),
+        "",
+        "## Details",
+        "",
+        details_markdown(results),
+    ]
     parts += _comparison_sections(results, "##")
     if results["settings"]["mode"] == "greedy":
-        parts += ["## Greedy outputs against vanilla", ""] + (mismatch_lines(results) or ["All outputs are token-identical."]) + [""]
+        parts += (
+            ["## Greedy outputs against vanilla", ""]
+            + (mismatch_lines(results) or ["All outputs are token-identical."])
+            + [""]
+        )
     if skipped_lines(results):
         parts += ["## Skipped methods", ""] + skipped_lines(results) + [""]
     if plots:
@@ -265,7 +315,9 @@ def results_markdown(results: dict, plots: dict[str, str] | None = None) -> str:
 
 
 def write_report(
-    results_path: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike | None = None, *,
+    results_path: str | os.PathLike | Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike | None = None,
+    *,
     results_md: str | os.PathLike | None = None,
 ) -> dict[str, Path]:
     """``table.md`` and the plots from a results file; optionally the docs/results.md page.

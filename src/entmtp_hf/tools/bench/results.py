@@ -52,9 +52,16 @@ def summary_of(results: dict) -> dict:
     for r in results["records"]:
         speedups.setdefault(r["task"], {}).setdefault(r["method"], []).append(r.get("speedup"))
     keep = ("format", "format_version", "settings", "environment", "context", "skipped")
-    return portable(json_safe({**{k: results[k] for k in keep if k in results},
-                                "prompt_ids": {t: [p["prompt_id"] for p in ps] for t, ps in results["prompts"].items()},
-                                "summary": summarize(results), "speedups": speedups}))  # fmt: skip
+    return portable(
+        json_safe(
+            {
+                **{k: results[k] for k in keep if k in results},
+                "prompt_ids": {t: [p["prompt_id"] for p in ps] for t, ps in results["prompts"].items()},
+                "summary": summarize(results),
+                "speedups": speedups,
+            }
+        )
+    )
 
 
 def read_json_object(path: str | os.PathLike) -> dict:
@@ -106,8 +113,7 @@ def merge_results(parts: Sequence[dict]) -> dict:
     merged = {
         **first,
         "settings": {**first["settings"], "tasks": tasks},
-        "environment": {**first["environment"],
-                        "parts": [{k: p["environment"].get(k) for k in keep} for p in parts]},  # fmt: skip
+        "environment": {**first["environment"], "parts": [{k: p["environment"].get(k) for k in keep} for p in parts]},
         "skipped": {k: v for p in parts for k, v in p.get("skipped", {}).items()},
         "prompts": {k: v for p in parts for k, v in p["prompts"].items()},
         "records": [r for p in parts for r in p["records"]],
@@ -122,7 +128,9 @@ def _git(*args: str) -> str | None:
     if not (root / ".git").exists():
         return None
     try:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -140,7 +148,9 @@ def environment(device: Any = "cpu", memory_source: str | None = None) -> dict:
     return {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
-        "versions": {p: version(p) for p in ("entmtp-hf", "torch", "transformers", "evaluate", "datasets", "tokenizers")},
+        "versions": {
+            p: version(p) for p in ("entmtp-hf", "torch", "transformers", "evaluate", "datasets", "tokenizers")
+        },
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),

@@ -116,7 +116,15 @@ def _record(task, prompt_index, prompt, method, gen: Generation, elapsed, forwar
         "peak_memory_bytes": peak,
         "output_ids": list(gen.new_ids),
     }
-    for key in ("accept_lengths", "tree_indices", "tree_sizes", "features", "drafted_tokens", "accepted_draft_tokens", "eas"):
+    for key in (
+        "accept_lengths",
+        "tree_indices",
+        "tree_sizes",
+        "features",
+        "drafted_tokens",
+        "accepted_draft_tokens",
+        "eas",
+    ):
         rec[key] = stats.get(key)
     for key in ("draft_time", "verify_time", "prefill_time"):
         rec[f"{key}_s"] = stats.get(key)
@@ -199,7 +207,9 @@ class _Run:
         done = _completed_prompts(self.resume, self.results, self.methods, available, label)
         if done:
             self.results["records"] += [r for r in self.resume["records"] if (r["task"], r["prompt_index"]) in done]
-            resumed = self.results.setdefault("resumed", {"from": self.resume["environment"].get("date_utc"), "prompts": 0})
+            resumed = self.results.setdefault(
+                "resumed", {"from": self.resume["environment"].get("date_utc"), "prompts": 0}
+            )
             resumed["prompts"] += len(done)
             log.info("resuming %s: %d prompts already complete", label, len(done))
         names = [m.name for m in self.methods if label in available[m.name]]
@@ -225,8 +235,14 @@ class _Run:
             records.append(rec)
             self.bar.update(1)
         mine = [r for r in records if r["task"] == label and r["prompt_index"] == i]
-        postprocess(self.ctx, mine, self.results["prompts"][label], s,
-                    {m.name: m.reference for m in self.methods}, {m.name: m.model(self.ctx) for m in self.methods})
+        postprocess(
+            self.ctx,
+            mine,
+            self.results["prompts"][label],
+            s,
+            {m.name: m.reference for m in self.methods},
+            {m.name: m.model(self.ctx) for m in self.methods},
+        )
         if self.out_path is not None:  # a long run leaves complete per-prompt results behind
             write_results(self.results, self.out_path)
 
@@ -237,8 +253,12 @@ def _new_results(ctx: BenchContext, settings: BenchSettings, methods: list[Metho
         "format_version": FORMAT_VERSION,
         "settings": asdict(settings) | {"methods": [m.name for m in methods]},
         "environment": environment(ctx.device, PeakMemory(ctx.device).source),
-        "context": {"model": ctx.model_name, "heads": dict(ctx.heads_sources), "bank": str(ctx.bank_folder),
-                    "eas_config": ctx.eas_config},  # fmt: skip
+        "context": {
+            "model": ctx.model_name,
+            "heads": dict(ctx.heads_sources),
+            "bank": str(ctx.bank_folder),
+            "eas_config": ctx.eas_config,
+        },
         "skipped": {},
         "prompts": {},
         "records": [],

@@ -34,8 +34,9 @@ def geomean(xs: list[float]) -> float | None:
     return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else None
 
 
-def bootstrap_interval(xs: Sequence[float], *, level: float = 0.95, draws: int = 2000, seed: int = 0
-                       ) -> tuple[float, float] | None:  # fmt: skip
+def bootstrap_interval(
+    xs: Sequence[float], *, level: float = 0.95, draws: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
     """Percentile bootstrap interval of the geometric mean, resampling prompts (None if < 3).
 
     How far the ratio could move with another draw of prompts and noise: a difference inside
@@ -118,6 +119,7 @@ def paired_ratios(results: dict, task: str, reference: str, method: str) -> list
     Both ran the same prompt in the same interleaved round, so the pair shares the machine's
     drift; the tokens-per-step ratio is the part of the speed ratio that timing noise cannot touch.
     """
+
     def by_prompt(m: str) -> dict[int, dict]:
         return {r["prompt_index"]: r for r in results["records"] if r["task"] == task and r["method"] == m}
 
@@ -127,6 +129,8 @@ def paired_ratios(results: dict, task: str, reference: str, method: str) -> list
         a, b = ref[i], other[i]
         if not (a.get("tokens_per_s") and b.get("tokens_per_s")):
             continue
-        tau_a, tau_b = ((r["new_tokens"] - 1) / r["steps"] if r.get("steps") else 1.0 for r in (a, b))  # plain: 1 per step
+        tau_a, tau_b = (
+            (r["new_tokens"] - 1) / r["steps"] if r.get("steps") else 1.0 for r in (a, b)
+        )  # plain: 1 per step
         out.append((b["tokens_per_s"] / a["tokens_per_s"], tau_b / tau_a if tau_a > 0 else float("nan")))
     return out

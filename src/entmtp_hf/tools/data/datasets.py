@@ -13,9 +13,9 @@ the hits.
 from __future__ import annotations
 
 import ast
-import os
 import gzip
 import json
+import os
 import random
 import re
 import sys
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .. import require
-
 
 # The offline data sets, shipped inside the package (so an installed wheel's tools read them as a
 # checkout does); $ENTMTP_HF_DATA overrides them.
@@ -56,7 +55,7 @@ def normalize(text: str) -> str:
 
 def _ngrams(norm: str, n: int = NGRAM) -> set[tuple[str, ...]]:
     words = norm.split()
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -66,7 +65,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
         raise FileNotFoundError(
             f"{path}: no such file. entmtp-hf reads its offline data sets (gsm8k/, spec_bench/) "
             f"from {DATA_DIR} (entmtp_hf/tools/data/sets); set $ENTMTP_HF_DATA to the "
-            "folder that holds them")
+            "folder that holds them"
+        )
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -87,8 +87,9 @@ def mt_bench_rows(path: str | Path = SPEC_BENCH) -> list[dict]:
     return [r for r in read_jsonl(path) if r["question_id"] in MT_BENCH_IDS]
 
 
-def evaluation_texts(gsm8k_dir: str | Path = GSM8K_DIR, spec_bench: str | Path = SPEC_BENCH,
-                     humaneval: str | Path | None = None) -> dict[str, list[str]]:
+def evaluation_texts(
+    gsm8k_dir: str | Path = GSM8K_DIR, spec_bench: str | Path = SPEC_BENCH, humaneval: str | Path | None = None
+) -> dict[str, list[str]]:
     """Every evaluation prompt, by task: HumanEval prompts, GSM8K test questions, MT-Bench
     turns (both turns of each question)."""
     return {
@@ -122,8 +123,7 @@ class EvalIndex:
         return None
 
 
-def disjointness_report(pools: dict[str, Iterable[str]], index: EvalIndex,
-                        max_examples: int = 3) -> dict[str, dict]:
+def disjointness_report(pools: dict[str, Iterable[str]], index: EvalIndex, max_examples: int = 3) -> dict[str, dict]:
     """Per pool: size, number of exact and 13-gram hits (by evaluation task), examples."""
     report = {}
     for name, texts in pools.items():
@@ -163,8 +163,19 @@ def gsm8k_answer_text(answer: str) -> str:
 
 # --------------------------------------------------------------------- code
 
-_SKIP_PARTS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "site-packages",
-               "lib2to3", "ensurepip", "__pycache__", "pydoc_data", "venv"}
+_SKIP_PARTS = {
+    "test",
+    "tests",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "site-packages",
+    "lib2to3",
+    "ensurepip",
+    "__pycache__",
+    "pydoc_data",
+    "venv",
+}
 
 
 def stdlib_files(root: str | Path | None = None) -> list[Path]:
@@ -209,9 +220,8 @@ def _public_defs(tree: ast.Module) -> Iterator[tuple[str | None, ast.FunctionDef
                     yield node.name, sub
 
 
-def stdlib_code_prompts(root: str | Path | None = None,
-                        exclude_names: Iterable[str] = ()) -> list[Prompt]:
-    """"Write a Python function `name(signature)` that: <docstring>" for every public
+def stdlib_code_prompts(root: str | Path | None = None, exclude_names: Iterable[str] = ()) -> list[Prompt]:
+    """ "Write a Python function `name(signature)` that: <docstring>" for every public
     top-level function (and "Write a Python method `Class.name(...)`" for every public
     method of a public class) of the standard library with a usable docstring.
 
@@ -273,11 +283,15 @@ def stdlib_source_chunks(max_chars: int = 4000, root: str | Path | None = None) 
 def spec_bench_chat_prompts(path: str | Path = SPEC_BENCH) -> list[Prompt]:
     """First turns of Spec-Bench's translation/summarization/qa/rag rows (neither
     MT-Bench nor math_reasoning)."""
-    return [Prompt("chat", f"specbench-{r['question_id']}", r["turns"][0].strip())
-            for r in read_jsonl(path) if r["category"] in SPEC_BENCH_CHAT]
+    return [
+        Prompt("chat", f"specbench-{r['question_id']}", r["turns"][0].strip())
+        for r in read_jsonl(path)
+        if r["category"] in SPEC_BENCH_CHAT
+    ]
 
 
-TOPICS = tuple("""
+TOPICS = tuple(
+    """
 volcanoes; black holes; photosynthesis; the human immune system; sleep; vaccines;
 climate change; recycling; electric cars; solar power; nuclear energy; batteries;
 the Roman Empire; ancient Egypt; the French Revolution; the Silk Road; the printing press;
@@ -313,7 +327,8 @@ language; emoji; translation; Shakespeare; fairy tales; science fiction; comics;
 podcasts; museums; opera; dance; the Olympics; football; basketball; tennis; cricket;
 mountain climbing; scuba diving; sailing; fishing; astronomy for beginners; rainbows;
 the water cycle; soil; volcanic islands; tides; the periodic table; acids and bases
-""".replace("\n", " ").split(";"))
+""".replace("\n", " ").split(";")
+)
 TOPICS = tuple(t.strip() for t in TOPICS if t.strip())
 
 # Openers of a user message, one per style. The model continues the user's turn from
@@ -343,8 +358,12 @@ def user_openers(rounds: int = 1) -> list[Prompt]:
     each round samples other questions from the same openers."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    return [Prompt("chat", f"self-{i:03d}-{j}" + (f"-r{r}" if r > 1 else ""), opener.format(topic=topic))
-            for r in range(1, rounds + 1) for i, topic in enumerate(TOPICS) for j, opener in enumerate(OPENERS)]
+    return [
+        Prompt("chat", f"self-{i:03d}-{j}" + (f"-r{r}" if r > 1 else ""), opener.format(topic=topic))
+        for r in range(1, rounds + 1)
+        for i, topic in enumerate(TOPICS)
+        for j, opener in enumerate(OPENERS)
+    ]
 
 
 def complete_opener(opener: str, continuation: str, max_chars: int = 600) -> str | None:
@@ -373,7 +392,7 @@ def interleave(pools: dict[str, list[Prompt]], chunk: int, seed: int = 0) -> lis
     pos = 0
     while any(pos < len(q) for q in queues):
         for q in queues:
-            out.extend(q[pos:pos + chunk])
+            out.extend(q[pos : pos + chunk])
         pos += chunk
     return out
 
@@ -385,10 +404,16 @@ def gsm8k_train_chats(tokenizer, gsm8k_dir: str | Path = GSM8K_DIR) -> list[str]
     rows = read_jsonl(Path(gsm8k_dir) / "train.jsonl")
     if not has_chat_template(tokenizer):
         return [f"{question_answer(r['question'].strip())} {gsm8k_answer_text(r['answer'])}" for r in rows]
-    return [tokenizer.apply_chat_template(
-        [{"role": "user", "content": r["question"].strip()},
-         {"role": "assistant", "content": gsm8k_answer_text(r["answer"])}], tokenize=False)
-        for r in rows]
+    return [
+        tokenizer.apply_chat_template(
+            [
+                {"role": "user", "content": r["question"].strip()},
+                {"role": "assistant", "content": gsm8k_answer_text(r["answer"])},
+            ],
+            tokenize=False,
+        )
+        for r in rows
+    ]
 
 
 # --------------------------------------------------------------------- base models
@@ -428,8 +453,9 @@ def render_prompt(tokenizer, prompt: Prompt) -> list[int]:
     tokens, e.g. a BOS)."""
     if not has_chat_template(tokenizer):
         return list(tokenizer(completion_text(prompt))["input_ids"])
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
-                                        add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

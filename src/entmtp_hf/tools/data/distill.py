@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from . import datasets as D
 from ...demo.model import load_base_model
+from . import datasets as D
 
 
 class Log:
@@ -69,22 +69,29 @@ def append_records(path: Path, records: list[dict]) -> None:
 
 
 @torch.inference_mode()
-def generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, pad_id: int,
-                   eos_id: int, sample_seed: int | None = None) -> list[list[int]]:
+def generate_batch(
+    model, prompt_ids: list[list[int]], max_new_tokens: int, pad_id: int, eos_id: int, sample_seed: int | None = None
+) -> list[list[int]]:
     """Generate for a batch of token-id prompts (left padded); each answer is cut right
     after its first EOS. Greedy unless ``sample_seed`` is given (then T=0.9, top-p 0.95)."""
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     for i, p in enumerate(prompt_ids):
-        input_ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     kwargs = dict(do_sample=False)
     if sample_seed is not None:
         torch.manual_seed(sample_seed)
         kwargs = dict(do_sample=True, temperature=0.9, top_p=0.95, top_k=0)
-    out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         pad_token_id=pad_id, eos_token_id=eos_id, **kwargs)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        **kwargs,
+    )
     answers = []
     for row in out[:, width:].tolist():
         answers.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
@@ -94,8 +101,9 @@ def generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, pad_
 def user_turn_ids(tokenizer, opener: str) -> list[int]:
     """A chat whose last turn is the user's, left open after ``opener`` (no end-of-turn),
     so the model continues the user's message."""
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}],
-                                         add_generation_prompt=False, tokenize=False)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "\x00"}], add_generation_prompt=False, tokenize=False
+    )
     text = chat[: chat.index("\x00")] + opener
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -111,8 +119,7 @@ class SelfPrompts:
     evaluation prompt; the counts go to ``disjointness.json`` under ``chat:self-written``.
     """
 
-    def __init__(self, model, tok, out: Path, index: D.EvalIndex, batch_size: int,
-                 seed: int, log: Log, report: dict):
+    def __init__(self, model, tok, out: Path, index: D.EvalIndex, batch_size: int, seed: int, log: Log, report: dict):
         self.model, self.tok, self.index, self.log = model, tok, index, log
         self.path, self.report_path = out / "questions.jsonl", out / "disjointness.json"
         self.batch_size, self.seed, self.report = batch_size, seed, report
@@ -130,13 +137,24 @@ class SelfPrompts:
         """Write the questions of ``openers`` that are not on disk yet."""
         missing = [p for p in openers if p.prompt_id not in self.questions]
         for b in range(0, len(missing), self.batch_size):
-            batch = missing[b:b + self.batch_size]
+            batch = missing[b : b + self.batch_size]
             t0 = time.perf_counter()
             seed = self.seed + zlib.crc32(batch[0].prompt_id.encode())
-            answers = generate_batch(self.model, [user_turn_ids(self.tok, p.text) for p in batch],
-                                     64, self.tok.pad_token_id, self.tok.eos_token_id, sample_seed=seed)
-            recs = [{"prompt_id": p.prompt_id, "question": D.complete_opener(
-                p.text, self.tok.decode(a, skip_special_tokens=True))} for p, a in zip(batch, answers)]
+            answers = generate_batch(
+                self.model,
+                [user_turn_ids(self.tok, p.text) for p in batch],
+                64,
+                self.tok.pad_token_id,
+                self.tok.eos_token_id,
+                sample_seed=seed,
+            )
+            recs = [
+                {
+                    "prompt_id": p.prompt_id,
+                    "question": D.complete_opener(p.text, self.tok.decode(a, skip_special_tokens=True)),
+                }
+                for p, a in zip(batch, answers)
+            ]
             append_records(self.path, recs)
             for r in recs:
                 self._add(r["prompt_id"], r["question"])
@@ -155,9 +173,12 @@ class SelfPrompts:
         written = [(pid, q) for pid, q in self.questions.items()]
         hits = [q for _, q in written if q and self.index.hit(q)]
         self.report["chat:self-written"] = {
-            "written": len(written), "empty_or_unusable": sum(q is None for _, q in written),
+            "written": len(written),
+            "empty_or_unusable": sum(q is None for _, q in written),
             "duplicates": sum(1 for pid, q in written if q and self.owner[D.normalize(q)] != pid),
-            "eval_hits": len(hits), "examples": [h[:120] for h in hits[:3]]}
+            "eval_hits": len(hits),
+            "examples": [h[:120] for h in hits[:3]],
+        }
         self.report_path.write_text(json.dumps(self.report, indent=1) + "\n")
 
 
@@ -174,13 +195,24 @@ def source_pools(sources: tuple[str, ...], entry_points: list[str]) -> dict[str,
     """The prompt pools of ``sources`` (math: GSM8K train, code: stdlib docstrings without
     HumanEval's entry points, chat: Spec-Bench chat rows), before the disjointness check."""
     check_sources(sources)
-    make = {"math": D.gsm8k_train_prompts, "chat": D.spec_bench_chat_prompts,
-            "code": lambda: D.stdlib_code_prompts(exclude_names=entry_points)}  # fmt: skip
+    make = {
+        "math": D.gsm8k_train_prompts,
+        "chat": D.spec_bench_chat_prompts,
+        "code": lambda: D.stdlib_code_prompts(exclude_names=entry_points),
+    }
     return {name: make[name]() for name in SOURCES if name in sources}
 
 
-def build_pool(out: Path, log: Log, window: int, seed: int, self_openers: bool, *,
-               sources: tuple[str, ...] = SOURCES, question_rounds: int = 1):  # fmt: skip
+def build_pool(
+    out: Path,
+    log: Log,
+    window: int,
+    seed: int,
+    self_openers: bool,
+    *,
+    sources: tuple[str, ...] = SOURCES,
+    question_rounds: int = 1,
+):
     """All prompts of ``sources`` interleaved by source, the evaluation index and the
     disjointness report.
 
@@ -191,9 +223,12 @@ def build_pool(out: Path, log: Log, window: int, seed: int, self_openers: bool, 
     pools = source_pools(sources, [p["entry_point"] for p in D.humaneval_problems()])
     spec = D.read_jsonl(D.SPEC_BENCH)
     report = D.disjointness_report(
-        {**{k: [p.text for p in v] for k, v in pools.items()},
-         "excluded:spec_bench_math_reasoning": [r["turns"][0] for r in spec
-                                                if r["category"] == "math_reasoning"]}, index)
+        {
+            **{k: [p.text for p in v] for k, v in pools.items()},
+            "excluded:spec_bench_math_reasoning": [r["turns"][0] for r in spec if r["category"] == "math_reasoning"],
+        },
+        index,
+    )
     kept = {k: D.drop_overlapping(v, index) for k, v in pools.items()}
     report["kept"] = {k: len(v) for k, v in kept.items()}
     if self_openers and "chat" in kept:
@@ -241,8 +276,7 @@ class DistillConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
 
 
-def distill(cfg: DistillConfig, model=None, tok=None, *, deadline: float | None = None,
-            progress: bool = True) -> dict:
+def distill(cfg: DistillConfig, model=None, tok=None, *, deadline: float | None = None, progress: bool = True) -> dict:
     """Answer the pool's prompts (resuming what ``cfg.out`` holds) until done, or until
     ``time.perf_counter()`` passes ``deadline`` (checked after each batch, whose lines are on
     disk by then). ``model``/``tok``: an already loaded model (else ``cfg.model`` is loaded in
@@ -256,11 +290,20 @@ def distill(cfg: DistillConfig, model=None, tok=None, *, deadline: float | None 
     if model is None:
         model, tok = load_base_model(model_id=cfg.model, dtype=getattr(torch, cfg.dtype))
     chat = D.has_chat_template(tok)
-    log(f"answering in {next(model.parameters()).dtype}, batches of {cfg.batch_size}, "
-        f"{'chat template' if chat else 'completion prompts (no chat template)'}")
+    log(
+        f"answering in {next(model.parameters()).dtype}, batches of {cfg.batch_size}, "
+        f"{'chat template' if chat else 'completion prompts (no chat template)'}"
+    )
     window = cfg.window * cfg.batch_size
-    order, index, report = build_pool(cfg.out, log, window, cfg.seed, cfg.self_questions and chat,
-                                      sources=cfg.sources, question_rounds=cfg.question_rounds)  # fmt: skip
+    order, index, report = build_pool(
+        cfg.out,
+        log,
+        window,
+        cfg.seed,
+        cfg.self_questions and chat,
+        sources=cfg.sources,
+        question_rounds=cfg.question_rounds,
+    )
     order = order[: cfg.limit]
     selfs = SelfPrompts(model, tok, cfg.out, index, cfg.batch_size, cfg.seed, log, report)
 
@@ -276,7 +319,7 @@ def distill(cfg: DistillConfig, model=None, tok=None, *, deadline: float | None 
         if stopped:
             break
         # A window holds one source (interleave() takes `window` prompts per source).
-        prompts = todo[w:w + window]
+        prompts = todo[w : w + window]
         is_self = [p.prompt_id.startswith("self-") for p in prompts]
         selfs.ensure([p for p, s in zip(prompts, is_self) if s])
         prompts = [selfs.resolve(p) if s else p for p, s in zip(prompts, is_self)]
@@ -287,11 +330,14 @@ def distill(cfg: DistillConfig, model=None, tok=None, *, deadline: float | None 
         bar.update(skipped)
         chunk = sorted((c for c in chunk if len(c[1]) <= cfg.max_prompt_tokens), key=lambda c: len(c[1]))
         for b in range(0, len(chunk), cfg.batch_size):
-            batch = chunk[b:b + cfg.batch_size]
-            answers = generate_batch(model, [ids for _, ids in batch], cfg.max_new_tokens,
-                                     tok.pad_token_id, tok.eos_token_id)
-            recs = [{"source": p.source, "prompt_id": p.prompt_id, "prompt_ids": ids,
-                     "response_ids": a} for (p, ids), a in zip(batch, answers)]
+            batch = chunk[b : b + cfg.batch_size]
+            answers = generate_batch(
+                model, [ids for _, ids in batch], cfg.max_new_tokens, tok.pad_token_id, tok.eos_token_id
+            )
+            recs = [
+                {"source": p.source, "prompt_id": p.prompt_id, "prompt_ids": ids, "response_ids": a}
+                for (p, ids), a in zip(batch, answers)
+            ]
             by_source: dict[str, list[dict]] = {}
             for r in recs:
                 by_source.setdefault(r["source"], []).append(r)
@@ -303,8 +349,10 @@ def distill(cfg: DistillConfig, model=None, tok=None, *, deadline: float | None 
             rate = n_tok / (time.perf_counter() - t_start)
             left = len(todo) - n_done
             eta_h = left * (n_tok / n_done) / rate / 3600
-            log(f"{batch[0][0].source:4s} prompts {len(order) - left}/{len(order)}  "
-                f"tokens {n_tok} this run  {rate:.0f} tok/s  ETA {eta_h:.1f} h")
+            log(
+                f"{batch[0][0].source:4s} prompts {len(order) - left}/{len(order)}  "
+                f"tokens {n_tok} this run  {rate:.0f} tok/s  ETA {eta_h:.1f} h"
+            )
             if deadline is not None and time.perf_counter() > deadline and left > 0:
                 log(f"stopping at the deadline: {left} prompts left (run again to continue)")
                 stopped = True
@@ -321,27 +369,41 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder (resumed if present)")
-    ap.add_argument("--model", default=None,
-                    help="base model: a demo model's name (gemma-3-270m), a Hub id or a folder; default: the "
-                         "demo model SmolLM2-135M-Instruct. Without a chat template the prompts go in completion form")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="base model: a demo model's name (gemma-3-270m), a Hub id or a folder; default: the "
+        "demo model SmolLM2-135M-Instruct. Without a chat template the prompts go in completion form",
+    )
     ap.add_argument("--batch-size", type=int, default=48)
-    ap.add_argument("--window", type=int, default=1,
-                    help="batches per source in turn; prompts are length-sorted inside a window")
+    ap.add_argument(
+        "--window", type=int, default=1, help="batches per source in turn; prompts are length-sorted inside a window"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
     ap.add_argument("--limit", type=int, default=None, help="stop after this many prompts (tests)")
-    ap.add_argument("--no-self-questions", action="store_true",
-                    help="leave out the chat prompts the model writes itself")
-    ap.add_argument("--sources", default=",".join(SOURCES),
-                    help="comma-separated prompt sources to answer (math, code, chat)")
-    ap.add_argument("--question-rounds", type=int, default=1,
-                    help="rounds of self-written chat questions: each round completes every opener "
-                         "again with another seed (more chat prompts; earlier rounds are kept)")
+    ap.add_argument(
+        "--no-self-questions", action="store_true", help="leave out the chat prompts the model writes itself"
+    )
+    ap.add_argument(
+        "--sources", default=",".join(SOURCES), help="comma-separated prompt sources to answer (math, code, chat)"
+    )
+    ap.add_argument(
+        "--question-rounds",
+        type=int,
+        default=1,
+        help="rounds of self-written chat questions: each round completes every opener "
+        "again with another seed (more chat prompts; earlier rounds are kept)",
+    )
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="bfloat16 generates faster on CPUs with AMX; the answers are data "
-                         "for the heads, whose targets are recomputed in float32 at training time")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="bfloat16 generates faster on CPUs with AMX; the answers are data "
+        "for the heads, whose targets are recomputed in float32 at training time",
+    )
     args = ap.parse_args(argv)
     sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
     try:  # before the model loads
@@ -355,9 +417,22 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         if args.model is not None:
             check_input("--model", args.model, LOCAL_OR_HUB)
-        distill(DistillConfig(
-            args.out, args.model, args.batch_size, args.window, args.max_new_tokens, args.max_prompt_tokens,
-            args.limit, not args.no_self_questions, sources, args.question_rounds, args.seed, args.dtype))
+        distill(
+            DistillConfig(
+                args.out,
+                args.model,
+                args.batch_size,
+                args.window,
+                args.max_new_tokens,
+                args.max_prompt_tokens,
+                args.limit,
+                not args.no_self_questions,
+                sources,
+                args.question_rounds,
+                args.seed,
+                args.dtype,
+            )
+        )
         return 0
 
     return report_errors("entmtp_hf.tools.data.distill", run)
@@ -365,4 +440,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

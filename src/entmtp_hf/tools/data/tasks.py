@@ -49,7 +49,11 @@ class TaskPrompt:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return list(ids)
-        text = self.completion if self.completion is not None else "\n\n".join(m["content"] for m in self.messages) + "\n\n"
+        text = (
+            self.completion
+            if self.completion is not None
+            else "\n\n".join(m["content"] for m in self.messages) + "\n\n"
+        )
         return list(tokenizer(text)["input_ids"])
 
 
@@ -71,8 +75,10 @@ def _humaneval() -> list[TaskPrompt]:
 
 def _gsm8k() -> list[TaskPrompt]:
     rows = read_jsonl(Path(GSM8K_DIR) / "test.jsonl")
-    return [TaskPrompt("gsm8k", f"test-{i}", _user(r["question"]), question_answer(r["question"].strip()))
-            for i, r in enumerate(rows)]
+    return [
+        TaskPrompt("gsm8k", f"test-{i}", _user(r["question"]), question_answer(r["question"].strip()))
+        for i, r in enumerate(rows)
+    ]
 
 
 def _chat() -> list[TaskPrompt]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ...trees.tree import Tree
 from ...costs.table import interpolate
+from ...trees.tree import Tree
 
 #: the widest fan the value policy is offered (drafted nodes + root): small trees are where two
 #: shapes cost the same forward and the per-step choice between them is free
@@ -58,9 +58,7 @@ class Choice:
         return sorted({self.conservative, self.static, self.aggressive})
 
 
-def choose_trees(
-    nodes: Sequence[int], tokens_per_s: Sequence[float], costs: Sequence[float] | None = None
-) -> Choice:
+def choose_trees(nodes: Sequence[int], tokens_per_s: Sequence[float], costs: Sequence[float] | None = None) -> Choice:
     """EntMTP* = the throughput-maximal tree (ties: fewer nodes); T- and T+ = the fastest timed
     tree with fewer / more nodes than it (EntMTP* itself when there is none). With ``costs``
     (each tree's forward cost c(N)), T- must also cost less than EntMTP* to verify.

@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...trees.retrieval import RetrievalConfig
 from ...scheduling.features import FEATURES
+from ...trees.retrieval import RetrievalConfig
 
 #: hysteresis thresholds and ladder cut points swept per feature, on the probability scale
 #: (:func:`~entmtp_hf.scheduling.features.threshold` maps them to ``accept_ema``'s tokens per step)
@@ -59,8 +59,15 @@ class SearchConfig:
     def __post_init__(self) -> None:
         self.timed_sizes = tuple(self.timed_sizes) if self.timed_sizes is not None else None
         self.tau_grid, self.features = tuple(self.tau_grid), tuple(self.features)
-        for name in ("num_prompts", "timing_prompts", "max_new_tokens", "budget", "time_every", "sweep_prompts",
-                     "cost_repeats"):
+        for name in (
+            "num_prompts",
+            "timing_prompts",
+            "max_new_tokens",
+            "budget",
+            "time_every",
+            "sweep_prompts",
+            "cost_repeats",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"SearchConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_new_tokens < 2:

@@ -44,8 +44,9 @@ def generate_measure(model, cfg: SearchConfig, max_new_tokens: int | None = None
         extra = {"entmtp_config": config, "entmtp_observers": [timer]} if config is not None else {}
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True,
-                                 **kwargs, **extra)  # fmt: skip
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **kwargs, **extra
+            )
         seconds = time.perf_counter() - t0
         stats = getattr(out, "entmtp_stats", None) or {}
         run = {
@@ -55,8 +56,11 @@ def generate_measure(model, cfg: SearchConfig, max_new_tokens: int | None = None
             "accept_lengths": list(stats.get("accept_lengths", [])),
         }
         if stats:  # what the modelled ranking needs: the work done and this run's own overhead share
-            run.update(tree_sizes=list(stats["tree_sizes"]), forward_seconds=timer.seconds["verify"],
-                       decode_seconds=stats["total_time"] - stats["prefill_time"])  # fmt: skip
+            run.update(
+                tree_sizes=list(stats["tree_sizes"]),
+                forward_seconds=timer.seconds["verify"],
+                decode_seconds=stats["total_time"] - stats["prefill_time"],
+            )
         return run
 
     return measure

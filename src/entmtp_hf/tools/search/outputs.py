@@ -24,17 +24,29 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
     for k, tree in enumerate(trees):
         if k not in at:
             cost = interpolate(result.costs, tree.num_nodes) if result.costs else None
-            per_tree[k] = {"num_nodes": tree.num_nodes, "name": f"fan-{tree.num_nodes}",
-                           "source": "value policy: same size, depth 1",
-                           **({"relative_forward_cost": cost} if finite(cost) else {})}  # fmt: skip
+            per_tree[k] = {
+                "num_nodes": tree.num_nodes,
+                "name": f"fan-{tree.num_nodes}",
+                "source": "value policy: same size, depth 1",
+                **({"relative_forward_cost": cost} if finite(cost) else {}),
+            }
     for i, lab in enumerate(result.labels):
         row = result.timed[lab]
-        figures = {"mean_accept_length": row["unbiased"], "biased_accept_length": row["biased"],
-                   "simulated_accept_length": row["simulated"], "tokens_per_s": row["tokens_per_s"],
-                   "speedup_vs_plain": row["speedup"], "tokens_per_forward": row.get("modelled"),
-                   "relative_forward_cost": (result.costs or {}).get(row["num_nodes"])}  # fmt: skip
-        per_tree[at[i]] = {"num_nodes": row["num_nodes"], "name": lab, "source": "greedy acceptance frontier",
-                           **{k: v for k, v in figures.items() if finite(v)}}  # fmt: skip
+        figures = {
+            "mean_accept_length": row["unbiased"],
+            "biased_accept_length": row["biased"],
+            "simulated_accept_length": row["simulated"],
+            "tokens_per_s": row["tokens_per_s"],
+            "speedup_vs_plain": row["speedup"],
+            "tokens_per_forward": row.get("modelled"),
+            "relative_forward_cost": (result.costs or {}).get(row["num_nodes"]),
+        }
+        per_tree[at[i]] = {
+            "num_nodes": row["num_nodes"],
+            "name": lab,
+            "source": "greedy acceptance frontier",
+            **{k: v for k, v in figures.items() if finite(v)},
+        }
     metadata = {
         **{k: info[k] for k in ("base_model", "heads") if info.get(k)},
         "hardware": hardware_string(),
@@ -44,8 +56,11 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
         "trees": per_tree,
         # the timed frontier trees with their measured tokens per step: what a probe on another
         # machine re-ranks (``calibrate --frontier`` replaces it with every size up to the budget)
-        "frontier": {"trees": list(at), "source": f"the search's timed frontier trees: tokens per step of "
-                     f"generate on {len(info.get('timing_indices', []))} calibration prompts"},
+        "frontier": {
+            "trees": list(at),
+            "source": f"the search's timed frontier trees: tokens per step of "
+            f"generate on {len(info.get('timing_indices', []))} calibration prompts",
+        },
         "scheduler": result.scheduler_defaults(),
         "calibration": {
             "settings": result.settings,
@@ -67,8 +82,11 @@ def build_bank(result: SearchResult, info: dict[str, Any]) -> TopologyBank:
 
 
 def write_outputs(
-    work_dir: str | os.PathLike, result: SearchResult, info: dict[str, Any],
-    bank_dir: str | os.PathLike | None = None, plots_and_report: bool = True,
+    work_dir: str | os.PathLike,
+    result: SearchResult,
+    info: dict[str, Any],
+    bank_dir: str | os.PathLike | None = None,
+    plots_and_report: bool = True,
 ) -> TopologyBank:
     """``bank/<task>.safetensors`` (+ card) in ``work_dir`` (and ``bank_dir``), then unless
     ``plots_and_report`` is off the plots, ``report.md`` and ``result.json``. ``info``: the

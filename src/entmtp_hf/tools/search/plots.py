@@ -23,8 +23,11 @@ def plot_acceptance(result: SearchResult, path: Path) -> None:
     if any(r["biased_timed"] is not None for r in rows):
         ax.plot(xs, [r["biased_timed"] for r in rows], "x", color="C0", label="biased, timed prompts")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="tree nodes (root included)", ylabel="mean accept length τ (tokens/step)",
-           title=f"Greedy acceptance frontier: {result.task}")  # fmt: skip
+    ax.set(
+        xlabel="tree nodes (root included)",
+        ylabel="mean accept length τ (tokens/step)",
+        title=f"Greedy acceptance frontier: {result.task}",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -47,8 +50,11 @@ def plot_throughput(result: SearchResult, path: Path) -> None:
     if result.reference and finite(result.reference["tokens_per_s"]):
         ax.plot(64, result.reference["tokens_per_s"], "s", label="mc_sim_7b_63")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="tree nodes (root included)", ylabel="tokens/s (median over prompts)",
-           title=f"Throughput frontier: {result.task}")  # fmt: skip
+    ax.set(
+        xlabel="tree nodes (root included)",
+        ylabel="tokens/s (median over prompts)",
+        title=f"Throughput frontier: {result.task}",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

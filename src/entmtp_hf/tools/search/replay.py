@@ -25,14 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ...decoding.acceptance import walk_tree
 from ...config import EntMTPConfig
 from ...costs.retrieval import RetrievalFigures
+from ...decoding.acceptance import walk_tree
 from ...drafting.retrieval import NgramIndex
-from ...trees.retrieval import RetrievalConfig
 from ...scheduling.features import FeatureTracker
 from ...scheduling.policies import FEATURE_POLICIES
 from ...trees.plan import DecodePlan, build_plan
+from ...trees.retrieval import RetrievalConfig
 from ...trees.tree import Tree
 from .trajectories import Trajectory, accepted_depth
 
@@ -63,8 +63,9 @@ def why_not_replayable(plan: DecodePlan) -> str | None:
     return None
 
 
-def _flags(tree_paths, sources, union_paths, row: Sequence[int], found: Sequence[int], truth: Sequence[int],
-           union_size: int) -> list[int]:  # fmt: skip
+def _flags(
+    tree_paths, sources, union_paths, row: Sequence[int], found: Sequence[int], truth: Sequence[int], union_size: int
+) -> list[int]:
     """1 for each node whose token is the true one at its depth (given a true parent), else 0."""
     flags = [1]
     for path, src in zip(tree_paths, sources[1:]):
@@ -126,8 +127,9 @@ def replay(traj: Trajectory, plan: DecodePlan, window: int = 8) -> Replay:
     return Replay(lengths, sizes, founds)
 
 
-def retrieval_figures(trajectories: Sequence[Trajectory], tree: Tree, retrieval: RetrievalConfig,
-                      num_heads: int) -> RetrievalFigures:  # fmt: skip
+def retrieval_figures(
+    trajectories: Sequence[Trajectory], tree: Tree, retrieval: RetrievalConfig, num_heads: int
+) -> RetrievalFigures:
     """``tree`` verified every step with ``retrieval``, replayed on every trajectory and pooled:
     what :mod:`entmtp_hf.costs.retrieval` prices on a machine."""
     plan = build_plan(EntMTPConfig(tree=tree.choices, retrieval=retrieval), num_heads)
@@ -151,8 +153,9 @@ def accept_table(traj: Trajectory, trees: Sequence[Tree]) -> list[list[int]]:
     return [[1 + accepted_depth(row, p) for p in paths] for row in traj.tuples]
 
 
-def walk_rate(tables: Sequence[Sequence[Sequence[int]]], costs: Sequence[float],
-              choose: Callable[[int, int], int]) -> tuple[float, float]:
+def walk_rate(
+    tables: Sequence[Sequence[Sequence[int]]], costs: Sequence[float], choose: Callable[[int, int], int]
+) -> tuple[float, float]:
     """(tokens, work) of walking every table with ``choose(prompt, j) -> tree index``."""
     tokens = work = 0.0
     for i, table in enumerate(tables):

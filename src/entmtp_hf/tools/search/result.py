@@ -13,10 +13,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from ...trees.retrieval import RetrievalConfig
-from ...trees.bank import default_thresholds
-from ...trees.tree import MC_SIM_7B_63, Tree
 from ...costs.table import interpolate
+from ...trees.bank import default_thresholds
+from ...trees.retrieval import RetrievalConfig
+from ...trees.tree import MC_SIM_7B_63, Tree
 from .choose import Choice, choose_trees, value_costs, value_sets
 from .config import REFERENCE, RETRIEVAL_RUNS, VANILLA, SearchConfig
 from .frontier import FrontierPoint
@@ -97,8 +97,12 @@ def _paired_ratio(runs: dict, ref: dict, speed: Speed = measured_speed) -> float
 def inversions(rows: Sequence[dict], a: str, b: str) -> list[tuple[int, int]]:
     """Pairs of trees (node counts) that key ``a`` and key ``b`` rank strictly the opposite way."""
     rows = [r for r in rows if finite(r.get(a)) and finite(r.get(b))]
-    return [(x["num_nodes"], y["num_nodes"]) for i, x in enumerate(rows) for y in rows[i + 1 :]
-            if (x[a] - y[a]) * (x[b] - y[b]) < 0]  # fmt: skip
+    return [
+        (x["num_nodes"], y["num_nodes"])
+        for i, x in enumerate(rows)
+        for y in rows[i + 1 :]
+        if (x[a] - y[a]) * (x[b] - y[b]) < 0
+    ]
 
 
 @dataclass
@@ -132,9 +136,14 @@ class SearchResult:
         rates = [a / w for a, w in (walk_rate(tables, costs, lambda i, j, k=k: k) for k in range(len(trees)))]
         best = max(range(len(trees)), key=rates.__getitem__)
         foresight = foresight_rate(tables, costs)
-        self.headroom = {"trees": [t.num_nodes for t in trees], "best_static_nodes": trees[best].num_nodes,
-                         "best_static_rate": rates[best], "foresight_rate": foresight,
-                         "foresight_vs_static": foresight / rates[best], "prompts": len(tables)}  # fmt: skip
+        self.headroom = {
+            "trees": [t.num_nodes for t in trees],
+            "best_static_nodes": trees[best].num_nodes,
+            "best_static_rate": rates[best],
+            "foresight_rate": foresight,
+            "foresight_vs_static": foresight / rates[best],
+            "prompts": len(tables),
+        }
         return self
 
     def with_sweep(self, runs: dict) -> "SearchResult":
@@ -143,11 +152,13 @@ class SearchResult:
         static = runs.get("static", {})
         speed = ranking_speed(self.costs)
         self.sweep = {
-            lab: {"tokens_per_s": median(_tps(r)),
-                  "vs_static": _paired_ratio(r, static, speed) if lab != "static" else 1.0,
-                  "measured_vs_static": _paired_ratio(r, static) if lab != "static" else 1.0}
+            lab: {
+                "tokens_per_s": median(_tps(r)),
+                "vs_static": _paired_ratio(r, static, speed) if lab != "static" else 1.0,
+                "measured_vs_static": _paired_ratio(r, static) if lab != "static" else 1.0,
+            }
             for lab, r in runs.items()
-        }  # fmt: skip
+        }
         tried = [lab for lab in RETRIEVAL_RUNS if lab in self.sweep and finite(self.sweep[lab]["vs_static"])]
         if tried:
             best = max(tried, key=lambda lab: self.sweep[lab]["vs_static"])
@@ -157,8 +168,12 @@ class SearchResult:
         cands = [lab for lab in sets if lab in self.sweep and finite(self.sweep[lab]["vs_static"])]
         if cands:
             best = max(cands, key=lambda lab: self.sweep[lab]["vs_static"])
-            self.winners["value"] = {"label": best, "trees": [t.choices for t in sets[best]],
-                                     "costs": value_costs(sets[best], self.costs), **self.sweep[best]}  # fmt: skip
+            self.winners["value"] = {
+                "label": best,
+                "trees": [t.choices for t in sets[best]],
+                "costs": value_costs(sets[best], self.costs),
+                **self.sweep[best],
+            }
         return self
 
     def with_replay(self, runs: dict[str, dict], prompts: int) -> "SearchResult":
@@ -174,9 +189,13 @@ class SearchResult:
         ref = rate(runs["static"])
         for lab, run in runs.items():
             row = "static (replayed)" if lab == "static" else lab
-            self.sweep[row] = {"tokens_per_s": None, "vs_static": rate(run) / ref, "measured_vs_static": None,
-                               "tokens_per_step": sum(run["accept_lengths"]) / len(run["accept_lengths"]),
-                               "replayed": prompts}  # fmt: skip
+            self.sweep[row] = {
+                "tokens_per_s": None,
+                "vs_static": rate(run) / ref,
+                "measured_vs_static": None,
+                "tokens_per_step": sum(run["accept_lengths"]) / len(run["accept_lengths"]),
+                "replayed": prompts,
+            }
         self._pick_switching_winners()
         return self
 
@@ -187,8 +206,12 @@ class SearchResult:
             if cands:
                 best = max(cands, key=lambda lab: self.sweep[lab]["vs_static"])
                 _, feature, values, *pair = best.split(":")
-                self.winners[kind] = {"label": best, "feature": feature,
-                                      "values": [float(v) for v in values.split(",")], **self.sweep[best]}  # fmt: skip
+                self.winners[kind] = {
+                    "label": best,
+                    "feature": feature,
+                    "values": [float(v) for v in values.split(",")],
+                    **self.sweep[best],
+                }
                 if pair:
                     self.winners[kind]["trees"] = [int(i) for i in pair[0].split("-")]
 
@@ -200,8 +223,9 @@ class SearchResult:
 
     def _sweep_speeds(self) -> dict[str, float]:
         """Each scheduler kind's sweep ratio to static, where it clears ``SWEEP_MARGIN``."""
-        return {k: v["vs_static"] for k, v in self.winners.items()
-                if k != "retrieval" and v["vs_static"] >= SWEEP_MARGIN}  # fmt: skip
+        return {
+            k: v["vs_static"] for k, v in self.winners.items() if k != "retrieval" and v["vs_static"] >= SWEEP_MARGIN
+        }
 
     def scheduler_candidate(self) -> str | None:
         """The sweep label of the scheduler that would become the default policy, if any."""
@@ -213,8 +237,12 @@ class SearchResult:
         label = next((lab for lab in runs if lab != "static"), None)
         if label is not None:
             ratio = _paired_ratio(runs[label], runs["static"], ranking_speed(self.costs))
-            self.confirmation = {"label": label, "vs_static": ratio, "prompts": len(runs[label]),
-                                 "measured_vs_static": _paired_ratio(runs[label], runs["static"])}  # fmt: skip
+            self.confirmation = {
+                "label": label,
+                "vs_static": ratio,
+                "prompts": len(runs[label]),
+                "measured_vs_static": _paired_ratio(runs[label], runs["static"]),
+            }
         return self
 
     def bank_trees(self) -> tuple[list[Tree], list[int]]:
@@ -262,23 +290,50 @@ class SearchResult:
         retrieval = asdict(retrieval) if retrieval is not None else None
         trees, at = self.bank_trees()
         value = self.winners.get("value")
-        return {"static": at[c.static], "conservative": at[low], "aggressive": at[high], "tau_on": tau, "tau_off": tau,
-                "ladder": [at[i] for i in ladder], "thresholds": thresholds,
-                "policy": max(speed, key=lambda k: speed[k]),
-                "feature": hyst["feature"] if hyst else "best_path_value",
-                "ladder_feature": lad["feature"] if lad else "best_path_value", "retrieval": retrieval,
-                "value": [trees.index(Tree.from_choices(t)) for t in value["trees"]] if value else [],
-                "value_costs": value["costs"] if value else []}  # fmt: skip
+        return {
+            "static": at[c.static],
+            "conservative": at[low],
+            "aggressive": at[high],
+            "tau_on": tau,
+            "tau_off": tau,
+            "ladder": [at[i] for i in ladder],
+            "thresholds": thresholds,
+            "policy": max(speed, key=lambda k: speed[k]),
+            "feature": hyst["feature"] if hyst else "best_path_value",
+            "ladder_feature": lad["feature"] if lad else "best_path_value",
+            "retrieval": retrieval,
+            "value": [trees.index(Tree.from_choices(t)) for t in value["trees"]] if value else [],
+            "value_costs": value["costs"] if value else [],
+        }
 
     def to_dict(self) -> dict[str, Any]:
-        timed = {lab: {k: (v.choices if isinstance(v, Tree) else v) for k, v in row.items()}
-                 for lab, row in self.timed.items()}  # fmt: skip
-        plain = ("task", "settings", "frontier", "labels", "vanilla_tokens_per_s", "reference", "elapsed", "sweep",
-                 "winners", "confirmation", "headroom")  # fmt: skip
+        timed = {
+            lab: {k: (v.choices if isinstance(v, Tree) else v) for k, v in row.items()}
+            for lab, row in self.timed.items()
+        }
+        plain = (
+            "task",
+            "settings",
+            "frontier",
+            "labels",
+            "vanilla_tokens_per_s",
+            "reference",
+            "elapsed",
+            "sweep",
+            "winners",
+            "confirmation",
+            "headroom",
+        )
         costs = {str(n): c for n, c in self.costs.items()} if self.costs is not None else None
-        return {**{k: getattr(self, k) for k in plain}, "timed": timed, "choice": asdict(self.choice), "costs": costs,
-                "ranking_changed": self.ranking_changed, "ranking_changed_simulated": self.ranking_changed_simulated,
-                "scheduler": self.scheduler_defaults()}  # fmt: skip
+        return {
+            **{k: getattr(self, k) for k in plain},
+            "timed": timed,
+            "choice": asdict(self.choice),
+            "costs": costs,
+            "ranking_changed": self.ranking_changed,
+            "ranking_changed_simulated": self.ranking_changed_simulated,
+            "scheduler": self.scheduler_defaults(),
+        }
 
 
 class _Accepts:
@@ -300,13 +355,25 @@ class _Accepts:
 
 def _run_figures(r: dict, vanilla: dict, costs: dict[int, float] | None) -> dict[str, Any]:
     """A label's measured figures: unbiased τ, median tokens/s, speed-up over plain decoding, modelled speed."""
-    return {"unbiased": _pooled_accept(r), "tokens_per_s": median(_tps(r)), "speedup": _paired_ratio(r, vanilla),
-            "modelled": _median_modelled(r, costs)}  # fmt: skip
+    return {
+        "unbiased": _pooled_accept(r),
+        "tokens_per_s": median(_tps(r)),
+        "speedup": _paired_ratio(r, vanilla),
+        "modelled": _median_modelled(r, costs),
+    }
 
 
 def summarise(
-    task: str, cfg: SearchConfig, trajectories: Sequence[Trajectory], points: Sequence[FrontierPoint], runs: dict,
-    *, timed: Sequence[int], timing: Sequence[int], elapsed: dict[str, float], costs: dict[int, float] | None = None,
+    task: str,
+    cfg: SearchConfig,
+    trajectories: Sequence[Trajectory],
+    points: Sequence[FrontierPoint],
+    runs: dict,
+    *,
+    timed: Sequence[int],
+    timing: Sequence[int],
+    elapsed: dict[str, float],
+    costs: dict[int, float] | None = None,
 ) -> SearchResult:
     """Join the frontier with the canonical runs and choose EntMTP*, T- and T+.
 
@@ -317,28 +384,49 @@ def summarise(
     one-token forward, :func:`modelled_speed`), else by measured tokens/s.
     """
     acc = _Accepts(trajectories, timing, cfg.scoring == "rank_tuple")
-    frontier = [{"num_nodes": p.num_nodes, "tree": p.tree.choices, "biased": p.accept,
-                 "simulated": acc.simulated(p.tree)} for p in points]  # fmt: skip
+    frontier = [
+        {"num_nodes": p.num_nodes, "tree": p.tree.choices, "biased": p.accept, "simulated": acc.simulated(p.tree)}
+        for p in points
+    ]
     vanilla = runs.get(VANILLA, {})
     rows: dict[str, dict] = {}
     for i in timed:
         p, lab = points[i], f"frontier-{points[i].num_nodes}"
-        rows[lab] = {"tree": p.tree, "num_nodes": p.num_nodes, "biased": p.accept,
-                     "simulated": frontier[i]["simulated"], "biased_timed": acc.biased_timed(p.tree),
-                     "simulated_timed": acc.simulated(p.tree, timed=True),
-                     **_run_figures(runs.get(lab, {}), vanilla, costs)}  # fmt: skip
+        rows[lab] = {
+            "tree": p.tree,
+            "num_nodes": p.num_nodes,
+            "biased": p.accept,
+            "simulated": frontier[i]["simulated"],
+            "biased_timed": acc.biased_timed(p.tree),
+            "simulated_timed": acc.simulated(p.tree, timed=True),
+            **_run_figures(runs.get(lab, {}), vanilla, costs),
+        }
     labels = list(rows)
     rank_key = "modelled" if costs is not None else "tokens_per_s"
     tree_costs = [interpolate(costs, rows[lab]["num_nodes"]) for lab in labels] if costs is not None else None
-    choice = choose_trees([rows[lab]["num_nodes"] for lab in labels], [rows[lab][rank_key] for lab in labels],
-                          tree_costs)  # fmt: skip
+    choice = choose_trees(
+        [rows[lab]["num_nodes"] for lab in labels], [rows[lab][rank_key] for lab in labels], tree_costs
+    )
     reference = None
     if REFERENCE in runs:
         ref = _run_figures(runs[REFERENCE], vanilla, costs)
-        reference = {"num_nodes": len(MC_SIM_7B_63) + 1, "unbiased": ref["unbiased"],
-                     "tokens_per_s": ref["tokens_per_s"], "speedup": ref["speedup"],
-                     "simulated": acc.simulated(Tree.from_choices(MC_SIM_7B_63)), "modelled": ref["modelled"]}  # fmt: skip
+        reference = {
+            "num_nodes": len(MC_SIM_7B_63) + 1,
+            "unbiased": ref["unbiased"],
+            "tokens_per_s": ref["tokens_per_s"],
+            "speedup": ref["speedup"],
+            "simulated": acc.simulated(Tree.from_choices(MC_SIM_7B_63)),
+            "modelled": ref["modelled"],
+        }
     return SearchResult(
-        task=task, settings=cfg.to_dict(), frontier=frontier, timed=rows, labels=labels, choice=choice,
-        vanilla_tokens_per_s=median(_tps(vanilla)), reference=reference, elapsed=dict(elapsed), costs=costs,
-    )  # fmt: skip
+        task=task,
+        settings=cfg.to_dict(),
+        frontier=frontier,
+        timed=rows,
+        labels=labels,
+        choice=choice,
+        vanilla_tokens_per_s=median(_tps(vanilla)),
+        reference=reference,
+        elapsed=dict(elapsed),
+        costs=costs,
+    )

@@ -59,16 +59,32 @@ def _verify(model, heads, cache, b, tokens: torch.Tensor, next_pos: int):
     prefix_len = int(cache.get_seq_length())
     dtype = b.attn_mask.dtype
     mask = tree_attention_mask(b, torch.zeros(prefix_len, dtype=dtype, device=tokens.device), prefix_len + b.num_nodes)
-    return model(input_ids=tokens[None], attention_mask=mask, position_ids=(b.position_ids + next_pos)[None],
-                 cache=cache, use_cache=True, output_hidden_states=heads.hidden_states_request)  # fmt: skip
+    return model(
+        input_ids=tokens[None],
+        attention_mask=mask,
+        position_ids=(b.position_ids + next_pos)[None],
+        cache=cache,
+        use_cache=True,
+        output_hidden_states=heads.hidden_states_request,
+    )
 
 
 @torch.no_grad()
 def joint_rollout(
-    model, heads, prompt: Sequence[int], tree: Tree, candidates: Sequence[Path], max_new_tokens: int, *,
-    rule: str = "greedy", temperature: float = 1.0, epsilon: float = 0.09, alpha: float = 0.3,
-    generator: torch.Generator | None = None, eos_token_ids: Iterable[int] = (),
-) -> RolloutCounts:  # fmt: skip
+    model,
+    heads,
+    prompt: Sequence[int],
+    tree: Tree,
+    candidates: Sequence[Path],
+    max_new_tokens: int,
+    *,
+    rule: str = "greedy",
+    temperature: float = 1.0,
+    epsilon: float = 0.09,
+    alpha: float = 0.3,
+    generator: torch.Generator | None = None,
+    eos_token_ids: Iterable[int] = (),
+) -> RolloutCounts:
     """One self-rollout over the joint tree U = T ∪ F: verify U every step, advance with T.
 
     A node *passes* when its token is the verifier's pick at its parent (greedy: argmax;
@@ -130,9 +146,20 @@ def rollout_scorer(model, heads, prompts: Sequence[Sequence[int]], cfg: SearchCo
         gen = torch.Generator().manual_seed(cfg.seed)
         tree_sum, cand_sums, steps = 0, [0] * len(candidates), 0
         for prompt in prompts:
-            c = joint_rollout(model, heads, prompt, tree, candidates, cfg.max_new_tokens, rule=cfg.acceptance,
-                              temperature=cfg.temperature, epsilon=cfg.posterior_threshold,
-                              alpha=cfg.posterior_alpha, generator=gen, eos_token_ids=eos)  # fmt: skip
+            c = joint_rollout(
+                model,
+                heads,
+                prompt,
+                tree,
+                candidates,
+                cfg.max_new_tokens,
+                rule=cfg.acceptance,
+                temperature=cfg.temperature,
+                epsilon=cfg.posterior_threshold,
+                alpha=cfg.posterior_alpha,
+                generator=gen,
+                eos_token_ids=eos,
+            )
             steps += len(c.tree)
             tree_sum += sum(c.tree)
             cand_sums = [s + sum(row[k] for row in c.candidates) for k, s in enumerate(cand_sums)]

@@ -40,9 +40,9 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from ...config import EntMTPConfig
-from ...trees.retrieval import RetrievalConfig
 from ...scheduling.features import threshold
 from ...scheduling.policies import FEATURE_POLICIES
+from ...trees.retrieval import RetrievalConfig
 from ...trees.tree import MC_SIM_7B_63, Tree
 from ..checkpoint import check_deadline, config_fingerprint, heads_fingerprint, read_json, write_json
 from ..profile import forward_costs as profile_forward_costs
@@ -67,16 +67,34 @@ class TreeSearch:
     the timed ``generate`` call (tests inject deterministic timings through it).
     """
 
-    FILES = {"settings": "settings.json", "trajectories": "trajectories.json", "frontier": "frontier.json",
-             "rollouts": "rollouts.json", "costs": "forward_costs.json", "sweep": "sweep.json", "confirm": "confirm.json",
-             "elapsed": "stage_seconds.json"}  # fmt: skip
+    FILES = {
+        "settings": "settings.json",
+        "trajectories": "trajectories.json",
+        "frontier": "frontier.json",
+        "rollouts": "rollouts.json",
+        "costs": "forward_costs.json",
+        "sweep": "sweep.json",
+        "confirm": "confirm.json",
+        "elapsed": "stage_seconds.json",
+    }
 
     def __init__(
-        self, model, heads, prompts: Sequence[Sequence[int]], work_dir: str | os.PathLike, config: SearchConfig,
-        *, task: str = "task", prompt_ids: Sequence[str] | None = None, measure: Measure | None = None,
-        sweep_measure: Measure | None = None, forward_costs: CostFn | None = None, info: dict | None = None,
-        progress: bool = True, deadline: float | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        model,
+        heads,
+        prompts: Sequence[Sequence[int]],
+        work_dir: str | os.PathLike,
+        config: SearchConfig,
+        *,
+        task: str = "task",
+        prompt_ids: Sequence[str] | None = None,
+        measure: Measure | None = None,
+        sweep_measure: Measure | None = None,
+        forward_costs: CostFn | None = None,
+        info: dict | None = None,
+        progress: bool = True,
+        deadline: float | None = None,
+    ) -> None:
         if len(prompts) < 1:
             raise ValueError("the search needs at least one calibration prompt")
         self.model, self.heads, self.cfg, self.task = model, heads, config, task
@@ -102,9 +120,14 @@ class TreeSearch:
         return self.dir / self.FILES.get(name, name)
 
     def _check_settings(self) -> None:
-        settings = {"task": self.task, "search": self.cfg.to_dict(), "prompt_ids": self.prompt_ids,
-                    "prompts_sha": hashlib.sha256(json.dumps(self.prompts).encode()).hexdigest()[:16],
-                    "heads": heads_fingerprint(self.heads), "model": self.info.get("base_model", "")}  # fmt: skip
+        settings = {
+            "task": self.task,
+            "search": self.cfg.to_dict(),
+            "prompt_ids": self.prompt_ids,
+            "prompts_sha": hashlib.sha256(json.dumps(self.prompts).encode()).hexdigest()[:16],
+            "heads": heads_fingerprint(self.heads),
+            "model": self.info.get("base_model", ""),
+        }
         old = read_json(self.path("settings"))
         if old is not None and old != settings:
             diff = sorted(k for k in settings if old.get(k) != settings[k])
@@ -134,15 +157,19 @@ class TreeSearch:
         more teacher-forced pass over the stored tokens."""
         saved = read_json(self.path("trajectories")) or {"done": {}, "seconds": 0.0}
         todo = [i for i in range(len(self.prompts)) if self.prompt_ids[i] not in saved["done"]]
-        stale = [] if self.cfg.scoring != "rank_tuple" else [
-            pid for pid in self.prompt_ids if pid in saved["done"] and "signals" not in saved["done"][pid]]
+        stale = (
+            []
+            if self.cfg.scoring != "rank_tuple"
+            else [pid for pid in self.prompt_ids if pid in saved["done"] and "signals" not in saved["done"][pid]]
+        )
         if not todo and not stale:
             return [Trajectory(**saved["done"][pid]) for pid in self.prompt_ids]
         t0 = time.perf_counter()
         for pid in stale:
             row = saved["done"][pid]
-            row["tuples"], row["signals"] = step_table(self.model, self.heads, row["tokens"], row["prompt_len"],
-                                                       self.max_depth, self.max_rank)  # fmt: skip
+            row["tuples"], row["signals"] = step_table(
+                self.model, self.heads, row["tokens"], row["prompt_len"], self.max_depth, self.max_rank
+            )
         if stale:
             write_json(self.path("trajectories"), saved)
         measure = generate_measure(self.model, self.cfg)
@@ -151,10 +178,15 @@ class TreeSearch:
             tokens, tuples, signals = self.prompts[i], [], {}
             if self.cfg.scoring == "rank_tuple":  # the rollout scoring decodes by itself
                 tokens = tokens + measure("trajectory", None, self.prompts[i])["tokens"]
-                tuples, signals = step_table(self.model, self.heads, tokens, len(self.prompts[i]), self.max_depth,
-                                             self.max_rank)  # fmt: skip
-            saved["done"][self.prompt_ids[i]] = {"prompt_len": len(self.prompts[i]), "tokens": tokens,
-                                                 "tuples": tuples, "signals": signals}  # fmt: skip
+                tuples, signals = step_table(
+                    self.model, self.heads, tokens, len(self.prompts[i]), self.max_depth, self.max_rank
+                )
+            saved["done"][self.prompt_ids[i]] = {
+                "prompt_len": len(self.prompts[i]),
+                "tokens": tokens,
+                "tuples": tuples,
+                "signals": signals,
+            }
             saved["seconds"] += time.perf_counter() - t1
             write_json(self.path("trajectories"), saved)
             if i != todo[-1]:
@@ -166,8 +198,10 @@ class TreeSearch:
     def frontier(self, trajectories: Sequence[Trajectory]) -> list[FrontierPoint]:
         """The greedy acceptance frontier; rollout scoring checkpoints every added node."""
         saved = read_json(self.path("frontier")) or {"points": [], "complete": False}
-        points = [FrontierPoint(Tree.from_choices(p["tree"]), p["accept"], tuple(p["added"]) if p["added"] else None)
-                  for p in saved["points"]]  # fmt: skip
+        points = [
+            FrontierPoint(Tree.from_choices(p["tree"]), p["accept"], tuple(p["added"]) if p["added"] else None)
+            for p in saved["points"]
+        ]
         if saved["complete"]:
             return points
         t0 = time.perf_counter()
@@ -177,8 +211,15 @@ class TreeSearch:
             score = rollout_scorer(self.model, self.heads, self.prompts, self.cfg, eos_ids(self.model))
 
         def save(pts: list[FrontierPoint], complete: bool = False) -> None:
-            rows = [{"tree": p.tree.choices, "num_nodes": p.num_nodes, "accept": p.accept,
-                     "added": list(p.added) if p.added else None} for p in pts]  # fmt: skip
+            rows = [
+                {
+                    "tree": p.tree.choices,
+                    "num_nodes": p.num_nodes,
+                    "accept": p.accept,
+                    "added": list(p.added) if p.added else None,
+                }
+                for p in pts
+            ]
             write_json(self.path("frontier"), {"points": rows, "complete": complete})
 
         points = greedy_frontier(score, self.cfg.budget, self.max_depth, self.max_rank, points, save, self.progress)
@@ -192,8 +233,10 @@ class TreeSearch:
             wanted = set(self.cfg.timed_sizes)
             found = [i for i, p in enumerate(points) if p.num_nodes in wanted]
             if not found:
-                raise ValueError(f"none of the timed sizes {sorted(wanted)} is on the frontier "
-                                 f"({points[0].num_nodes}..{points[-1].num_nodes} nodes)")  # fmt: skip
+                raise ValueError(
+                    f"none of the timed sizes {sorted(wanted)} is on the frontier "
+                    f"({points[0].num_nodes}..{points[-1].num_nodes} nodes)"
+                )
             return found
         k = self.cfg.time_every
         return sorted({i for i in range(0, len(points), k)} | {len(points) - 1})
@@ -269,8 +312,12 @@ class TreeSearch:
         timed = {points[i].num_nodes for i in self.timed_indices(points)}
         # the sweep's retrieval runs verify a timed tree plus up to L retrieved tokens (or L + 1 alone)
         extra = max(r.num_tokens for r in RETRIEVAL_RUNS.values()) if self.cfg.retrieval else 0
-        sizes = sorted({1} | timed | {n + k for n in timed for k in range(1, extra + 1)}
-                       | ({len(MC_SIM_7B_63) + 1} if self.reference_tree() is not None else set()))  # fmt: skip
+        sizes = sorted(
+            {1}
+            | timed
+            | {n + k for n in timed for k in range(1, extra + 1)}
+            | ({len(MC_SIM_7B_63) + 1} if self.reference_tree() is not None else set())
+        )
         saved = read_json(self.path("costs"))
         if saved is not None and all(str(n) in saved["relative"] for n in sizes):
             return {int(n): float(c) for n, c in saved["relative"].items()}
@@ -278,9 +325,15 @@ class TreeSearch:
         prefix_len = int(median([len(p) for p in self.prompts])) + self.cfg.max_new_tokens // 2
         seconds = self.forward_costs(self.model, sizes, prefix_len=prefix_len, repeats=self.cfg.cost_repeats)
         relative = {n: seconds[n] / seconds[1] for n in sizes}
-        write_json(self.path("costs"), {"prefix_len": prefix_len, "repeats": self.cfg.cost_repeats,
-                                          "seconds": {str(n): seconds[n] for n in sizes},
-                                          "relative": {str(n): relative[n] for n in sizes}})  # fmt: skip
+        write_json(
+            self.path("costs"),
+            {
+                "prefix_len": prefix_len,
+                "repeats": self.cfg.cost_repeats,
+                "seconds": {str(n): seconds[n] for n in sizes},
+                "relative": {str(n): relative[n] for n in sizes},
+            },
+        )
         self._timed("costs", t0)
         return relative
 
@@ -302,7 +355,11 @@ class TreeSearch:
         return out
 
     def sweep_runs(
-        self, trees: dict[str, Tree], choice: Choice, labels: list[str], costs: dict[int, float] | None = None,
+        self,
+        trees: dict[str, Tree],
+        choice: Choice,
+        labels: list[str],
+        costs: dict[int, float] | None = None,
         retrieval: RetrievalConfig | None = None,
     ) -> dict[str, EntMTPConfig]:
         """The static tree (alone, and with retrieval branches: :data:`RETRIEVAL_RUNS`),
@@ -321,9 +378,14 @@ class TreeSearch:
                 low_depth = max(trees[labels[lo]].depth, 1)
                 for tau in (threshold(f, t, low_depth) for t in self.cfg.tau_grid):
                     runs[f"hysteresis:{f}:{tau:g}:{lo}-{hi}"] = self._tree_config(
-                        None, trees=[trees[labels[lo]].choices, trees[labels[hi]].choices], policy="hysteresis",
-                        tau_on=tau, tau_off=tau, feature=f, **switch,
-                    )  # fmt: skip
+                        None,
+                        trees=[trees[labels[lo]].choices, trees[labels[hi]].choices],
+                        policy="hysteresis",
+                        tau_on=tau,
+                        tau_off=tau,
+                        feature=f,
+                        **switch,
+                    )
         ladder = [trees[labels[i]] for i in choice.ladder]
         grid = sorted(set(self.cfg.tau_grid))
         cuts = [grid[i : i + len(ladder) - 1] for i in range(len(grid) - len(ladder) + 2)] if len(ladder) > 2 else []
@@ -336,8 +398,9 @@ class TreeSearch:
                     None, trees=[t.choices for t in ladder], policy="ladder", thresholds=list(th), feature=f, **switch
                 )
         for label, members in value_sets(trees, choice, labels).items():
-            runs[label] = self._tree_config(None, trees=[t.choices for t in members], policy="value",
-                                            costs=value_costs(members, costs))  # fmt: skip
+            runs[label] = self._tree_config(
+                None, trees=[t.choices for t in members], policy="value", costs=value_costs(members, costs)
+            )
         return runs
 
     def confirm(self, runs: dict[str, EntMTPConfig], label: str) -> dict:
@@ -349,8 +412,9 @@ class TreeSearch:
         if not prompts:
             return {}
         t0 = time.perf_counter()
-        out, measured = self._interleaved("confirm", {"static": runs["static"], label: runs[label]}, prompts,
-                                          self.sweep_measure)  # fmt: skip
+        out, measured = self._interleaved(
+            "confirm", {"static": runs["static"], label: runs[label]}, prompts, self.sweep_measure
+        )
         if measured:
             self._timed("confirm", t0)
         return out
@@ -361,8 +425,11 @@ class TreeSearch:
         forward costs c(N) (the modelled ranking) their accept lengths and work are exact."""
         if self.cfg.scoring != "rank_tuple" or self.cfg.ranking != "modelled":
             return set()
-        return {lab for lab, conf in runs.items() if lab.split(":")[0] in FEATURE_POLICIES
-                and why_not_replayable(conf.resolve(self.heads.num_heads)) is None}  # fmt: skip
+        return {
+            lab
+            for lab, conf in runs.items()
+            if lab.split(":")[0] in FEATURE_POLICIES and why_not_replayable(conf.resolve(self.heads.num_heads)) is None
+        }
 
     def replay(self, runs: dict[str, EntMTPConfig], trajectories: Sequence[Trajectory]) -> dict[str, dict]:
         """Accept lengths and verified tree sizes of each run replayed over ``trajectories`` (pooled)."""
@@ -370,8 +437,10 @@ class TreeSearch:
         for lab, conf in runs.items():
             plan = conf.resolve(self.heads.num_heads)
             reps = [replay(t, plan, conf.feature_window) for t in trajectories]
-            out[lab] = {"accept_lengths": [a for r in reps for a in r.accept_lengths],
-                        "tree_sizes": [n for r in reps for n in r.tree_sizes]}  # fmt: skip
+            out[lab] = {
+                "accept_lengths": [a for r in reps for a in r.accept_lengths],
+                "tree_sizes": [n for r in reps for n in r.tree_sizes],
+            }
         return out
 
     # ---------------------------------------------------------------- everything
@@ -381,8 +450,17 @@ class TreeSearch:
         points = self.frontier(trajectories)
         rollouts = self.rollouts(points)
         costs = self.costs(points) if self.cfg.ranking == "modelled" else None
-        result = summarise(self.task, self.cfg, trajectories, points, rollouts, timed=self.timed_indices(points),
-                           timing=self.timing_indices(), elapsed=self.elapsed, costs=costs)  # fmt: skip
+        result = summarise(
+            self.task,
+            self.cfg,
+            trajectories,
+            points,
+            rollouts,
+            timed=self.timed_indices(points),
+            timing=self.timing_indices(),
+            elapsed=self.elapsed,
+            costs=costs,
+        )
         if self.cfg.scoring == "rank_tuple" and costs is not None:
             result.with_headroom(trajectories)
         trees = {lab: row["tree"] for lab, row in result.timed.items()}
@@ -393,17 +471,27 @@ class TreeSearch:
             retrieval = result.retrieval_default()
             again = self.sweep_runs(trees, result.choice, result.labels, costs, retrieval=retrieval)
             static = self._tree_config(trees[result.labels[result.choice.static]], retrieval=retrieval or False)
-            result.with_replay(self.replay({"static": static, **{lab: c for lab, c in again.items() if lab in replayed}},
-                                           trajectories), len(trajectories))  # fmt: skip
+            result.with_replay(
+                self.replay(
+                    {"static": static, **{lab: c for lab, c in again.items() if lab in replayed}}, trajectories
+                ),
+                len(trajectories),
+            )
         candidate = result.scheduler_candidate()
         if candidate is not None and not result.sweep[candidate].get("replayed"):
             result.with_confirmation(self.confirm(runs, candidate))
         result.elapsed = dict(self.elapsed)
         t0 = time.perf_counter()
         full = bool(self.stages_run) or not (self.dir / "report.md").is_file()
-        info = {**self.info, "prompt_ids": self.prompt_ids, "timing_indices": self.timing_indices(),
-                "heads_fingerprint": heads_fingerprint(self.heads)}  # fmt: skip
-        write_outputs(self.dir, result, info, bank_dir, plots_and_report=full)  # nothing new: only the bank is rewritten
+        info = {
+            **self.info,
+            "prompt_ids": self.prompt_ids,
+            "timing_indices": self.timing_indices(),
+            "heads_fingerprint": heads_fingerprint(self.heads),
+        }
+        write_outputs(
+            self.dir, result, info, bank_dir, plots_and_report=full
+        )  # nothing new: only the bank is rewritten
         if full:
             self._timed("outputs", t0)
         return result

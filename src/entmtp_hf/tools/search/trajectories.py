@@ -55,8 +55,9 @@ def step_table(
     device = model.get_output_embeddings().weight.device
     ids = torch.tensor([list(tokens)], device=device)
     out = model(input_ids=ids, output_hidden_states=heads.hidden_states_request)
-    logits = heads.forward_train(heads.features(out.hidden_states), ids, model.get_input_embeddings(),
-                                 model.get_output_embeddings())  # fmt: skip
+    logits = heads.forward_train(
+        heads.features(out.hidden_states), ids, model.get_input_embeddings(), model.get_output_embeddings()
+    )
     length = len(tokens)
     starts = torch.arange(prompt_len - 1, length - 2, device=device)  # t = P-1 .. L-3
     to_draft = _draft_ids(heads, ids, logits[0].shape[-1])

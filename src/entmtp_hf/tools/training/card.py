@@ -16,10 +16,10 @@ from .config import SOURCES
 
 DESCRIBED = {
     "distill": "the base model's own greedy answers (`entmtp_hf.tools.data.distill`) to GSM8K-train, Python "
-               "standard-library docstring and chat prompts",
+    "standard-library docstring and chat prompts",
     "gsm8k": "GSM8K *train* questions with their reference answers as chats",
     "stdlib": "Python standard-library source",
-}  # fmt: skip
+}
 TAU_PROMPTS = "greedy; held-out distilled prompts, then held-out GSM8K-train questions"
 
 
@@ -29,21 +29,35 @@ def _start(s: dict[str, Any], heads: DraftHeads) -> str:
         if heads.family == "eagle":
             return "Training started from the warm start (the drafter passing the feature through to the base LM head)."
         return "Training started from the warm start (every head = base LM head on c_t)."
-    vocab = ("its drafting vocabulary chosen anew from this run's data" if c.get("init_vocab") == "data"
-             else "same drafting vocabulary")  # fmt: skip
+    vocab = (
+        "its drafting vocabulary chosen anew from this run's data"
+        if c.get("init_vocab") == "data"
+        else "same drafting vocabulary"
+    )
     given = s.get("init_num_heads", n)
-    extended = (f" Those were {given} heads; heads {given}..{n - 1} started as copies of the last (its hidden-state "
-                "weights kept, its embedding weights on the most recent tokens)." if given < n else "")  # fmt: skip
+    extended = (
+        f" Those were {given} heads; heads {given}..{n - 1} started as copies of the last (its hidden-state "
+        "weights kept, its embedding weights on the most recent tokens)."
+        if given < n
+        else ""
+    )
     return f"Training started from the heads in `{c['init_from']}` ({vocab}) instead of the warm start.{extended}"
 
 
 def recipe(s: dict[str, Any], heads: DraftHeads) -> str:
     """How the heads were trained, in Markdown, from a run summary."""
     c, hc = s["config"], heads.config
-    teacher = (" The teacher cache (hidden states and greedy tokens) was filled under bfloat16 autocast "
-               "(`--teacher-dtype bfloat16`; weights float32)." if s["extract"].get("dtype") == "bfloat16" else "")
-    unit = ("the drafter, unrolled on its own features, at depth i+1 after row t" if heads.family == "eagle"
-            else "head i at row t")  # fmt: skip
+    teacher = (
+        " The teacher cache (hidden states and greedy tokens) was filled under bfloat16 autocast "
+        "(`--teacher-dtype bfloat16`; weights float32)."
+        if s["extract"].get("dtype") == "bfloat16"
+        else ""
+    )
+    unit = (
+        "the drafter, unrolled on its own features, at depth i+1 after row t"
+        if heads.family == "eagle"
+        else "head i at row t"
+    )
     return (
         f"Distillation from the frozen base model with `entmtp-hf train-heads`: {unit} learns the base "
         "model's next-token distribution at position t+i+1, restricted to the drafting vocabulary and renormalised, "
@@ -61,11 +75,22 @@ def recipe(s: dict[str, Any], heads: DraftHeads) -> str:
 
 def heads_card(s: dict[str, Any], heads: DraftHeads) -> HeadsCard:
     """The card of heads trained by the run summarised in ``s`` (see ``finalize``)."""
-    data = tuple(DataSource(name, d.get("train", {}).get("tokens"), d.get("val", {}).get("tokens"),
-                            DESCRIBED.get(name, "")) for name, d in (s["data"] or {}).items() if name in SOURCES)  # fmt: skip
+    data = tuple(
+        DataSource(name, d.get("train", {}).get("tokens"), d.get("val", {}).get("tokens"), DESCRIBED.get(name, ""))
+        for name, d in (s["data"] or {}).items()
+        if name in SOURCES
+    )
     tau = s.get("tau_mc_sim_7b_63")
-    taus = (TokensPerStep("mc_sim_7b_63", tau["mean_accept_length"], tau["prompts"], tau["max_new_tokens"],
-                          TAU_PROMPTS),) if tau and tau["steps"] else ()  # fmt: skip
-    return HeadsCard(training_data=data, recipe=recipe(s, heads), command=s.get("command") or "",
-                     validation_top1=tuple(round(x, 4) for x in s["validation"]["top1"]), tokens_per_step=taus,
-                     hardware=hardware_string())  # fmt: skip
+    taus = (
+        (TokensPerStep("mc_sim_7b_63", tau["mean_accept_length"], tau["prompts"], tau["max_new_tokens"], TAU_PROMPTS),)
+        if tau and tau["steps"]
+        else ()
+    )
+    return HeadsCard(
+        training_data=data,
+        recipe=recipe(s, heads),
+        command=s.get("command") or "",
+        validation_top1=tuple(round(x, 4) for x in s["validation"]["top1"]),
+        tokens_per_step=taus,
+        hardware=hardware_string(),
+    )

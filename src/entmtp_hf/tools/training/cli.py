@@ -13,31 +13,34 @@ from .config import SOURCES, TrainConfig
 from .loop import RunLog, train_heads
 from .teacher import prepare_teacher_cache
 
-
 _HELP = {
     "model": "base model (Hub id or folder); default: the demo model SmolLM2-135M-Instruct",
     "family": "heads family: hydra, medusa or eagle (default: eagle for the eagle archs, else hydra)",
     "arch": "head architecture: mlp, (hydra) prefix-mlp, (eagle) eagle (EAGLE-1/2 layout) or eagle3",
     "feature_layers": "(eagle) comma-separated base hidden-state indices (0 = embeddings) fused into the "
-                      "drafter's feature besides the last state, e.g. 2,15: their teacher cache keeps them too",
+    "drafter's feature besides the last state, e.g. 2,15: their teacher cache keeps them too",
     "fuse_lr": "(eagle, --feature-layers) learning rate of the fuse projection (0: --lr); it starts at zero "
-               "when added to --init-from heads, so it can take a higher rate than the trained rest",
+    "when added to --init-from heads, so it can take a higher rate than the trained rest",
     "work_dir": "folder of the teacher cache (WORK/data) and runs (WORK/RUN); keep it out of git",
     "run_name": "run folder name under WORK (default FAMILY-ARCH)",
     "output": "folder for the final heads (default WORK/RUN/final)",
     "init_from": "start from these heads (a heads folder) instead of a warm start",
     "init_vocab": "with --init-from: 'heads' keeps their drafting vocabulary, 'data' chooses it anew from this "
-                  "run's data (the head weights do not depend on it: their LM head is the base model's)",
-    "distill_dir": "folder of distill-*.jsonl self-distilled records", "sources": "comma-separated data sources",
-    "max_tokens": "token budget of the data set (train + val)", "distill_share": "largest share of distilled data",
-    "batch_tokens": "padded tokens per batch", "max_steps": "stop after this many steps (else EPOCHS epochs)",
+    "run's data (the head weights do not depend on it: their LM head is the base model's)",
+    "distill_dir": "folder of distill-*.jsonl self-distilled records",
+    "sources": "comma-separated data sources",
+    "max_tokens": "token budget of the data set (train + val)",
+    "distill_share": "largest share of distilled data",
+    "batch_tokens": "padded tokens per batch",
+    "max_steps": "stop after this many steps (else EPOCHS epochs)",
     "ce_weight": "weight of CE on the teacher argmax mixed into the KL loss",
-    "head_decay": "head i's loss weight is HEAD_DECAY**i", "save_dtype": "precision of the shipped heads",
+    "head_decay": "head i's loss weight is HEAD_DECAY**i",
+    "save_dtype": "precision of the shipped heads",
     "mixed_precision": "accelerate mixed precision: no, bf16 or fp16",
     "teacher_dtype": "precision of the base model's forward when filling the teacher cache: float32 or "
-                     "bfloat16 (autocast; faster on CPUs with AMX)",
+    "bfloat16 (autocast; faster on CPUs with AMX)",
     "reuse_cache": "a filled teacher cache (a WORK or WORK/data folder) of the same base model and teacher "
-                   "dtype: its sequences' rows are copied into a new cache instead of recomputed",
+    "dtype: its sequences' rows are copied into a new cache instead of recomputed",
     "tau_prompts": "held-out prompts for the final tau measurement (0: skip)",
 }
 
@@ -77,8 +80,14 @@ def _train_command(args: argparse.Namespace) -> int:
         Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
         prepare_teacher_cache(model, tok, cfg, RunLog(Path(cfg.work_dir) / "extract.log"))
         return 0
-    train_heads(cfg, resume=args.resume, max_minutes=args.max_minutes, measure=not args.no_tau, command=command,
-                extract=not args.skip_extract)
+    train_heads(
+        cfg,
+        resume=args.resume,
+        max_minutes=args.max_minutes,
+        measure=not args.no_tau,
+        command=command,
+        extract=not args.skip_extract,
+    )
     return 0
 
 
@@ -94,12 +103,18 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of WORK/RUN")
     p.add_argument("--extract-only", action="store_true", help="only build and fill the teacher cache")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop (checkpoint + final heads) this many minutes after the call starts, the "
-                        "teacher extraction included; --resume continues")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop (checkpoint + final heads) this many minutes after the call starts, the "
+        "teacher extraction included; --resume continues",
+    )
     p.add_argument("--no-tau", action="store_true", help="skip the final tau measurement")
-    p.add_argument("--skip-extract", action="store_true",
-                   help="train on the sequences extracted so far instead of finishing the extraction first")
+    p.add_argument(
+        "--skip-extract",
+        action="store_true",
+        help="train on the sequences extracted so far instead of finishing the extraction first",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.set_defaults(func=_train_command)
-

@@ -83,15 +83,21 @@ class TrainConfig:
         if self.num_heads < 1 or self.batch_tokens < self.max_seq_len or self.draft_vocab_size < 1:
             raise ValueError("need num_heads >= 1, batch_tokens >= max_seq_len and draft_vocab_size >= 1")
         if self.tau_prompts > 0 and self.num_heads < TAU_TREE_DEPTH:
-            raise ValueError(f"tau_prompts checks the heads with mc_sim_7b_63, a tree of depth {TAU_TREE_DEPTH}, deeper "
-                             f"than num_heads {self.num_heads}: use {TAU_TREE_DEPTH} heads or more, or tau_prompts 0")
+            raise ValueError(
+                f"tau_prompts checks the heads with mc_sim_7b_63, a tree of depth {TAU_TREE_DEPTH}, deeper "
+                f"than num_heads {self.num_heads}: use {TAU_TREE_DEPTH} heads or more, or tau_prompts 0"
+            )
         self.sources = tuple(self.sources)
         self.feature_layers = tuple(int(i) for i in self.feature_layers)
         if self.feature_layers:
             if self.arch != "eagle":
-                raise ValueError(f"feature_layers fuse base states into an 'eagle' drafter's feature, not arch {self.arch!r}")
+                raise ValueError(
+                    f"feature_layers fuse base states into an 'eagle' drafter's feature, not arch {self.arch!r}"
+                )
             if min(self.feature_layers) < 0 or len(set(self.feature_layers)) != len(self.feature_layers):
-                raise ValueError(f"feature_layers must be distinct hidden-state indices >= 0, got {self.feature_layers}")
+                raise ValueError(
+                    f"feature_layers must be distinct hidden-state indices >= 0, got {self.feature_layers}"
+                )
         self.run_name = self.run_name or f"{self.family}-{self.arch}"
 
     def heads_feature_layers(self, base_config) -> list[int] | None:
@@ -100,4 +106,3 @@ class TrainConfig:
         if self.feature_layers:
             return [*self.feature_layers, -1]
         return HEADS_REGISTRY[self.family]._default_feature_layers(base_config, self.arch)
-

@@ -113,8 +113,9 @@ def checkpoints(run: Path) -> list[Path]:
     return sorted(p for p in (run / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
-def save_checkpoint(run: Path, cursor: Cursor, heads: DraftHeads, optimizer, scheduler, cfg: TrainConfig,
-                    metrics: dict | None = None) -> Path:
+def save_checkpoint(
+    run: Path, cursor: Cursor, heads: DraftHeads, optimizer, scheduler, cfg: TrainConfig, metrics: dict | None = None
+) -> Path:
     """Atomically write heads (float32) + optimiser + scheduler + RNG + cursor; keep the newest few."""
     from safetensors.torch import save_file
 
@@ -123,8 +124,10 @@ def save_checkpoint(run: Path, cursor: Cursor, heads: DraftHeads, optimizer, sch
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, str(tmp / "heads.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
+        tmp / "trainer.pt",
+    )
     _write_json(tmp / "state.json", {"cursor": asdict(cursor), "config": asdict(cfg), "metrics": metrics or {}})
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -173,8 +176,17 @@ def total_steps(cfg: TrainConfig, cache: TeacherCache, num_processes: int) -> in
     return min(n, cfg.max_steps) if cfg.max_steps else n
 
 
-def _teacher_cache(cfg: TrainConfig, acc, model, tokenizer, cache: TeacherCache | None, log: RunLog,
-                   run: Path, resume: bool, extract: bool) -> TeacherCache:
+def _teacher_cache(
+    cfg: TrainConfig,
+    acc,
+    model,
+    tokenizer,
+    cache: TeacherCache | None,
+    log: RunLog,
+    run: Path,
+    resume: bool,
+    extract: bool,
+) -> TeacherCache:
     """The teacher cache this run trains on: built and filled once (main process), then the
     sequences fixed at the run's start (kept on resume)."""
     if cache is None:
@@ -211,9 +223,19 @@ def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftH
         dv = heads.draft_vocab.cpu()
     else:
         torch.manual_seed(cfg.seed)  # the random part of the initialisation (prefix layer)
-        heads = HEADS_REGISTRY[cfg.family].for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, dv,
-                                                       use_base_lm_head=uses_base_lm_head(cfg.arch),
-                                                       feature_layers=cfg.heads_feature_layers(_base(model))).float()
+        heads = (
+            HEADS_REGISTRY[cfg.family]
+            .for_model(
+                model,
+                cfg.num_heads,
+                cfg.num_layers,
+                cfg.arch,
+                dv,
+                use_base_lm_head=uses_base_lm_head(cfg.arch),
+                feature_layers=cfg.heads_feature_layers(_base(model)),
+            )
+            .float()
+        )
         if not uses_base_lm_head(cfg.arch):  # its own LM head starts as the base rows of its vocabulary
             with torch.no_grad():
                 heads.lm_head.weight.copy_(heads._base_lm_rows(model)[0])
@@ -255,9 +277,13 @@ class _Trainer:
         while cursor.step < self.total and not stopped:
             batches = epoch_batches(ks, lengths, cfg.batch_tokens, cfg.seed, cursor.epoch)
             usable = len(batches) // acc.num_processes * acc.num_processes
-            loader = acc.prepare_data_loader(torch.utils.data.DataLoader(
-                _Batches(self.cache, batches[cursor.batch : usable], self.heads.feature_layers),
-                batch_size=1, collate_fn=_first))
+            loader = acc.prepare_data_loader(
+                torch.utils.data.DataLoader(
+                    _Batches(self.cache, batches[cursor.batch : usable], self.heads.feature_layers),
+                    batch_size=1,
+                    collate_fn=_first,
+                )
+            )
             t0 = time.perf_counter()
             for b in loader:
                 loss, per_head = self._step(b)
@@ -295,9 +321,11 @@ class _Trainer:
 
     def _report(self, cursor: Cursor, loss: float, per_head: list[float]) -> None:
         if cursor.step % 10 == 0:
-            self.log(f"step {cursor.step}/{self.total} epoch {cursor.epoch} loss {loss:.4f} heads "
-                     f"{[round(x, 3) for x in per_head]} lr {self.scheduler.get_last_lr()[0]:.2e} "
-                     f"{cursor.train_tokens / max(cursor.train_seconds, 1e-9):.0f} tok/s")  # fmt: skip
+            self.log(
+                f"step {cursor.step}/{self.total} epoch {cursor.epoch} loss {loss:.4f} heads "
+                f"{[round(x, 3) for x in per_head]} lr {self.scheduler.get_last_lr()[0]:.2e} "
+                f"{cursor.train_tokens / max(cursor.train_seconds, 1e-9):.0f} tok/s"
+            )
         if self.cfg.eval_every and cursor.step % self.cfg.eval_every == 0 and self.acc.is_main_process:
             metrics = evaluate_heads(self.heads, *_base_io(self.model), self.cache)
             self.log(f"eval step {cursor.step}: {json.dumps(metrics)}")
@@ -308,9 +336,20 @@ class _Trainer:
         self.acc.wait_for_everyone()
 
 
-def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = False, cache: TeacherCache | None = None,
-                max_minutes: float | None = None, stop_after: int | None = None, measure: bool = True,
-                command: str | None = None, accelerator=None, extract: bool = True) -> dict[str, Any]:
+def train_heads(
+    cfg: TrainConfig,
+    model=None,
+    tokenizer=None,
+    *,
+    resume: bool = False,
+    cache: TeacherCache | None = None,
+    max_minutes: float | None = None,
+    stop_after: int | None = None,
+    measure: bool = True,
+    command: str | None = None,
+    accelerator=None,
+    extract: bool = True,
+) -> dict[str, Any]:
     """Train (or resume) one set of heads; writes checkpoints under ``WORK/RUN`` and the final
     heads to ``cfg.output`` (default ``WORK/RUN/final``). Returns the run summary.
 
@@ -331,12 +370,14 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
     cache = _teacher_cache(cfg, acc, model, tokenizer, cache, log, run, resume, extract)
     heads, dv = _initial_heads(cfg, model, cache)
     cov = coverage(dv, supervised_tokens(cache, SPLIT_VAL))
-    objective = HeadsObjective(heads, model.get_input_embeddings(), model.get_output_embeddings(),
-                               cfg.ce_weight, cfg.head_decay)
+    objective = HeadsObjective(
+        heads, model.get_input_embeddings(), model.get_output_embeddings(), cfg.ce_weight, cfg.head_decay
+    )
     optimizer = torch.optim.AdamW(param_groups(heads, cfg), weight_decay=cfg.weight_decay)
     total = total_steps(cfg, cache, acc.num_processes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio))
+        optimizer, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio)
+    )
     cursor = Cursor()
     found = checkpoints(run) if resume else []
     if found:
@@ -348,9 +389,11 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
         log("no checkpoint found: starting from scratch")
     objective, optimizer = acc.prepare(objective, optimizer)
     unwrapped = acc.unwrap_model(objective).heads
-    log(f"{cfg.family}/{cfg.arch}: {sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M parameters, "
+    log(
+        f"{cfg.family}/{cfg.arch}: {sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M parameters, "
         f"draft vocab {len(dv)} (held-out greedy coverage {cov:.4f}), {total} steps, "
-        f"{len(cache.split(SPLIT_TRAIN))} train / {len(cache.split(SPLIT_VAL))} val sequences")
+        f"{len(cache.split(SPLIT_TRAIN))} train / {len(cache.split(SPLIT_VAL))} val sequences"
+    )
     trainer = _Trainer(cfg, acc, model, cache, objective, optimizer, scheduler, unwrapped, run, log, total)
     losses = trainer.fit(cursor, started + 60 * max_minutes if max_minutes else None, stop_after)
     saved = checkpoints(run)
@@ -358,8 +401,9 @@ def train_heads(cfg: TrainConfig, model=None, tokenizer=None, *, resume: bool = 
         save_checkpoint(run, cursor, unwrapped, optimizer, scheduler, cfg)
     summary: dict[str, Any] = {}
     if acc.is_main_process:
-        summary = finalize(cfg, model, tokenizer, unwrapped, cache, cursor, total, cov, run, log,
-                           measure=measure, command=command)
+        summary = finalize(
+            cfg, model, tokenizer, unwrapped, cache, cursor, total, cov, run, log, measure=measure, command=command
+        )
         summary["loss_curve"] = losses
     acc.wait_for_everyone()
     return summary
@@ -384,19 +428,43 @@ def init_heads_from(cfg: TrainConfig, model) -> DraftHeads:
     want = (cfg.family, cfg.arch, cfg.num_layers, cfg.draft_vocab_size, uses_base_lm_head(cfg.arch))
     fused, given = cfg.heads_feature_layers(_base(model)), c.feature_layers if c.head_arch == "eagle" else None
     if got != want or c.num_heads > cfg.num_heads or (given is not None and given != fused):
-        raise ValueError(f"--init-from {cfg.init_from}: heads are {got} with {c.num_heads} heads and feature layers "
-                         f"{given}, this run wants {want} with {cfg.num_heads} and {fused} (family, arch, layers, "
-                         "draft vocab size, base LM head; as many heads or fewer; feature layers added, not changed)")
+        raise ValueError(
+            f"--init-from {cfg.init_from}: heads are {got} with {c.num_heads} heads and feature layers "
+            f"{given}, this run wants {want} with {cfg.num_heads} and {fused} (family, arch, layers, "
+            "draft vocab size, base LM head; as many heads or fewer; feature layers added, not changed)"
+        )
     heads = heads.to(next(model.parameters()).device)
     if cfg.feature_layers and given is None:
-        wider = type(heads).for_model(model, c.num_heads, cfg.num_layers, cfg.arch, heads.draft_vocab.cpu(),
-                                      use_base_lm_head=c.use_base_lm_head, feature_layers=fused).float()
+        wider = (
+            type(heads)
+            .for_model(
+                model,
+                c.num_heads,
+                cfg.num_layers,
+                cfg.arch,
+                heads.draft_vocab.cpu(),
+                use_base_lm_head=c.use_base_lm_head,
+                feature_layers=fused,
+            )
+            .float()
+        )
         missing, unexpected = wider.load_state_dict(heads.state_dict(), strict=False)
         assert not unexpected and all(k.startswith("fuse") for k in missing), (missing, unexpected)
         heads = wider
     if c.num_heads < cfg.num_heads:
-        more = type(heads).for_model(model, cfg.num_heads, cfg.num_layers, cfg.arch, heads.draft_vocab.cpu(),
-                                     use_base_lm_head=c.use_base_lm_head, feature_layers=fused).float()
+        more = (
+            type(heads)
+            .for_model(
+                model,
+                cfg.num_heads,
+                cfg.num_layers,
+                cfg.arch,
+                heads.draft_vocab.cpu(),
+                use_base_lm_head=c.use_base_lm_head,
+                feature_layers=fused,
+            )
+            .float()
+        )
         heads = extend_heads(heads, more)
     return heads
 
@@ -419,7 +487,7 @@ def extend_heads(given: DraftHeads, more: DraftHeads) -> DraftHeads:
         for key, value in src.items():
             if not key.startswith(last):
                 continue
-            target = f"mlps.{j}." + key[len(last):]
+            target = f"mlps.{j}." + key[len(last) :]
             if value.shape == state[target].shape:
                 state[target] = value.clone()
             else:  # block 0: columns [hidden, emb_1..emb_n] -> [hidden, 0.., the most recent n embeddings]
@@ -443,8 +511,21 @@ def half_copy(heads: DraftHeads, dtype: str) -> DraftHeads:
     return copy.deepcopy(heads).to(getattr(torch, dtype))
 
 
-def finalize(cfg: TrainConfig, model, tokenizer, heads: DraftHeads, cache: TeacherCache, cursor: Cursor, total: int,
-             cov: float, run: Path, log, *, measure: bool = True, command: str | None = None) -> dict[str, Any]:
+def finalize(
+    cfg: TrainConfig,
+    model,
+    tokenizer,
+    heads: DraftHeads,
+    cache: TeacherCache,
+    cursor: Cursor,
+    total: int,
+    cov: float,
+    run: Path,
+    log,
+    *,
+    measure: bool = True,
+    command: str | None = None,
+) -> dict[str, Any]:
     """Validate, measure tau, save the shipped (half-precision) heads with their card."""
     out = Path(cfg.output) if cfg.output else run / "final"
     shipping = half_copy(heads, cfg.save_dtype)
@@ -454,12 +535,19 @@ def finalize(cfg: TrainConfig, model, tokenizer, heads: DraftHeads, cache: Teach
     metrics = evaluate_heads(shipped, *_base_io(model), cache)
     extract = json.loads((cache.root / "extract.json").read_text())
     summary = {
-        "config": asdict(cfg), "command": command, "steps": cursor.step, "total_steps": total,
+        "config": asdict(cfg),
+        "command": command,
+        "steps": cursor.step,
+        "total_steps": total,
         "epochs_done": round(cursor.train_tokens / max(1, int(cache.seqs[cache.split(SPLIT_TRAIN), 1].sum())), 2),
-        "train_tokens_seen": cursor.train_tokens, "train_seconds": round(cursor.train_seconds),
+        "train_tokens_seen": cursor.train_tokens,
+        "train_seconds": round(cursor.train_seconds),
         "train_tokens_per_s": round(cursor.train_tokens / max(cursor.train_seconds, 1e-9), 1),
-        "extract": extract, "data": used_data(cache), "draft_vocab_size": int(len(heads.draft_vocab)),
-        "draft_vocab_val_coverage": round(cov, 4), "validation": metrics,
+        "extract": extract,
+        "data": used_data(cache),
+        "draft_vocab_size": int(len(heads.draft_vocab)),
+        "draft_vocab_val_coverage": round(cov, 4),
+        "validation": metrics,
         "validation_fp32_weights": evaluate_heads(heads, *_base_io(model), cache),
         "weights_bytes": os.path.getsize(out / "model.safetensors"),
     }
@@ -488,4 +576,3 @@ def used_data(cache: TeacherCache) -> dict[str, dict[str, dict[str, int]]]:
             if len(sel):
                 out.setdefault(src, {})[name] = {"sequences": len(sel), "tokens": int(cache.seqs[sel, 1].sum())}
     return out
-

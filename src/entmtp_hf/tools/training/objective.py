@@ -24,8 +24,9 @@ from .teacher import TeacherCache, held_out, pack
 
 def teacher_logprobs(hidden: Tensor, lm_weight: Tensor, lm_bias: Tensor | None = None) -> Tensor:
     """log softmax of the base logits restricted to the drafting vocabulary: [B, T, V']."""
-    return torch.log_softmax(F.linear(hidden.float(), lm_weight.float(),
-                                      None if lm_bias is None else lm_bias.float()), dim=-1)
+    return torch.log_softmax(
+        F.linear(hidden.float(), lm_weight.float(), None if lm_bias is None else lm_bias.float()), dim=-1
+    )
 
 
 def head_targets(teacher_logp: Tensor, sup: Tensor, valid: Tensor, i: int) -> tuple[Tensor, Tensor]:
@@ -34,8 +35,14 @@ def head_targets(teacher_logp: Tensor, sup: Tensor, valid: Tensor, i: int) -> tu
     return teacher_logp[:, i + 1 :], sup[:, :n] & valid[:, i + 1 :]
 
 
-def distill_loss(student: list[Tensor], teacher_logp: Tensor, sup: Tensor, valid: Tensor,
-                 ce_weight: float = 0.0, head_decay: float = 1.0) -> tuple[Tensor, list[float]]:
+def distill_loss(
+    student: list[Tensor],
+    teacher_logp: Tensor,
+    sup: Tensor,
+    valid: Tensor,
+    ce_weight: float = 0.0,
+    head_decay: float = 1.0,
+) -> tuple[Tensor, list[float]]:
     """Weighted mean over heads of KL(teacher || student) (+ CE on the teacher argmax)."""
     losses, weights = [], []
     for i, logits in enumerate(student):
@@ -51,8 +58,8 @@ def distill_loss(student: list[Tensor], teacher_logp: Tensor, sup: Tensor, valid
     if not losses:
         zero = sum(s.sum() for s in student) * 0.0
         return zero, []
-    total = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
-    return total, [l.item() for l in losses]
+    total = sum(w * loss for w, loss in zip(weights, losses)) / sum(weights)
+    return total, [loss.item() for loss in losses]
 
 
 class HeadsObjective(nn.Module):
@@ -68,8 +75,9 @@ class HeadsObjective(nn.Module):
         self.lm_head.requires_grad_(False)
         self.ce_weight, self.head_decay = ce_weight, head_decay
 
-    def forward(self, ids: Tensor, hidden: Tensor, valid: Tensor, sup: Tensor, features: Tensor | None = None,
-                **_: Tensor) -> tuple[Tensor, list[float]]:
+    def forward(
+        self, ids: Tensor, hidden: Tensor, valid: Tensor, sup: Tensor, features: Tensor | None = None, **_: Tensor
+    ) -> tuple[Tensor, list[float]]:
         """``features``: the states the heads read when they are not the last one alone (EAGLE-3, or
         an EAGLE-1 drafter fusing lower states)."""
         student = self.heads.forward_train(hidden if features is None else features, ids, self.embed, self.lm_head)
@@ -81,8 +89,14 @@ class HeadsObjective(nn.Module):
 
 # ============================================================================ evaluation
 @torch.no_grad()
-def evaluate_heads(heads: DraftHeads, embed: nn.Module, lm_head: nn.Module, cache: TeacherCache,
-                   batch_tokens: int = 4096, ks: np.ndarray | None = None) -> dict[str, Any]:
+def evaluate_heads(
+    heads: DraftHeads,
+    embed: nn.Module,
+    lm_head: nn.Module,
+    cache: TeacherCache,
+    batch_tokens: int = 4096,
+    ks: np.ndarray | None = None,
+) -> dict[str, Any]:
     """Per head: top-1 / top-5 agreement with the base greedy token at t+i+2 and mean KL."""
     ks = cache.split(SPLIT_VAL) if ks is None else ks
     n = heads.num_heads
@@ -110,8 +124,12 @@ def evaluate_heads(heads: DraftHeads, embed: nn.Module, lm_head: nn.Module, cach
             rows_n[i] += rows.sum().item()
     heads.train(was_training)
     d = np.maximum(rows_n, 1)
-    return {"top1": (hit1 / d).round(4).tolist(), "top5": (hit5 / d).round(4).tolist(),
-            "kl": (kl / d).round(4).tolist(), "rows": rows_n.astype(int).tolist()}
+    return {
+        "top1": (hit1 / d).round(4).tolist(),
+        "top5": (hit5 / d).round(4).tolist(),
+        "kl": (kl / d).round(4).tolist(),
+        "rows": rows_n.astype(int).tolist(),
+    }
 
 
 def tau_prompts(cache: TeacherCache, tokenizer, count: int, seed: int, val_fraction: float) -> list[list[int]]:
@@ -129,8 +147,13 @@ def tau_prompts(cache: TeacherCache, tokenizer, count: int, seed: int, val_fract
 
 
 @torch.no_grad()
-def measure_tau(model, heads: DraftHeads, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
-                tree: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+def measure_tau(
+    model,
+    heads: DraftHeads,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 64,
+    tree: Sequence[Sequence[int]] | None = None,
+) -> dict[str, Any]:
     """Mean accepted tokens per step of greedy EntMTP decoding with ``tree`` (default mc_sim_7b_63)."""
     from ...config import EntMTPConfig
     from ...integration import disable_entmtp, enable_entmtp
@@ -141,14 +164,23 @@ def measure_tau(model, heads: DraftHeads, prompts: Sequence[Sequence[int]], max_
     try:
         for p in tqdm(prompts, desc="tau", unit="prompt", disable=None):
             ids = torch.tensor([list(p)], device=next(model.parameters()).device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, return_dict_in_generate=True,
-                                 entmtp_config=EntMTPConfig(tree=tree or MC_SIM_7B_63))
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                return_dict_in_generate=True,
+                entmtp_config=EntMTPConfig(tree=tree or MC_SIM_7B_63),
+            )
             st = out.entmtp_stats
             steps += st["steps"]
             accepted += sum(st["accept_lengths"])
     finally:
         disable_entmtp(model)
-    return {"mean_accept_length": accepted / max(steps, 1), "steps": steps, "prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "seconds": round(time.perf_counter() - t0, 1)}
-
+    return {
+        "mean_accept_length": accepted / max(steps, 1),
+        "steps": steps,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }

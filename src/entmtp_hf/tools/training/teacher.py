@@ -89,14 +89,28 @@ def build_sequences(tokenizer, cfg: TrainConfig, log=print) -> tuple[list[TokenS
     manifest: dict[str, Any] = {"sources": {}, "excluded": "HumanEval, GSM8K test, MT-Bench (never read)"}
     if "distill" in cfg.sources and cfg.distill_dir and Path(cfg.distill_dir).is_dir():
         records, manifest["distill_snapshot"] = read_distill(cfg.distill_dir)
-        seqs = [TokenSeq("distill", tuple(r["prompt_ids"] + r["response_ids"]), len(r["prompt_ids"]) - 1,
-                         int(held_out(f"{r['source']}:{r['prompt_id']}", vf, cfg.seed))) for _, r in records]
+        seqs = [
+            TokenSeq(
+                "distill",
+                tuple(r["prompt_ids"] + r["response_ids"]),
+                len(r["prompt_ids"]) - 1,
+                int(held_out(f"{r['source']}:{r['prompt_id']}", vf, cfg.seed)),
+            )
+            for _, r in records
+        ]
         pools["distill"] = [seqs[i] for i in rng.permutation(len(seqs))]
     sys_len = system_prefix_len(tokenizer)
     if "gsm8k" in cfg.sources:
         chats = D.gsm8k_train_chats(tokenizer)  # GSM8K *train* only
-        seqs = [TokenSeq("gsm8k", tuple(tokenizer(c, add_special_tokens=False)["input_ids"]), sys_len,
-                         int(held_out(f"gsm8k-train-{i}", vf, cfg.seed))) for i, c in enumerate(chats)]
+        seqs = [
+            TokenSeq(
+                "gsm8k",
+                tuple(tokenizer(c, add_special_tokens=False)["input_ids"]),
+                sys_len,
+                int(held_out(f"gsm8k-train-{i}", vf, cfg.seed)),
+            )
+            for i, c in enumerate(chats)
+        ]
         pools["gsm8k"] = [seqs[i] for i in rng.permutation(len(seqs))]
     if "stdlib" in cfg.sources:
         index = D.EvalIndex(D.evaluation_texts())
@@ -104,8 +118,15 @@ def build_sequences(tokenizer, cfg: TrainConfig, log=print) -> tuple[list[TokenS
         kept = [(i, c) for i, c in enumerate(chunks) if index.hit(c) is None]
         manifest["stdlib_dropped_for_eval_overlap"] = len(chunks) - len(kept)
         order = rng.permutation(len(kept))
-        pools["stdlib"] = [TokenSeq("stdlib", tuple(tokenizer(kept[k][1], add_special_tokens=False)["input_ids"]), 0,
-                                    int(held_out(f"stdlib-{kept[k][0]}", vf, cfg.seed))) for k in order[:20_000]]
+        pools["stdlib"] = [
+            TokenSeq(
+                "stdlib",
+                tuple(tokenizer(kept[k][1], add_special_tokens=False)["input_ids"]),
+                0,
+                int(held_out(f"stdlib-{kept[k][0]}", vf, cfg.seed)),
+            )
+            for k in order[:20_000]
+        ]
     n_distill = sum(len(s.ids) for s in pools.get("distill", []))
     share = {"distill": min(n_distill, int(cfg.distill_share * budget))} if "distill" in pools else {}
     others = [s for s in pools if s != "distill"]
@@ -118,7 +139,10 @@ def build_sequences(tokenizer, cfg: TrainConfig, log=print) -> tuple[list[TokenS
             pieces = [p for d in docs for p in cut(d, cfg.max_seq_len)]
             out += pieces
             manifest["sources"].setdefault(name, {})[("train", "val")[split]] = {
-                "documents": len(docs), "sequences": len(pieces), "tokens": sum(len(p.ids) for p in pieces)}
+                "documents": len(docs),
+                "sequences": len(pieces),
+                "tokens": sum(len(p.ids) for p in pieces),
+            }
     manifest["total_tokens"] = sum(len(s.ids) for s in out)
     log(f"data: {json.dumps(manifest['sources'])}")
     return out, manifest
@@ -144,12 +168,17 @@ class TeacherCache:
         self.greedy = np.memmap(self.root / "greedy.i32", dtype=np.int32, mode="r+", shape=(total,))
         self.features = None
         if self.feature_layers:
-            self.features = np.memmap(self.root / "features.f16", dtype=np.float16, mode="r+",
-                                      shape=(total, len(self.feature_layers), self.hidden_size))
+            self.features = np.memmap(
+                self.root / "features.f16",
+                dtype=np.float16,
+                mode="r+",
+                shape=(total, len(self.feature_layers), self.hidden_size),
+            )
 
     @staticmethod
-    def create(root: str | Path, seqs: Sequence[TokenSeq], hidden_size: int, manifest: dict,
-               feature_layers: Sequence[int] = ()) -> "TeacherCache":
+    def create(
+        root: str | Path, seqs: Sequence[TokenSeq], hidden_size: int, manifest: dict, feature_layers: Sequence[int] = ()
+    ) -> "TeacherCache":
         """A new, empty cache of ``seqs``; ``feature_layers``: the hidden-state indices kept besides the last."""
         root = Path(root)
         feature_layers = [int(i) for i in feature_layers]
@@ -166,10 +195,16 @@ class TeacherCache:
         np.memmap(root / "hidden.f16", dtype=np.float16, mode="w+", shape=(total, hidden_size)).flush()
         np.memmap(root / "greedy.i32", dtype=np.int32, mode="w+", shape=(total,)).flush()
         if feature_layers:
-            np.memmap(root / "features.f16", dtype=np.float16, mode="w+",
-                      shape=(total, len(feature_layers), hidden_size)).flush()
-        meta = {**manifest, "hidden_size": hidden_size, "total_tokens": total, "num_sequences": len(seqs),
-                "feature_layers": feature_layers}
+            np.memmap(
+                root / "features.f16", dtype=np.float16, mode="w+", shape=(total, len(feature_layers), hidden_size)
+            ).flush()
+        meta = {
+            **manifest,
+            "hidden_size": hidden_size,
+            "total_tokens": total,
+            "num_sequences": len(seqs),
+            "feature_layers": feature_layers,
+        }
         (root / "manifest.json").write_text(json.dumps(meta, indent=1))  # written last: marks a complete layout
         return TeacherCache(root)
 
@@ -201,7 +236,9 @@ class TeacherCache:
         copied = set(state.get("copied", []))
         batches = pack([k for k in np.argsort(lengths, kind="stable") if k not in copied], lengths, size)
         if state and state.get("of", len(batches)) != len(batches):
-            raise ValueError(f"{path}: extraction used another batch layout ({state['of']} batches, not {len(batches)})")
+            raise ValueError(
+                f"{path}: extraction used another batch layout ({state['of']} batches, not {len(batches)})"
+            )
         done = state.get("done", list(range(state.get("batches", 0))))  # older files: a prefix count
         return batches, done, size
 
@@ -236,9 +273,11 @@ class TeacherCache:
         """Refuse (naming the folder) heads that read hidden states this cache does not keep."""
         missing = [i for i in layers if i != -1 and i not in self.feature_layers]
         if missing:
-            raise ValueError(f"{self.root}: the heads read base hidden states {missing}, this cache keeps the last "
-                             f"one and {list(self.feature_layers) or 'no others'}: build a new cache (a fresh "
-                             "--work-dir) for these heads")  # fmt: skip
+            raise ValueError(
+                f"{self.root}: the heads read base hidden states {missing}, this cache keeps the last "
+                f"one and {list(self.feature_layers) or 'no others'}: build a new cache (a fresh "
+                "--work-dir) for these heads"
+            )
 
     def batch(self, ks: Sequence[int], layers: Sequence[int] = (-1,)) -> dict[str, Tensor]:
         """Right-padded tensors of sequences ``ks``: ids, hidden (float32, the last state), greedy,
@@ -254,13 +293,24 @@ class TeacherCache:
         pos = np.arange(t)[None]
         for r, k in enumerate(ks):
             o, n = self.seqs[k, :2]
-            ids[r, :n], greedy[r, :n], hidden[r, :n] = self.tokens[o : o + n], self.greedy[o : o + n], self.hidden[o : o + n]
+            ids[r, :n], greedy[r, :n], hidden[r, :n] = (
+                self.tokens[o : o + n],
+                self.greedy[o : o + n],
+                self.hidden[o : o + n],
+            )
             for j, i in enumerate(layers if fused else ()):
-                features[r, :n, j] = hidden[r, :n] if i == -1 else self.features[o : o + n, self.feature_layers.index(i)]
+                features[r, :n, j] = (
+                    hidden[r, :n] if i == -1 else self.features[o : o + n, self.feature_layers.index(i)]
+                )
         valid = pos < lens[:, None]
         sup = valid & (pos >= self.seqs[ks, 2][:, None])
-        out = {"ids": torch.from_numpy(ids), "hidden": torch.from_numpy(hidden), "greedy": torch.from_numpy(greedy),
-               "valid": torch.from_numpy(valid), "sup": torch.from_numpy(sup)}
+        out = {
+            "ids": torch.from_numpy(ids),
+            "hidden": torch.from_numpy(hidden),
+            "greedy": torch.from_numpy(greedy),
+            "valid": torch.from_numpy(valid),
+            "sup": torch.from_numpy(sup),
+        }
         if fused:
             out["features"] = torch.from_numpy(features.reshape(b, t, -1))
         return out
@@ -302,8 +352,9 @@ def extraction_order(n: int) -> list[int]:
     return out
 
 
-def _teacher_rows(model: nn.Module, cache: TeacherCache, ks: Sequence[int],
-                  dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _teacher_rows(
+    model: nn.Module, cache: TeacherCache, ks: Sequence[int], dtype: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Last hidden states [B, T, H], greedy tokens [B, T] and the cache's further states
     [B, T, n, H] (``None`` when it keeps none) of sequences ``ks`` (right-padded)."""
     device = next(model.parameters()).device
@@ -315,8 +366,9 @@ def _teacher_rows(model: nn.Module, cache: TeacherCache, ks: Sequence[int],
     mask = (torch.arange(ids.shape[1])[None] < torch.from_numpy(lens)[:, None]).long().to(device)
     layers = list(cache.feature_layers)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-        out = model(input_ids=ids_t, attention_mask=mask, output_hidden_states=[*layers, -1] if layers else -1,
-                    use_cache=False)
+        out = model(
+            input_ids=ids_t, attention_mask=mask, output_hidden_states=[*layers, -1] if layers else -1, use_cache=False
+        )
     states = out.hidden_states
     extra = torch.stack([states[i] for i in layers], dim=2).float().cpu().numpy() if layers else None
     return states[-1].float().cpu().numpy(), out.logits.argmax(-1).cpu().numpy(), extra
@@ -335,8 +387,10 @@ def copy_rows(model: nn.Module, cache: TeacherCache, source: TeacherCache, dtype
     if source.hidden_size != cache.hidden_size:
         raise ValueError(f"{source.root}: hidden size {source.hidden_size}, this cache needs {cache.hidden_size}")
     if source.feature_layers != cache.feature_layers:
-        raise ValueError(f"{source.root}: keeps hidden states {list(source.feature_layers)} besides the last, this "
-                         f"cache {list(cache.feature_layers)}: rows can only be copied between caches of the same layers")
+        raise ValueError(
+            f"{source.root}: keeps hidden states {list(source.feature_layers)} besides the last, this "
+            f"cache {list(cache.feature_layers)}: rows can only be copied between caches of the same layers"
+        )
     src_dtype = source._progress().get("dtype", "float32")
     if src_dtype != dtype:
         raise ValueError(f"{source.root}: extracted in {src_dtype}, this cache in {dtype}")
@@ -362,16 +416,26 @@ def copy_rows(model: nn.Module, cache: TeacherCache, source: TeacherCache, dtype
         want = np.asarray(cache.hidden[o : o + n], np.float32)
         far = np.abs(h[0, :n] - want).max() > 0.05 * np.abs(want).max()
         if far or (greedy[0, :n] != cache.greedy[o : o + n]).mean() > 0.1:
-            raise ValueError(f"{source.root}: its rows differ from this model's (sequence {k} recomputed): "
-                             "a cache of another base model cannot be reused")
-    log(f"extract: {len(copied)} of {len(cache.seqs)} sequences "
-        f"({int(cache.seqs[copied, 1].sum()) if copied else 0} tokens) copied from {source.root}")
+            raise ValueError(
+                f"{source.root}: its rows differ from this model's (sequence {k} recomputed): "
+                "a cache of another base model cannot be reused"
+            )
+    log(
+        f"extract: {len(copied)} of {len(cache.seqs)} sequences "
+        f"({int(cache.seqs[copied, 1].sum()) if copied else 0} tokens) copied from {source.root}"
+    )
     return copied
 
 
 @torch.no_grad()
-def extract_hidden(model: nn.Module, cache: TeacherCache, batch_tokens: int = 4096, log=print,
-                   dtype: str = "float32", reuse: TeacherCache | None = None) -> None:
+def extract_hidden(
+    model: nn.Module,
+    cache: TeacherCache,
+    batch_tokens: int = 4096,
+    log=print,
+    dtype: str = "float32",
+    reuse: TeacherCache | None = None,
+) -> None:
     """Fill ``cache.hidden`` / ``cache.greedy`` with the base model's outputs; resumes by batch.
 
     Sequences run right-padded in length-sorted batches (:func:`extraction_order`);
@@ -407,8 +471,17 @@ def extract_hidden(model: nn.Module, cache: TeacherCache, batch_tokens: int = 40
         done.append(b)
         n_tok += int(lens.sum())
         filled = [k for d in done for k in batches[d]] + copied
-        _write_json(progress, {"done": done, "copied": copied, "of": len(batches), "batch_tokens": batch_tokens,
-                               "dtype": dtype, "tokens": int(lengths[filled].sum())})
+        _write_json(
+            progress,
+            {
+                "done": done,
+                "copied": copied,
+                "of": len(batches),
+                "batch_tokens": batch_tokens,
+                "dtype": dtype,
+                "tokens": int(lengths[filled].sum()),
+            },
+        )
         if (j + 1) % 10 == 0 or j + 1 == len(todo):
             log(f"extract: {len(done)}/{len(batches)} batches  {n_tok / (time.perf_counter() - t0):.0f} tokens/s")
 
@@ -436,8 +509,10 @@ def prepare_teacher_cache(model, tokenizer, cfg: TrainConfig, log=print, extract
     layers = [i for i in cfg.heads_feature_layers(base) or () if i != -1]
     if not (root / "manifest.json").exists():
         seqs, manifest = build_sequences(tokenizer, cfg, log)
-        manifest["built_with"] = {k: getattr(cfg, k) for k in ("model", "max_tokens", "distill_share", "val_fraction",
-                                                                "max_seq_len", "seed", "sources")}
+        manifest["built_with"] = {
+            k: getattr(cfg, k)
+            for k in ("model", "max_tokens", "distill_share", "val_fraction", "max_seq_len", "seed", "sources")
+        }
         TeacherCache.create(root, seqs, base.hidden_size, manifest, feature_layers=layers)
     cache = TeacherCache(root)
     cache.check_layers(layers)
@@ -445,8 +520,10 @@ def prepare_teacher_cache(model, tokenizer, cfg: TrainConfig, log=print, extract
         reuse = open_cache(cfg.reuse_cache) if cfg.reuse_cache else None
         extract_hidden(model, cache, cfg.extract_batch_tokens, log, cfg.teacher_dtype, reuse)
     elif not cache.complete:
-        log(f"using the partly extracted cache: {int(cache.seqs[cache.ready, 1].sum())} of "
-            f"{int(cache.seqs[:, 1].sum())} tokens")
+        log(
+            f"using the partly extracted cache: {int(cache.seqs[cache.ready, 1].sum())} of "
+            f"{int(cache.seqs[:, 1].sum())} tokens"
+        )
     return cache
 
 
@@ -470,4 +547,3 @@ def supervised_tokens(cache: TeacherCache, split: int) -> np.ndarray:
     """Greedy tokens at the supervised positions of a split (what heads will be asked for)."""
     parts = [cache.greedy[o + s : o + n] for o, n, s, _, _ in cache.seqs[cache.split(split)]]
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
-
