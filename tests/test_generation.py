@@ -1,5 +1,6 @@
 """EntMTP inside ``model.generate``: losslessness, HF features, statistics and bad input."""
 
+import dataclasses
 import random
 from threading import Thread
 
@@ -14,6 +15,7 @@ from entmtp_hf.decoding.stats import PhaseTimer
 from entmtp_hf.errors import ConfigError
 from entmtp_hf.integration import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
 from entmtp_hf.trees.bank import TopologyBank, shipped_bank_path
+from entmtp_hf.trees.plan import AcceptanceSettings, PlanSpec, build_plan
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -578,3 +580,18 @@ def test_the_step_verifies_what_get_candidates_returns(tiny_cache, monkeypatch):
     assert out.entmtp_stats["tree_sizes"] == [1] * len(seen) and out.entmtp_stats["accept_lengths"] == [1] * len(seen)
     # update_candidate_strategy: the text after the step, the scores of every verified node [1, N, V], the matches
     assert scored == [(6 + 2 + i, (1, 1, VOCAB), 0) for i in range(len(seen))]
+
+
+def test_plan_spec_read_once_and_the_plan_carries_the_call_settings():
+    """The config is read once into a frozen, typed PlanSpec (its bank loaded there); the plan
+    built from the spec alone carries what decoding reads, so no config travels below it."""
+    cfg = EntMTPConfig(tree=CHAIN, acceptance="typical", posterior_threshold=0.2, posterior_alpha=0.5, feature_window=4)
+    spec = cfg.plan_spec()
+    assert isinstance(spec, PlanSpec) and cfg.plan_spec() is spec and spec.tree == Tree.from_choices(CHAIN)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.policy = "static"
+    plan = cfg.resolve(4)
+    assert plan.acceptance == AcceptanceSettings("typical", 0.2, 0.5, "project") and plan.feature_window == 4
+    assert build_plan(spec, 4) == plan
+    bank = TopologyBank.from_pretrained(DEFAULTS, task="default")
+    assert EntMTPConfig(bank=bank, task="default").plan_spec().bank is bank

@@ -161,3 +161,80 @@ def test_the_contract_catches_an_upward_import(tmp_path):
         f"{PACKAGE}.costs.probe"
     )
     assert imports(f"{PACKAGE}.decoding.loop", root / "decoding" / "loop.py", known) == {f"{PACKAGE}.costs.probe"}
+
+
+#: the layer the user's ``EntMTPConfig`` lives in: below it, code takes typed plans, never the config
+CONFIG_LAYER = next(i for i, (name, _) in enumerate(LAYERS) if name == "config")
+
+
+def _class_members(tree: ast.Module) -> dict[str, set[str]]:
+    """Each class's public fields, properties and methods (as written in its body)."""
+    out: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            names = {
+                n.target.id if isinstance(n, ast.AnnAssign) else n.name
+                for n in node.body
+                if (isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))
+                or isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            }
+            out.setdefault(node.name, set()).update(n for n in names if not n.startswith("_"))
+    return out
+
+
+def config_hand_downs(source: str, config_only: set[str]) -> list[str]:
+    """Where ``source`` takes the config in disguise: a parameter named ``entmtp_config``, the
+    name ``EntMTPConfig`` in its code (strings aside), or a parameter typed ``Any`` (or not typed)
+    off which it reads a member only ``EntMTPConfig`` has (``config_only``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and node.id == "EntMTPConfig":
+            found.append(f"line {node.lineno}: names EntMTPConfig")
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        args = node.args
+        params = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+        found += [f"line {node.lineno}: parameter entmtp_config" for p in params if p.arg == "entmtp_config"]
+        loose = {
+            p.arg
+            for p in params
+            if p.arg not in ("self", "cls")
+            and (p.annotation is None or ast.unparse(p.annotation) in ("Any", "typing.Any"))
+        }
+        found += sorted(
+            {
+                f"line {sub.lineno}: {sub.value.id}.{sub.attr} off an untyped parameter"
+                for sub in ast.walk(node)
+                if isinstance(sub, ast.Attribute)
+                and isinstance(sub.value, ast.Name)
+                and sub.value.id in loose
+                and sub.attr in config_only
+            }
+        )
+    return found
+
+
+def test_no_config_handed_down_untyped():
+    """The import test cannot see the config handed down typed ``Any`` (the plan layer once read
+    14 of its fields and called its ``load_bank``): below the config layer, no module takes a
+    parameter named ``entmtp_config``, names ``EntMTPConfig`` in code, or reads off an untyped
+    parameter a member that only ``EntMTPConfig`` declares (no class of the lower layers has it)."""
+    modules = {m: p for m, p in _modules().items() if layer_of(m) < CONFIG_LAYER}
+    sources = {m: p.read_text(encoding="utf-8") for m, p in modules.items()}
+    lower: set[str] = set()
+    for source in sources.values():
+        lower.update(*_class_members(ast.parse(source)).values())
+    config_path = SRC / PACKAGE / "config.py"
+    config_only = _class_members(ast.parse(config_path.read_text(encoding="utf-8")))["EntMTPConfig"] - lower
+    assert {"load_bank", "resolve", "adapts"} <= config_only
+    found = [f"{m} {where}" for m, source in sources.items() for where in config_hand_downs(source, config_only)]
+    assert not found, "the config handed down below its layer (hand down typed plans instead):\n" + "\n".join(found)
+
+
+def test_the_contract_catches_an_untyped_config():
+    """The checker itself: the plan layer's old ``build_plan(config: Any)`` and a loop taking
+    ``entmtp_config`` are found; a typed spec is not."""
+    old = "def build_plan(config: Any, n):\n    return config.load_bank()\n"
+    assert config_hand_downs(old, {"load_bank"}) == ["line 2: config.load_bank off an untyped parameter"]
+    assert config_hand_downs("def f(x, *, entmtp_config):\n    pass\n", set()) == ["line 1: parameter entmtp_config"]
+    assert config_hand_downs("def f(spec: PlanSpec):\n    return spec.load_bank()\n", {"load_bank"}) == []

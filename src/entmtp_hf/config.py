@@ -17,9 +17,9 @@ from .costs.table import CostTable
 from .errors import ConfigError
 from .scheduling.eas import EASConfig
 from .scheduling.features import FEATURES, MAX_FEATURE_WINDOW, feature_top
-from .scheduling.policies import NEEDS_ENTROPIES, SOURCES, default_policy, get_policy
+from .scheduling.policies import SOURCES, default_policy, get_policy
 from .trees.bank import TopologyBank, check_task_name
-from .trees.plan import DecodePlan, build_plan
+from .trees.plan import AcceptanceSettings, DecodePlan, PlanSpec, build_plan
 from .trees.retrieval import RetrievalConfig
 from .trees.tree import Tree
 from .validation import brief_repr, choice, integer, number, numbers_in, sequence, taus, thresholds
@@ -110,6 +110,7 @@ class EntMTPConfig:
     guard: bool | None = None
     _resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _bank: Any = field(default=None, init=False, repr=False, compare=False)
+    _spec: PlanSpec | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_sources()
@@ -273,10 +274,30 @@ class EntMTPConfig:
         return cls(**data)
 
     # ------------------------------------------------------------------ resolution
-    @property
-    def entropy_adaptive(self) -> bool:
-        """Whether the policy reads per-depth entropies (EAS; implied by ``eas``)."""
-        return self.eas is not None or (self.policy is not None and get_policy(self.policy).needs == NEEDS_ENTROPIES)
+    def plan_spec(self) -> PlanSpec:
+        """The settings a plan is built from, as typed data (the bank loaded, the trees compiled):
+        what :func:`~entmtp_hf.trees.plan.build_plan` reads, so the layers below never see this
+        config. Read once per config object; every field was checked when it was built."""
+        if self._spec is None:
+            self._spec = PlanSpec(
+                bank=self.load_bank() if self.bank is not None else None,
+                tree=Tree.from_choices(self.tree) if self.tree is not None else None,
+                trees=tuple(Tree.from_choices(t) for t in self.trees) if self.trees is not None else None,
+                policy=self.policy,
+                tau_on=self.tau_on,
+                tau_off=self.tau_off,
+                thresholds=tuple(self.thresholds) if self.thresholds is not None else None,
+                feature=self.feature,
+                feature_window=self.feature_window,
+                costs=tuple(float(c) for c in self.costs) if self.costs is not None else None,
+                eas=self.eas,
+                retrieval=self.retrieval,
+                guard=self.guard,
+                acceptance=AcceptanceSettings(
+                    self.acceptance, self.posterior_threshold, self.posterior_alpha, self.typical_rule
+                ),
+            )
+        return self._spec
 
     def load_bank(self) -> TopologyBank:
         """The bank (read once per config object)."""
@@ -308,5 +329,5 @@ class EntMTPConfig:
         key = (num_heads, draft_rows, costs.key if costs is not None else None)
         plan = self._resolved.get(key)
         if plan is None:
-            plan = self._resolved[key] = build_plan(self, num_heads, draft_rows, costs)
+            plan = self._resolved[key] = build_plan(self.plan_spec(), num_heads, draft_rows, costs)
         return plan

@@ -89,7 +89,6 @@ class EntMTPGenerationMixin:
                 return _as_entmtp_output(super().generate(*args, **kwargs), args, kwargs)
             loop = functools.partial(
                 entmtp_decode,
-                entmtp_config=entmtp_config,
                 plan=plan,
                 heads=heads,
                 streamer=kwargs.get("streamer"),

@@ -196,7 +196,6 @@ def _session(model, heads, ids: torch.Tensor, tree: Tree, tokens: int) -> tuple[
         logits_processor=LogitsProcessorList(),
         stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(generation.max_length)]),
         generation_config=generation,
-        entmtp_config=config,
         heads=heads,
         plan=config.resolve(heads.num_heads, heads.config.draft_vocab_rows),
         attention_mask=torch.ones_like(ids),

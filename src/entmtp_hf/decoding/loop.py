@@ -21,7 +21,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..drafting.candidates import Draft, EntMTPCandidateGenerator
 from ..errors import EntMTPError
-from ..trees.plan import DecodePlan
+from ..trees.plan import AcceptanceSettings, DecodePlan
 from ..trees.tree import Tree
 from .acceptance import greedy_picks, sample_picks
 from .cache import prepare_cache
@@ -36,20 +36,20 @@ class EntMTPGenerateOutput(GenerateDecoderOnlyOutput):
     entmtp_stats: dict | None = None
 
 
-def acceptance_rule(config, generation_config, temperature: float = 1.0) -> Rule:
+def acceptance_rule(settings: AcceptanceSettings, generation_config, temperature: float = 1.0) -> Rule:
     """The call's rule: ``auto`` is greedy without sampling and exact (lossless) with it. The
     reference typical rule takes the verifier's own token by argmax even when sampling, as the
     published code does."""
-    name = config.acceptance
+    name = settings.rule
     if name == "auto":
         name = "exact" if generation_config.do_sample else "greedy"
     if name in ("exact", "typical") and not generation_config.do_sample:
         raise EntMTPError(f"acceptance={name!r} samples: pass do_sample=True (or use acceptance='greedy')")
     if name == "greedy" and generation_config.do_sample:
         raise EntMTPError("acceptance='greedy' with do_sample=True would not sample: use 'exact' or 'typical'")
-    reference = name == "typical" and config.typical_rule == "reference"
+    reference = name == "typical" and settings.typical_rule == "reference"
     pick = sample_picks if generation_config.do_sample and not reference else greedy_picks
-    return Rule(name, pick, config.posterior_threshold, config.posterior_alpha, reference, temperature)
+    return Rule(name, pick, settings.posterior_threshold, settings.posterior_alpha, reference, temperature)
 
 
 def trial_forward(session: DecodeSession, n: int) -> None:
@@ -108,7 +108,6 @@ def open_session(
     stopping_criteria,
     generation_config,
     *,
-    entmtp_config,
     plan: DecodePlan,
     heads,
     streamer=None,
@@ -116,7 +115,8 @@ def open_session(
     **model_kwargs,
 ) -> DecodeSession:
     """The session of one call (its cache, acceptance rule, drafters and verification forward: the
-    compiled call exactly when transformers' own generate would compile), before its prefill."""
+    compiled call exactly when transformers' own generate would compile), before its prefill.
+    Everything the call's ``EntMTPConfig`` says comes in its plans (``plan``, ``plan_for``)."""
     # the call's options were checked before generate ran (decoding.options: beam search, outputs it cannot return)
     if input_ids.shape[-1] == 0:
         raise EntMTPError(
@@ -125,7 +125,7 @@ def open_session(
         )
     returns = bool(generation_config.return_dict_in_generate)
     temperature = float(generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
-    rule = acceptance_rule(entmtp_config, generation_config, temperature)
+    rule = acceptance_rule(plan.acceptance, generation_config, temperature)
     plan_for = plan_for or (lambda b: plan)
     plans = [plan_for(b) for b in range(1, input_ids.shape[0] + 1)]
     cache = prepare_cache(
@@ -141,7 +141,7 @@ def open_session(
 
     def new_drafter(plan: DecodePlan, state) -> EntMTPCandidateGenerator:
         return EntMTPCandidateGenerator(
-            model, heads, plan, feature_window=entmtp_config.feature_window, temperature=temperature, state=state
+            model, heads, plan, feature_window=plan.feature_window, temperature=temperature, state=state
         )
 
     pad = getattr(generation_config, "_pad_token_tensor", None)
@@ -171,7 +171,6 @@ def entmtp_decode(
     stopping_criteria,
     generation_config,
     *,
-    entmtp_config,
     plan: DecodePlan,
     heads,
     streamer=None,
@@ -188,7 +187,6 @@ def entmtp_decode(
         logits_processor,
         stopping_criteria,
         generation_config,
-        entmtp_config=entmtp_config,
         plan=plan,
         heads=heads,
         streamer=streamer,

@@ -1,4 +1,8 @@
-"""The decode plan: what one ``generate`` call decodes with, built from an ``EntMTPConfig``.
+"""The decode plan: what one ``generate`` call decodes with, built from a :class:`PlanSpec`.
+
+The spec is the call's settings as plain typed data, read once from the user's ``EntMTPConfig``
+(already checked, its bank loaded) where ``generate`` is called: this layer sits below the
+config and never sees it.
 
 A plan holds the trees a step may verify, their union (drafted once when the choice needs the
 whole draft), index maps from each tree into the union, the greedy chain the confidence
@@ -15,13 +19,20 @@ root-alone step costs 1).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal
 
 from ..costs.table import CostTable
 from ..errors import ConfigError
 from ..scheduling.eas import EASConfig
 from ..scheduling.features import feature_top
-from ..scheduling.policies import NEEDS_FEATURE, PolicySpec, Scheduler, default_policy, get_policy
+from ..scheduling.policies import (
+    NEEDS_ENTROPIES,
+    NEEDS_FEATURE,
+    PolicySpec,
+    Scheduler,
+    default_policy,
+    get_policy,
+)
 from ..validation import number, numbers_in
 from .retrieval import RetrievalConfig, with_branch
 from .tree import Tree
@@ -29,6 +40,45 @@ from .tree import Tree
 if TYPE_CHECKING:
     from .bank import TopologyBank
     from .bank_format import SchedulerDefaults
+
+
+@dataclass(frozen=True)
+class AcceptanceSettings:
+    """How a step accepts drafted tokens (``EntMTPConfig.acceptance`` and its typical-acceptance
+    settings); the rule itself is fixed once the call's generation config is known
+    (:func:`entmtp_hf.decoding.loop.acceptance_rule`)."""
+
+    rule: str = "auto"  # auto | greedy | exact | typical
+    posterior_threshold: float = 0.09  # typical: epsilon
+    posterior_alpha: float = 0.3  # typical: alpha
+    typical_rule: str = "project"  # project | reference
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What a plan is built from: the call's settings, checked when the ``EntMTPConfig`` was built
+    and read from it once (:meth:`~entmtp_hf.config.EntMTPConfig.plan_spec`). Exactly one of
+    ``bank`` (loaded), ``tree`` and ``trees`` is set."""
+
+    bank: TopologyBank | None = None
+    tree: Tree | None = None
+    trees: tuple[Tree, ...] | None = None
+    policy: str | None = None  # a registered policy's name; None: the bank's, else by the number of trees
+    tau_on: float | None = None
+    tau_off: float | None = None
+    thresholds: tuple[float, ...] | None = None
+    feature: str | None = None
+    feature_window: int = 8
+    costs: tuple[float, ...] | None = None  # one per tree of ``trees``, relative to one token
+    eas: EASConfig | None = None
+    retrieval: RetrievalConfig | Literal[False] | None = None  # None: the bank's default; False: off
+    guard: bool | None = None
+    acceptance: AcceptanceSettings = AcceptanceSettings()
+
+    @property
+    def entropy_adaptive(self) -> bool:
+        """Whether the policy reads per-depth entropies (EAS; implied by ``eas``)."""
+        return self.eas is not None or (self.policy is not None and get_policy(self.policy).needs == NEEDS_ENTROPIES)
 
 
 @dataclass(frozen=True)
@@ -50,6 +100,8 @@ class DecodePlan:
     #: root-alone step's, and ``branch_costs[k][L - 1]`` that of ``branches[k][L - 1]``
     step_costs: tuple[float, ...] | None = None
     branch_costs: tuple[tuple[float, ...], ...] = ()
+    feature_window: int = 8  # the steps the feature averages over
+    acceptance: AcceptanceSettings = AcceptanceSettings()
 
     @property
     def guarded(self) -> bool:
@@ -81,38 +133,39 @@ class DecodePlan:
 
 
 def build_plan(
-    config: Any, num_heads: int, draft_rows: int | None = None, costs: CostTable | None = None
+    spec: PlanSpec, num_heads: int, draft_rows: int | None = None, costs: CostTable | None = None
 ) -> DecodePlan:
-    """The plan of an :class:`~entmtp_hf.config.EntMTPConfig` for heads with ``num_heads`` heads
-    drafting from ``draft_rows`` tokens (ranks at or above it cannot be drafted); ``costs``: this
-    machine's step costs, which re-rank a bank that carries its acceptance frontier."""
-    if config.entropy_adaptive:
-        plan = _entropy_plan(config, num_heads, costs)
+    """The plan of ``spec`` for heads with ``num_heads`` heads drafting from ``draft_rows`` tokens
+    (ranks at or above it cannot be drafted); ``costs``: this machine's step costs, which re-rank
+    a bank that carries its acceptance frontier."""
+    if spec.entropy_adaptive:
+        plan = _entropy_plan(spec, num_heads, costs)
     else:
-        plan = _switching_plan(config, num_heads, costs)
+        plan = _switching_plan(spec, num_heads, costs)
     _check_trees(plan.trees, num_heads, draft_rows)
-    return _priced(plan, config, costs)
+    plan = replace(plan, feature_window=spec.feature_window, acceptance=spec.acceptance)
+    return _priced(plan, spec, costs)
 
 
-def _priced(plan: DecodePlan, config: Any, costs: CostTable | None) -> DecodePlan:
+def _priced(plan: DecodePlan, settings: PlanSpec, costs: CostTable | None) -> DecodePlan:
     """The plan with the break-even guard's prices where the guard is on: this machine's measured
-    costs, else (``guard=True``) the config's ``costs``. ``guard=None`` guards where measured
+    costs, else (``guard=True``) the caller's ``costs``. ``guard=None`` guards where measured
     costs price the trees for a forward of one row, and leaves the plan as it is elsewhere: a
     batch's forward is padded to its widest row, so one row verifying its root alone saves none
     of it and only loses that row's drafted tokens."""
-    if config.guard is False or plan.plain:
+    if settings.guard is False or plan.plain:
         return plan
-    if config.guard is None and (costs is None or costs.batch_size > 1):
+    if settings.guard is None and (costs is None or costs.batch_size > 1):
         return plan
     if costs is not None:
         root = costs.step(Tree.root_only())
 
         def price(tree: Tree, k: int) -> float:
             return costs.step(tree) / root
-    elif config.costs is not None:  # the user's, relative to one token; a tree's branches at its tree's price
+    elif settings.costs is not None:  # the user's, relative to one token; a tree's branches at its tree's price
 
         def price(tree: Tree, k: int) -> float:
-            return float(config.costs[k])
+            return settings.costs[k]
     else:
         raise ConfigError(
             "EntMTPConfig.guard",
@@ -124,25 +177,25 @@ def _priced(plan: DecodePlan, config: Any, costs: CostTable | None) -> DecodePla
     return replace(plan, step_costs=step_costs, branch_costs=branch_costs)
 
 
-def _switching_plan(config: Any, num_heads: int, costs: CostTable | None) -> DecodePlan:
-    feature = config.feature or "best_path_value"
-    bank = config.load_bank() if config.bank is not None else None
+def _switching_plan(settings: PlanSpec, num_heads: int, costs: CostTable | None) -> DecodePlan:
+    feature = settings.feature or "best_path_value"
+    bank = settings.bank
     defaults = bank.scheduler_for(costs) if bank is not None else None
-    retrieval = _retrieval(config, defaults)
+    retrieval = _retrieval(settings, defaults)
     if bank is not None:
-        trees, spec, args = _from_bank(config, bank, defaults)
-        if config.feature is None:
+        trees, spec, args = _from_bank(settings, bank, defaults)
+        if settings.feature is None:
             feature = defaults.ladder_feature if spec.name == "ladder" else defaults.feature
-    elif config.tree is not None:
-        trees, spec, args = (Tree.from_choices(config.tree),), get_policy(config.policy or "static"), {}
+    elif settings.tree is not None:
+        trees, spec, args = (settings.tree,), get_policy(settings.policy or "static"), {}
     else:
-        trees, spec, args = _from_trees(config)
-    if config.tau_on is not None:
-        args["tau_on"] = config.tau_on
-    if config.tau_off is not None:
-        args["tau_off"] = config.tau_off
-    elif config.tau_on is not None and args.get("tau_off", config.tau_on) > config.tau_on:
-        args["tau_off"] = config.tau_on
+        trees, spec, args = _from_trees(settings)
+    if settings.tau_on is not None:
+        args["tau_on"] = settings.tau_on
+    if settings.tau_off is not None:
+        args["tau_off"] = settings.tau_off
+    elif settings.tau_on is not None and args.get("tau_off", settings.tau_on) > settings.tau_on:
+        args["tau_off"] = settings.tau_on
     depth = max(t.depth for t in trees)
     if spec.needs == NEEDS_FEATURE:
         args.setdefault("tau_off", args.get("tau_on", 0.01))
@@ -150,33 +203,35 @@ def _switching_plan(config: Any, num_heads: int, costs: CostTable | None) -> Dec
     args = {"policy": spec.name, **{k: v for k, v in args.items() if k in spec.arguments}}
     try:
         Scheduler(num_trees=len(trees), **args)  # validated now, before any compute
-    except ConfigError as e:  # the scheduler's arguments that can be wrong here are the config's fields
+    except ConfigError as e:  # the scheduler's arguments that can be wrong here are EntMTPConfig's fields
         raise ConfigError(e.field.replace("Scheduler", "EntMTPConfig", 1), e.problem) from None
     chain = Tree.chain(depth) if spec.needs == NEEDS_FEATURE else Tree.root_only()  # what features read
     return _plan(trees, chain, args, feature=feature, retrieval=retrieval)
 
 
-def _from_trees(config: Any) -> tuple[tuple[Tree, ...], PolicySpec, dict]:
-    trees = tuple(Tree.from_choices(t) for t in config.trees)
-    spec = get_policy(config.policy or default_policy(len(trees)))
+def _from_trees(settings: PlanSpec) -> tuple[tuple[Tree, ...], PolicySpec, dict]:
+    trees = settings.trees
+    spec = get_policy(settings.policy or default_policy(len(trees)))
     args: dict = {"low": 0, "high": min(1, len(trees) - 1)}
-    if config.costs is not None:
-        args["costs"] = tuple(float(c) for c in config.costs)
+    if settings.costs is not None:
+        args["costs"] = settings.costs
     if "thresholds" in spec.arguments:
-        if config.thresholds is None:
+        if settings.thresholds is None:
             raise ConfigError(
                 "EntMTPConfig.thresholds",
                 f"the {spec.name} policy over {len(trees)} trees needs {len(trees) - 1} increasing values",
             )
-        args["thresholds"] = tuple(config.thresholds)
+        args["thresholds"] = settings.thresholds
     return trees, spec, args
 
 
-def _from_bank(config: Any, bank: "TopologyBank", d: "SchedulerDefaults") -> tuple[tuple[Tree, ...], PolicySpec, dict]:
+def _from_bank(
+    settings: PlanSpec, bank: "TopologyBank", d: "SchedulerDefaults"
+) -> tuple[tuple[Tree, ...], PolicySpec, dict]:
     """The bank's trees for the policy (its static tree alone when that is the root: plain
-    decoding pays most there), with the policy's arguments from the bank and the config."""
+    decoding pays most there), with the policy's arguments from the bank and the caller's."""
     trees = tuple(bank.trees)
-    spec = get_policy(config.policy or d.policy)
+    spec = get_policy(settings.policy or d.policy)
     if spec.from_bank is None:
         raise ConfigError("EntMTPConfig.policy", f"the {spec.name} policy takes no trees from a bank's scheduler")
     if spec.name == "static" or trees[d.static].num_nodes == 1:
@@ -186,28 +241,28 @@ def _from_bank(config: Any, bank: "TopologyBank", d: "SchedulerDefaults") -> tup
         raise ConfigError(
             "EntMTPConfig.policy", f"the bank for task {bank.task!r} lists no trees for the {spec.name} policy"
         )
-    if config.thresholds is not None and "thresholds" in spec.arguments:
-        args["thresholds"] = tuple(config.thresholds)
+    if settings.thresholds is not None and "thresholds" in spec.arguments:
+        args["thresholds"] = settings.thresholds
     return tuple(trees[i] for i in indices), spec, args
 
 
-def _entropy_plan(config: Any, num_heads: int, costs: CostTable | None) -> DecodePlan:
+def _entropy_plan(settings: PlanSpec, num_heads: int, costs: CostTable | None) -> DecodePlan:
     """Policy ``entropy``: the tree's truncations at depth 0..D (index = depth) and the chain."""
-    if config.tree is not None:
-        tree, retrieval = Tree.from_choices(config.tree), _retrieval(config, None)
+    if settings.tree is not None:
+        tree, retrieval = settings.tree, _retrieval(settings, None)
     else:
-        defaults = config.load_bank().scheduler_for(costs)
-        tree, retrieval = config.load_bank().trees[defaults.static], _retrieval(config, defaults)
+        defaults = settings.bank.scheduler_for(costs)
+        tree, retrieval = settings.bank.trees[defaults.static], _retrieval(settings, defaults)
     trees = tuple(Tree(tuple(p for p in tree.paths if len(p) <= d)) for d in range(tree.depth + 1))
-    args = {"policy": get_policy(config.policy or "entropy").name}
-    return _plan(trees, Tree.chain(tree.depth), args, eas=config.eas or EASConfig(), retrieval=retrieval)
+    args = {"policy": get_policy(settings.policy or "entropy").name}
+    return _plan(trees, Tree.chain(tree.depth), args, eas=settings.eas or EASConfig(), retrieval=retrieval)
 
 
-def _retrieval(config: Any, defaults: "SchedulerDefaults | None") -> RetrievalConfig | None:
-    """The retrieval settings in force: the config's own, else the bank's default (off without one)."""
-    if config.retrieval is None:
+def _retrieval(settings: PlanSpec, defaults: "SchedulerDefaults | None") -> RetrievalConfig | None:
+    """The retrieval settings in force: the caller's own, else the bank's default (off without one)."""
+    if settings.retrieval is None:
         return defaults.retrieval if defaults is not None else None
-    return config.retrieval or None
+    return settings.retrieval or None
 
 
 def _check_thresholds(feature: str, args: dict, depth: int) -> None:

@@ -132,7 +132,7 @@ def retrieval_figures(
 ) -> RetrievalFigures:
     """``tree`` verified every step with ``retrieval``, replayed on every trajectory and pooled:
     what :mod:`entmtp_hf.costs.retrieval` prices on a machine."""
-    plan = build_plan(EntMTPConfig(tree=tree.choices, retrieval=retrieval), num_heads)
+    plan = build_plan(EntMTPConfig(tree=tree.choices, retrieval=retrieval).plan_spec(), num_heads)
     tokens = drafted = 0
     found = [0] * retrieval.num_tokens
     for traj in trajectories:
