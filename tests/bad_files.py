@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
+from entmtp_hf.banks.bank import TopologyBank, published_defaults_bank
 from entmtp_hf.heads import HeadsConfig, HydraHeads, MedusaHeads
 from entmtp_hf.heads.hydra import prefix_layer_config
-from entmtp_hf.trees.bank import TopologyBank, published_defaults_bank
 from entmtp_hf.trees.tree import Tree
 
 H, V = 8, 16
@@ -40,7 +40,7 @@ def small_banks() -> dict[str, TopologyBank]:
 
 def bank_parts(bank: TopologyBank) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors and the header JSON object a saved bank holds."""
-    from entmtp_hf.trees.bank import encode_tree
+    from entmtp_hf.banks.bank import encode_tree
 
     tensors = {f"tree.{k}": encode_tree(t) for k, t in enumerate(bank.trees)}
     meta = {"format_version": 1, "task": bank.task, "num_trees": len(bank.trees), **bank.metadata}

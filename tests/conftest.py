@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hub_standin import MiniHubServer  # noqa: E402
 from tiny import fitted_heads, tiny_model  # noqa: E402
 
-from entmtp_hf.demo import model as demo_model  # noqa: E402
+from entmtp_hf.tools import models as demo_model  # noqa: E402
 
 # tiny models gain nothing from a second thread; the demo-model tests set their own
 torch.set_num_threads(1)

@@ -14,10 +14,8 @@ from hub_standin import MiniHubServer, fake_cache
 from huggingface_hub import constants as hf_constants
 from safetensors.torch import save_file
 
-import entmtp_hf.trees.bank_format as bank_format
-from entmtp_hf.costs.table import CostTable
-from entmtp_hf.errors import EntMTPError
-from entmtp_hf.trees.bank import (
+import entmtp_hf.banks.format as bank_format
+from entmtp_hf.banks.bank import (
     BankFormatError,
     SchedulerDefaults,
     TopologyBank,
@@ -27,6 +25,8 @@ from entmtp_hf.trees.bank import (
     published_defaults_bank,
     shipped_bank_path,
 )
+from entmtp_hf.costs.table import CostTable
+from entmtp_hf.errors import EntMTPError
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 META = {
@@ -78,7 +78,7 @@ def test_shipped_bank_matches_its_builder() -> None:
     folder = shipped_bank_path("published-defaults")
     assert TopologyBank.list_tasks(folder) == ["default"]
     bank = TopologyBank.from_pretrained(folder, "default")
-    assert bank == published_defaults_bank(), "regenerate with: python -m entmtp_hf.trees.bank"
+    assert bank == published_defaults_bank(), "rewrite it with published_defaults_bank().save_pretrained(its folder)"
     assert bank.tree(2) == Tree.from_choices(MC_SIM_7B_63) and bank.tree(1) == Tree.chain(4)
     assert (folder / "README.md").read_text() == model_card(folder)
     with pytest.raises(ValueError, match="no shipped bank 'nope'"):
@@ -302,7 +302,7 @@ def test_hub_cache_offline_through_env_vars(tmp_path: Path) -> None:
     small_bank("gsm8k").save_pretrained(tmp_path / "src")
     fake_cache(tmp_path / "hub", tmp_path / "src")
     code = (
-        "from entmtp_hf.trees.bank import TopologyBank as B; "
+        "from entmtp_hf.banks.bank import TopologyBank as B; "
         "print(B.list_tasks('org/name'), B.from_pretrained('org/name', 'gsm8k').metadata['heads'])"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path)}

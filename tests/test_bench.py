@@ -12,6 +12,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from entmtp_hf.banks.bank import shipped_bank_path
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.demo.compare import find_mismatch
 from entmtp_hf.heads import HydraHeads
@@ -26,7 +27,6 @@ from entmtp_hf.tools.bench.settings import BenchSettings
 from entmtp_hf.tools.bench.summary import geomean, summarize
 from entmtp_hf.tools.data.tasks import evaluation_basket
 from entmtp_hf.tools.metrics import load_perplexity
-from entmtp_hf.trees.bank import shipped_bank_path
 
 DEFAULTS = shipped_bank_path("published-defaults")
 WORDS = ["<s>", "</s>", "[UNK]"] + [f"w{i}" for i in range(45)]

@@ -14,13 +14,13 @@ from test_generation import enabled, prompts
 import entmtp_hf.calibration.probe as probe_module
 import entmtp_hf.calibration.tables as tables_module
 from entmtp_hf import EntMTPConfig, EntMTPError, FileFormatError, TopologyBank, Tree
+from entmtp_hf.banks.bank import published_defaults_bank
 from entmtp_hf.calibration import calibrate, tables_for
 from entmtp_hf.calibration.probe import probe, probe_batch
 from entmtp_hf.calibration.store import key_for, table_path
 from entmtp_hf.costs.fingerprint import machine_fingerprint, model_key
 from entmtp_hf.costs.ranking import BATCH_TIE, MARGIN, rank
 from entmtp_hf.costs.table import CostTable, interpolate
-from entmtp_hf.trees.bank import published_defaults_bank
 
 CHAIN = [Tree.chain(d) for d in range(4)]  # 1, 2, 3, 4 nodes
 

@@ -13,10 +13,10 @@ from test_generation import CHAIN, prompts
 from tiny import tiny_model
 
 from entmtp_hf import MC_SIM_7B_63, EntMTPConfig, PhaseTimer, __version__, enable_entmtp
+from entmtp_hf.banks.bank import shipped_bank_path
 from entmtp_hf.errors import EntMTPError
 from entmtp_hf.tools.cli import main
 from entmtp_hf.tools.export_generate import export_generate
-from entmtp_hf.trees.bank import shipped_bank_path
 
 DEFAULTS = str(shipped_bank_path("published-defaults"))
 README_SECTIONS = (

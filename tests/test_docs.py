@@ -166,7 +166,7 @@ class TinyTokenizer:
 def tiny_bank_dir(tmp_path: Path) -> Path:
     """The published default trees filed under the README's task names, for the tiny model."""
     from entmtp_hf import TopologyBank
-    from entmtp_hf.trees.bank import published_defaults_bank
+    from entmtp_hf.banks.bank import published_defaults_bank
 
     defaults = published_defaults_bank()
     for task in ("humaneval", "gsm8k", "chat"):

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 import torch
 
+from entmtp_hf.banks.bank import SHIPPED_DIR, SUFFIX, TopologyBank
 from entmtp_hf.heads import EagleHeads
 from entmtp_hf.tools.export import export
 from entmtp_hf.tools.export_heads import export_heads
-from entmtp_hf.trees.bank import SHIPPED_DIR, SUFFIX, TopologyBank
 from entmtp_hf.trees.tree import Tree
 
 pytestmark = pytest.mark.engines

@@ -10,6 +10,7 @@ import shlex
 
 import pytest
 
+from entmtp_hf.banks.bank import SHIPPED_DIR, SUFFIX, TopologyBank, shipped_bank_path
 from entmtp_hf.tools.cli import main
 from entmtp_hf.tools.export import (
     DRAFTERS,
@@ -23,7 +24,6 @@ from entmtp_hf.tools.export import (
     within_budget,
     within_depth,
 )
-from entmtp_hf.trees.bank import SHIPPED_DIR, SUFFIX, TopologyBank, shipped_bank_path
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 #: every shipped bank and task, found on disk so that a bank added later is checked too

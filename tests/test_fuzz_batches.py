@@ -23,11 +23,11 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import entmtp_hf.calibration.tables as tables_module
 from entmtp_hf import EntMTPConfig
+from entmtp_hf.banks.bank import TopologyBank
 from entmtp_hf.calibration import calibrate, tables_for
 from entmtp_hf.calibration.store import key_for, table_path
 from entmtp_hf.costs.fingerprint import machine_fingerprint, model_key
 from entmtp_hf.costs.table import CostTable
-from entmtp_hf.trees.bank import TopologyBank
 from entmtp_hf.trees.tree import Tree
 
 BATCH_CASES = 24

@@ -37,9 +37,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save as safetensors_bytes
 
+from entmtp_hf.banks.bank import TopologyBank
 from entmtp_hf.errors import EntMTPError
 from entmtp_hf.heads import DraftHeads, load_heads
-from entmtp_hf.trees.bank import TopologyBank
 
 EXAMPLES = int(os.environ.get("ENTMTP_FUZZ_EXAMPLES", "500"))
 FUZZ = settings(

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
-from entmtp_hf.demo import model as demo_model
 from entmtp_hf.heads import HEADS_REGISTRY
+from entmtp_hf.tools import models as demo_model
 from entmtp_hf.trees.retrieval import RetrievalConfig
 
 pytestmark = pytest.mark.slow

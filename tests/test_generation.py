@@ -10,12 +10,12 @@ from tiny import ARCHS, VOCAB
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TextIteratorStreamer, pipeline
 
+from entmtp_hf.banks.bank import TopologyBank, shipped_bank_path
+from entmtp_hf.banks.plan import AcceptanceSettings, PlanSpec, build_plan
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.decoding.stats import PhaseTimer
 from entmtp_hf.errors import ConfigError
 from entmtp_hf.integration import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
-from entmtp_hf.trees.bank import TopologyBank, shipped_bank_path
-from entmtp_hf.trees.plan import AcceptanceSettings, PlanSpec, build_plan
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]

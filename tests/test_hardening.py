@@ -23,10 +23,10 @@ from bad_files import (
 )
 from safetensors.torch import save_file
 
+from entmtp_hf.banks.bank import MAX_TREES, BankFormatError, TopologyBank
 from entmtp_hf.errors import ConfigError, EntMTPError, FileFormatError
 from entmtp_hf.files import check_relative_name, nesting_depth, parse_json, resolve_inside
 from entmtp_hf.heads import HeadsConfig, HeadsLoadError, HeadsMismatchError, MedusaHeads, load_heads
-from entmtp_hf.trees.bank import MAX_TREES, BankFormatError, TopologyBank
 from entmtp_hf.trees.retrieval import MAX_NUM_TOKENS, RetrievalConfig
 from entmtp_hf.trees.tree import Tree
 
@@ -130,7 +130,7 @@ def test_retrieval_config_is_bounded() -> None:
 
 
 def test_shipped_banks_still_load_fast() -> None:
-    from entmtp_hf.trees.bank import SHIPPED_DIR
+    from entmtp_hf.banks.bank import SHIPPED_DIR
 
     files = sorted(SHIPPED_DIR.glob("*/*.safetensors"))
     start = time.perf_counter()

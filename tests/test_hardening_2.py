@@ -22,6 +22,8 @@ from bad_files import bank_parts, write_bank
 from test_generation import enabled, prompts
 
 from entmtp_hf import ConfigError, EntMTPConfig
+from entmtp_hf.banks.bank import BankFormatError, TopologyBank
+from entmtp_hf.banks.format import SchedulerDefaults
 from entmtp_hf.costs.table import CostTable
 from entmtp_hf.errors import EntMTPError, FileFormatError
 from entmtp_hf.scheduling.eas import EASConfig, EASController
@@ -36,8 +38,6 @@ from entmtp_hf.scheduling.policies import (
     policy_names,
 )
 from entmtp_hf.tools.cli import main
-from entmtp_hf.trees.bank import BankFormatError, TopologyBank
-from entmtp_hf.trees.bank_format import SchedulerDefaults
 from entmtp_hf.trees.tree import Tree
 
 EXAMPLES = int(os.environ.get("ENTMTP_FUZZ_EXAMPLES", "150"))

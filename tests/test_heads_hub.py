@@ -16,6 +16,7 @@ from tiny import tiny_model
 from transformers import LlamaConfig
 
 from entmtp_hf import enable_entmtp
+from entmtp_hf.banks.bank import published_defaults_bank
 from entmtp_hf.errors import ConfigError, FileFormatError
 from entmtp_hf.heads import (
     DataSource,
@@ -27,7 +28,6 @@ from entmtp_hf.heads import (
     TokensPerStep,
     load_heads,
 )
-from entmtp_hf.trees.bank import published_defaults_bank
 
 CARD = HeadsCard(
     training_data=(DataSource("distill", 1000, 50, "the base model's own answers"),),

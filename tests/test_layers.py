@@ -18,10 +18,10 @@ PACKAGE = "entmtp_hf"
 #: bottom first; a module belongs to the layer of the longest prefix that names it
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("errors", "validation", "files", "paths", "hub", "cpu_kernels")),
-    ("topology", ("trees.tree", "trees.retrieval")),
+    ("topology", ("trees",)),
     ("scheduling", ("scheduling",)),
     ("costs", ("costs",)),
-    ("banks", ("trees",)),
+    ("banks", ("banks",)),
     ("heads", ("heads",)),
     ("drafting", ("drafting",)),
     ("decoding", ("decoding",)),

@@ -10,6 +10,7 @@ import torch
 from test_generation import enabled, prompts
 
 from entmtp_hf import ConfigError, EntMTPConfig
+from entmtp_hf.banks.bank import TopologyBank
 from entmtp_hf.scheduling import policies
 from entmtp_hf.scheduling.policies import (
     NEEDS_ENTROPIES,
@@ -21,7 +22,6 @@ from entmtp_hf.scheduling.policies import (
     policy_names,
     register_policy,
 )
-from entmtp_hf.trees.bank import TopologyBank
 from entmtp_hf.trees.tree import Tree
 
 CHAIN = [[0], [0, 0]]

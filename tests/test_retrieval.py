@@ -81,7 +81,7 @@ def test_plan_maps_every_branch_node():
 
 
 def test_bank_default_decides_unless_the_config_says(tmp_path):
-    from entmtp_hf.trees.bank import TopologyBank
+    from entmtp_hf.banks.bank import TopologyBank
 
     trees = [Tree.chain(1), Tree.chain(2)]
     stored = RetrievalConfig(mode="replace", num_tokens=2)

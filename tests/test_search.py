@@ -13,6 +13,7 @@ import pytest
 import torch
 from tiny import VOCAB, tiny_model
 
+from entmtp_hf.banks.bank import TopologyBank
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.costs.table import CostTable
 from entmtp_hf.heads import HydraHeads, MedusaHeads
@@ -34,7 +35,6 @@ from entmtp_hf.tools.search.trajectories import (
     simulate_canonical,
     table_accept,
 )
-from entmtp_hf.trees.bank import TopologyBank
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 NEW = 16

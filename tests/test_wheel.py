@@ -28,7 +28,7 @@ leaked = [m for m in {tools} if m in sys.modules]
 import torch
 from entmtp_hf import EntMTPConfig, TopologyBank
 from entmtp_hf.demo import DEMO_PROMPTS, load_demo
-from entmtp_hf.trees.bank import shipped_bank_path
+from entmtp_hf.banks.bank import shipped_bank_path
 
 model, tokenizer, bank_dir = load_demo()
 assert str(bank_dir).startswith(sys.argv[1]) and "published-defaults" != bank_dir.name
@@ -69,7 +69,7 @@ def test_the_wheel_installs_and_decodes_away_from_the_checkout(tmp_path, demo_co
     installed = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)])
     assert installed.returncode == 0, installed.stderr[-2000:]
     packaged = {p.relative_to(site / "entmtp_hf").as_posix() for p in (site / "entmtp_hf").rglob("*") if p.is_file()}
-    assert "banks/smollm2-135m-cpu/gsm8k.safetensors" in packaged
+    assert "banks/shipped/smollm2-135m-cpu/gsm8k.safetensors" in packaged
     assert "demo/assets/smollm2-135m-hydra/model.safetensors" in packaged
     assert "tools/metrics/perplexity/perplexity.py" in packaged
     assert {

@@ -13,6 +13,7 @@ embedded demo in :mod:`entmtp_hf.demo`.
 """
 
 from .assisted import EntropyAdaptiveCandidateGenerator
+from .banks.bank import TopologyBank
 from .calibration import calibrate
 from .config import EntMTPConfig
 from .cpu_kernels import CPUKernels
@@ -23,7 +24,6 @@ from .errors import ConfigError, EntMTPError, FileFormatError
 from .heads import DraftHeads, HydraHeads, MedusaHeads, load_heads
 from .integration import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
 from .scheduling.eas import EASConfig
-from .trees.bank import TopologyBank
 from .trees.retrieval import RetrievalConfig
 from .trees.tree import MC_SIM_7B_63, Tree
 

@@ -13,13 +13,13 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
+from .banks.bank import TopologyBank, check_task_name
+from .banks.plan import AcceptanceSettings, DecodePlan, PlanSpec, build_plan
 from .costs.table import CostTable
 from .errors import ConfigError
 from .scheduling.eas import EASConfig
 from .scheduling.features import FEATURES, MAX_FEATURE_WINDOW, feature_top
 from .scheduling.policies import SOURCES, default_policy, get_policy
-from .trees.bank import TopologyBank, check_task_name
-from .trees.plan import AcceptanceSettings, DecodePlan, PlanSpec, build_plan
 from .trees.retrieval import RetrievalConfig
 from .trees.tree import Tree
 from .validation import brief_repr, choice, integer, number, numbers_in, sequence, taus, thresholds
@@ -46,7 +46,7 @@ def _tree(field_name: str, value: Any) -> Tree:
 class EntMTPConfig:
     """How ``generate`` drafts and verifies trees.
 
-    Give a ``bank`` (a :class:`~entmtp_hf.trees.bank.TopologyBank`, a folder or a Hub repo id)
+    Give a ``bank`` (a :class:`~entmtp_hf.banks.bank.TopologyBank`, a folder or a Hub repo id)
     and its ``task``; or one explicit ``tree`` (a list of paths); or several ``trees`` (smallest
     first). ``policy`` defaults to the bank's calibrated policy, and without a bank to
     ``static`` for one tree, ``hysteresis`` for two trees (T- = first, T+ = second) and
@@ -276,7 +276,7 @@ class EntMTPConfig:
     # ------------------------------------------------------------------ resolution
     def plan_spec(self) -> PlanSpec:
         """The settings a plan is built from, as typed data (the bank loaded, the trees compiled):
-        what :func:`~entmtp_hf.trees.plan.build_plan` reads, so the layers below never see this
+        what :func:`~entmtp_hf.banks.plan.build_plan` reads, so the layers below never see this
         config. Read once per config object; every field was checked when it was built."""
         if self._spec is None:
             self._spec = PlanSpec(
@@ -321,7 +321,7 @@ class EntMTPConfig:
         return False
 
     def resolve(self, num_heads: int, draft_rows: int | None = None, costs: CostTable | None = None) -> DecodePlan:
-        """The :class:`~entmtp_hf.trees.plan.DecodePlan` for heads with ``num_heads`` heads drafting
+        """The :class:`~entmtp_hf.banks.plan.DecodePlan` for heads with ``num_heads`` heads drafting
         from ``draft_rows`` tokens, ranked by ``costs`` (a machine's step costs) if the config
         adapts. Cached on the config, so trees are compiled once and later calls only look the
         plan up."""

@@ -28,6 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import output_capturing
 
 from .assisted import ACTIVE_EAS_CALL, EASCall, build_candidate_generator
+from .banks.plan import DecodePlan
 from .calibration import batch_bucket, tables_for
 from .calibration import calibrate as calibrate_costs
 from .config import EntMTPConfig
@@ -39,7 +40,6 @@ from .decoding.stats import DecodeObserver
 from .errors import EntMTPError
 from .heads import HEADS_ATTR, DraftHeads, load_heads
 from .scheduling.eas import EASConfig
-from .trees.plan import DecodePlan
 
 log = logging.getLogger(__name__)
 

@@ -115,7 +115,7 @@ def _value_costs(trees: Sequence[Tree], value: Sequence[int], table: CostTable) 
 
 
 def scheduler_for(defaults, ranking: Ranking, root_only: int | None):
-    """The bank's :class:`~entmtp_hf.trees.bank_format.SchedulerDefaults` with this machine's trees.
+    """The bank's :class:`~entmtp_hf.banks.format.SchedulerDefaults` with this machine's trees.
 
     Plain decoding (no tree beats it) becomes the static policy on the root-only tree with no
     retrieval, which ``generate`` runs as plain ``generate``. Where EntMTP* was priced with

@@ -19,9 +19,9 @@ from typing import Callable, Sequence
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..banks.plan import AcceptanceSettings, DecodePlan
 from ..drafting.candidates import Draft, EntMTPCandidateGenerator
 from ..errors import EntMTPError
-from ..trees.plan import AcceptanceSettings, DecodePlan
 from ..trees.tree import Tree
 from .acceptance import greedy_picks, sample_picks
 from .cache import prepare_cache

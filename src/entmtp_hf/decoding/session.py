@@ -42,9 +42,9 @@ import torch
 from torch import Tensor
 from transformers import StaticCache
 
+from ..banks.plan import DecodePlan
 from ..drafting.candidates import Draft, EntMTPCandidateGenerator
 from ..errors import EntMTPError
-from ..trees.plan import DecodePlan
 from ..trees.tree import Tree
 from .acceptance import check_pick, reference_typical_flags, typical_accept_flags, typical_best_path, walk_tree
 from .attention import AttentionLayout, tree_inputs, verifying

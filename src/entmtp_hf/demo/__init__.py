@@ -1,6 +1,6 @@
 """The embedded default: the demo model with its shipped heads and banks, in one line.
 
-``load_demo()`` returns SmolLM2-135M-Instruct (see :mod:`entmtp_hf.demo.model`) with its
+``load_demo()`` returns SmolLM2-135M-Instruct (see :mod:`entmtp_hf.tools.models`) with its
 default drafter enabled (:data:`DEFAULT_DRAFTER`), its tokenizer and the folder of the tree
 banks searched for that drafter; the drafters and banks are package data, so this works from
 an installed wheel. ``load_demo(model="gemma-3-270m")`` does the same for Gemma 3 270M with its
@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from ..banks.bank import TopologyBank, shipped_bank_path
 from ..config import EntMTPConfig
 from ..integration import enable_entmtp
-from ..trees.bank import TopologyBank, shipped_bank_path
-from .model import load_base_model
+from ..tools.models import load_base_model
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEMO_HEADS = ASSETS / "smollm2-135m-hydra"
@@ -74,7 +74,7 @@ def load_demo(
 ):
     """``(model, tokenizer, bank_dir)``: a demo model with a drafter enabled.
 
-    ``model``: ``None`` (SmolLM2-135M-Instruct), a name of :data:`~entmtp_hf.demo.model.DEMO_MODELS`
+    ``model``: ``None`` (SmolLM2-135M-Instruct), a name of :data:`~entmtp_hf.tools.models.DEMO_MODELS`
     (``"gemma-3-270m"``), a Hub id or a local folder. For SmolLM2, ``heads`` is ``"eagle"`` (the
     EAGLE-style drafter, the default) or ``"hydra"`` (the Hydra heads), each with the banks searched
     for it, or a heads folder (with the banks in its ``banks/`` if there, else ``banks``, else the
@@ -83,7 +83,7 @@ def load_demo(
     wrote, and the banks are ``banks`` or that folder's ``banks/``.
     ``calibrate``: as :func:`~entmtp_hf.enable_entmtp`'s (measure this machine's step costs now,
     so that the banks rank their trees for it)."""
-    from .model import DEFAULT_DEMO
+    from ..tools.models import DEFAULT_DEMO
 
     if model in SHIPPED_DRAFTERS and heads in (None, "eagle"):
         heads, bank = SHIPPED_DRAFTERS[model]

@@ -44,11 +44,11 @@ from typing import Callable
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from ..banks.plan import DecodePlan
 from ..scheduling.eas import EASController
 from ..scheduling.features import FeatureTracker, top1_and_entropy, tree_values
 from ..scheduling.guard import BreakEvenGuard
 from ..scheduling.policies import NEEDS_ENTROPIES, NEEDS_FEATURE, NEEDS_NOTHING, NEEDS_VALUES, Scheduler
-from ..trees.plan import DecodePlan
 from ..trees.tree import Tree, TreeBuffers
 from .retrieval import NgramIndex
 

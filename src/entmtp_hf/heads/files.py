@@ -26,10 +26,10 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from ..banks.format import METADATA_KEY as BANK_METADATA_KEY
 from ..errors import FileFormatError
 from ..files import check_relative_name, read_json_object, resolve_inside
 from ..hub import missing_revision
-from ..trees.bank_format import METADATA_KEY as BANK_METADATA_KEY
 from ..validation import brief_list
 
 #: ``config.json`` of heads: a few kB (the prefix layer's config included); multimodal base

@@ -104,8 +104,8 @@ def markdown(table: dict[str, Any]) -> str:
 
 
 def _acceptance(args: argparse.Namespace) -> int:
+    from ..banks.bank import TopologyBank
     from ..demo.run import load_demo
-    from ..trees.bank import TopologyBank
     from .bench.results import read_results
     from .machine import set_threads
 

@@ -275,7 +275,7 @@ class _Build:
 
     def loaded(self) -> tuple[Any, Any]:
         if self._loaded is None:
-            from ..demo.model import load_base_model
+            from .models import load_base_model
 
             self._loaded = load_base_model(self.opts.model)
         return self._loaded
@@ -412,7 +412,7 @@ class _Build:
         )
 
     def _search_info(self) -> dict[str, str]:
-        from ..demo.model import base_model_id
+        from .models import base_model_id
 
         return {
             "heads_name": self.opts.push_to_hub or f"build-drafter heads ({Path(self.opts.out).name})",
@@ -506,8 +506,8 @@ class _Build:
 def push_to_hub(out: Path, repo: str, banks_repo: str | None = None) -> dict[str, str]:
     """The heads in ``out`` to the Hub repo ``repo``, and every bank of ``out/banks`` to
     ``banks_repo`` (default ``REPO-banks``: a bank repo's model card is its README, as is the heads')."""
+    from ..banks.bank import TopologyBank, list_local_tasks
     from ..heads import DraftHeads
-    from ..trees.bank import TopologyBank, list_local_tasks
 
     banks_repo = banks_repo or f"{repo}-banks"
     DraftHeads.from_pretrained(out).push_to_hub(repo)

@@ -28,12 +28,12 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..banks.bank import TopologyBank, list_local_tasks
 from ..calibration import batch_bucket
 from ..calibration import calibrate as measure_costs
 from ..config import EntMTPConfig
 from ..costs.retrieval import RETRIEVAL_OPTIONS, retrieval_label
 from ..costs.table import CostTable
-from ..trees.bank import TopologyBank, list_local_tasks
 from ..trees.tree import Tree
 from .checkpoint import json_safe, write_json
 from .machine import hardware_string, set_threads
@@ -321,8 +321,8 @@ def calibrate(
     are then not read); ``searches``: per task, the search whose checkpointed first two stages
     give the frontier (instead of new greedy runs in ``--work``)."""
     from ..demo import DEMO_HEADS
-    from ..demo.model import load_base_model
     from ..integration import HEADS_ATTR, enable_entmtp
+    from .models import load_base_model
 
     set_threads(args.threads)
     source, out = Path(args.bank), Path(args.out)
@@ -401,7 +401,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
         description="Measure this machine's step costs for the model and heads (cached), re-rank every task's "
         "acceptance frontier on them, and write the bank with this machine's entry to --out.",
     )
-    p.add_argument("bank", help="bank folder (e.g. a shipped bank: entmtp_hf/banks/smollm2-135m-cpu)")
+    p.add_argument("bank", help="bank folder (e.g. a shipped bank: entmtp_hf/banks/shipped/smollm2-135m-cpu)")
     p.add_argument("--tasks", nargs="+", default=None, help="tasks of the bank (default: all)")
     p.add_argument("--out", required=True, help="folder for the calibrated copy of the bank and the report")
     p.add_argument("--model", default=None, help="base model id or folder (default: the demo model)")

@@ -299,10 +299,10 @@ def _rows(rows: Sequence[dict]) -> list[str]:
 # ============================================================================ CLI
 def run_cli(args: argparse.Namespace) -> int:
     from ..demo import DEMO_HEADS
-    from ..demo.model import load_base_model
     from ..heads import load_heads
     from .data.tasks import calibration_prompts
     from .machine import set_threads
+    from .models import load_base_model
     from .profile import forward_costs
 
     set_threads(args.threads)
@@ -393,7 +393,7 @@ def measure_overhead(model=None, heads=None, repeats: int = 200, tree=None) -> d
     from ..heads import HydraHeads
 
     if model is None:
-        from ..demo.model import load_base_model
+        from .models import load_base_model
 
         model, _ = load_base_model()
     if heads is None:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path as FilePath
 from typing import Any, Callable, Iterator, Mapping
 
+from ..banks.bank import SHIPPED_DIR, SchedulerDefaults, TopologyBank, shipped_bank_path
 from ..errors import EntMTPError
-from ..trees.bank import SHIPPED_DIR, SchedulerDefaults, TopologyBank, shipped_bank_path
 from ..trees.tree import Path, Tree, canonical_order
 from .checkpoint import write_json
 

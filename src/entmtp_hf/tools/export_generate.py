@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 
 from .. import __version__
+from ..banks.bank import TopologyBank, check_task_name
 from ..heads import DraftHeads
 from ..hub import hub_repo_id
-from ..trees.bank import TopologyBank, check_task_name
 
 GENERATE_PY = '''"""EntMTP tree speculative decoding as a transformers ``custom_generate`` method.
 

@@ -1,1 +1,1 @@
-"""Tree topologies, the banks that hold them and the plan one generate call decodes with."""
+"""Tree topologies: the validated trees, the buffers they compile to, the retrieval branch's shape."""

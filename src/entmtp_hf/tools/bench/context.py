@@ -18,11 +18,11 @@ from typing import Any, Mapping
 
 import torch
 
+from ...banks.bank import SHIPPED_DIR, TopologyBank
 from ...calibration import calibrate
 from ...config import EntMTPConfig
 from ...cpu_kernels import CPUKernels
 from ...demo import DEMO_EAGLE_BANK, DEMO_EAGLE_HEADS, DEMO_HEADS, DEMO_MEDUSA_HEADS, SHIPPED_DRAFTERS
-from ...trees.bank import SHIPPED_DIR, TopologyBank
 
 log = logging.getLogger("entmtp_hf.tools.bench")
 
@@ -223,7 +223,7 @@ def load_context(
     seed: int = 0,
 ) -> BenchContext:
     """Load the base model (default: the demo model), the heads of each family and the bank."""
-    from ...demo.model import load_base_model
+    from ..models import load_base_model
 
     model, tokenizer = load_base_model(model_id)
     model.to(device)

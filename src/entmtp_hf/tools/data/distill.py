@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ...demo.model import load_base_model
+from ..models import load_base_model
 from . import datasets as D
 
 

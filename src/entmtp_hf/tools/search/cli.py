@@ -157,8 +157,8 @@ def _restart(out: FsPath) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Load the model and heads once, then search every task of ``--task`` (comma-separated) in turn."""
-    from ...demo.model import DEMO_NAME, load_base_model
     from ...integration import enable_entmtp
+    from ..models import DEMO_NAME, load_base_model
 
     config = config_from_args(args)
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...banks.bank import TopologyBank
 from ...costs.table import CostTable, interpolate
-from ...trees.bank import TopologyBank
 from ..checkpoint import json_safe, write_json
 from ..machine import hardware_string, versions
 from .plots import PLOTS, plot_acceptance, plot_throughput

@@ -2,7 +2,7 @@
 
 Under greedy decoding the output does not depend on the trees, so one greedy run of a prompt
 and one teacher-forced pass of the heads along it (:func:`~.trajectories.rank_tuples`)
-fix what every step of any :class:`~entmtp_hf.trees.plan.DecodePlan` would accept: a drafted
+fix what every step of any :class:`~entmtp_hf.banks.plan.DecodePlan` would accept: a drafted
 node is the verifier's pick iff its rank equals the rank of the true token at its depth, a
 retrieved token iff it is the true token. The scheduler's features come from the same pass
 (:data:`SIGNALS`, one value per step start), retrieval from the text so far, exactly as
@@ -25,13 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from ...banks.plan import DecodePlan, build_plan
 from ...config import EntMTPConfig
 from ...costs.retrieval import RetrievalFigures
 from ...decoding.acceptance import walk_tree
 from ...drafting.retrieval import NgramIndex
 from ...scheduling.features import FeatureTracker
 from ...scheduling.policies import FEATURE_POLICIES
-from ...trees.plan import DecodePlan, build_plan
 from ...trees.retrieval import RetrievalConfig
 from ...trees.tree import Tree
 from .trajectories import Trajectory, accepted_depth

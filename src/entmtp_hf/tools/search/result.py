@@ -13,8 +13,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+from ...banks.bank import default_thresholds
 from ...costs.table import interpolate
-from ...trees.bank import default_thresholds
 from ...trees.retrieval import RetrievalConfig
 from ...trees.tree import MC_SIM_7B_63, Tree
 from .choose import Choice, choose_trees, value_costs, value_sets

@@ -74,7 +74,7 @@ def _train_command(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**values)
     command = "entmtp-hf " + shlex.join(sys.argv[1:]) if sys.argv and "train-heads" in sys.argv else None
     if args.extract_only:
-        from ...demo.model import load_base_model
+        from ..models import load_base_model
 
         model, tok = load_base_model(cfg.model)
         Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ...demo.model import base_model_id
 from ...heads import HEADS_REGISTRY, DraftHeads
 from .. import require
+from ..models import base_model_id
 from .card import heads_card
 from .config import SOURCES, SPLIT_TRAIN, SPLIT_VAL, TrainConfig
 from .objective import HeadsObjective, evaluate_heads, measure_tau, tau_prompts
@@ -363,7 +363,7 @@ def train_heads(
     log = RunLog(run / "train.log", acc.is_main_process)
     started = time.perf_counter()
     if model is None:
-        from ...demo.model import load_base_model
+        from ..models import load_base_model
 
         model, tokenizer = load_base_model(cfg.model)
     model.to(acc.device).eval().requires_grad_(False)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from entmtp_hf.demo import model as demo_model
-from entmtp_hf.demo.model import cache_problem, default_cache_dir, demo_model_dir
+from entmtp_hf.tools import models as demo_model
+from entmtp_hf.tools.models import cache_problem, default_cache_dir, demo_model_dir
 
 
 def _fake_copy(folder, *, config=None, tensors=True, tokenizer=True):

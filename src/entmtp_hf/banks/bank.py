@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -37,8 +36,10 @@ from ..costs.retrieval import RetrievalFigures
 from ..costs.table import CostTable
 from ..errors import EntMTPError
 from ..hub import missing_revision
-from .bank_card import CARD_NAME, model_card
-from .bank_format import (
+from ..trees.retrieval import RetrievalConfig
+from ..trees.tree import MC_SIM_7B_63, Tree
+from .card import CARD_NAME, model_card
+from .format import (
     FORMAT_VERSION,
     MAX_BANK_NODES,
     MAX_FILE_BYTES,
@@ -61,11 +62,9 @@ from .bank_format import (
     load_bank_contents,
     tasks_from_names,
 )
-from .retrieval import RetrievalConfig
-from .tree import MC_SIM_7B_63, Tree
 
 #: the banks shipped with the package (package data: present in wheels and checkouts alike)
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "banks"
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 __all__ = [
     "CARD_NAME",
@@ -89,7 +88,6 @@ __all__ = [
     "encode_tree",
     "list_local_tasks",
     "load_bank_file",
-    "main",
     "model_card",
     "published_defaults_bank",
     "shipped_bank_path",
@@ -438,13 +436,14 @@ def _tasks_or_unknown(
 
 # ------------------------------------------------------------------ shipped banks
 def published_defaults_bank() -> TopologyBank:
-    """The bank shipped in ``trees/published-defaults``: the published systems' trees."""
+    """The bank shipped in ``banks/shipped/published-defaults``: the published systems' trees
+    (rewritten with ``published_defaults_bank().save_pretrained(shipped_bank_path("published-defaults"))``)."""
     source = "Medusa (Cai et al., 2024) and Hydra (Ankner et al., 2024) default tree `mc_sim_7b_63`"
     return TopologyBank(
         "default",
         [Tree.root_only(), Tree.chain(4), Tree.from_choices(MC_SIM_7B_63)],
         metadata={
-            "created_by": "entmtp_hf.trees.bank.published_defaults_bank",
+            "created_by": "entmtp_hf.banks.bank.published_defaults_bank",
             "heads": "any Medusa or Hydra heads",
             "hardware": "any (not measured)",
             "description": "Published default trees, uncalibrated; thresholds come from the paper's τ grid.",
@@ -467,20 +466,9 @@ def published_defaults_bank() -> TopologyBank:
 
 
 def shipped_bank_path(name: str) -> Path:
-    """Folder of a bank shipped with the package (``entmtp_hf/banks/<name>``)."""
+    """Folder of a bank shipped with the package (``entmtp_hf/banks/shipped/<name>``)."""
     path = SHIPPED_DIR / name
     if not TASK_NAME_RE.fullmatch(name) or not path.is_dir():
         shipped = sorted(p.name for p in SHIPPED_DIR.iterdir()) if SHIPPED_DIR.is_dir() else []
         raise ValueError(f"no shipped bank {name!r} in {SHIPPED_DIR} (found: {shipped}); load it from the Hub instead")
     return path
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m entmtp_hf.trees.bank [FOLDER]``: (re)write the published-defaults bank."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    folder = Path(args[0]) if args else SHIPPED_DIR / "published-defaults"
-    print(published_defaults_bank().save_pretrained(folder))
-
-
-if __name__ == "__main__":
-    main()

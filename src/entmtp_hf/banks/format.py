@@ -37,6 +37,8 @@ from ..errors import EntMTPError, FieldError, FileFormatError
 from ..files import nesting_depth, parse_json
 from ..scheduling.features import FEATURES
 from ..scheduling.policies import get_policy
+from ..trees.retrieval import RetrievalConfig
+from ..trees.tree import Tree
 from ..validation import (
     brief_list,
     brief_repr,
@@ -50,8 +52,6 @@ from ..validation import (
     taus,
     thresholds,
 )
-from .retrieval import RetrievalConfig
-from .tree import Tree
 
 FORMAT_VERSION = 1
 METADATA_KEY = "entmtp_bank"
@@ -411,7 +411,7 @@ def _check_speedups(speedups: object, num_trees: int) -> None:
 
 @dataclass(frozen=True, eq=False)
 class BankContents:
-    """A validated bank: what :class:`~entmtp_hf.trees.bank.TopologyBank` wraps and the model card reads."""
+    """A validated bank: what :class:`~entmtp_hf.banks.bank.TopologyBank` wraps and the model card reads."""
 
     task: str
     trees: tuple[Tree, ...]

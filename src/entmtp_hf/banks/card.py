@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..costs.retrieval import retrieval_label
-from .bank_format import (
+from ..trees.retrieval import RetrievalConfig
+from .format import (
     FIGURES,
     SUFFIX,
     TEXT_KEYS,
@@ -21,7 +22,6 @@ from .bank_format import (
     list_local_tasks,
     load_bank_contents,
 )
-from .retrieval import RetrievalConfig
 
 CARD_NAME = "README.md"
 #: EntMTP*, the static policy's tree, written so that Markdown does not read the star as emphasis

@@ -33,13 +33,13 @@ from ..scheduling.policies import (
     default_policy,
     get_policy,
 )
+from ..trees.retrieval import RetrievalConfig, with_branch
+from ..trees.tree import Tree
 from ..validation import number, numbers_in
-from .retrieval import RetrievalConfig, with_branch
-from .tree import Tree
 
 if TYPE_CHECKING:
     from .bank import TopologyBank
-    from .bank_format import SchedulerDefaults
+    from .format import SchedulerDefaults
 
 
 @dataclass(frozen=True)
