@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, target_joint
 from tiny import VOCAB
+from transformers.generation.streamers import BaseStreamer
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.decoding.attention import tree_inputs
@@ -176,6 +177,42 @@ def test_a_new_live_batch_size_switches_the_plan(tiny_cache, monkeypatch):
     assert {n for n, b in zip(longest, sizes) if b < 3} == {2}
 
 
+def test_batch_statistics_hold_every_rows_and_the_calls(tiny_cache, monkeypatch):
+    """Each row's statistics, EAS's included, run over all of its steps (across a change of plan);
+    the top level holds the call's: every row's steps together, the call's steps and live sizes."""
+    from entmtp_hf import integration
+    from entmtp_hf.scheduling.eas import EASConfig
+
+    model = enabled(tiny_cache)
+    singles, ids, mask = batch_of()
+    eos = eos_ending_rows_apart(model, singles, 30)
+    eas = EASConfig(warmup_tokens=4, warmup_length=2, thresholds=(2.0, 1.5, 1.0), band_edges=(1.0, 1.5))
+    big, small = EntMTPConfig(tree=MC_SIM_7B_63, eas=eas), EntMTPConfig(tree=[[0], [0, 0]], eas=eas)
+    heads = model.entmtp_heads
+    plans = {b: (big if b >= 3 else small).resolve(heads.num_heads, heads.config.draft_vocab_rows) for b in range(1, 5)}
+    real = integration.entmtp_decode
+    monkeypatch.setattr(integration, "entmtp_decode", lambda *a, **k: real(*a, **{**k, "plan_for": plans.__getitem__}))
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    out = generate(model, ids, entmtp_config=big, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, generate(model, ids, **kwargs))
+    st, rows = out.entmtp_stats, out.entmtp_stats["rows"]
+    assert min(st["live_batch_sizes"]) < 3 <= max(st["live_batch_sizes"])
+    for row in rows:
+        assert len(row["eas"]["chain_lengths"]) == row["steps"] == sum(row["eas"]["halts"].values()) > 0
+    assert st["steps"] == len(st["live_batch_sizes"]) == max(r["steps"] for r in rows)
+    assert sum(st["live_batch_sizes"]) == sum(r["steps"] for r in rows) == len(st["accept_lengths"])
+    for key in ("accept_lengths", "tree_indices", "tree_sizes", "features"):
+        assert st[key] == [x for r in rows for x in r[key]]
+    for key in ("new_tokens", "drafted_tokens", "accepted_draft_tokens", "retrieval_steps", "root_alone_steps"):
+        assert st[key] == sum(r[key] for r in rows)
+    assert st["mean_accept_length"] == pytest.approx(sum(st["accept_lengths"]) / len(st["accept_lengths"]))
+    assert st["eas"]["chain_lengths"] == [n for r in rows for n in r["eas"]["chain_lengths"]]
+    assert st["eas"]["halts"] == {k: sum(r["eas"]["halts"][k] for r in rows) for k in st["eas"]["halts"]}
+    verified = sum(r["eas"]["verified_draft_tokens"] for r in rows)
+    rejected = verified - sum(r["eas"]["accepted_draft_tokens"] for r in rows)
+    assert st["eas"]["rejected_fraction"] == pytest.approx(rejected / verified)
+
+
 def test_tree_inputs_pad_each_row_to_the_largest_tree():
     chain, fan = Tree.chain(2), Tree.from_choices([[0], [1], [2], [3]])
     drafts = []
@@ -260,7 +297,6 @@ def test_exact_sampling_in_a_batch_preserves_every_rows_distribution(tiny_cache)
     [
         (lambda ids, mask: dict(attention_mask=mask.flip(-1)), "left-padded"),
         (lambda ids, mask: dict(num_beams=2), "num_beams"),
-        (lambda ids, mask: dict(streamer=object()), "streamers take one sequence"),
     ],
 )
 def test_bad_batch_input_raises_before_any_forward(tiny_cache, make_kwargs, message):
@@ -533,6 +569,51 @@ def test_a_criterion_that_stops_one_row_behaves_as_in_plain_generate(tiny_cache,
     for tree in (MC_SIM_7B_63, [[0]]):
         out = generate(model, ids, entmtp_config=EntMTPConfig(tree=tree), **kwargs)
         assert torch.equal(out, plain)
+
+
+class Recorder(BaseStreamer):
+    """Every ``put`` (a copy of its tensor) and whether ``end`` came last."""
+
+    def __init__(self) -> None:
+        self.puts, self.ended = [], False
+
+    def put(self, value) -> None:
+        assert not self.ended
+        self.puts.append(value.clone())
+
+    def end(self) -> None:
+        self.ended = True
+
+
+@pytest.mark.parametrize("eos", [False, True])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_batch_streams_as_plain_generate(tiny_cache, eos, cache):
+    """A streamer gets what plain generate gives it for a batch: the prompts [B, L], then one [B]
+    column per new token (a row stopped on EOS: the pad token), then ``end``; so what is streamed is
+    what is returned. Rows stop apart (a criterion, EOS) and drafts accept several tokens per step."""
+    from transformers import StoppingCriteriaList
+
+    model = enabled(tiny_cache)
+    singles, ids, mask = batch_of()
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        stopping_criteria=StoppingCriteriaList([EvenLastToken()]),
+    )
+    if eos:
+        kwargs["eos_token_id"] = eos_ending_rows_apart(model, singles, 30)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    plain = Recorder()
+    want = generate(model, ids, streamer=plain, **kwargs)
+    assert plain.ended and len(plain.puts) == want.shape[1] - ids.shape[1] + 1
+    for tree in (MC_SIM_7B_63, [[0]]):
+        got = Recorder()
+        out = generate(model, ids, streamer=got, entmtp_config=EntMTPConfig(tree=tree), **kwargs)
+        assert torch.equal(out, want) and got.ended
+        assert [tuple(p.shape) for p in got.puts] == [tuple(p.shape) for p in plain.puts]
+        assert all(torch.equal(a, b) for a, b in zip(got.puts, plain.puts))
 
 
 def test_a_row_of_padding_alone_without_a_mask(tiny_cache):

@@ -12,14 +12,12 @@ import pytest
 
 from entmtp_hf.banks.bank import SHIPPED_DIR, SUFFIX, TopologyBank, shipped_bank_path
 from entmtp_hf.tools.cli import main
-from entmtp_hf.tools.export import (
-    DRAFTERS,
+from entmtp_hf.tools.export import bank_source, export
+from entmtp_hf.tools.export_engines import DRAFTERS, sglang_budget
+from entmtp_hf.tools.export_shapes import (
     accept_bounds,
-    bank_source,
     best_chain,
     contiguous,
-    export,
-    sglang_budget,
     top1_chain,
     within_budget,
     within_depth,

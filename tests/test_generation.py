@@ -311,11 +311,11 @@ def test_a_feature_known_before_drafting_drafts_the_chosen_tree_only(tiny_cache,
 
 @pytest.mark.parametrize("feature,reads", [("base_top1", True), ("accept_ema", False), ("head_confidence", False)])
 def test_the_verifiers_softmax_runs_only_for_a_feature_that_reads_it(tiny_cache, monkeypatch, feature, reads):
-    import entmtp_hf.drafting.candidates as candidates
+    import entmtp_hf.drafting.drafter as drafter
 
     model, calls = enabled(tiny_cache), []
-    real = candidates.top1_and_entropy
-    monkeypatch.setattr(candidates, "top1_and_entropy", lambda logits: calls.append(1) or real(logits))
+    real = drafter.top1_and_entropy
+    monkeypatch.setattr(drafter, "top1_and_entropy", lambda logits: calls.append(1) or real(logits))
     config = EntMTPConfig(trees=[[[0]], CHAIN[:3]], tau_on=0.3, tau_off=0.3, feature=feature)
     for ids in prompts(2):
         calls.clear()
@@ -543,43 +543,41 @@ def test_bank_default_policy_and_feature_are_used_unless_overridden():
     assert plan.trees == (trees[1], trees[2]) and plan.scheduler_args == {"policy": "value", "costs": (1.0, 1.4)}
 
 
-# ----------------------------------------------------------------------------- the CandidateGenerator contract
-def test_the_step_verifies_what_get_candidates_returns(tiny_cache, monkeypatch):
-    """transformers' contract: ``get_candidates`` returns the candidates and the step uses them. A
-    generator whose return value differs from what it drafted (the root alone) is verified as returned."""
-    from entmtp_hf.drafting.candidates import Draft, EntMTPCandidateGenerator, TreeCandidates
-    from entmtp_hf.trees.tree import Tree
+# ----------------------------------------------------------------------------- the drafter's contract
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_step_verifies_what_draft_returns_and_the_drafter_learns_what_it_accepted(tiny_cache, monkeypatch, batch):
+    """The step verifies exactly what ``TreeDrafter.draft`` returned (a drafter returning the root
+    alone instead of what it drafted is verified as returned), and ``learn`` gets, per row, that
+    draft and the length of the path the step accepted of it."""
+    from entmtp_hf.drafting.drafter import Draft, TreeDrafter
 
     model, heads = tiny_cache("llama", "hydra", "mlp")
     enable_entmtp(model, heads)
-    real = EntMTPCandidateGenerator.get_candidates
-    seen, scored = [], []
+    real = TreeDrafter.draft
+    returned, learnt = [], []
 
-    def root_only(self, input_ids):
-        pair = real(self, input_ids)
-        ids, logits = pair  # unpacks as transformers' (candidate_ids, candidate_logits)
-        assert logits is None and torch.equal(ids[0, input_ids.shape[1] - 1 :], pair.draft.tokens)
-        root = Draft(0, pair.draft.tokens[:1], Tree.root_only().buffers(ids.device, model.dtype), None)
-        seen.append(root)
-        return TreeCandidates(input_ids, None, root)
+    def root_only(self, rows, texts):
+        drafts = real(self, rows, texts)
+        assert len(drafts) == len(rows) == len(texts)
+        assert all(torch.equal(d.tokens[:1], t[0, -1:]) for d, t in zip(drafts, texts))  # node 0 is the root
+        roots = [Draft(0, d.tokens[:1], Tree.root_only().buffers(d.tokens.device, model.dtype), None) for d in drafts]
+        returned.append(roots)
+        return roots
 
-    def update(self, input_ids, scores, num_matches):
-        scored.append((input_ids.shape[1], tuple(scores.shape), num_matches))
+    def learn(self, rows, drafts, accepted):
+        learnt.append((list(drafts), list(accepted)))
 
-    monkeypatch.setattr(EntMTPCandidateGenerator, "get_candidates", root_only)
-    monkeypatch.setattr(EntMTPCandidateGenerator, "update_candidate_strategy", update)
-    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
-    out = model.generate(
-        ids,
-        max_new_tokens=10,
-        do_sample=False,
-        entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63),
-        return_dict_in_generate=True,
-    )
-    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=10, do_sample=False))
-    assert out.entmtp_stats["tree_sizes"] == [1] * len(seen) and out.entmtp_stats["accept_lengths"] == [1] * len(seen)
-    # update_candidate_strategy: the text after the step, the scores of every verified node [1, N, V], the matches
-    assert scored == [(6 + 2 + i, (1, 1, VOCAB), 0) for i in range(len(seen))]
+    monkeypatch.setattr(TreeDrafter, "draft", root_only)
+    monkeypatch.setattr(TreeDrafter, "learn", learn)
+    ids = torch.randint(1, VOCAB, (batch, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, entmtp_config=EntMTPConfig(tree=MC_SIM_7B_63), return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, model.generate(ids, **kwargs))
+    assert out.entmtp_stats["tree_sizes"] == [1] * len(returned) * batch
+    assert out.entmtp_stats["accept_lengths"] == [1] * len(returned) * batch
+    assert len(learnt) == len(returned) == out.entmtp_stats["steps"] == 9
+    for drafts, (got, accepted) in zip(returned, learnt):
+        assert all(a is b for a, b in zip(drafts, got)) and accepted == [1] * batch
 
 
 def test_plan_spec_read_once_and_the_plan_carries_the_call_settings():

@@ -13,7 +13,7 @@ from test_costs import _with_machine_costs, frontier_bank, table
 from test_generation import CHAIN, SAMPLING_TREE, chi_square_p, enabled, prompts, target_joint
 from tiny import tiny_model
 
-import entmtp_hf.drafting.candidates as candidates
+import entmtp_hf.drafting.drafter as drafter
 from entmtp_hf import EntMTPConfig, enable_entmtp
 from entmtp_hf.costs.table import CostTable
 from entmtp_hf.errors import ConfigError
@@ -157,7 +157,7 @@ GUARDED = {
 
 @pytest.mark.parametrize("name", list(GUARDED))
 def test_greedy_with_the_guard_is_plain_generate(tiny_cache, monkeypatch, name):
-    monkeypatch.setattr(candidates, "BreakEvenGuard", QUICK)
+    monkeypatch.setattr(drafter, "BreakEvenGuard", QUICK)
     model = enabled(tiny_cache)
     alone = longest = 0
     for ids in prompts():
@@ -175,7 +175,7 @@ def test_greedy_with_the_guard_is_plain_generate(tiny_cache, monkeypatch, name):
 
 @pytest.mark.parametrize("name", list(GUARDED))
 def test_a_left_padded_batch_with_the_guard_is_plain_generate(tiny_cache, monkeypatch, name):
-    monkeypatch.setattr(candidates, "BreakEvenGuard", QUICK)
+    monkeypatch.setattr(drafter, "BreakEvenGuard", QUICK)
     model = enabled(tiny_cache)
     _, ids, mask = batch_of()
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD)
@@ -194,7 +194,7 @@ def test_a_left_padded_batch_with_the_guard_is_plain_generate(tiny_cache, monkey
 
 
 def test_exact_sampling_with_the_guard_keeps_the_distribution(tiny_cache, monkeypatch):
-    monkeypatch.setattr(candidates, "BreakEvenGuard", QUICK)
+    monkeypatch.setattr(drafter, "BreakEvenGuard", QUICK)
     model = enabled(tiny_cache)
     ids = prompts(1, seed=3)[0]
     probs = target_joint(model, ids, temperature=0.7, top_k=4)

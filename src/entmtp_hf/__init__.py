@@ -19,7 +19,7 @@ from .config import EntMTPConfig
 from .cpu_kernels import CPUKernels
 from .decoding.loop import EntMTPGenerateOutput
 from .decoding.stats import PhaseTimer
-from .drafting.candidates import EntMTPCandidateGenerator
+from .drafting.drafter import TreeDrafter
 from .errors import ConfigError, EntMTPError, FileFormatError
 from .heads import DraftHeads, HydraHeads, MedusaHeads, load_heads
 from .integration import EntMTPGenerationMixin, disable_entmtp, enable_entmtp
@@ -35,7 +35,6 @@ __all__ = [
     "ConfigError",
     "DraftHeads",
     "EASConfig",
-    "EntMTPCandidateGenerator",
     "EntMTPConfig",
     "EntMTPError",
     "EntMTPGenerateOutput",
@@ -48,6 +47,7 @@ __all__ = [
     "RetrievalConfig",
     "TopologyBank",
     "Tree",
+    "TreeDrafter",
     "calibrate",
     "disable_entmtp",
     "enable_entmtp",

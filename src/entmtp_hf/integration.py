@@ -233,7 +233,7 @@ def check_supported_call(model, args: tuple, kwargs: dict, *, allowed: tuple[str
 
 
 def _check_batch(inputs: torch.Tensor, kwargs: dict) -> None:
-    """A batch is left-padded (decoder-only batches are, in transformers) and streams nothing."""
+    """A batch is left-padded (decoder-only batches are, in transformers)."""
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor):
         if tuple(mask.shape) != tuple(inputs.shape):
@@ -246,8 +246,6 @@ def _check_batch(inputs: torch.Tensor, kwargs: dict) -> None:
                 "EntMTP decodes a batch of left-padded prompts; this attention_mask pads on the right "
                 "(set tokenizer.padding_side = 'left')"
             )
-    if kwargs.get("streamer") is not None:
-        raise EntMTPError("streamers take one sequence (transformers' streamers refuse a batch too): pass one prompt")
 
 
 def _drop_output_capturing_hooks(model: torch.nn.Module) -> None:

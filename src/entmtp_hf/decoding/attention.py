@@ -49,7 +49,7 @@ from ..errors import EntMTPError
 from ..trees.tree import TreeBuffers
 
 if TYPE_CHECKING:
-    from ..drafting.candidates import Draft
+    from ..drafting.drafter import Draft
 
 ATTENTION_NAME = "entmtp_sdpa"
 #: the layer types tree verification can mask (transformers' ``config.layer_types`` names)

@@ -20,7 +20,7 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..banks.plan import AcceptanceSettings, DecodePlan
-from ..drafting.candidates import Draft, EntMTPCandidateGenerator
+from ..drafting.drafter import Draft
 from ..errors import EntMTPError
 from ..trees.tree import Tree
 from .acceptance import greedy_picks, sample_picks
@@ -114,7 +114,7 @@ def open_session(
     plan_for: Callable[[int], DecodePlan] | None = None,
     **model_kwargs,
 ) -> DecodeSession:
-    """The session of one call (its cache, acceptance rule, drafters and verification forward: the
+    """The session of one call (its cache, acceptance rule, drafter and verification forward: the
     compiled call exactly when transformers' own generate would compile), before its prefill.
     Everything the call's ``EntMTPConfig`` says comes in its plans (``plan``, ``plan_for``)."""
     # the call's options were checked before generate ran (decoding.options: beam search, outputs it cannot return)
@@ -139,16 +139,11 @@ def open_session(
     compiled = model._valid_auto_compile_criteria({"cache": cache}, generation_config)
     forward = model.get_compiled_call(generation_config.compile_config) if compiled else None
 
-    def new_drafter(plan: DecodePlan, state) -> EntMTPCandidateGenerator:
-        return EntMTPCandidateGenerator(
-            model, heads, plan, feature_window=plan.feature_window, temperature=temperature, state=state
-        )
-
     pad = getattr(generation_config, "_pad_token_tensor", None)
     return DecodeSession(
         model,
+        heads,
         plan_for,
-        new_drafter,
         rule,
         cache,
         input_ids,

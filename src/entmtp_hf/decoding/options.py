@@ -251,7 +251,7 @@ GENERATE_ARGUMENTS: dict[str, Option] = {
     "logits_processor": _honoured(_PROCESSOR + " (a user's own sees a batch of one row)"),
     "stopping_criteria": _honoured("checked after each emitted token"),
     "prefix_allowed_tokens_fn": _honoured(_PROCESSOR),
-    "streamer": _honoured("accepted tokens are pushed as they are accepted (one prompt)"),
+    "streamer": _honoured("one [B] column per new token, as plain generate streams a batch"),
     "synced_gpus": _refused(
         _true("synced_gpus"),
         "EntMTP's loop does not keep the ranks of a DeepSpeed ZeRO-3 or "

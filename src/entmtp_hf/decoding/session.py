@@ -2,11 +2,11 @@
 
 :class:`DecodeSession` owns everything one call needs and nothing is stored on the model. Its
 rows are the batch: one prompt is a batch of one row, so every feature is written once. Each
-row has its own text, candidate generator (heads' state, scheduler) and statistics; one
-base-model forward verifies every row's tree, padded to the largest. :meth:`DecodeSession.step`
-is the method:
+row has its own text, drafting state (heads' state, scheduler: plain data) and statistics; one
+drafter drafts for every live row and one base-model forward verifies every row's tree, padded
+to the largest. :meth:`DecodeSession.step` is the method:
 
-1. **draft**  - every row's candidate generator drafts its tree after the row's text (its root
+1. **draft**  - the call's drafter drafts every live row's tree after the row's text (its root
    is the text's last token, the verifier's own pick), rows that draft the same union together;
 2. **verify** - one base-model forward over every row's nodes appended to the cache (4D float
    mask: a node sees its row's prefix and its own ancestors; positions = the row's next
@@ -14,8 +14,8 @@ is the method:
 3. **accept** - per row, the logits processors on every node with its own path as context, then
    the greedy / exact / typical rule: the accepted path and the verifier's next token;
 4. **commit** - the cache keeps every row's accepted path, the heads see its hidden states, and
-   the accepted tokens plus the next one are emitted one by one (stopping criteria and streamer
-   as in plain ``generate``).
+   the accepted tokens plus the next one are emitted one by one (stopping criteria as in plain
+   ``generate``), and the streamer gets each new column of the batch once every row has it.
 
 **Rows that stop.** As in plain ``generate``: with an EOS criterion a stopped row is padded
 with ``pad_token_id`` up to the longest row; without one it keeps decoding real tokens until
@@ -28,8 +28,9 @@ paths left unseen: the rows' seen slots are then moved to its front
 (:func:`~entmtp_hf.decoding.cache.compact`), after which each row holds at most its own text.
 
 **Trees by batch size.** ``plan_for(b)`` gives the plan for ``b`` rows in the forward (the bank
-ranked with this machine's costs at that batch size); when that number changes plan, every
-row's candidate generator is rebuilt on the new plan, keeping its heads' state.
+ranked with this machine's costs at that batch size); when that number changes plan, a drafter
+of the new plan takes the rows over (:meth:`~entmtp_hf.drafting.drafter.TreeDrafter.carry`:
+their heads' state kept).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch import Tensor
 from transformers import StaticCache
 
 from ..banks.plan import DecodePlan
-from ..drafting.candidates import Draft, EntMTPCandidateGenerator
+from ..drafting.drafter import Draft, RowDrafting, TreeDrafter
 from ..errors import EntMTPError
 from ..trees.tree import Tree
 from .acceptance import check_pick, reference_typical_flags, typical_accept_flags, typical_best_path, walk_tree
@@ -63,8 +64,6 @@ from .cache import (
 from .processors import for_row, process_tree_scores, row_wise
 from .stats import RowStep, StepRecord
 
-DrafterFactory = Callable[[DecodePlan, object], EntMTPCandidateGenerator]
-
 
 @dataclass(frozen=True)
 class Rule:
@@ -76,7 +75,7 @@ class Rule:
     alpha: float = 0.3
     #: typical only: the published formula on softmax(raw logits / temperature) instead of the processed scores
     reference: bool = False
-    temperature: float = 1.0
+    temperature: float = 1.0  # the call's sampling temperature (1 without sampling)
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ class Row:
 
     index: int  # row in the caller's batch
     ids: Tensor  # [1, L]: the (left-padded) prompt and the tokens generated so far
-    drafter: EntMTPCandidateGenerator
+    drafting: RowDrafting
     processors: object  # the call's logits processors as they apply to this row alone
     prompt_len: int
     next_pos: int = 0  # position id of the row's next root
@@ -142,8 +141,8 @@ class DecodeSession:
     def __init__(
         self,
         model,
+        heads,
         plan_for: Callable[[int], DecodePlan],
-        new_drafter: DrafterFactory,
         rule: Rule,
         cache,
         input_ids: Tensor,
@@ -161,9 +160,11 @@ class DecodeSession:
         self.model, self.rule, self.cache = model, rule, cache
         #: the verification forward: the model's own, or its compiled call (one graph per tree size)
         self.forward = verify_forward or model
-        self.plan_for, self.new_drafter = plan_for, new_drafter
+        self.heads, self.plan_for = heads, plan_for
+        self.features, self.hidden_request = heads.features, heads.hidden_states_request
         self.device = input_ids.device
-        self.dtype = model.get_output_embeddings().weight.dtype
+        lm = model.get_output_embeddings().weight
+        self.lm_device, self.dtype = lm.device, lm.dtype  # the verifier's output: where drafts are verified
         self.prompt_ids = input_ids
         self.attention_mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         self.stopping_criteria, self.streamer = stopping_criteria, streamer
@@ -177,19 +178,19 @@ class DecodeSession:
         self.drops_rows = not isinstance(cache, StaticCache)
         batch = input_ids.shape[0]
         self.plan = plan_for(batch)
+        self.drafter = self._drafter(self.plan)
         self.rows = [
             Row(
                 b,
                 input_ids[b : b + 1],
-                new_drafter(self.plan, None),
+                self.drafter.new_row(heads.new_state(model)),
                 for_row(logits_processor, b, batch),
                 input_ids.shape[1],
             )
             for b in range(batch)
         ]
         self.live = list(self.rows)  # row b of the cache and of every forward is live[b]
-        heads = self.rows[0].drafter.heads  # one set of heads for every row
-        self.features, self.hidden_request = heads.features, heads.hidden_states_request
+        self.streamed = 0  # new tokens of every row the streamer has had
         #: [B_live, S] the text index (cache.slot_indices: what a sliding window counts) of every cached
         #: slot of every live row; -1 for user padding, holes and the slots a row left unfilled, never seen
         self.slot_index = torch.zeros(0, dtype=torch.long)
@@ -200,6 +201,9 @@ class DecodeSession:
             self.device, self.dtype
         )  # what a stopped row kept in the forward verifies
         self.finished = False
+
+    def _drafter(self, plan: DecodePlan) -> TreeDrafter:
+        return TreeDrafter(self.heads, plan, device=self.lm_device, dtype=self.dtype, temperature=self.rule.temperature)
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
@@ -229,18 +233,23 @@ class DecodeSession:
         )
         features = self.features(out.hidden_states)
         last = out.logits[:, -1].float()
+        seen = mask[:, cached:] != 0
+        seen[~seen.any(dim=-1), -1] = True  # a row of padding alone: plain generate decodes it too
+        self.drafter.observe(
+            [row.drafting for row in self.rows],
+            [features[b][seen[b]] for b in range(len(self.rows))],
+            [ids[b, cached:][seen[b]] for b in range(len(self.rows))],
+            list(last),
+        )
         for b, row in enumerate(self.rows):
             scores = row.processors(row.ids, last[b : b + 1])
             root = check_pick(int(self.rule.pick(scores)[0]))
-            seen = mask[b, cached:] != 0
-            if not bool(seen.any()):  # a row of padding alone: plain generate decodes it too
-                seen[-1] = True
-            row.drafter.observe(features[b][seen], last[b], tokens=ids[b, cached:][seen])
             row.next_pos = int(positions[b, -1]) + 1
             row.shift = ids.shape[1] - row.next_pos  # the root's text index is the prompt's length
             self._emit(row, [root], scores, last[b : b + 1])
         trim_windows(self.sliding, self.slot_index, [row.last_index for row in self.live])
         self._settle()
+        self._stream()
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -252,20 +261,11 @@ class DecodeSession:
         return self.commit(drafts, verified, accepted)
 
     def draft(self) -> list[Draft]:
-        """Every row's tree, as its candidate generator returns it (transformers' ``get_candidates``)."""
+        """Every live row's tree, as the drafter returns it; a done row kept in the forward (a static
+        cache) verifies its last token alone."""
         active = [row for row in self.live if not row.done]
-        union = [row for row in active if row.drafter.drafts_union(row.ids)]
-        if len(union) > 1:  # one head call per depth for all of them
-            first = union[0].drafter
-            proposals = first.heads.propose_rows(
-                [r.drafter.state for r in union],
-                [r.ids[0, -1] for r in union],
-                first.union_buffers,
-                temperature=first.union_temperature,
-            )
-            for row, proposal in zip(union, proposals):
-                row.drafter.preset_union(proposal)
-        return [self._idle_draft(row) if row.done else row.drafter.get_candidates(row.ids).draft for row in self.live]
+        drafted = iter(self.drafter.draft([row.drafting for row in active], [row.ids for row in active]))
+        return [self._idle_draft(row) if row.done else next(drafted) for row in self.live]
 
     def verify(self, drafts: list[Draft]) -> Verified:
         prefix_len = int(self.cache.get_seq_length())
@@ -315,12 +315,14 @@ class DecodeSession:
         lengths = [0 if row.done else len(p) for row, p in zip(self.live, paths)]
         self.slot_index = accepted_slots(self.slot_index, verified.prefix_len, first, lengths)
         active = [b for b, row in enumerate(self.live) if not row.done]
-        EntMTPCandidateGenerator.observe_rows(
-            [self.live[b].drafter for b in active],
+        rows = [self.live[b].drafting for b in active]
+        self.drafter.observe(
+            rows,
             [verified.hidden[b, paths[b]] for b in active],
-            [verified.logits[b, paths[b][-1]] for b in active],
             [drafts[b].tokens[paths[b]] for b in active],
+            [verified.logits[b, paths[b][-1]] for b in active],
         )
+        self.drafter.learn(rows, [drafts[b] for b in active], [len(paths[b]) for b in active])
         steps = []
         for b in active:
             row, draft, path, scores = self.live[b], drafts[b], paths[b], accepted[b].scores
@@ -328,10 +330,10 @@ class DecodeSession:
             emitted = self._emit(
                 row, draft.tokens[path[1:]].tolist() + [accepted[b].next_token], scores[path], verified.logits[b, path]
             )
-            row.drafter.update_candidate_strategy(row.ids, scores[None], len(path) - 1)
             steps.append(RowStep(row.index, draft, path, emitted))
         trim_windows(self.sliding, self.slot_index, [r.last_index for r in self.live])
         self._settle()
+        self._stream()
         return StepRecord(tuple(steps), forward_rows=len(drafts))
 
     # ------------------------------------------------------------------ rows
@@ -353,8 +355,6 @@ class DecodeSession:
             rest = rest[: max(self.max_length - row.ids.shape[1], 0)]
             row.ids = torch.cat([row.ids, row.ids.new_tensor([rest])], dim=-1)
             emitted += len(rest)
-        if self.streamer is not None and emitted:
-            self.streamer.put(torch.tensor(new_tokens[:emitted]))
         if self.keep_scores and emitted:
             row.scores.append(scores[:emitted])
         if self.keep_logits and emitted:
@@ -382,10 +382,30 @@ class DecodeSession:
         select_rows(self.cache, torch.tensor(keep, device=self.device))
         self.slot_index = self.slot_index[keep]
         plan = self.plan_for(len(self.live))
-        if plan is not self.plan:  # this batch size verifies other trees: same heads state, new generators
-            self.plan = plan
+        if plan is not self.plan:  # this batch size verifies other trees: a drafter of them takes the rows over
+            self.plan, self.drafter = plan, self._drafter(plan)
             for row in self.live:
-                row.drafter = self.new_drafter(plan, row.drafter.state)
+                row.drafting = self.drafter.carry(row.drafting)
+
+    def _stream(self) -> None:
+        """Hand the streamer every new column of the batch that each row now has, one [B] tensor per
+        column as plain ``generate`` does (a stopped row's pad token where an EOS criterion pads it),
+        so what is streamed is what :meth:`sequences` returns."""
+        if self.streamer is None:
+            return
+        if self.finished:
+            ready = self.returned_new_tokens
+        else:  # a row padded after its stop has every column; an unfinished call has a row that has not stopped
+            ready = min(row.new_tokens for row in self.rows if not (self.pads_stopped and row.stopped_at is not None))
+        if ready <= self.streamed:
+            return
+        block = self.prompt_ids.new_full((len(self.rows), ready - self.streamed), self.pad_token_id)
+        for b, row in enumerate(self.rows):
+            new = row.ids[0, row.prompt_len + self.streamed : row.prompt_len + ready]
+            block[b, : new.shape[0]] = new
+        for column in block.cpu().unbind(1):
+            self.streamer.put(column)
+        self.streamed = ready
 
     def _idle_draft(self, row: Row) -> Draft:
         """A done row kept in the forward (a static cache) verifies its last token alone."""
@@ -395,8 +415,10 @@ class DecodeSession:
         """The cache object the call was given, handed back as plain ``generate`` would leave it for
         the caller's next turn (:func:`~entmtp_hf.decoding.cache.hand_back`): with one row, the
         returned text but its last token (a row stopped inside its accepted path drops the nodes
-        past its end), in transformers' own layer types; after a batch, empty (its rows' slots are
-        not plain ``generate``'s layout), so the next turn prefills the whole conversation."""
+        past its end), in transformers' own layer types; after a batch, empty, so the next turn
+        prefills the whole conversation: plain ``generate``'s layout cannot be rebuilt without a
+        forward (a row that stopped left a dynamic cache with its keys, and plain ``generate`` holds
+        the keys of the pad tokens it fed stopped rows)."""
         hand_back(self.cache, self.rows[0].ids.shape[1] - 1 if len(self.rows) == 1 else None)
         return self.cache
 

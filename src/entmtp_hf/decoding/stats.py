@@ -13,13 +13,15 @@ for that call only: profiling code, kept out of the step itself.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..scheduling.eas import EASStats
+
 if TYPE_CHECKING:
-    from ..drafting.candidates import Draft
+    from ..drafting.drafter import Draft
 
 PHASES = ("draft", "verify", "accept", "commit")
 
@@ -62,7 +64,7 @@ class RowStats:
     retrieval_steps: int = 0  # steps whose tree carried a retrieval branch
     retrieval_accepted: int = 0  # drafted tokens accepted from retrieval branches
     root_alone_steps: int = 0  # steps the break-even guard verified the root alone (the trees were losing)
-    eas: dict | None = None  # EAS statistics (policy ``entropy`` only)
+    eas: EASStats | None = None  # EAS statistics (policy ``entropy`` only)
 
     def add(self, step: RowStep) -> None:
         draft, path = step.draft, step.path
@@ -76,9 +78,27 @@ class RowStats:
             if len(path) > 1 and path[1] == draft.branch_node:
                 self.retrieval_accepted += len(path) - 1
 
+    @classmethod
+    def merged(cls, rows: list["RowStats"]) -> "RowStats":
+        """The figures of every row's steps together (rows one after the other); one row's own."""
+        if len(rows) == 1:
+            return rows[0]
+        out = cls()
+        for f in fields(cls):
+            values = [getattr(r, f.name) for r in rows]
+            if f.name == "eas":
+                out.eas = _merged_eas([v for v in values if v is not None])
+            elif isinstance(values[0], list):
+                setattr(out, f.name, [x for v in values for x in v])
+            else:
+                setattr(out, f.name, sum(values))
+        return out
+
     def as_dict(self) -> dict:
         steps = len(self.accept_lengths)
-        d = {k: v for k, v in self.__dict__.items() if not (k == "eas" and v is None)}
+        d = {k: v for k, v in self.__dict__.items() if k != "eas"}
+        if self.eas is not None:
+            d["eas"] = self.eas.as_dict()
         d["steps"] = steps
         d["new_tokens"] = sum(self.accept_lengths) + 1  # the prefill emits the first token
         d["mean_accept_length"] = sum(self.accept_lengths) / steps if steps else 0.0
@@ -87,10 +107,24 @@ class RowStats:
         return d
 
 
+def _merged_eas(stats: list[EASStats]) -> EASStats | None:
+    """Several rows' EAS statistics as one: every chain, the halts and tokens summed."""
+    if len(stats) < 2:
+        return stats[0] if stats else None
+    return EASStats(
+        chain_lengths=[n for s in stats for n in s.chain_lengths],
+        halts={cause: sum(s.halts[cause] for s in stats) for cause in stats[0].halts},
+        thresholds=[t for s in stats for t in s.thresholds],
+        verified_draft_tokens=sum(s.verified_draft_tokens for s in stats),
+        accepted_draft_tokens=sum(s.accepted_draft_tokens for s in stats),
+    )
+
+
 @dataclass
 class DecodeStats:
-    """Per-call statistics (``entmtp_stats``), returned as data: the call's figures and one
-    :class:`RowStats` per row. For one prompt the row's figures also stand at the top level."""
+    """Per-call statistics (``entmtp_stats``), returned as data: one :class:`RowStats` per row and,
+    at the top level, the call's: every row's steps together (:meth:`RowStats.merged`: one prompt's
+    are its row's), the call's steps, the live batch size of each, the times."""
 
     rows: list[RowStats] = field(default_factory=list)
     forward_rows: list[int] = field(default_factory=list)  # rows in each step's verification forward
@@ -113,12 +147,12 @@ class DecodeStats:
     def on_end(self, seconds: float) -> None:
         self.total_time = seconds
         for stats, row in zip(self.rows, self._session.rows):
-            eas = row.drafter.eas
-            stats.eas = eas.stats.as_dict() if eas is not None else None
+            eas = row.drafting.eas
+            stats.eas = eas.stats if eas is not None else None
 
     def as_dict(self) -> dict:
         rows = [r.as_dict() for r in self.rows]
-        d = rows[0].copy() if len(rows) == 1 else {}
+        d = RowStats.merged(self.rows).as_dict()
         d.update(
             rows=rows,
             steps=len(self.forward_rows),

@@ -1,1 +1,1 @@
-"""Drafting a tree each step: the candidate generator and retrieval branches."""
+"""Drafting every live row's tree each step: the call's drafter and retrieval branches."""

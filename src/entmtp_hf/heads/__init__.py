@@ -4,7 +4,8 @@ EAGLE-style feature drafters, and a model's own multi-token-prediction (MTP) lay
 Public API:
 
 * :class:`DraftHeads` (base), :class:`HydraHeads`, :class:`MedusaHeads`, :class:`EagleHeads`, :class:`MtpHeads`,
-  registered by family name in :data:`HEADS_REGISTRY`;
+  each family registered in one :func:`register_family` call (:data:`FAMILIES`; the classes by name in
+  :data:`HEADS_REGISTRY`);
 * :class:`HeadsConfig`, :class:`DraftState`, :class:`Proposal`;
 * :class:`HeadsCard` (with :class:`DataSource`, :class:`TokensPerStep`): what the heads'
   model card reports, saved as ``card.json``;
@@ -27,10 +28,11 @@ from .loading import convert_heads, load_heads
 from .medusa import MedusaHeads
 from .mtp import MtpHeads
 from .published import load_published_hydra, load_published_medusa  # noqa: F401 (registers the formats)
-from .registry import HEADS_REGISTRY, detect_format, register_format, register_heads
+from .registry import FAMILIES, HEADS_REGISTRY, HeadsFamily, detect_format, register_family, register_format
 
 __all__ = [
     "HEADS_ATTR",
+    "FAMILIES",
     "FORMAT_VERSION",
     "HEADS_REGISTRY",
     "DataSource",
@@ -39,6 +41,7 @@ __all__ = [
     "EagleHeads",
     "HeadsCard",
     "HeadsConfig",
+    "HeadsFamily",
     "HeadsLoadError",
     "HeadsMismatchError",
     "HydraHeads",
@@ -49,6 +52,6 @@ __all__ = [
     "convert_heads",
     "detect_format",
     "load_heads",
+    "register_family",
     "register_format",
-    "register_heads",
 ]

@@ -35,8 +35,8 @@ from ..errors import EntMTPError
 from ..scheduling.features import entropy_from_logp
 from ..trees.tree import DepthStep, TreeBuffers
 from .card import CARD_NAME, HeadsCard, model_card
-from .config import FORMAT_VERSION, LAYER_ARCHS, HeadsConfig
-from .registry import CONFIG_NAME, load_from_source
+from .config import FORMAT_VERSION, HeadsConfig
+from .registry import CONFIG_NAME, FAMILIES, load_from_source
 
 FORMAT_KEY = "entmtp_heads_format"
 WEIGHTS_NAME = "model.safetensors"
@@ -136,7 +136,7 @@ class DraftHeads(nn.Module, ModelHubMixin):
     the config; ``name_or_path`` the folder or repo id the heads were loaded from (None if built).
     """
 
-    family: ClassVar[str] = ""
+    family: ClassVar[str] = ""  # set by ``register_family``
     lm_head_bias: ClassVar[bool] = True  # whether per-head LM heads carry a bias
     #: how the base LM rows multiply while drafting; :class:`~entmtp_hf.cpu_kernels.CPUKernels`
     #: sets ``"onednn"`` on an instance where it measured that faster, and removes it again
@@ -209,7 +209,8 @@ class DraftHeads(nn.Module, ModelHubMixin):
             raise TypeError("call for_model on a concrete class, e.g. HydraHeads.for_model(model)")
         base = text_config(model.config)
         dv = check_draft_vocab(draft_vocab, base.vocab_size)
-        config = HeadsConfig(
+        family = FAMILIES[cls.family]
+        config = family.config_class(
             family=cls.family,
             head_arch=arch,
             num_heads=num_heads,
@@ -219,7 +220,7 @@ class DraftHeads(nn.Module, ModelHubMixin):
             use_base_lm_head=use_base_lm_head,
             draft_vocab_size=0 if dv is None else int(dv.numel()),
             base_model_name_or_path=getattr(model, "name_or_path", None) or None,
-            prefix_layer_config=cls._prefix_layer_config(base) if arch in LAYER_ARCHS else None,
+            prefix_layer_config=cls._prefix_layer_config(base) if arch in family.layer_archs else None,
             feature_layers=feature_layers or cls._default_feature_layers(base, arch),
         )
         heads = cls(config)

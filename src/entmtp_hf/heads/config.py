@@ -2,7 +2,8 @@
 
 Only what is needed to rebuild the heads lives here (sizes, family, architecture). The
 per-call decoding settings belong to the generation config, never to this file, so one
-set of heads can serve every decoding policy.
+set of heads can serve every decoding policy. The families, their archs and config classes
+are read from the registry (:func:`~entmtp_hf.heads.registry.register_family`).
 """
 
 from __future__ import annotations
@@ -13,15 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..validation import brief_list, brief_repr, integer, number
+from ..validation import brief_list, brief_repr, choice, integer, number
+from .registry import FAMILIES
 
 #: Version of the on-disk layout written by ``save_pretrained``; bump on breaking changes.
 FORMAT_VERSION = 1
-FAMILIES = ("hydra", "medusa", "eagle", "mtp")
-#: ``mtp``: a model's own multi-token-prediction layers (built from the model, never from this config alone)
-HEAD_ARCHS = {"hydra": ("mlp", "prefix-mlp"), "medusa": ("mlp",), "eagle": ("eagle", "eagle3"), "mtp": ("mtp",)}
-#: archs built on a one-layer copy of the base config (``prefix_layer_config``)
-LAYER_ARCHS = ("prefix-mlp", "eagle", "eagle3")
 #: Size limits, far above any published or trained heads (4-5 heads of 1-4 blocks, hidden
 #: sizes up to 8192, vocabularies up to ~256k) and low enough that a config cannot ask for
 #: an absurd module: every size is checked here before anything is built.
@@ -117,12 +114,16 @@ def check_prefix_layer_config(cfg: Any, hidden_size: int) -> None:
 
 @dataclass
 class HeadsConfig:
-    """Shape and family of a set of draft heads (validated on construction)."""
+    """Shape and family of a set of draft heads (validated on construction).
+
+    A family whose heads need more fields registers its own subclass (``register_family(...,
+    config_class=...)``); :meth:`from_dict` reads a saved config into its family's class.
+    """
 
     family: str = field(
         metadata={
-            "help": "'hydra' (path-dependent), 'medusa' (independent), 'eagle' (feature drafter) "
-            "or 'mtp' (the model's own MTP layers)"
+            "help": "a registered family: 'hydra' (path-dependent), 'medusa' (independent), 'eagle' (feature "
+            "drafter), 'mtp' (the model's own MTP layers), ..."
         }
     )
     num_heads: int = field(metadata={"help": "number of heads = maximum draft depth (eagle: the depth it drafts to)"})
@@ -152,12 +153,12 @@ class HeadsConfig:
     format_version: int = field(default=FORMAT_VERSION, metadata={"help": "on-disk layout version"})
 
     def __post_init__(self) -> None:
-        if not isinstance(self.family, str) or self.family not in FAMILIES:
-            raise ConfigError(f"{_FIELD}.family", f"must be one of {FAMILIES}, got {brief_repr(self.family)}")
-        archs = HEAD_ARCHS[self.family]
-        if not isinstance(self.head_arch, str) or self.head_arch not in archs:
+        family = FAMILIES[choice(self.family, f"{_FIELD}.family", sorted(FAMILIES))]
+        if not isinstance(self.head_arch, str) or self.head_arch not in family.archs:
             got = brief_repr(self.head_arch)
-            raise ConfigError(f"{_FIELD}.head_arch", f"for {self.family!r} must be one of {archs}, got {got}")
+            raise ConfigError(
+                f"{_FIELD}.head_arch", f"for {self.family!r} must be one of {list(family.archs)}, got {got}"
+            )
         for name, maximum in (
             ("num_heads", MAX_HEADS),
             ("num_layers", MAX_LAYERS),
@@ -178,10 +179,11 @@ class HeadsConfig:
             raise ConfigError(f"{_FIELD}.use_base_lm_head", f"must be a bool, got {brief_repr(self.use_base_lm_head)}")
         if self.base_model_name_or_path is not None and not isinstance(self.base_model_name_or_path, str):
             raise ConfigError(f"{_FIELD}.base_model_name_or_path", "must be a string or null")
-        if self.head_arch in LAYER_ARCHS:
+        if self.head_arch in family.layer_archs:
             check_prefix_layer_config(self.prefix_layer_config, self.hidden_size)
         elif self.prefix_layer_config is not None:
-            raise ConfigError(_PREFIX, f"is only used by head_arch in {LAYER_ARCHS}")
+            archs = f" of head_arch in {list(family.layer_archs)}" if family.layer_archs else ""
+            raise ConfigError(_PREFIX, f"is {'only' if archs else 'not'} used by {self.family!r} heads{archs}")
         self._check_feature_layers()
 
     def _check_feature_layers(self) -> None:
@@ -223,14 +225,19 @@ class HeadsConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "HeadsConfig":
-        """Build from a dict, warning about (and dropping) keys this version does not know."""
+        """Build from a dict, as its family's registered config class (a subclass of ``cls``) where it names a
+        registered family, warning about (and dropping) keys that class does not know."""
         if not isinstance(data, dict):
             raise ConfigError(_FIELD, f"a heads config must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        family = FAMILIES.get(data["family"]) if isinstance(data.get("family"), str) else None
+        target = family.config_class if family is not None and issubclass(family.config_class, cls) else cls
+        known = {f.name for f in dataclasses.fields(target)}
         unknown = sorted(map(str, set(data) - known))
         if unknown:
             warnings.warn(f"ignoring unknown heads config keys [{brief_list(unknown)}]", UserWarning, stacklevel=2)
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING]
+        missing = [
+            f.name for f in dataclasses.fields(target) if f.name not in data and f.default is dataclasses.MISSING
+        ]
         if missing:
             raise ConfigError(_FIELD, f"heads config lacks required keys {missing}")
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return target(**{k: v for k, v in data.items() if k in known})

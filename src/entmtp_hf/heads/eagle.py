@@ -35,8 +35,9 @@ from torch import Tensor, nn
 from ..cpu_kernels import project
 from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, StopFn
+from .config import HeadsConfig
 from .hydra import _architecture_classes, build_prefix_config, prefix_layer_config, rope_kwargs
-from .registry import register_heads
+from .registry import register_family
 
 
 def eagle3_feature_layers(num_layers: int) -> list[int]:
@@ -216,7 +217,6 @@ class PairQueue:
         return feats, tokens
 
 
-@register_heads("eagle")
 class EagleHeads(PairQueue, DraftHeads):
     """EAGLE-style drafter (archs ``eagle``: EAGLE-1/2, ``eagle3``: EAGLE-3). ``num_heads`` is the
     deepest tree it drafts (and the training unroll); ``num_layers`` its decoder layers."""
@@ -526,3 +526,8 @@ def unrolled_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], grou
     for r, v in enumerate(diag_v):
         out = out + weights[..., n + r : n + r + 1] * v
     return out
+
+
+register_family(
+    "eagle", EagleHeads, config_class=HeadsConfig, archs=("eagle", "eagle3"), layer_archs=("eagle", "eagle3")
+)

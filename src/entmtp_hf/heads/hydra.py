@@ -19,7 +19,8 @@ from transformers import DynamicCache
 
 from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn, text_config
-from .registry import register_heads
+from .config import HeadsConfig
+from .registry import register_family
 
 #: config entries that describe the checkpoint, not the layer; dropped from prefix_layer_config
 _NOISE_KEYS = (
@@ -187,7 +188,6 @@ class PrefixLayer(nn.Module):
         return [out[b, : h.shape[0]] for b, h in enumerate(hiddens)]
 
 
-@register_heads("hydra")
 class HydraHeads(DraftHeads):
     """Grounded Hydra heads (archs ``mlp`` and ``prefix-mlp``)."""
 
@@ -306,3 +306,6 @@ class HydraHeads(DraftHeads):
             x = torch.cat([base[:, :n]] + [emb[:, k : k + n] for k in range(1, i + 2)], dim=-1)
             out.append(self._head(i, x, lm_weight, lm_bias))
         return out
+
+
+register_family("hydra", HydraHeads, config_class=HeadsConfig, archs=("mlp", "prefix-mlp"), layer_archs=("prefix-mlp",))

@@ -15,8 +15,7 @@ from .base import FORMAT_KEY, WEIGHTS_NAME, DraftHeads, check_draft_vocab
 from .card import CARD_NAME, HeadsCard, read_card
 from .config import FORMAT_VERSION, HeadsConfig
 from .files import HeadsLoadError, open_safetensors
-from .mtp import MTP_SOURCE, MtpHeads
-from .registry import Resolver, build_checked, detect_format, register_format
+from .registry import FAMILIES, Resolver, build_checked, detect_format, register_format
 
 __all__ = ["convert_heads", "detect_format", "load_heads", "load_own_format"]
 
@@ -29,7 +28,7 @@ def _own_config(cfg: dict[str, Any], cfg_path: str) -> HeadsConfig:
             cfg_path, f"unsupported {FORMAT_KEY} {brief_repr(version)} (this library reads 1..{FORMAT_VERSION})"
         )
     try:
-        return HeadsConfig.from_dict(cfg)
+        return HeadsConfig.from_dict(cfg)  # as its family's registered config class
     except ValueError as e:
         raise HeadsLoadError(cfg_path, str(e)) from e
 
@@ -71,14 +70,15 @@ def load_heads(
     local_files_only: bool = False,
 ) -> DraftHeads:
     """Heads from an object (returned as is), a local folder or a Hub repo id (format auto-detected), or
-    ``"mtp"``: ``model``'s own multi-token-prediction layers (:meth:`MtpHeads.from_model`; a folder of that
-    name is ``"./mtp"``)."""
+    the name of a family whose heads are a model's own layers (``"mtp"``: ``model``'s multi-token-prediction
+    layers, :meth:`~entmtp_hf.heads.mtp.MtpHeads.from_model`; a folder of that name is ``"./mtp"``)."""
     if isinstance(source, DraftHeads):
         return source
-    if isinstance(source, str) and source == MTP_SOURCE:
+    family = FAMILIES.get(source) if isinstance(source, str) else None
+    if family is not None and family.from_model is not None:
         if model is None:
-            raise ValueError(f"heads {MTP_SOURCE!r} are a model's own MTP layers: pass the model (model=...)")
-        return MtpHeads.from_model(model)
+            raise ValueError(f"heads {source!r} are a model's own layers: pass the model (model=...)")
+        return family.from_model(model)
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_heads takes DraftHeads, a folder or a repo id, got {type(source).__name__}")
     return DraftHeads.from_pretrained(

@@ -12,10 +12,10 @@ from torch import Tensor, nn
 
 from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, ResBlock, StopFn
-from .registry import register_heads
+from .config import HeadsConfig
+from .registry import register_family
 
 
-@register_heads("medusa")
 class MedusaHeads(DraftHeads):
     """Medusa-1 style heads (arch ``mlp``)."""
 
@@ -64,3 +64,6 @@ class MedusaHeads(DraftHeads):
         hidden = hidden.to(self._dtype)
         lm_weight, lm_bias = self._train_lm(lm_head)
         return [self._head(i, hidden[:, : max(seq - i - 1, 0)], lm_weight, lm_bias) for i in range(self.num_heads)]
+
+
+register_family("medusa", MedusaHeads, config_class=HeadsConfig, archs=("mlp",))

@@ -47,10 +47,8 @@ from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, HeadsMismatchError, Proposal, StopFn, check_draft_vocab, text_config
 from .config import HeadsConfig
 from .eagle import PairQueue, appended, left_padded
-from .registry import register_heads
+from .registry import register_family
 
-#: the ``heads`` argument of ``enable_entmtp`` that builds the drafter from the model's own MTP layers
-MTP_SOURCE = "mtp"
 #: the deepest tree :meth:`MtpHeads.from_model` allows by default (at least the model's MTP layers)
 DEFAULT_DEPTH = 5
 #: the attention types a tree mask expresses in an MTP layer
@@ -117,7 +115,6 @@ class _Rows:
     start: int  # scratch entries this layer holds before this depth (S - Q)
 
 
-@register_heads("mtp")
 class MtpHeads(PairQueue, DraftHeads):
     """The MTP layers of a model as draft heads: ``num_layers`` layers drafting trees up to ``num_heads``
     deep (see the module docstring). Build with :meth:`from_model` (or ``enable_entmtp(model, "mtp")``);
@@ -500,24 +497,47 @@ class MtpHeads(PairQueue, DraftHeads):
     def forward_train(
         self, hidden: Tensor, input_ids: Tensor, embed: nn.Module | None, lm_head: nn.Module | None = None
     ) -> list[Tensor]:
-        """Teacher-forced logits of every MTP layer (up to ``num_heads``), as transformers' ``MtpModel``
-        runs them over a text: element k is [B, T-k-1, V'] and row j predicts token j+k+2; layer k+1
-        runs causally over the entries (its input state at j, x_{j+k+1}) at positions j+k+1, its input
-        state being the base state h_j (layer 1) or layer k's output at j. Right padding only."""
+        """Teacher-forced logits of every drafted depth (``num_heads``) as the tree drafts them: element k is
+        [B, T-k-1, V'] and row j predicts token j+k+2. Layer k+1 (k below the layer count) runs causally
+        over the entries (its input state at j, x_{j+k+1}) at positions j+k+1, its input state being the base
+        state h_j (layer 1) or layer k's output at j, as transformers' ``MtpModel`` runs them over a text.
+        Deeper elements reuse the last layer unrolled: the entry (element k-1's output at j, x_{j+k+1})
+        attends to the last layer's own entries up to row j (the text and the tree's triangle) and to row
+        j's entries of the depths unrolled before it, as a drafted path does. Right padding only."""
         if embed is None:
             raise ValueError("MTP layers need the base model's input embeddings (embed=model.get_input_embeddings())")
         lm_weight, lm_bias = self._train_lm(lm_head)
         batch, seq = input_ids.shape
+        device, last = input_ids.device, self.config.num_layers - 1
         x, out = hidden.to(self._dtype), []
-        for k in range(min(self.config.num_layers, self.num_heads)):
+        own: tuple[Tensor, Tensor] | None = None  # the last layer's keys and values over the text
+        unrolled: list[tuple[Tensor, Tensor]] = []  # per unrolled depth, its keys and values
+        for k in range(self.num_heads):
             n = seq - k - 1
             if n <= 0:
                 break
-            positions = torch.arange(k + 1, k + 1 + n, device=input_ids.device)[None].expand(batch, -1)
-            cols = torch.arange(n, device=input_ids.device)
-            gap = cols[:, None] - cols[None]
-            allowed = ((gap >= 0) & self._window(k, gap))[None].expand(batch, -1, -1)
-            x, _, _ = self._run(k, x[:, :n], input_ids[:, k + 1 : k + 1 + n], positions, embed, (None, None), allowed)
+            layer = min(k, last)
+            positions = torch.arange(k + 1, k + 1 + n, device=device)[None].expand(batch, -1)
+            rows = torch.arange(n, device=device)
+            if k <= last:
+                gap = rows[:, None] - rows[None]
+                allowed, past = (gap >= 0) & self._window(layer, gap), (None, None)
+            else:  # row j sees the last layer's rows i <= j (positions i + last + 1) and its unrolled entries
+                text = torch.arange(own[0].shape[-2], device=device)
+                gap = rows[:, None] + k - last - text[None]
+                eye = torch.eye(n, dtype=torch.bool, device=device)
+                seen = [(gap >= k - last) & self._window(layer, gap)]
+                seen += [eye & self._window(layer, torch.full_like(gap[:, :n], k - d)) for d in range(last + 1, k)]
+                allowed = torch.cat([*seen, eye], dim=-1)
+                past = tuple(torch.cat([own[i], *(u[i][..., :n, :] for u in unrolled)], dim=-2) for i in (0, 1))
+            allowed = allowed[None].expand(batch, -1, -1)
+            x, keys, values = self._run(
+                layer, x[:, :n], input_ids[:, k + 1 : k + 1 + n], positions, embed, past, allowed
+            )
+            if k == last:
+                own = (keys, values)
+            elif k > last:
+                unrolled.append((keys, values))
             out.append(self.logits(x, lm_weight, lm_bias))
         return out
 
@@ -538,8 +558,18 @@ def _load_mtp_model(model: nn.Module, name: str) -> Any:
     try:
         return MtpModel.from_pretrained(model, device_map={"": device})
     except (OSError, RuntimeError, ValueError, KeyError) as e:
+        declared = (getattr(model.config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+        hint = (
+            f"; its folder declares its model class in code ({declared}), which says where the MTP tensors sit: "
+            "load it with from_pretrained(..., trust_remote_code=True)"
+            if declared and not str(declared).endswith("." + name)
+            else ""
+        )
         raise HeadsMismatchError(
-            f"{name}'s checkpoint {source} holds no MTP layers transformers can load ({type(e).__name__}: {e})".replace(
-                "\n", " "
-            )
+            f"{name}'s checkpoint {source} holds no MTP layers transformers can load ({type(e).__name__}: "
+            f"{e}){hint}".replace("\n", " ")
         ) from e
+
+
+#: ``enable_entmtp(model, "mtp")`` builds the drafter from the model's own MTP layers
+register_family("mtp", MtpHeads, config_class=HeadsConfig, archs=("mtp",), from_model=MtpHeads.from_model)

@@ -1,10 +1,11 @@
 """Registries of heads families and checkpoint formats, and loading through them.
 
-The base class and the loaders both need these tables, so they live here, below both:
-``base`` registers nothing and imports no loader, the family modules (``hydra``, ``medusa``)
-register their classes, and the format modules (``loading``: this project's own format,
-``published``: Hydra and Medusa) register their readers. ``heads/__init__`` imports them
-all, own format first, so a checkpoint is recognised whichever module a caller imports.
+The base class, the config and the loaders all need these tables, so they live here, below
+them all: ``base`` and ``config`` register nothing and import no family, each family module
+(``hydra``, ``medusa``, ``eagle``, ``mtp``) registers itself in one :func:`register_family`
+call, and the format modules (``loading``: this project's own format, ``published``: Hydra,
+Medusa and EAGLE) register their readers. ``heads/__init__`` imports them all, own format
+first, so a checkpoint is recognised whichever module a caller imports.
 """
 
 from __future__ import annotations
@@ -12,20 +13,18 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-from .config import HeadsConfig
+from ..validation import brief_repr
 from .files import HeadsLoadError, Weights, check_weights, read_json, resolve_file
 
-CONFIG_NAME = "config.json"
+if TYPE_CHECKING:
+    from .config import HeadsConfig
 
-#: family name -> heads class (a ``DraftHeads`` subclass; typed as a module so that this
-#: module never imports the base); filled by :func:`register_heads` when the family modules import.
-HEADS_REGISTRY: dict[str, type[nn.Module]] = {}
-_H = TypeVar("_H", bound=type)
+CONFIG_NAME = "config.json"
 
 #: resolve(filename, required=...) -> local path (None for a missing optional file)
 Resolver = Callable[..., "str | None"]
@@ -33,15 +32,69 @@ Resolver = Callable[..., "str | None"]
 Loader = Callable[[dict[str, Any], str, Resolver, Any], nn.Module]
 
 
-def register_heads(family: str) -> Callable[[_H], _H]:
-    """Class decorator adding a heads class to :data:`HEADS_REGISTRY` under ``family``."""
+@dataclass(frozen=True)
+class HeadsFamily:
+    """A registered heads family: see :func:`register_family`."""
 
-    def add(cls: _H) -> _H:
-        cls.family = family
-        HEADS_REGISTRY[family] = cls
-        return cls
+    name: str
+    heads_class: type[nn.Module]  # a ``DraftHeads`` subclass (typed as a module: this module never imports the base)
+    config_class: type  # ``HeadsConfig`` or a subclass of it: what the family's ``config.json`` is read into
+    archs: tuple[str, ...]
+    layer_archs: tuple[str, ...]
+    from_model: Callable[[nn.Module], nn.Module] | None
 
-    return add
+
+#: family name -> its registration, in registration order; filled when the family modules import
+FAMILIES: dict[str, HeadsFamily] = {}
+
+
+def register_family(
+    name: str,
+    heads_class: type[nn.Module],
+    *,
+    config_class: type,
+    archs: tuple[str, ...],
+    layer_archs: tuple[str, ...] = (),
+    from_model: Callable[[nn.Module], nn.Module] | None = None,
+) -> HeadsFamily:
+    """Register a heads family under ``name`` (the ``family`` its configs name), as peft registers a method.
+
+    ``heads_class``: the ``DraftHeads`` subclass built from its config (its ``family`` is set to
+    ``name``); ``config_class``: ``HeadsConfig`` or the family's own subclass of it (fields the
+    family adds are saved in ``config.json`` and read back into it); ``archs``: the ``head_arch``
+    values it builds, ``layer_archs`` those built on a one-layer copy of the base config
+    (``prefix_layer_config``); ``from_model``: for heads that are a model's own layers, what builds
+    them from the model (``load_heads(name, model=...)`` and ``enable_entmtp(model, name)`` call it).
+    A name registered already, or archs that are not a non-empty tuple of names, are refused
+    (``ValueError``: a programming error, not bad input).
+    """
+    if not isinstance(name, str) or not name or name in FAMILIES:
+        raise ValueError(f"heads family name {brief_repr(name)} is taken or empty; registered: {list(FAMILIES)}")
+    if not isinstance(archs, tuple) or not archs or not all(isinstance(a, str) and a for a in archs):
+        raise ValueError(f"family {name!r}: archs must be a non-empty tuple of names, got {brief_repr(archs)}")
+    if not set(layer_archs) <= set(archs):
+        raise ValueError(f"family {name!r}: layer_archs {list(layer_archs)} are not among its archs {list(archs)}")
+    family = HeadsFamily(name, heads_class, config_class, archs, tuple(layer_archs), from_model)
+    heads_class.family = name
+    FAMILIES[name] = family
+    return family
+
+
+class _HeadsClasses(Mapping[str, type]):
+    """Family name -> heads class, read from :data:`FAMILIES` (one table, two views)."""
+
+    def __getitem__(self, name: str) -> type:
+        return FAMILIES[name].heads_class
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FAMILIES)
+
+    def __len__(self) -> int:
+        return len(FAMILIES)
+
+
+#: family name -> heads class (a ``DraftHeads`` subclass)
+HEADS_REGISTRY: Mapping[str, type] = _HeadsClasses()
 
 
 @dataclass(frozen=True)
@@ -133,7 +186,7 @@ def build_checked(
     weights checked against them; ``name_in_file`` maps a module key to the file's name for
     it. Any failure to build what the config describes names ``cfg_path``.
     """
-    cls = HEADS_REGISTRY[config.family]
+    cls = FAMILIES[config.family].heads_class
     try:
         with torch.device("meta"):
             skeleton = cls(config)

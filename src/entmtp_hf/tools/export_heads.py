@@ -5,7 +5,9 @@ or EAGLE-1 checkpoint (the layouts SafeAILab/EAGLE publishes and vLLM's ``llama_
 ``llama_eagle.py`` and SGLang read) and Medusa heads in the Medusa layout (``medusa_lm_head``
 with ``{i}.{j}.linear.*`` and ``{i}.{L}.weight``, as TensorRT-LLM's Medusa weight loader reads
 it). This module writes those layouts from heads of this project; what a layout cannot express is
-refused with the reason, never approximated. The project's own readers of the published layouts
+refused with the reason, never approximated. Each layout registers itself (:func:`register_layout`:
+the heads it holds, what of them it cannot express, its writer and the engines that read it); the
+export and its command line read that table only. The project's own readers of the published layouts
 (:mod:`entmtp_hf.heads.published`) load the files back with identical outputs, which the tests
 check. Weights are written as safetensors only.
 
@@ -27,8 +29,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
@@ -38,80 +41,73 @@ from ..heads import DraftHeads, load_heads
 from ..heads.published import eagle_published_name, medusa_published_name
 from .checkpoint import write_json
 
-LAYOUTS = ("eagle3", "eagle", "medusa")
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 #: the layer config keys that are this project's bookkeeping, not the published config's
 _LAYER_SKIP = ("is_encoder_decoder", "pad_token_id", "bos_token_id", "eos_token_id")
 
-
-#: the serving engines that load each layout (docs/export.md, "read by")
-SERVED_BY = {"eagle3": ("vLLM", "SGLang", "TensorRT-LLM"), "eagle": ("vLLM", "SGLang"), "medusa": ("TensorRT-LLM",)}
-
-
-def serving(heads: DraftHeads) -> str:
-    """Where ``heads`` serve besides transformers' ``generate``: the engines and the export that takes
-    them there, or why no engine layout holds them."""
-    cfg = heads.config
-    for layout in LAYOUTS:
-        if refusal(heads, layout) is None:
-            return (
-                f"{', '.join(SERVED_BY[layout])} (entmtp-hf export-heads HEADS --to {layout}) and transformers' "
-                "generate"
-            )
-    nearest = cfg.head_arch if cfg.head_arch in LAYOUTS else ("medusa" if cfg.family == "medusa" else "eagle3")
-    return f"transformers' generate only: no engine layout holds them ({refusal(heads, nearest)})"
+Checkpoint = tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 
 class LayoutError(EntMTPError):
     """The heads hold something the requested layout cannot express."""
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A checkpoint layout serving engines load: the heads it holds (``family``, ``archs``; any other
+    heads are refused with ``mismatch``, formatted with their ``family`` and ``arch``), what of those
+    it cannot express (``check``: the reason, None when it can), how it is written (``write``: its
+    ``config.json`` and tensors, the tensors saved as ``weights_name``) and the engines that read it
+    (docs/export.md, "read by")."""
+
+    name: str
+    family: str
+    archs: tuple[str, ...]
+    mismatch: str
+    check: Callable[[DraftHeads], str | None]
+    write: Callable[[DraftHeads], Checkpoint]
+    weights_name: str
+    served_by: tuple[str, ...]
+
+
+#: layout name (what ``--to`` takes) -> the layout, in registration order
+LAYOUTS: dict[str, Layout] = {}
+#: heads families no engine runs, and why: refused in every layout
+NO_LAYOUT = {
+    "hydra": "Hydra heads are sequentially dependent (each head reads the tokens drafted before it): no engine "
+    "runs them and no engine layout holds them"
+}
+
+
+def register_layout(layout: Layout) -> None:
+    """Add a layout ``export-heads`` writes; a name registered already is refused (``ValueError``)."""
+    if layout.name in LAYOUTS:
+        raise ValueError(f"layout {layout.name!r} is registered already")
+    LAYOUTS[layout.name] = layout
+
+
 def refusal(heads: DraftHeads, layout: str) -> str | None:
     """Why ``heads`` cannot be written as ``layout`` (None: they can), in words a user can act on."""
-    cfg = heads.config
-    if cfg.family == "hydra":
-        return (
-            "Hydra heads are sequentially dependent (each head reads the tokens drafted before it): no engine "
-            "runs them and no engine layout holds them"
-        )
-    if layout == "medusa":
-        if cfg.family != "medusa":
-            return f"the Medusa layout holds Medusa heads; these are {cfg.family} ({cfg.head_arch})"
-        if cfg.use_base_lm_head:
-            return "the Medusa layout stores each head's own LM head; these heads project with the base model's"
-        if cfg.draft_vocab_size:
+    cfg, spec = heads.config, LAYOUTS[layout]
+    if cfg.family in NO_LAYOUT:
+        return NO_LAYOUT[cfg.family]
+    if cfg.family != spec.family or cfg.head_arch not in spec.archs:
+        return spec.mismatch.format(family=cfg.family, arch=cfg.head_arch)
+    return spec.check(heads)
+
+
+def serving(heads: DraftHeads) -> str:
+    """Where ``heads`` serve besides transformers' ``generate``: the engines and the export that takes
+    them there, or why no engine layout holds them (the refusal of the layout nearest to them)."""
+    for name, layout in LAYOUTS.items():
+        if refusal(heads, name) is None:
             return (
-                f"the Medusa layout's LM heads span the whole vocabulary; these draft over a pruned one of "
-                f"{cfg.draft_vocab_size} tokens"
+                f"{', '.join(layout.served_by)} (entmtp-hf export-heads HEADS --to {name}) and transformers' generate"
             )
-        return None
-    if cfg.family != "eagle" or cfg.head_arch != layout:
-        return f"an {layout} checkpoint holds an {layout} drafter; these are {cfg.family} heads ({cfg.head_arch})"
-    if layout == "eagle3":
-        if cfg.use_base_lm_head:
-            return "an EAGLE-3 checkpoint carries its own LM head over the draft vocabulary; these use the base one"
-        layers = list(cfg.feature_layers or ())
-        if len(set(layers)) != len(layers):
-            return f"the drafter fuses a hidden state twice ({layers}); engines collect each layer's state once"
-        return None
-    if not cfg.use_base_lm_head:
-        return "EAGLE-1 drafts through the base model's LM head; these heads have their own"
-    if cfg.draft_vocab_size:
-        return (
-            f"the EAGLE-1 layout has no drafting vocabulary (these draft over {cfg.draft_vocab_size} tokens): "
-            "an engine would draft over the whole vocabulary"
-        )
-    if heads.fuse is not None:
-        return (
-            f"the drafter fuses further base states (feature_layers {cfg.feature_layers}), which the EAGLE-1 "
-            "layout has no place for"
-        )
-    if cfg.num_layers != 1:
-        return (
-            f"the drafter has {cfg.num_layers} decoder layers; published EAGLE-1 drafters, and this project's "
-            "reader of them, have one"
-        )
-    return None
+    cfg = heads.config
+    held = [name for name, layout in LAYOUTS.items() if layout.family == cfg.family]
+    nearest = next((n for n in held if cfg.head_arch in LAYOUTS[n].archs), held[0] if held else next(iter(LAYOUTS)))
+    return f"transformers' generate only: no engine layout holds them ({refusal(heads, nearest)})"
 
 
 def _layer_config(heads: DraftHeads, architecture: str) -> dict[str, Any]:
@@ -134,7 +130,8 @@ def _weights(heads: DraftHeads, rename) -> dict[str, torch.Tensor]:
     return {rename(k): v.detach().contiguous().cpu() for k, v in heads.state_dict().items() if k != "draft_vocab"}
 
 
-def eagle3_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+# ============================================================================ EAGLE-3
+def eagle3_checkpoint(heads: DraftHeads) -> Checkpoint:
     """config.json and tensors of an EAGLE-3 checkpoint; the fused states in ascending layer order."""
     cfg = heads.config
     tensors = _weights(heads, lambda k: eagle_published_name(k, "eagle3"))
@@ -153,7 +150,32 @@ def eagle3_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torc
     return config, tensors
 
 
-def eagle1_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def eagle3_check(heads: DraftHeads) -> str | None:
+    cfg = heads.config
+    if cfg.use_base_lm_head:
+        return "an EAGLE-3 checkpoint carries its own LM head over the draft vocabulary; these use the base one"
+    layers = list(cfg.feature_layers or ())
+    if len(set(layers)) != len(layers):
+        return f"the drafter fuses a hidden state twice ({layers}); engines collect each layer's state once"
+    return None
+
+
+register_layout(
+    Layout(
+        "eagle3",
+        family="eagle",
+        archs=("eagle3",),
+        mismatch="an eagle3 checkpoint holds an eagle3 drafter; these are {family} heads ({arch})",
+        check=eagle3_check,
+        write=eagle3_checkpoint,
+        weights_name="model.safetensors",
+        served_by=("vLLM", "SGLang", "TensorRT-LLM"),
+    )
+)
+
+
+# ============================================================================ EAGLE-1
+def eagle1_checkpoint(heads: DraftHeads) -> Checkpoint:
     """config.json and tensors of an EAGLE-1 checkpoint (the base LM head is the engine's).
 
     An all-zero ``fc.bias`` is left out with ``"bias": false``, as the LLaMA-3 drafters are
@@ -167,7 +189,44 @@ def eagle1_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torc
     return config, tensors
 
 
-def medusa_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def eagle1_check(heads: DraftHeads) -> str | None:
+    cfg = heads.config
+    if not cfg.use_base_lm_head:
+        return "EAGLE-1 drafts through the base model's LM head; these heads have their own"
+    if cfg.draft_vocab_size:
+        return (
+            f"the EAGLE-1 layout has no drafting vocabulary (these draft over {cfg.draft_vocab_size} tokens): "
+            "an engine would draft over the whole vocabulary"
+        )
+    if heads.fuse is not None:
+        return (
+            f"the drafter fuses further base states (feature_layers {cfg.feature_layers}), which the EAGLE-1 "
+            "layout has no place for"
+        )
+    if cfg.num_layers != 1:
+        return (
+            f"the drafter has {cfg.num_layers} decoder layers; published EAGLE-1 drafters, and this project's "
+            "reader of them, have one"
+        )
+    return None
+
+
+register_layout(
+    Layout(
+        "eagle",
+        family="eagle",
+        archs=("eagle",),
+        mismatch="an eagle checkpoint holds an eagle drafter; these are {family} heads ({arch})",
+        check=eagle1_check,
+        write=eagle1_checkpoint,
+        weights_name="model.safetensors",
+        served_by=("vLLM", "SGLang"),
+    )
+)
+
+
+# ============================================================================ Medusa
+def medusa_checkpoint(heads: DraftHeads) -> Checkpoint:
     """config.json and tensors of a Medusa-1 head file."""
     cfg = heads.config
     config = {
@@ -180,13 +239,33 @@ def medusa_checkpoint(heads: DraftHeads) -> tuple[dict[str, Any], dict[str, torc
     return config, _weights(heads, lambda k: medusa_published_name(k, cfg.num_layers))
 
 
-WRITERS = {
-    "eagle3": (eagle3_checkpoint, "model.safetensors"),
-    "eagle": (eagle1_checkpoint, "model.safetensors"),
-    "medusa": (medusa_checkpoint, "medusa_lm_head.safetensors"),
-}
+def medusa_check(heads: DraftHeads) -> str | None:
+    cfg = heads.config
+    if cfg.use_base_lm_head:
+        return "the Medusa layout stores each head's own LM head; these heads project with the base model's"
+    if cfg.draft_vocab_size:
+        return (
+            f"the Medusa layout's LM heads span the whole vocabulary; these draft over a pruned one of "
+            f"{cfg.draft_vocab_size} tokens"
+        )
+    return None
 
 
+register_layout(
+    Layout(
+        "medusa",
+        family="medusa",
+        archs=("mlp",),
+        mismatch="the Medusa layout holds Medusa heads; these are {family} ({arch})",
+        check=medusa_check,
+        write=medusa_checkpoint,
+        weights_name="medusa_lm_head.safetensors",
+        served_by=("TensorRT-LLM",),
+    )
+)
+
+
+# ============================================================================ the export
 def export_heads(heads: DraftHeads, layout: str, out: str | os.PathLike) -> Path:
     """Write ``heads`` into the folder ``out`` in ``layout`` (eagle3, eagle or medusa); returns the folder.
 
@@ -194,18 +273,17 @@ def export_heads(heads: DraftHeads, layout: str, out: str | os.PathLike) -> Path
     already holds files, so that an export never mixes with another checkpoint.
     """
     if layout not in LAYOUTS:
-        raise LayoutError(f"--to must be one of {LAYOUTS}, got {layout!r}")
+        raise LayoutError(f"--to must be one of {tuple(LAYOUTS)}, got {layout!r}")
     reason = refusal(heads, layout)
     if reason is not None:
         raise LayoutError(f"cannot write these heads as {layout}: {reason}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise LayoutError(f"--out {out}: {'not a folder' if not out.is_dir() else 'not empty'}; give a new folder")
-    writer, weights_name = WRITERS[layout]
-    config, tensors = writer(heads)
+    config, tensors = LAYOUTS[layout].write(heads)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / weights_name), metadata={"format": "pt"})
+        save_file(tensors, str(out / LAYOUTS[layout].weights_name), metadata={"format": "pt"})
         write_json(out / "config.json", config)
     except OSError as e:
         raise LayoutError(f"--out {out}: cannot write the checkpoint there ({e.strerror or e})") from None
@@ -236,7 +314,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
         "...) is refused with the reason.",
     )
     p.add_argument("heads", help="heads folder or Hub repo id")
-    p.add_argument("--to", required=True, choices=LAYOUTS, help="the checkpoint layout")
+    p.add_argument("--to", required=True, choices=list(LAYOUTS), help="the checkpoint layout")
     p.add_argument("--out", required=True, help="the folder to write (new or empty)")
     p.add_argument("--revision", default=None, help="Hub revision of HEADS")
     p.add_argument(

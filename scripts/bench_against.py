@@ -1,0 +1,111 @@
+"""This code against another commit (a release) on the same basket, interleaved run by run.
+
+Each version runs ``entmtp-hf bench --batch-size ...`` (plain batched ``generate`` and the
+method under test, its cost tables measured in a cache folder of its own) in a process of its own,
+with ``PYTHONPATH`` pointing at its source; the order alternates (this, other, other, this, ...)
+so a drift of the machine falls on both. Each cell is the method's median per-call ratio to plain
+``generate`` in the same run; the table gives every pair's cells and their medians, and whether
+every row of every run was token-identical to plain ``generate``.
+
+    python scripts/bench_against.py 8ac5e00 --out runs/against --pairs 2 --n 8 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from entmtp_hf.paths import cache_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worktree(ref: str, where: Path) -> Path:
+    """``ref``'s ``src`` folder, checked out into ``where`` (a detached worktree)."""
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), ref], check=True)
+    return where / "src"
+
+
+def bench(src: Path, cache: Path, out: Path, args: argparse.Namespace) -> dict:
+    """One bench run of the code in ``src``; its ``summary.json``'s summary."""
+    env = dict(os.environ, PYTHONPATH=str(src), ENTMTP_HF_CACHE=str(cache))
+    cmd = [sys.executable, "-m", "entmtp_hf.tools.cli", "bench", "--methods", "vanilla", args.method]
+    cmd += ["--batch-size", *map(str, args.batch_sizes), "--n", str(args.n)]
+    cmd += ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--no-progress"]
+    cmd += ["--tasks", *args.tasks, "--out", str(out)]
+    subprocess.run(cmd, check=True, env=env)
+    return json.loads((out / "summary.json").read_text())["summary"]
+
+
+def cells(summary: dict, method: str) -> dict[str, tuple[float, bool]]:
+    """``task, B=b`` -> (the method's median ratio to plain generate, every row identical)."""
+    out = {}
+    for task, by_b in summary.items():
+        for b, methods in by_b.items():
+            m = methods[method]
+            out[f"{task}, B={b}"] = (m["median_ratio_to_vanilla"], m["rows_identical"] == m["rows"])
+    return out
+
+
+def table(runs: dict[str, list[dict[str, tuple[float, bool]]]]) -> str:
+    labels = list(runs)
+    keys = list(next(iter(runs.values()))[0])
+    lines = ["| cell | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for key in keys:
+        row = []
+        for label in labels:
+            values = [r[key][0] for r in runs[label]]
+            row.append(", ".join(f"{v:.2f}" for v in values) + f": **{statistics.median(values):.2f}**")
+        lines.append(f"| {key} | " + " | ".join(row) + " |")
+    identical = all(ok for rs in runs.values() for r in rs for _, ok in r.values())
+    lines.append("")
+    lines.append(f"every row token-identical to plain generate: {'yes' if identical else 'NO'}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("ref", help="the other commit (e.g. the last release)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--method", default="eagle-static")
+    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--tasks", nargs="+", default=["humaneval", "gsm8k", "chat"])
+    p.add_argument("--n", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        sources = {"this code": ROOT / "src", args.ref: worktree(args.ref, tmp / "other")}
+        try:
+            runs: dict[str, list] = {label: [] for label in sources}
+            order = [lab for i in range(args.pairs) for lab in (list(sources) if i % 2 == 0 else list(sources)[::-1])]
+            for i, label in enumerate(order):
+                slug = "this" if label == "this code" else "other"
+                cache = args.out / f"cache-{slug}"
+                cache.mkdir(exist_ok=True)
+                for folder in cache_dir().glob("SmolLM2*"):  # the demo model's copy is shared; the cost tables are not
+                    if not (cache / folder.name).exists():
+                        (cache / folder.name).symlink_to(folder)
+                summary = bench(sources[label], cache, args.out / f"{i + 1:02d}-{slug}", args)
+                runs[label].append(cells(summary, args.method))
+                print(table(runs), flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "other")], check=False)
+    text = table(runs)
+    (args.out / "table.md").write_text(text, encoding="utf-8")
+    (args.out / "runs.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "runs": runs}))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
