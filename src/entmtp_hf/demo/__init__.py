@@ -6,6 +6,9 @@ banks searched for that drafter; the drafters and banks are package data, so thi
 an installed wheel. ``load_demo(model="gemma-3-270m")`` does the same for Gemma 3 270M with its
 shipped drafter (:data:`SHIPPED_DRAFTERS`), and ``load_demo(model=..., heads=FOLDER)`` for any
 model with a drafter built by ``entmtp-hf build-drafter`` (its banks in ``FOLDER/banks``).
+``load_demo(heads="mtp")`` gives SmolLM2 with MTP layers trained for it, in transformers' native
+layout (:data:`DEMO_MTP`), so that ``model.generate(..., use_mtp=True)`` runs transformers' own MTP
+decoding of the very layers EntMTP drafts trees with.
 ``python -m entmtp_hf.demo`` (what ``make demo`` runs, :mod:`entmtp_hf.demo.run`) streams three
 answers and measures the speed-up.
 """
@@ -26,6 +29,12 @@ DEMO_MEDUSA_HEADS = ASSETS / "smollm2-135m-medusa"
 DEMO_EAGLE_HEADS = ASSETS / "smollm2-135m-eagle"
 DEMO_BANK = "smollm2-135m-cpu"
 DEMO_EAGLE_BANK = "smollm2-135m-cpu-eagle"  # searched with the EAGLE-style drafter
+#: MTP layers trained for SmolLM2 (``build-drafter --arch mtp``): their ``model-mtp.safetensors``, drafting
+#: settings and card, without the base weights (the demo model's, joined to them in the user cache)
+DEMO_MTP = ASSETS / "smollm2-135m-mtp"
+DEMO_MTP_BANK = "smollm2-135m-cpu-mtp"  # searched with those MTP layers
+#: the ``heads`` of :func:`load_demo` that names a model's MTP layers
+MTP_HEADS = "mtp"
 FALLBACK_BANK = "published-defaults"
 
 DEMO_PROMPTS = (
@@ -80,11 +89,15 @@ def load_demo(
     for it, or a heads folder (with the banks in its ``banks/`` if there, else ``banks``, else the
     Hydra heads'). Gemma 3 270M gets its shipped EAGLE-style drafter and banks without ``heads``.
     For any other model (or another drafter) ``heads`` is the folder ``entmtp-hf build-drafter``
-    wrote, and the banks are ``banks`` or that folder's ``banks/``.
+    wrote, and the banks are ``banks`` or that folder's ``banks/``. ``heads="mtp"``: MTP layers in
+    transformers' native layout (:func:`load_mtp_demo`), SmolLM2's shipped ones or, with ``model``, the
+    folder ``build-drafter --arch mtp`` wrote.
     ``calibrate``: as :func:`~entmtp_hf.enable_entmtp`'s (measure this machine's step costs now,
     so that the banks rank their trees for it)."""
     from ..tools.models import DEFAULT_DEMO
 
+    if heads == MTP_HEADS:
+        return load_mtp_demo(model, banks=banks, cache_dir=cache_dir, calibrate=calibrate)
     if model in SHIPPED_DRAFTERS and heads in (None, "eagle"):
         heads, bank = SHIPPED_DRAFTERS[model]
         bank_dir = Path(banks) if banks is not None else Path(shipped_bank_path(bank))
@@ -108,6 +121,85 @@ def load_demo(
     loaded, tokenizer = load_base_model(model, cache_dir=cache_dir)
     enable_entmtp(loaded, str(heads), calibrate=calibrate)
     return loaded, tokenizer, bank_dir
+
+
+def load_mtp_demo(
+    model: str | Path | None = None,
+    *,
+    banks: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    calibrate: bool | Sequence[int] = False,
+):
+    """``(model, tokenizer, bank_dir)``: a model with MTP layers in transformers' native layout, loaded as
+    a user loads it (``trust_remote_code=True``: its ``modeling_mtp.py`` says where the layers sit) and
+    drafting with them as its banks were searched (the folder's drafting settings). ``model``: ``None``
+    for SmolLM2 with its shipped layers and banks, or a folder ``build-drafter --arch mtp`` wrote (banks:
+    ``banks``, else its ``banks/``)."""
+    from ..tools.models import DEFAULT_DEMO
+    from ..tools.training.mtp_layout import is_mtp_checkpoint, load_mtp_checkpoint, mtp_drafter
+
+    if model is None or model == DEFAULT_DEMO:
+        folder = demo_mtp_dir(cache_dir)
+        try:
+            bank_dir = Path(banks) if banks is not None else Path(shipped_bank_path(DEMO_MTP_BANK))
+        except ValueError as e:
+            raise FileNotFoundError(f"no banks ship for the demo model's MTP layers ({e}): pass banks=FOLDER") from e
+    else:
+        folder = Path(model)
+        if not is_mtp_checkpoint(folder):
+            raise FileNotFoundError(
+                f"model={str(model)!r} is no folder of MTP layers in transformers' native layout: build one with "
+                f"`entmtp-hf build-drafter --model BASE --arch mtp --work-dir runs/mtp --out {model}` "
+                "(docs/your-model.md); a checkpoint that carries MTP layers of its own (DeepSeek-V3, GLM-4.5, ...) "
+                "needs no folder: load it and call enable_entmtp(model, 'mtp')"
+            )
+        bank_dir = Path(banks) if banks is not None else folder / "banks"
+        if not any(bank_dir.glob("*.safetensors")):
+            raise FileNotFoundError(f"{bank_dir} holds no tree banks: pass banks=FOLDER")
+    loaded, tokenizer = load_mtp_checkpoint(folder)
+    enable_entmtp(loaded, mtp_drafter(loaded, folder), calibrate=calibrate)
+    return loaded, tokenizer, bank_dir
+
+
+def demo_mtp_dir(cache_dir: str | Path | None = None) -> Path:
+    """The demo model with its shipped MTP layers in transformers' native layout: a folder beside the demo
+    model's copy in the cache (its weights hard-linked where the file system allows), written once and
+    again whenever the shipped layers differ from the ones it holds."""
+    import filecmp
+    import os
+
+    from ..tools.models import DEFAULT_DEMO, demo_model_dir
+    from ..tools.training.mtp_layout import (
+        BASE_SHARD,
+        MODELING_FILE,
+        MTP_SHARD,
+        drafting_settings,
+        write_mtp_checkpoint,
+    )
+
+    shipped = DEMO_MTP / MTP_SHARD
+    if not shipped.is_file():
+        raise FileNotFoundError(
+            "the MTP layers for SmolLM2-135M-Instruct are not shipped in this version: build them with "
+            f"`entmtp-hf build-drafter --model {DEFAULT_DEMO} --arch mtp --work-dir runs/smollm2-mtp --out "
+            "smollm2-mtp` (docs/your-model.md), then load_demo(model='smollm2-mtp', heads='mtp')"
+        )
+    base = demo_model_dir(cache_dir, DEFAULT_DEMO)
+    target = base.with_name(base.name + "-mtp")
+    settings = drafting_settings(DEMO_MTP)
+    weights = base / "model.safetensors"
+    current = (
+        all((target / f).is_file() for f in (MODELING_FILE, MTP_SHARD, BASE_SHARD))
+        and filecmp.cmp(shipped, target / MTP_SHARD, shallow=False)
+        and drafting_settings(target) == settings
+        and (os.path.samefile(weights, target / BASE_SHARD) or filecmp.cmp(weights, target / BASE_SHARD, shallow=False))
+    )
+    if not current:
+        card = DEMO_MTP / "README.md"
+        write_mtp_checkpoint(
+            base, shipped, target, drafting=settings or None, readme=card.read_text() if card.is_file() else None
+        )
+    return target
 
 
 def own_drafter(model: str, heads: str | Path | None, banks: str | Path | None) -> tuple[Path, Path]:

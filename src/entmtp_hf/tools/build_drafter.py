@@ -5,7 +5,9 @@ command runs again (docs/your-model.md):
 
 1. ``data``: the model's own greedy answers (:func:`~entmtp_hf.tools.data.distill.distill`) in ``WORK/data``;
 2. ``train``: a drafter (EAGLE-3 by default, the layout serving engines load) over a pruned drafting vocabulary
-   (:func:`~entmtp_hf.tools.training.train_heads`; checkpoints in ``WORK/train``, heads in ``WORK/heads``);
+   (:func:`~entmtp_hf.tools.training.train_heads`; checkpoints in ``WORK/train``, heads in ``WORK/heads``); with
+   ``--arch mtp``, MTP layers saved with the model in transformers' native layout (``WORK/heads`` is then the
+   model folder that ``generate(use_mtp=True)`` runs, :mod:`~entmtp_hf.tools.training.mtp_layout`);
 3. ``search``: one bank per task (:func:`~entmtp_hf.tools.search.cli.search_tasks`; ``WORK/search/TASK``,
    banks in ``WORK/banks``);
 4. ``calibrate``: each bank's whole acceptance frontier from the search's checkpoints, ranked
@@ -62,6 +64,7 @@ class BuildOptions:
     # train: the drafter (EAGLE-3 by default: the layout the serving engines load)
     arch: str = "eagle3"
     depth: int = 5
+    mtp_layers: int = 1
     draft_vocab_size: int = 8192
     train_tokens: int = 800_000
     train_epochs: int = 2
@@ -110,6 +113,8 @@ class BuildOptions:
                 f"--tau-prompts checks the drafter with mc_sim_7b_63, a tree of depth {TAU_TREE_DEPTH}, "
                 f"deeper than --depth {self.depth}: use --depth {TAU_TREE_DEPTH} or more, or --tau-prompts 0"
             )
+        if self.arch == "mtp" and (isinstance(self.mtp_layers, bool) or self.mtp_layers < 1):
+            raise ValueError(f"--mtp-layers must be >= 1, got {self.mtp_layers}")
         if not any(n <= self.nodes for n in self.timed_sizes):
             raise ValueError(f"--timed-sizes {list(self.timed_sizes)} has no size within --nodes {self.nodes}")
 
@@ -144,6 +149,7 @@ class BuildOptions:
                 "mixed_precision",
                 "tau_prompts",
                 "seed",
+                *(("mtp_layers",) if self.arch == "mtp" else ()),  # runs of the other archs keep their arguments
             ),
             "search": pick(
                 "tasks",
@@ -281,14 +287,24 @@ class _Build:
         return self._loaded
 
     def with_heads(self) -> tuple[Any, Any]:
-        """The model with the trained heads enabled."""
+        """The model with the trained heads enabled (MTP layers: the model saved with them, loaded as a user
+        loads it, drafting with the settings saved beside them)."""
         from ..heads import load_heads
         from ..integration import enable_entmtp
 
-        model, tokenizer = self.loaded()
-        if not self._heads_enabled:
+        if self._heads_enabled:
+            return self.loaded()
+        if self.opts.arch == "mtp":
+            from .training.mtp_layout import load_mtp_checkpoint, mtp_drafter
+
+            model, tokenizer = load_mtp_checkpoint(self.paths.heads)
+            tokenizer = tokenizer if tokenizer is not None else self.loaded()[1]
+            enable_entmtp(model, mtp_drafter(model, self.paths.heads))
+            self._loaded = (model, tokenizer)
+        else:
+            model, tokenizer = self.loaded()
             enable_entmtp(model, load_heads(str(self.paths.heads), base_config=model.config))
-            self._heads_enabled = True
+        self._heads_enabled = True
         return model, tokenizer
 
     # ------------------------------------------------------------------ 1. data
@@ -345,6 +361,7 @@ class _Build:
             model=o.model,
             arch=o.arch,
             num_heads=o.depth,
+            num_layers=o.mtp_layers if o.arch == "mtp" else 1,
             draft_vocab_size=o.draft_vocab_size,
             work_dir=str(self.paths.train),
             run_name="drafter",
@@ -387,10 +404,11 @@ class _Build:
         tau = (summary.get("tau_mc_sim_7b_63") or {}).get("mean_accept_length")
         result["tau_mc_sim_7b_63"] = tau
         top1 = " / ".join(f"{x:.3f}" for x in val.get("top1", []))
+        vocab = summary["draft_vocab_size"] or "the whole vocabulary"
         text = (
-            f"{summary['steps']} of {summary['total_steps']} steps, drafting vocabulary {summary['draft_vocab_size']} "
-            f"(held-out coverage {summary['draft_vocab_val_coverage']:.3f}), top-1 by depth {top1}"
-            + (f", tau {tau:.2f}" if tau else "")
+            f"{summary['steps']} of {summary['total_steps']} steps, drafting vocabulary {vocab} "
+            f"(held-out coverage {summary['draft_vocab_val_coverage']:.3f}), top-1 by "
+            f"{'MTP layer' if o.arch == 'mtp' else 'depth'} {top1}" + (f", tau {tau:.2f}" if tau else "")
         )
         return done, result, text
 
@@ -483,17 +501,25 @@ class _Build:
 
     # ------------------------------------------------------------------ 5. publish
     def publish(self, deadline: float | None) -> tuple[bool, dict[str, Any], str]:
-        out = self.paths.out
+        from .training.mtp_layout import is_mtp_checkpoint, link_or_copy
+
+        out, mtp = self.paths.out, is_mtp_checkpoint(self.paths.heads)
         out.mkdir(parents=True, exist_ok=True)
         copied = []
         for f in sorted(self.paths.heads.iterdir()):
             if f.is_file():
-                shutil.copy2(f, out / f.name)
+                (out / f.name).unlink(missing_ok=True)
+                (link_or_copy if mtp else shutil.copy2)(f, out / f.name)  # MTP layers: the base weights too
                 copied.append(f.name)
-        from ..heads import DraftHeads
-        from .export_heads import serving
+        if mtp:
+            served = (
+                "transformers' generate(use_mtp=True) (trust_remote_code=True) and EntMTP (enable_entmtp(model, 'mtp'))"
+            )
+        else:
+            from ..heads import DraftHeads
+            from .export_heads import serving
 
-        served = serving(DraftHeads.from_pretrained(out))
+            served = serving(DraftHeads.from_pretrained(out))
         banks = sorted(p.stem for p in self.paths.out_banks.glob("*.safetensors"))
         result: dict[str, Any] = {"files": copied, "banks": banks, "serves_in": served}
         text = f"heads in {out}, banks in {self.paths.out_banks}; serves in {served}"
@@ -504,13 +530,22 @@ class _Build:
 
 
 def push_to_hub(out: Path, repo: str, banks_repo: str | None = None) -> dict[str, str]:
-    """The heads in ``out`` to the Hub repo ``repo``, and every bank of ``out/banks`` to
-    ``banks_repo`` (default ``REPO-banks``: a bank repo's model card is its README, as is the heads')."""
+    """The heads in ``out`` to the Hub repo ``repo`` (MTP layers: the model folder, banks aside), and every
+    bank of ``out/banks`` to ``banks_repo`` (default ``REPO-banks``: a bank repo's model card is its README,
+    as is the heads')."""
     from ..banks.bank import TopologyBank, list_local_tasks
     from ..heads import DraftHeads
+    from .training.mtp_layout import is_mtp_checkpoint
 
     banks_repo = banks_repo or f"{repo}-banks"
-    DraftHeads.from_pretrained(out).push_to_hub(repo)
+    if is_mtp_checkpoint(out):
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=str(out), ignore_patterns=["banks/*", STATE_NAME])
+    else:
+        DraftHeads.from_pretrained(out).push_to_hub(repo)
     for task in list_local_tasks(out / "banks"):
         TopologyBank.from_pretrained(out / "banks", task=task).push_to_hub(banks_repo)
     return {"heads": repo, "banks": banks_repo}
@@ -621,10 +656,12 @@ def build_drafter(opts: BuildOptions, log: Callable[[str], None] = print) -> dic
     state.save()
     if complete:
         write_json(paths.out / STATE_NAME, state.data)  # provenance beside the heads and banks
-        log(
-            f"[build-drafter] drafter in {paths.out}, banks in {paths.out_banks}: "
-            f"load_demo(model={opts.model!r}, heads={str(paths.out)!r})"
+        use = (
+            f"load_demo(model={str(paths.out)!r}, heads='mtp')"
+            if opts.arch == "mtp"
+            else f"load_demo(model={opts.model!r}, heads={str(paths.out)!r})"
         )
+        log(f"[build-drafter] drafter in {paths.out}, banks in {paths.out_banks}: {use}")
     return state.data
 
 
@@ -643,9 +680,14 @@ _HELP = {
     "data_from": "a folder of answers this model gave before (distill-*.jsonl, e.g. the data stage of another run): "
     "copied in instead of answering --data-prompts prompts",
     "arch": "drafter architecture: eagle3 (EAGLE-3, the layout vLLM, SGLang and TensorRT-LLM load; the default), "
-    "eagle (EAGLE-style, one decoder layer, generate only with a drafting vocabulary), prefix-mlp or mlp (Hydra heads)",
-    "depth": "tokens the drafter drafts ahead (heads, or the EAGLE-style drafter's unrolled steps)",
-    "draft_vocab_size": "rows of the drafting vocabulary: the most frequent tokens of the model's answers",
+    "eagle (EAGLE-style, one decoder layer, generate only with a drafting vocabulary), prefix-mlp or mlp (Hydra "
+    "heads), mtp (MTP layers saved with the model in transformers' native layout: generate(use_mtp=True) runs "
+    "them too)",
+    "depth": "tokens the drafter drafts ahead (heads, the EAGLE-style drafter's unrolled steps, or the depth of the "
+    "trees MTP layers draft, the last layer again beyond their count)",
+    "mtp_layers": "with --arch mtp: the MTP layers trained (transformers' use_mtp=True drafts one token per layer)",
+    "draft_vocab_size": "rows of the drafting vocabulary: the most frequent tokens of the model's answers (--arch mtp: "
+    "the layers train over the whole vocabulary, EntMTP drafts over these rows; 0: the whole vocabulary)",
     "train_tokens": "token budget of the training data",
     "train_epochs": "passes over the training data",
     "train_steps": "stop training after this many steps (else --train-epochs)",

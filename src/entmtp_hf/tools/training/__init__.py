@@ -30,7 +30,8 @@ records, point ``--work-dir`` at a fresh folder.
 
 Modules: :mod:`.config` (:class:`TrainConfig`, shared constants), :mod:`.teacher` (data, teacher
 cache, drafting vocabulary), :mod:`.objective` (loss, validation, tau), :mod:`.loop` (training,
-checkpoints, finalising), :mod:`.card` (the heads' card), :mod:`.cli` (``train-heads`` command).
+checkpoints, finalising), :mod:`.card` (the heads' card), :mod:`.cli` (``train-heads`` command),
+:mod:`.mtp_layout` (MTP layers: new ones for a model, and the native transformers layout they are saved in).
 Every public name is re-exported here.
 """
 
@@ -54,6 +55,7 @@ from .loop import (
     used_data,
     warm_start,
 )
+from .mtp_layout import load_mtp_checkpoint, mtp_drafter, new_mtp_heads, write_mtp_checkpoint
 from .objective import (
     HeadsObjective,
     distill_loss,
@@ -115,7 +117,10 @@ __all__ = [
     "init_heads_from",
     "load_checkpoint",
     "lr_factor",
+    "load_mtp_checkpoint",
     "measure_tau",
+    "mtp_drafter",
+    "new_mtp_heads",
     "pack",
     "prepare_teacher_cache",
     "read_distill",
@@ -128,4 +133,5 @@ __all__ = [
     "train_heads",
     "used_data",
     "warm_start",
+    "write_mtp_checkpoint",
 ]

@@ -15,8 +15,11 @@ from .teacher import prepare_teacher_cache
 
 _HELP = {
     "model": "base model (Hub id or folder); default: the demo model SmolLM2-135M-Instruct",
-    "family": "heads family: hydra, medusa or eagle (default: eagle for the eagle archs, else hydra)",
-    "arch": "head architecture: mlp, (hydra) prefix-mlp, (eagle) eagle (EAGLE-1/2 layout) or eagle3",
+    "family": "heads family: hydra, medusa, eagle or mtp (default: the arch's: eagle for the eagle archs, mtp for "
+    "mtp, else hydra)",
+    "arch": "head architecture: mlp, (hydra) prefix-mlp, (eagle) eagle (EAGLE-1/2 layout) or eagle3, (mtp) mtp: MTP "
+    "layers saved with the model in transformers' native layout (--output is then a model folder)",
+    "num_layers": "(hydra) blocks per head, (eagle) decoder layers, (mtp) MTP layers",
     "feature_layers": "(eagle) comma-separated base hidden-state indices (0 = embeddings) fused into the "
     "drafter's feature besides the last state, e.g. 2,15: their teacher cache keeps them too",
     "fuse_lr": "(eagle, --feature-layers) learning rate of the fuse projection (0: --lr); it starts at zero "
@@ -27,6 +30,8 @@ _HELP = {
     "init_from": "start from these heads (a heads folder) instead of a warm start",
     "init_vocab": "with --init-from: 'heads' keeps their drafting vocabulary, 'data' chooses it anew from this "
     "run's data (the head weights do not depend on it: their LM head is the base model's)",
+    "draft_vocab_size": "rows of the drafting vocabulary, the most frequent greedy tokens (mtp: the layers train "
+    "over the whole vocabulary and EntMTP drafts over these rows; 0: the whole vocabulary)",
     "distill_dir": "folder of distill-*.jsonl self-distilled records",
     "sources": "comma-separated data sources",
     "max_tokens": "token budget of the data set (train + val)",

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...heads import HEADS_REGISTRY
-from ...heads.config import HEAD_ARCHS
+from ...heads import FAMILIES, HEADS_REGISTRY
 from ...trees.tree import MC_SIM_7B_63
 
 DEMO_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -24,10 +23,10 @@ class TrainConfig:
     """Everything a heads-training run depends on (saved with every checkpoint)."""
 
     model: str | None = field(default=None, metadata={"help": "base model id/folder; None = demo model"})
-    family: str = ""  # "": the arch's family (eagle for the eagle archs, else hydra)
+    family: str = ""  # "": the arch's family (eagle for the eagle archs, mtp for mtp, else hydra)
     arch: str = "mlp"
     num_heads: int = 4
-    num_layers: int = 1
+    num_layers: int = 1  # hydra: blocks per head; eagle: decoder layers; mtp: MTP layers
     feature_layers: tuple[int, ...] = ()  # eagle: base hidden states fused into the feature besides the last
     draft_vocab_size: int = 8192
     work_dir: str = "runs/heads"
@@ -66,7 +65,9 @@ class TrainConfig:
     tau_new_tokens: int = 64
 
     def __post_init__(self) -> None:
-        self.family = self.family or ("eagle" if self.arch in HEAD_ARCHS["eagle"] else "hydra")
+        if not self.family:  # the family of the arch ("mlp", Hydra's and Medusa's: hydra)
+            found = (f.name for f in FAMILIES.values() if self.arch in f.archs and self.arch != "mlp")
+            self.family = next(found, "hydra")
         if self.family not in HEADS_REGISTRY:
             raise ValueError(f"family must be one of {sorted(HEADS_REGISTRY)}, got {self.family!r}")
         if self.schedule not in ("cosine", "linear"):
@@ -80,8 +81,15 @@ class TrainConfig:
         bad = set(self.sources) - set(SOURCES)
         if bad:
             raise ValueError(f"unknown data sources {sorted(bad)}; choose from {SOURCES}")
-        if self.num_heads < 1 or self.batch_tokens < self.max_seq_len or self.draft_vocab_size < 1:
-            raise ValueError("need num_heads >= 1, batch_tokens >= max_seq_len and draft_vocab_size >= 1")
+        if self.num_heads < 1 or self.batch_tokens < self.max_seq_len or self.draft_vocab_size < int(not self.mtp):
+            raise ValueError(
+                "need num_heads >= 1, batch_tokens >= max_seq_len and draft_vocab_size >= 1 (mtp: >= 0, 0 drafting "
+                "over the whole vocabulary)"
+            )
+        if self.mtp and (self.init_from or self.num_layers < 1):
+            raise ValueError(
+                "mtp: new MTP layers (num_layers >= 1) start from their warm start; init_from takes draft heads"
+            )
         if self.tau_prompts > 0 and self.num_heads < TAU_TREE_DEPTH:
             raise ValueError(
                 f"tau_prompts checks the heads with mc_sim_7b_63, a tree of depth {TAU_TREE_DEPTH}, deeper "
@@ -99,6 +107,13 @@ class TrainConfig:
                     f"feature_layers must be distinct hidden-state indices >= 0, got {self.feature_layers}"
                 )
         self.run_name = self.run_name or f"{self.family}-{self.arch}"
+
+    @property
+    def mtp(self) -> bool:
+        """Whether the run trains MTP layers (saved in transformers' native layout, trained over the whole
+        vocabulary as ``generate(use_mtp=True)`` drafts; ``draft_vocab_size``: the drafting vocabulary
+        saved beside them for EntMTP, 0 for none)."""
+        return self.family == "mtp"
 
     def heads_feature_layers(self, base_config) -> list[int] | None:
         """The base hidden states the trained heads read: ``feature_layers`` then the last one, else

@@ -51,7 +51,8 @@ def warm_start(heads: DraftHeads, hidden_rms: float = 1.0) -> DraftHeads:
     of Hydra's first-block projection; a prefix layer starts as (scaled) identity. An EAGLE
     drafter starts as the identity on the feature (``fc`` passes f_j through, every layer's
     output projections are zero), so it first predicts what the base model's own head would;
-    an EAGLE-3 one as the base LM head on the highest of its fused states."""
+    an EAGLE-3 one as the base LM head on the highest of its fused states; MTP layers as the base LM
+    head on their input state."""
     h = heads.config.hidden_size
     fc = getattr(heads, "fc", None)
     if isinstance(fc, nn.Linear) and fc.in_features == 2 * h:  # EAGLE-1/2: fc(cat(E(x), f))
@@ -73,6 +74,10 @@ def warm_start(heads: DraftHeads, hidden_rms: float = 1.0) -> DraftHeads:
                 res.weight.zero_()
                 res.weight[:, :h] = torch.eye(h, dtype=res.weight.dtype, device=res.weight.device)
                 res.bias.zero_()
+    if heads.family == "mtp":
+        from .mtp_layout import warm_start_mtp
+
+        warm_start_mtp(heads, hidden_rms)
     prefix = getattr(heads, "prefix_embeding_layer", None)
     if prefix is not None:
         layer = prefix.layers[0]
@@ -209,14 +214,21 @@ def uses_base_lm_head(arch: str) -> bool:
     return arch != "eagle3"
 
 
-def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftHeads, Tensor]:
+def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftHeads, Tensor | None]:
     """The heads training starts from (``--init-from`` heads, or a warm start) and the drafting
-    vocabulary: chosen from this data unless kept from the ``--init-from`` heads."""
+    vocabulary: chosen from this data unless kept from the ``--init-from`` heads. MTP layers train over
+    the whole vocabulary (as ``generate(use_mtp=True)`` drafts); their drafting vocabulary, if any, is
+    saved beside them for EntMTP."""
     vocab_size = model.config.get_text_config().vocab_size
     dv = None
-    if not (cfg.init_from and cfg.init_vocab == "heads"):
+    if not (cfg.init_from and cfg.init_vocab == "heads") and cfg.draft_vocab_size:
         dv = draft_vocabulary(supervised_tokens(cache, SPLIT_TRAIN), cfg.draft_vocab_size, vocab_size)
-    if cfg.init_from:  # continue training given heads on this data
+    if cfg.mtp:
+        from .mtp_layout import new_mtp_heads
+
+        torch.manual_seed(cfg.seed)  # transformers' initialisation of the new layers
+        heads = new_mtp_heads(model, cfg.num_layers, cfg.num_heads).float()
+    elif cfg.init_from:  # continue training given heads on this data
         heads = init_heads_from(cfg, model)
         if dv is not None:  # --init-vocab data: the weights do not depend on the vocabulary
             heads.draft_vocab.copy_(dv)
@@ -239,6 +251,7 @@ def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftH
         if not uses_base_lm_head(cfg.arch):  # its own LM head starts as the base rows of its vocabulary
             with torch.no_grad():
                 heads.lm_head.weight.copy_(heads._base_lm_rows(model)[0])
+    if not cfg.init_from:
         k = cache.split(SPLIT_TRAIN)[:50]
         sample = np.concatenate([cache.hidden[o : o + n] for o, n in cache.seqs[k, :2]]).astype(np.float32)
         warm_start(heads, float(np.sqrt((sample**2).mean(-1)).mean()))
@@ -369,7 +382,7 @@ def train_heads(
     model.to(acc.device).eval().requires_grad_(False)
     cache = _teacher_cache(cfg, acc, model, tokenizer, cache, log, run, resume, extract)
     heads, dv = _initial_heads(cfg, model, cache)
-    cov = coverage(dv, supervised_tokens(cache, SPLIT_VAL))
+    cov = coverage(dv, supervised_tokens(cache, SPLIT_VAL)) if dv is not None else 1.0
     objective = HeadsObjective(
         heads, model.get_input_embeddings(), model.get_output_embeddings(), cfg.ce_weight, cfg.head_decay
     )
@@ -382,7 +395,7 @@ def train_heads(
     found = checkpoints(run) if resume else []
     if found:
         cursor = load_checkpoint(found[-1], heads, optimizer, scheduler, cfg)
-        if not torch.equal(heads.draft_vocab.cpu(), dv):
+        if heads.draft_vocab is not None and not torch.equal(heads.draft_vocab.cpu(), dv):
             raise ValueError(f"{found[-1]}: drafting vocabulary differs from this data's; wrong --work-dir?")
         log(f"resumed from {found[-1].name}: step {cursor.step}, epoch {cursor.epoch}, batch {cursor.batch}")
     elif resume:
@@ -391,7 +404,7 @@ def train_heads(
     unwrapped = acc.unwrap_model(objective).heads
     log(
         f"{cfg.family}/{cfg.arch}: {sum(p.numel() for p in heads.parameters()) / 1e6:.2f}M parameters, "
-        f"draft vocab {len(dv)} (held-out greedy coverage {cov:.4f}), {total} steps, "
+        f"draft vocab {len(dv) if dv is not None else 'all'} (held-out greedy coverage {cov:.4f}), {total} steps, "
         f"{len(cache.split(SPLIT_TRAIN))} train / {len(cache.split(SPLIT_VAL))} val sequences"
     )
     trainer = _Trainer(cfg, acc, model, cache, objective, optimizer, scheduler, unwrapped, run, log, total)
@@ -402,7 +415,19 @@ def train_heads(
     summary: dict[str, Any] = {}
     if acc.is_main_process:
         summary = finalize(
-            cfg, model, tokenizer, unwrapped, cache, cursor, total, cov, run, log, measure=measure, command=command
+            cfg,
+            model,
+            tokenizer,
+            unwrapped,
+            cache,
+            cursor,
+            total,
+            cov,
+            run,
+            log,
+            measure=measure,
+            command=command,
+            dv=dv,
         )
         summary["loss_curve"] = losses
     acc.wait_for_everyone()
@@ -525,14 +550,24 @@ def finalize(
     *,
     measure: bool = True,
     command: str | None = None,
+    dv: Tensor | None = None,
 ) -> dict[str, Any]:
-    """Validate, measure tau, save the shipped (half-precision) heads with their card."""
+    """Validate, measure tau, save the shipped (half-precision) heads with their card. MTP layers ship
+    as a model folder in transformers' native layout (:mod:`.mtp_layout`), validated as loaded from it;
+    ``dv``: their drafting vocabulary saved beside them."""
     out = Path(cfg.output) if cfg.output else run / "final"
     shipping = half_copy(heads, cfg.save_dtype)
-    shipping.save_pretrained(out)
     # validate what ships, loaded back from disk as a user would (then run in float32)
-    shipped = DraftHeads.from_pretrained(out).float()
-    metrics = evaluate_heads(shipped, *_base_io(model), cache)
+    if cfg.mtp:
+        from .mtp_layout import MTP_SHARD, save_trained_mtp
+
+        judge, shipped, drafter = save_trained_mtp(model, shipping, out, run, dv)
+        weights = out / MTP_SHARD
+    else:
+        shipping.save_pretrained(out)
+        judge, shipped = model, DraftHeads.from_pretrained(out).float()
+        drafter, weights = shipped, out / "model.safetensors"
+    metrics = evaluate_heads(shipped, *_base_io(judge), cache)
     extract = json.loads((cache.root / "extract.json").read_text())
     summary = {
         "config": asdict(cfg),
@@ -545,19 +580,24 @@ def finalize(
         "train_tokens_per_s": round(cursor.train_tokens / max(cursor.train_seconds, 1e-9), 1),
         "extract": extract,
         "data": used_data(cache),
-        "draft_vocab_size": int(len(heads.draft_vocab)),
+        "draft_vocab_size": int(len(drafter.draft_vocab)) if drafter.draft_vocab is not None else 0,
         "draft_vocab_val_coverage": round(cov, 4),
         "validation": metrics,
         "validation_fp32_weights": evaluate_heads(heads, *_base_io(model), cache),
-        "weights_bytes": os.path.getsize(out / "model.safetensors"),
+        "weights_bytes": os.path.getsize(weights),
     }
     if cfg.init_from:
         summary["init_num_heads"] = DraftHeads.from_pretrained(cfg.init_from).num_heads
     if measure and cfg.tau_prompts > 0 and tokenizer is not None:
         prompts = tau_prompts(cache, tokenizer, cfg.tau_prompts, cfg.seed, cfg.val_fraction)
-        summary["tau_mc_sim_7b_63"] = measure_tau(model, shipped, prompts, cfg.tau_new_tokens)
-    shipping.card = heads_card(summary, shipping)  # the figures of what ships, measured above
-    shipping.save_pretrained(out)
+        summary["tau_mc_sim_7b_63"] = measure_tau(judge, drafter, prompts, cfg.tau_new_tokens)
+    if cfg.mtp:
+        from .card import mtp_readme
+
+        (out / "README.md").write_text(mtp_readme(summary, shipping))
+    else:
+        shipping.card = heads_card(summary, shipping)  # the figures of what ships, measured above
+        shipping.save_pretrained(out)
     _write_json(run / "summary.json", summary)
     log(f"final: {json.dumps({k: summary[k] for k in ('steps', 'validation', 'weights_bytes')})}")
     if "tau_mc_sim_7b_63" in summary:
