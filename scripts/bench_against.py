@@ -1,10 +1,11 @@
 """This code against another commit (a release) on the same basket, interleaved run by run.
 
 Each version runs ``entmtp-hf bench --batch-size ...`` (plain batched ``generate`` and the
-method under test, its cost tables measured in a cache folder of its own) in a process of its own,
-with ``PYTHONPATH`` pointing at its source; the order alternates (this, other, other, this, ...)
-so a drift of the machine falls on both. Each cell is the method's median per-call ratio to plain
-``generate`` in the same run; the table gives every pair's cells and their medians, and whether
+method under test) in a process of its own, with ``PYTHONPATH`` pointing at its source, after it
+measured its own cost tables into a cache folder of its own; the order alternates (this, other,
+other, this, ...) so a drift of the machine falls on both (a killed run leaves its git worktree:
+``git worktree prune``). Each cell is the method's median per-call ratio to plain ``generate`` in
+the same run; the table gives every pair's cells and their medians, and whether
 every row of every run was token-identical to plain ``generate``.
 
     python scripts/bench_against.py 8ac5e00 --out runs/against --pairs 2 --n 8 --max-new-tokens 64
@@ -32,6 +33,17 @@ def worktree(ref: str, where: Path) -> Path:
     return where / "src"
 
 
+def calibrate(src: Path, cache: Path, args: argparse.Namespace) -> None:
+    """The code in ``src`` measures its cost tables for the demo model and its default drafter at the
+    powers of two up to the bench's largest batch size (every live batch size a batch call reaches),
+    into ``cache`` (what its ``generate`` then ranks its banks with)."""
+    env = dict(os.environ, PYTHONPATH=str(src), ENTMTP_HF_CACHE=str(cache))
+    code = f"import torch; torch.set_num_threads({args.threads}); from entmtp_hf.demo import load_demo; "
+    sizes = [2**i for i in range(max(args.batch_sizes).bit_length())]
+    code += f"load_demo(calibrate={sizes})"
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
 def bench(src: Path, cache: Path, out: Path, args: argparse.Namespace) -> dict:
     """One bench run of the code in ``src``; its ``summary.json``'s summary."""
     env = dict(os.environ, PYTHONPATH=str(src), ENTMTP_HF_CACHE=str(cache))
@@ -55,12 +67,15 @@ def cells(summary: dict, method: str) -> dict[str, tuple[float, bool]]:
 
 def table(runs: dict[str, list[dict[str, tuple[float, bool]]]]) -> str:
     labels = list(runs)
-    keys = list(next(iter(runs.values()))[0])
+    keys = list(next(r for rs in runs.values() for r in rs))
     lines = ["| cell | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for key in keys:
         row = []
         for label in labels:
             values = [r[key][0] for r in runs[label]]
+            if not values:
+                row.append("-")
+                continue
             row.append(", ".join(f"{v:.2f}" for v in values) + f": **{statistics.median(values):.2f}**")
         lines.append(f"| {key} | " + " | ".join(row) + " |")
     identical = all(ok for rs in runs.values() for r in rs for _, ok in r.values())
@@ -91,10 +106,13 @@ def main(argv: list[str] | None = None) -> int:
             for i, label in enumerate(order):
                 slug = "this" if label == "this code" else "other"
                 cache = args.out / f"cache-{slug}"
+                fresh = not cache.exists()
                 cache.mkdir(exist_ok=True)
                 for folder in cache_dir().glob("SmolLM2*"):  # the demo model's copy is shared; the cost tables are not
                     if not (cache / folder.name).exists():
                         (cache / folder.name).symlink_to(folder)
+                if fresh:
+                    calibrate(sources[label], cache, args)
                 summary = bench(sources[label], cache, args.out / f"{i + 1:02d}-{slug}", args)
                 runs[label].append(cells(summary, args.method))
                 print(table(runs), flush=True)
@@ -102,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "other")], check=False)
     text = table(runs)
     (args.out / "table.md").write_text(text, encoding="utf-8")
-    (args.out / "runs.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "runs": runs}))
+    (args.out / "runs.json").write_text(
+        json.dumps({"args": vars(args) | {"out": args.out.name}, "runs": runs}, indent=1)
+    )
     print(text)
     return 0
 
