@@ -384,7 +384,14 @@ class _Build:
         model, tokenizer = self.loaded()
         minutes = None if deadline is None else max(1e-3, (deadline - time.perf_counter()) / 60)
         summary = train_heads(
-            cfg, model, tokenizer, resume=True, max_minutes=minutes, measure=o.tau_prompts > 0, command=o.command
+            cfg,
+            model,
+            tokenizer,
+            resume=True,
+            max_minutes=minutes,
+            measure=o.tau_prompts > 0,
+            command=o.command,
+            progress=o.progress,
         )
         done = summary["steps"] >= summary["total_steps"]
         val = summary["validation"]

@@ -278,14 +278,16 @@ class _Trainer:
     def __post_init__(self) -> None:
         self._params = [p for p in self.objective.parameters() if p.requires_grad]
 
-    def fit(self, cursor: Cursor, deadline: float | None, stop_after: int | None) -> list[float]:
+    def fit(self, cursor: Cursor, deadline: float | None, stop_after: int | None, progress: bool = True) -> list[float]:
         """Optimise from ``cursor`` to ``total`` steps (or the deadline / step budget), epoch by
         epoch; checkpoints every ``save_every`` steps and when stopping. Returns the losses."""
         from tqdm.auto import tqdm
 
         cfg, acc = self.cfg, self.acc
         ks, lengths = self.cache.split(SPLIT_TRAIN), self.cache.seqs[:, 1]
-        bar = tqdm(total=self.total, initial=cursor.step, disable=not acc.is_main_process, desc=cfg.run_name)
+        bar = tqdm(
+            total=self.total, initial=cursor.step, disable=not (progress and acc.is_main_process), desc=cfg.run_name
+        )
         first_step, losses, stopped = cursor.step, [], False
         while cursor.step < self.total and not stopped:
             batches = epoch_batches(ks, lengths, cfg.batch_tokens, cfg.seed, cursor.epoch)
@@ -362,12 +364,14 @@ def train_heads(
     command: str | None = None,
     accelerator=None,
     extract: bool = True,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Train (or resume) one set of heads; writes checkpoints under ``WORK/RUN`` and the final
     heads to ``cfg.output`` (default ``WORK/RUN/final``). Returns the run summary.
 
     ``max_minutes`` / ``stop_after`` (steps in this call) end the call early with a checkpoint
     (and final heads from the current weights); ``resume=True`` later continues the schedule.
+    ``progress=False``: no progress bar (the log file still records every step's figures).
     """
     accelerate = require("accelerate", extra="train")
     acc = accelerator or accelerate.Accelerator(mixed_precision=cfg.mixed_precision)
@@ -408,7 +412,7 @@ def train_heads(
         f"{len(cache.split(SPLIT_TRAIN))} train / {len(cache.split(SPLIT_VAL))} val sequences"
     )
     trainer = _Trainer(cfg, acc, model, cache, objective, optimizer, scheduler, unwrapped, run, log, total)
-    losses = trainer.fit(cursor, started + 60 * max_minutes if max_minutes else None, stop_after)
+    losses = trainer.fit(cursor, started + 60 * max_minutes if max_minutes else None, stop_after, progress)
     saved = checkpoints(run)
     if cursor.step > 0 and (not saved or saved[-1].name != f"step-{cursor.step:07d}") and acc.is_main_process:
         save_checkpoint(run, cursor, unwrapped, optimizer, scheduler, cfg)
