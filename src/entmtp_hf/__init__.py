@@ -17,6 +17,7 @@ from .banks.bank import TopologyBank
 from .calibration import calibrate
 from .config import EntMTPConfig
 from .cpu_kernels import CPUKernels
+from .decoding.compiled import use_compiled_decoding
 from .decoding.loop import EntMTPGenerateOutput
 from .decoding.stats import PhaseTimer
 from .drafting.drafter import TreeDrafter
@@ -52,4 +53,5 @@ __all__ = [
     "disable_entmtp",
     "enable_entmtp",
     "load_heads",
+    "use_compiled_decoding",
 ]

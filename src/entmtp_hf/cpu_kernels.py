@@ -78,8 +78,10 @@ def onednn_available() -> bool:
 
 
 def _onednn_takes(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's linear may take this weight (CPU, float32 or bfloat16)."""
-    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+    """Whether oneDNN's linear may take this weight (CPU, float32 or bfloat16, a plain tensor: a
+    quantized tensor subclass such as torchao's reports its activations' dtype and runs its own kernels)."""
+    plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
+    return plain and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:

@@ -34,6 +34,7 @@ from .calibration import calibrate as calibrate_costs
 from .config import EntMTPConfig
 from .cpu_kernels import CPUKernels, applied_kernels, kernels_of
 from .decoding.attention import restore_attention, use_tree_attention
+from .decoding.compiled import compiled_call
 from .decoding.loop import EntMTPGenerateOutput, entmtp_decode
 from .decoding.options import check_generation_options, merged_generation_config
 from .decoding.stats import DecodeObserver
@@ -137,6 +138,12 @@ class EntMTPGenerationMixin:
             return super()._get_candidate_generator(*args, **kwargs)
         bound = inspect.signature(super()._get_candidate_generator).bind(*args, **kwargs)
         return build_candidate_generator(call, bound.arguments)
+
+    def get_compiled_call(self, compile_config):
+        """transformers' compiled forward, compiled as :func:`~entmtp_hf.decoding.compiled.compiled_call`
+        does (static shapes; on a CPU inductor's weight freezing where the config sets no options):
+        plain ``generate`` and EntMTP's verification share its graphs."""
+        return compiled_call(self, compile_config)
 
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save(model)``) and deep-copied as the model's own class, made EntMTP's

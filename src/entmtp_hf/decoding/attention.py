@@ -27,8 +27,10 @@ context, and grows with the context (docs/performance.md).
 change to any modelling file). :func:`use_tree_attention` selects it once, when EntMTP is
 enabled on a model that uses ``sdpa`` (:func:`restore_attention` undoes it). It takes the
 grouped path only inside :func:`verifying` (a context variable: per thread and task, nothing
-stored on the model) and only for a masked multi-token CPU forward; everything else, plain
-``generate`` included, goes to the stock ``sdpa`` function unchanged.
+stored on the model) and only for a masked multi-token CPU forward, and in every masked CPU
+forward of a compiled graph (plain decoding's one token included: transformers regroups a single
+query only outside compiled code, so its compiled step expands the heads of the whole static
+cache); everything else, eager plain ``generate`` included, goes to the stock ``sdpa`` function unchanged.
 """
 
 from __future__ import annotations
@@ -160,14 +162,13 @@ def grouped_tree_attention(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``sdpa`` attention that keeps grouped key/value heads grouped for a verified tree on CPU."""
+    """``sdpa`` keeping grouped key/value heads grouped on CPU: a verified tree, any compiled decode forward."""
     groups = getattr(module, "num_key_value_groups", 1)
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and dropout == 0.0
-    # a compiled call runs only verification forwards here (the prefill stays eager), and the
+    # a compiled graph is a decode forward (the prefill stays eager), a tree's or plain decoding's; the
     # context variable is not traceable: checked only outside compiled code
-    verifying_now = torch.compiler.is_compiling() or _VERIFYING.get()
-    tree = verifying_now and attention_mask is not None and query.device.type == "cpu" and query.shape[2] > 1
-    if groups > 1 and plain and tree:
+    decoding = torch.compiler.is_compiling() or (_VERIFYING.get() and query.shape[2] > 1)
+    if groups > 1 and plain and decoding and attention_mask is not None and query.device.type == "cpu":
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
         )

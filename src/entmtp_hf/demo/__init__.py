@@ -20,6 +20,7 @@ from typing import Sequence
 
 from ..banks.bank import TopologyBank, shipped_bank_path
 from ..config import EntMTPConfig
+from ..decoding.compiled import use_compiled_decoding
 from ..integration import enable_entmtp
 from ..tools.models import load_base_model
 
@@ -80,6 +81,8 @@ def load_demo(
     banks: str | Path | None = None,
     cache_dir: str | Path | None = None,
     calibrate: bool | Sequence[int] = False,
+    precision: str = "fp32",
+    compile: bool = False,
 ):
     """``(model, tokenizer, bank_dir)``: a demo model with a drafter enabled.
 
@@ -93,10 +96,16 @@ def load_demo(
     transformers' native layout (:func:`load_mtp_demo`), SmolLM2's shipped ones or, with ``model``, the
     folder ``build-drafter --arch mtp`` wrote.
     ``calibrate``: as :func:`~entmtp_hf.enable_entmtp`'s (measure this machine's step costs now,
-    so that the banks rank their trees for it)."""
+    so that the banks rank their trees for it). ``precision``: the base model's weights, ``"fp32"``,
+    ``"bf16"`` or ``"int8"`` (torchao weight-only, :func:`~entmtp_hf.tools.models.precision_kwargs`);
+    the drafter follows the LM head's dtype. ``compile=True``: compiled decoding by default
+    (:func:`~entmtp_hf.decoding.compiled.use_compiled_decoding`), for plain ``generate`` as for
+    EntMTP; the first call of each shape compiles, announced."""
     from ..tools.models import DEFAULT_DEMO
 
     if heads == MTP_HEADS:
+        if (precision, compile) != ("fp32", False):
+            raise ValueError("heads='mtp' loads fp32 and eager only: drop precision= and compile=")
         return load_mtp_demo(model, banks=banks, cache_dir=cache_dir, calibrate=calibrate)
     if model in SHIPPED_DRAFTERS and heads in (None, "eagle"):
         heads, bank = SHIPPED_DRAFTERS[model]
@@ -118,8 +127,10 @@ def load_demo(
         raise FileNotFoundError(
             f"no draft heads at {heads}: train them with `entmtp-hf train-heads` (see docs/training.md)"
         )
-    loaded, tokenizer = load_base_model(model, cache_dir=cache_dir)
+    loaded, tokenizer = load_base_model(model, cache_dir=cache_dir, precision=precision)
     enable_entmtp(loaded, str(heads), calibrate=calibrate)
+    if compile:
+        use_compiled_decoding(loaded)
     return loaded, tokenizer, bank_dir
 
 

