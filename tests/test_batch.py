@@ -546,14 +546,11 @@ class EvenLastToken:
 ids_width = max(LENGTHS)
 
 
-@pytest.mark.parametrize("eos", [False, True])
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_a_criterion_that_stops_one_row_behaves_as_in_plain_generate(tiny_cache, eos, cache):
-    """Without an EOS criterion plain generate keeps decoding a stopped row (real tokens) until every
-    row stops; with one it pads the stopped row. Either way the output is plain generate's."""
+def rows_stopping_apart(model, eos: bool, cache: str) -> tuple[torch.Tensor, dict]:
+    """The batch and generate keywords under which its rows stop at different steps: a criterion
+    (and, with ``eos``, an EOS token each row reaches at its own step), on a dynamic or static cache."""
     from transformers import StoppingCriteriaList
 
-    model = enabled(tiny_cache)
     singles, ids, mask = batch_of()
     kwargs = dict(
         attention_mask=mask,
@@ -565,6 +562,16 @@ def test_a_criterion_that_stops_one_row_behaves_as_in_plain_generate(tiny_cache,
         kwargs["eos_token_id"] = eos_ending_rows_apart(model, singles, 30)
     if cache == "static":
         kwargs["cache_implementation"] = "static"
+    return ids, kwargs
+
+
+@pytest.mark.parametrize("eos", [False, True])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_criterion_that_stops_one_row_behaves_as_in_plain_generate(tiny_cache, eos, cache):
+    """Without an EOS criterion plain generate keeps decoding a stopped row (real tokens) until every
+    row stops; with one it pads the stopped row. Either way the output is plain generate's."""
+    model = enabled(tiny_cache)
+    ids, kwargs = rows_stopping_apart(model, eos, cache)
     plain = generate(model, ids, **kwargs)
     for tree in (MC_SIM_7B_63, [[0]]):
         out = generate(model, ids, entmtp_config=EntMTPConfig(tree=tree), **kwargs)
@@ -591,20 +598,8 @@ def test_a_batch_streams_as_plain_generate(tiny_cache, eos, cache):
     """A streamer gets what plain generate gives it for a batch: the prompts [B, L], then one [B]
     column per new token (a row stopped on EOS: the pad token), then ``end``; so what is streamed is
     what is returned. Rows stop apart (a criterion, EOS) and drafts accept several tokens per step."""
-    from transformers import StoppingCriteriaList
-
     model = enabled(tiny_cache)
-    singles, ids, mask = batch_of()
-    kwargs = dict(
-        attention_mask=mask,
-        max_new_tokens=30,
-        do_sample=False,
-        stopping_criteria=StoppingCriteriaList([EvenLastToken()]),
-    )
-    if eos:
-        kwargs["eos_token_id"] = eos_ending_rows_apart(model, singles, 30)
-    if cache == "static":
-        kwargs["cache_implementation"] = "static"
+    ids, kwargs = rows_stopping_apart(model, eos, cache)
     plain = Recorder()
     want = generate(model, ids, streamer=plain, **kwargs)
     assert plain.ended and len(plain.puts) == want.shape[1] - ids.shape[1] + 1
