@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import transformers as tf
 from safetensors.torch import load_file, save_file
 from test_generation import CONFIGS, SAMPLING_TREE, chi_square_p, sample_counts, target_joint
+from tiny import COMMON as TINY_COMMON
 from tiny import VOCAB, tiny_model
 from torch import Tensor
 from transformers import AutoModelForCausalLM
@@ -31,17 +32,7 @@ from entmtp_hf.integration import enable_entmtp
 from entmtp_hf.scheduling.eas import EASConfig
 from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+COMMON = {**TINY_COMMON, "intermediate_size": 32}  # every family below names its layer count
 MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
 
 

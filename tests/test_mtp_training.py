@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_mtp import _assert_parity, _plain, mtp_model, prompt  # noqa: F401 (the fixture)
+from test_training import config as train_config
 from test_your_model import TINY_ARGS, tiny_base  # noqa: F401 (the fixture)
 from tiny import VOCAB
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -83,23 +84,9 @@ def _cache(root, model, n: int = 24) -> TeacherCache:
 
 
 def _config(tmp_path, **kw) -> TrainConfig:
-    args = dict(
-        arch="mtp",
-        num_layers=LAYERS,
-        num_heads=4,
-        draft_vocab_size=16,
-        work_dir=str(tmp_path),
-        batch_tokens=128,
-        max_seq_len=64,
-        epochs=30,
-        lr=1e-2,
-        warmup_steps=2,
-        save_every=1000,
-        eval_every=0,
-        tau_prompts=0,
-        save_dtype="float32",
-    )
-    return TrainConfig(**{**args, **kw})
+    """test_training's small run, as MTP layers: longer, on longer texts."""
+    args = dict(family="mtp", arch="mtp", num_layers=LAYERS, num_heads=4, draft_vocab_size=16, batch_tokens=128)
+    return train_config(tmp_path, **{**args, "max_seq_len": 64, "epochs": 30, "lr": 1e-2, **kw})
 
 
 @pytest.fixture(scope="module")

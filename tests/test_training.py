@@ -240,6 +240,19 @@ def test_a_cache_keeps_the_fused_states_a_drafter_reads(tmp_path, model):
         extract_hidden(model, grown, batch_tokens=64, log=lambda m: None, reuse=plain)
     with pytest.raises(ValueError, match="distinct hidden-state indices"):
         TeacherCache.create(tmp_path / "bad", [], H, {}, feature_layers=[1, 1])
+    # a cache that keeps fewer layers (an MTP or EAGLE-1 drafter's) copies its rows from one that keeps more
+    fused = open_cache(cache.root)
+    seqs = [TokenSeq("gsm8k", tuple(int(x) for x in fused.ids(k))) for k in (2, 0)]
+    for keep in ([], [layers[2], layers[0]]):
+        fewer = TeacherCache.create(tmp_path / f"fewer{len(keep)}", seqs, H, {"sources": {}}, feature_layers=keep)
+        extract_hidden(model, fewer, batch_tokens=64, log=lambda m: None, reuse=fused)
+        assert sorted(fewer.copied) == [0, 1] and fewer.complete
+        for k, src in enumerate((2, 0)):
+            (o, n), (so, _) = fewer.seqs[k, :2], fused.seqs[src, :2]
+            assert np.array_equal(fewer.hidden[o : o + n], fused.hidden[so : so + n])
+            for j, layer in enumerate(keep):
+                want = fused.features[so : so + n, layers.index(layer)]
+                assert np.array_equal(fewer.features[o : o + n, j], want)
 
 
 @pytest.mark.parametrize(

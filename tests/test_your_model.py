@@ -254,6 +254,30 @@ def test_answers_given_before_are_the_data_stage_and_a_foreign_record_is_refused
         bd.copy_records(tmp_path / "nowhere", tmp_path / "elsewhere", vocab_size=10)
 
 
+def test_a_second_drafter_reuses_the_first_runs_teacher_cache(built, tmp_path, monkeypatch):
+    """``--reuse-cache WORK``: another drafter's training stage copies every row of an earlier run's
+    teacher cache (its ``train/data``) instead of running the model over the sequences again."""
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(built["root"] / "cache"))
+    work = built["root"] / "work"
+    argv = [*built["argv"], "--work-dir", str(tmp_path / "work"), "--data-from", str(work / "data")]
+    argv += ["--reuse-cache", str(work), "--arch", "mlp", "--train-steps", "2", "--tau-prompts", "0"]
+    opts = bd.options_from_args(_parse(argv))
+    assert opts.reuse_cache == str(work) and "reuse_cache" not in opts.stage_args()["train"]
+    build = bd._Build(opts, bd.BuildState(tmp_path / "work" / bd.STATE_NAME))
+    build.data(None)
+    forwards = []
+    model = build.loaded()[0]
+    handle = model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        done, result, _ = build.train(None)
+    finally:
+        handle.remove()
+    progress = json.loads((tmp_path / "work" / "train" / "data" / "extract.json").read_text())
+    assert done and result["steps"] == 2
+    assert progress["copied"] and not progress["done"]  # every sequence copied, no batch extracted
+    assert len(forwards) == 1  # the one sequence recomputed to check the copy comes from this model
+
+
 def test_a_model_without_a_shipped_drafter_needs_heads(tmp_path):
     from entmtp_hf.demo import own_drafter
 

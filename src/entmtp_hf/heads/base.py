@@ -141,6 +141,19 @@ class DraftHeads(nn.Module, ModelHubMixin):
     #: how the base LM rows multiply while drafting; :class:`~entmtp_hf.cpu_kernels.CPUKernels`
     #: sets ``"onednn"`` on an instance where it measured that faster, and removes it again
     lm_kernel: str = "linear"
+    #: what a head drafts from, as the model card words it
+    card_inputs: ClassVar[str] = "the base model's last hidden state at t"
+
+    @classmethod
+    def card_summary(cls, config: HeadsConfig, vocab: str, lm: str, stored: str) -> tuple[str, str]:
+        """The model card's title and first paragraph: what these heads are and what each drafts from
+        (``vocab``: the drafting vocabulary, ``lm``: the LM head rows, ``stored``: dtype and size, as worded)."""
+        what = (
+            f"{config.num_heads} {config.family} heads (`{config.head_arch}`, {config.num_layers} block(s) each, "
+            f"hidden size {config.hidden_size}) drafting over {vocab} with {lm}; stored in {stored}. Head i "
+            f"drafts token t+i+2 from {cls.card_inputs}."
+        )
+        return f"{config.family.capitalize()} draft heads", what
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()

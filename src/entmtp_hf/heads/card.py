@@ -21,6 +21,7 @@ from ..hub import hub_repo_id
 from ..validation import MAX_COUNT, brief_repr, integer, number, numbers_in, sequence
 from .config import HeadsConfig
 from .files import HeadsLoadError, read_json
+from .registry import FAMILIES
 
 CARD_NAME = "card.json"
 CARD_VERSION = 1
@@ -195,32 +196,8 @@ def _about(config: HeadsConfig, dtype: str, nbytes: int) -> list[str]:
         f"a {config.draft_vocab_size}-token drafting vocabulary" if config.draft_vocab_size else "the full vocabulary"
     )
     lm = "the base model's own LM head rows" if config.use_base_lm_head else "an LM head of their own each"
-    reads = " and the embeddings of the tokens drafted on its path" if config.family == "hydra" else ""
-    if config.family == "eagle":
-        title = "EAGLE-style drafter"
-        lm = lm if config.use_base_lm_head else "its own LM head"
-        what = (
-            f"An EAGLE-style drafter (`{config.head_arch}`, {config.num_layers} decoder layer(s), hidden size "
-            f"{config.hidden_size}, trees up to depth {config.num_heads}) drafting over {vocab} with {lm}; "
-            f"stored in {dtype} ({nbytes / 1e6:.1f} MB). At depth d it predicts the base model's feature from "
-            "its own output at depth d-1 and the token drafted there, so it drafts token t+d+1."
-        )
-        layers = config.feature_layers or []
-        if config.head_arch == "eagle" and len(layers) > 1:
-            what += (
-                f" Its feature at committed positions is the base model's last hidden state plus a projection "
-                f"of its states {', '.join(map(str, layers[:-1]))} (hidden-state indices, 0 = embeddings)."
-            )
-        elif layers:
-            what += f" It fuses the base model's hidden states {', '.join(map(str, layers))} (0 = embeddings)."
-    else:
-        title = f"{config.family.capitalize()} draft heads"
-        what = (
-            f"{config.num_heads} {config.family} heads (`{config.head_arch}`, {config.num_layers} block(s) each, "
-            f"hidden size {config.hidden_size}) drafting over {vocab} with {lm}; stored in {dtype} "
-            f"({nbytes / 1e6:.1f} MB). Head i drafts token t+i+2 from the base model's last hidden state at "
-            f"t{reads}."
-        )
+    stored = f"{dtype} ({nbytes / 1e6:.1f} MB)"
+    title, what = FAMILIES[config.family].heads_class.card_summary(config, vocab, lm, stored)
     return [
         f"# {title}" + (f" for `{base}`" if base else ""),
         "",

@@ -221,6 +221,25 @@ class EagleHeads(PairQueue, DraftHeads):
     """EAGLE-style drafter (archs ``eagle``: EAGLE-1/2, ``eagle3``: EAGLE-3). ``num_heads`` is the
     deepest tree it drafts (and the training unroll); ``num_layers`` its decoder layers."""
 
+    @classmethod
+    def card_summary(cls, config: Any, vocab: str, lm: str, stored: str) -> tuple[str, str]:
+        lm = lm if config.use_base_lm_head else "its own LM head"
+        what = (
+            f"An EAGLE-style drafter (`{config.head_arch}`, {config.num_layers} decoder layer(s), hidden size "
+            f"{config.hidden_size}, trees up to depth {config.num_heads}) drafting over {vocab} with {lm}; "
+            f"stored in {stored}. At depth d it predicts the base model's feature from "
+            "its own output at depth d-1 and the token drafted there, so it drafts token t+d+1."
+        )
+        layers = config.feature_layers or []
+        if config.head_arch == "eagle" and len(layers) > 1:
+            what += (
+                f" Its feature at committed positions is the base model's last hidden state plus a projection "
+                f"of its states {', '.join(map(str, layers[:-1]))} (hidden-state indices, 0 = embeddings)."
+            )
+        elif layers:
+            what += f" It fuses the base model's hidden states {', '.join(map(str, layers))} (0 = embeddings)."
+        return "EAGLE-style drafter", what
+
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         layer_config = build_prefix_config(config.prefix_layer_config)

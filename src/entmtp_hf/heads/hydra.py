@@ -192,6 +192,7 @@ class HydraHeads(DraftHeads):
     """Grounded Hydra heads (archs ``mlp`` and ``prefix-mlp``)."""
 
     lm_head_bias = True
+    card_inputs = "the base model's last hidden state at t and the embeddings of the tokens drafted on its path"
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -73,6 +73,9 @@ class BuildOptions:
     lr: float = 1e-3
     warmup_steps: int = 30
     teacher_dtype: str = "float32"
+    #: a filled teacher cache whose rows are copied (not part of the stage's arguments: a copied row
+    #: equals a recomputed one up to the rounding of another batch shape)
+    reuse_cache: str | None = None
     mixed_precision: str = "no"
     tau_prompts: int = 4
     # search: one bank per task
@@ -376,6 +379,7 @@ class _Build:
             lr=o.lr,
             warmup_steps=o.warmup_steps,
             teacher_dtype=o.teacher_dtype,
+            reuse_cache=o.reuse_cache,
             mixed_precision=o.mixed_precision,
             eval_every=0,
             tau_prompts=o.tau_prompts,
@@ -702,6 +706,9 @@ _HELP = {
     "lr": "peak learning rate",
     "warmup_steps": "linear warm-up",
     "teacher_dtype": "precision of the teacher pass: float32 or bfloat16",
+    "reuse_cache": "the work folder of an earlier build-drafter run (or a teacher cache) of the same base model and "
+    "teacher precision that kept at least this drafter's layers (an EAGLE-3 run's serves every arch): the rows of "
+    "the sequences it holds are copied instead of recomputed",
     "mixed_precision": "the drafter's training precision: no, bf16 or fp16",
     "tau_prompts": "held-out prompts of the training's accept-length check (0: skip it)",
     "search_prompts": "calibration prompts per task",

@@ -29,7 +29,7 @@ INPUTS: dict[str, str] = {
         ),
         LOCAL_OR_HUB,
     ),
-    **dict.fromkeys(("results", "eas_config", "distill_dir", "data_from"), LOCAL),
+    **dict.fromkeys(("results", "eas_config", "distill_dir", "data_from", "reuse_cache"), LOCAL),
 }
 
 

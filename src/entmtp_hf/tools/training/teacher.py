@@ -386,11 +386,14 @@ def copy_rows(model: nn.Module, cache: TeacherCache, source: TeacherCache, dtype
     """
     if source.hidden_size != cache.hidden_size:
         raise ValueError(f"{source.root}: hidden size {source.hidden_size}, this cache needs {cache.hidden_size}")
-    if source.feature_layers != cache.feature_layers:
+    missing = [i for i in cache.feature_layers if i not in source.feature_layers]
+    if missing:
         raise ValueError(
             f"{source.root}: keeps hidden states {list(source.feature_layers)} besides the last, this "
-            f"cache {list(cache.feature_layers)}: rows can only be copied between caches of the same layers"
+            f"cache needs {list(cache.feature_layers)}: rows can only be copied from a cache that keeps "
+            "every layer this one keeps"
         )
+    picks = [source.feature_layers.index(i) for i in cache.feature_layers]  # this cache's layers in the source's
     src_dtype = source._progress().get("dtype", "float32")
     if src_dtype != dtype:
         raise ValueError(f"{source.root}: extracted in {src_dtype}, this cache in {dtype}")
@@ -406,7 +409,7 @@ def copy_rows(model: nn.Module, cache: TeacherCache, source: TeacherCache, dtype
         (o, n), (so, _) = cache.seqs[k, :2], source.seqs[j, :2]
         cache.hidden[o : o + n], cache.greedy[o : o + n] = source.hidden[so : so + n], source.greedy[so : so + n]
         if cache.features is not None:
-            cache.features[o : o + n] = source.features[so : so + n]
+            cache.features[o : o + n] = source.features[so : so + n][:, picks]
         copied.append(k)
     cache.flush()
     if copied:
@@ -493,13 +496,15 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def open_cache(path: str | Path) -> TeacherCache:
-    """The teacher cache in ``path`` (a cache folder, or a work folder holding one in ``data/``)."""
+    """The teacher cache in ``path``: a cache folder, a ``train-heads`` work folder (its ``data/``) or a
+    ``build-drafter`` work folder (its ``train/data/``)."""
     root = Path(path)
-    if not (root / "manifest.json").exists() and (root / "data" / "manifest.json").exists():
-        root = root / "data"
-    if not (root / "manifest.json").exists():
-        raise FileNotFoundError(f"{path}: no teacher cache here (no manifest.json in it or in its data/ folder)")
-    return TeacherCache(root)
+    for where in (root, root / "data", root / "train" / "data"):
+        if (where / "manifest.json").exists():
+            return TeacherCache(where)
+    raise FileNotFoundError(
+        f"{path}: no teacher cache here (no manifest.json in it, in its data/ or in its train/data/ folder)"
+    )
 
 
 def prepare_teacher_cache(model, tokenizer, cfg: TrainConfig, log=print, extract: bool = True) -> TeacherCache:
