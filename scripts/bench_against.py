@@ -9,6 +9,9 @@ the same run; the table gives every pair's cells and their medians, and whether
 every row of every run was token-identical to plain ``generate``.
 
     python scripts/bench_against.py 8ac5e00 --out runs/against --pairs 2 --n 8 --max-new-tokens 64
+
+``--shared-costs``: the other version ranks with the tables this code measured (the order starts with
+this code), so both decode with the same trees wherever their ranking code agrees.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -95,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--shared-costs",
+        action="store_true",
+        help="both versions rank their banks with the cost tables this code measures (the code compared, not "
+        "two measurements of the machine: each table is measured once, and at a batch size its noise can move a "
+        "bank's choice by a tree size)",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                 for folder in cache_dir().glob("SmolLM2*"):  # the demo model's copy is shared; the cost tables are not
                     if not (cache / folder.name).exists():
                         (cache / folder.name).symlink_to(folder)
-                if fresh:
+                if fresh and args.shared_costs and label != "this code":
+                    shutil.copytree(args.out / "cache-this" / "costs", cache / "costs")
+                elif fresh:
                     calibrate(sources[label], cache, args)
                 summary = bench(sources[label], cache, args.out / f"{i + 1:02d}-{slug}", args)
                 runs[label].append(cells(summary, args.method))
