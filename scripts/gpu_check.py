@@ -9,10 +9,13 @@ In order, each step bounded so the whole run fits in about 8 minutes on one GPU:
    against plain ``generate`` on a few prompts, in bfloat16 and float16 (a divergence is
    reported with the base model's logit gap there: near-ties are floating-point, not bugs);
 2. the verification forward's cost c(N) for N = 1 to 128 tree nodes (the probe's timing);
-3. tokens/s at batch size 1, interleaved, medians: plain ``generate``, plain ``generate``
-   compiled with a static cache, prompt lookup decoding, Hydra's default tree
-   (``mc_sim_7b_63``) and EntMTP* (the tree the probe chose from each bank's frontier), eager
-   and compiled.
+3. tokens/s at batch size 1, interleaved, medians: plain ``generate``, prompt lookup decoding,
+   Hydra's default tree (``mc_sim_7b_63``) and EntMTP* (the tree the probe chose from each
+   bank's frontier), eager and compiled. Compiled is the package's route
+   (:func:`~entmtp_hf.decoding.compiled.compiled_generation`): a static cache of a few hundred
+   slots and ``CompileConfig()``'s mode, which on CUDA is CUDA graphs (``reduce-overhead``), on a
+   CPU inductor's weight freezing. Compiled EntMTP's output is checked against compiled plain
+   ``generate`` token for token; a method that fails is reported with its error, the others run on.
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import CompileConfig
 
 from entmtp_hf import MC_SIM_7B_63, EntMTPConfig, TopologyBank, Tree, enable_entmtp
 from entmtp_hf.calibration import calibrate
 from entmtp_hf.calibration.probe import forward_ms
+from entmtp_hf.decoding.compiled import compiled_generation
 from entmtp_hf.demo.compare import find_mismatch
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -129,32 +132,44 @@ def methods(model, bank, task: str, costs, compiled: dict) -> dict[str, dict]:
 
 
 def timing(model, banks, prompts, costs, tokens: int, device: str) -> dict:
-    """Tokens/s per task and method, interleaved over the prompts (one warm-up each, compiles included)."""
-    config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
-    config._compile_all_devices = True  # CUDA compiles with a static cache by itself; a CPU needs the flag
-    compiled = {"cache_implementation": "static", "compile_config": config, "max_cache_len": 2048}
+    """Tokens/s per task and method, interleaved over the prompts (one warm-up each, compiles included);
+    compiled EntMTP's tokens against compiled plain generate's, prompt by prompt."""
+    longest = max(ids.shape[1] for p in prompts.values() for ids in p)
+    compiled = compiled_generation(max_cache_len=longest + tokens + 256)  # room for the widest tree
     result = {}
     for task, bank in banks.items():
         plan = methods(model, bank, task, costs, compiled)
         tree = plan.pop("_tree")
-        warm = {}
+        warm, errors = {}, {}
         for name, kwargs in plan.items():
             t0 = time.perf_counter()
-            model.generate(prompts[task][0], max_new_tokens=8, do_sample=False, **kwargs)
+            try:
+                model.generate(prompts[task][0], max_new_tokens=8, do_sample=False, **kwargs)
+            except Exception as e:  # reported, so that one route's failure does not hide the others' figures
+                errors[name] = f"{type(e).__name__}: {e}"[:500]
             warm[name] = time.perf_counter() - t0
-        tps: dict[str, list[float]] = {name: [] for name in plan}
+        runs = {name: kw for name, kw in plan.items() if name not in errors}
+        tps: dict[str, list[float]] = {name: [] for name in runs}
+        compiled_identical = []
         for ids in prompts[task]:
-            for name, kwargs in plan.items():
+            new = {}
+            for name, kwargs in runs.items():
                 _sync(device)
                 t0 = time.perf_counter()
                 out = model.generate(ids, max_new_tokens=tokens, do_sample=False, **kwargs)
                 _sync(device)
                 seqs = getattr(out, "sequences", out)
                 tps[name].append((seqs.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
+                new[name] = seqs[0, ids.shape[1] :].tolist()
+            if "vanilla-compiled" in new and "entmtp-static-compiled" in new:
+                diff = find_mismatch(new["vanilla-compiled"], new["entmtp-static-compiled"], model, ids[0].tolist())
+                compiled_identical.append({"identical": diff is None, "mismatch": diff})
         base = statistics.median(tps["vanilla"])
         result[task] = {
             "entmtp_tree": tree,
             "warm_up_seconds": warm,
+            "errors": errors,
+            "compiled_identity": compiled_identical,
             "tokens_per_s": {n: statistics.median(v) for n, v in tps.items()},
             "speedup": {n: statistics.median(v) / base for n, v in tps.items()},
         }
@@ -191,11 +206,28 @@ def markdown(report: dict) -> str:
             "",
         ]
         if "timing" in part:
-            names = list(next(iter(part["timing"].values()))["speedup"])
+            names = list(dict.fromkeys(n for t in part["timing"].values() for n in t["warm_up_seconds"]))
             lines += ["| task | EntMTP* tree | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
             for task, t in part["timing"].items():
-                cells = [f"{t['tokens_per_s'][n]:.1f} ({t['speedup'][n]:.2f}x)" for n in names]
+                cells = [
+                    f"{t['tokens_per_s'][n]:.1f} ({t['speedup'][n]:.2f}x)" if n in t["speedup"] else "failed"
+                    for n in names
+                ]
                 lines.append(f"| {task} | {t['entmtp_tree']['num_nodes']} nodes | " + " | ".join(cells) + " |")
+            lines.append("")
+            for task, t in part["timing"].items():
+                same = sum(r["identical"] for r in t["compiled_identity"])
+                lines.append(
+                    f"- {task}: compiled EntMTP token-identical to compiled plain generate on {same} of "
+                    f"{len(t['compiled_identity'])} prompts; warm-up (compiles) "
+                    + ", ".join(f"{n} {s:.0f} s" for n, s in t["warm_up_seconds"].items())
+                )
+                lines += [
+                    f"  - from token {r['mismatch']['position']} on, logit gap {r['mismatch']['logit_gap']}"
+                    for r in t["compiled_identity"]
+                    if not r["identical"]
+                ]
+                lines += [f"- {task}: {n} failed: {e}" for n, e in t["errors"].items()]
             lines.append("")
     return "\n".join(lines)
 

@@ -28,6 +28,9 @@ def test_the_check_runs_on_this_cpu_at_the_tiny_size(tmp_path):
         timing
     )
     assert all(v > 0 for v in timing.values())
+    for task in part["timing"].values():  # every route ran; compiled EntMTP equals compiled plain generate
+        assert not task["errors"] and task["compiled_identity"]
+        assert all(r["identical"] for r in task["compiled_identity"])
     assert "Greedy identity: 6 of 6" in (tmp_path / "gpu_check.md").read_text()
 
 

@@ -167,6 +167,10 @@ class CompiledForward:
         self._shapes: set[tuple] = set()
         #: seconds the first call of each compiled shape took, in order
         self.compile_seconds: list[tuple[str, float]] = []
+        #: the (rows, tree nodes) verification shapes compiled ahead of decoding
+        #: (:func:`~entmtp_hf.decoding.loop.precompile`), and whether it warned of dynamo's graph limit
+        self.verify_shapes: set[tuple[int, int]] = set()
+        self.warned_limit = False
 
     def __call__(self, **kwargs: Any) -> Any:
         key = _shape_key(kwargs)

@@ -25,6 +25,7 @@ from ..errors import EntMTPError
 from ..trees.tree import Tree
 from .acceptance import greedy_picks, sample_picks
 from .cache import prepare_cache
+from .compiled import CompiledForward, compiled_call
 from .session import DecodeSession, Rule
 from .stats import DecodeObserver, DecodeStats
 
@@ -73,18 +74,17 @@ def _recompile_limit() -> int | None:
     return None
 
 
-def precompile(session: DecodeSession) -> dict[int, float]:
-    """Compile the verification graph of every tree size the session's plan can verify that this
-    compiled call has not run yet at this batch size (:func:`trial_forward`). Returns the seconds
-    each new size took (mostly compiling). A compiled call has a static cache, which keeps every
-    row: the batch size and plan stay."""
-    done = vars(session.forward).setdefault("_entmtp_tree_sizes", set())  # on the model's compiled call
+def precompile(session: DecodeSession, forward: CompiledForward) -> dict[int, float]:
+    """Compile the verification graph of every tree size the session's plan can verify that
+    ``forward`` (the session's compiled call) has not run yet at this batch size
+    (:func:`trial_forward`). Returns the seconds each new size took (mostly compiling). A compiled
+    call has a static cache, which keeps every row: the batch size and plan stay."""
+    done = forward.verify_shapes
     rows = len(session.live)
     seconds = {}
     todo = [n for n in sorted(session.plan.node_counts) if (rows, n) not in done]
     graphs, limit = len(done) + len(todo) + 1, _recompile_limit()  # one per (rows, size), and plain decoding's
-    if todo and limit and graphs > limit and not vars(session.forward).get("_entmtp_warned"):
-        # past dynamo's limit a new shape runs eagerly
+    if todo and limit and graphs > limit and not forward.warned_limit:  # past dynamo's limit a new shape runs eagerly
         warnings.warn(
             f"entmtp-hf: compiled verification needs {graphs} graphs of the model's forward "
             f"(one per batch size and tree size, and plain decoding's), more than torch._dynamo.config."
@@ -92,7 +92,7 @@ def precompile(session: DecodeSession) -> dict[int, float]:
             f"them all",
             stacklevel=2,
         )
-        vars(session.forward)["_entmtp_warned"] = True
+        forward.warned_limit = True
     for n in todo:
         t0 = time.perf_counter()
         trial_forward(session, n)
@@ -137,7 +137,8 @@ def open_session(
         rows=input_ids.shape[0],
     )
     compiled = model._valid_auto_compile_criteria({"cache": cache}, generation_config)
-    forward = model.get_compiled_call(generation_config.compile_config) if compiled else None
+    # the package's compiled forward (what the EntMTP mixin's get_compiled_call gives plain generate)
+    forward = compiled_call(model, generation_config.compile_config) if compiled else None
 
     pad = getattr(generation_config, "_pad_token_tensor", None)
     return DecodeSession(
@@ -193,8 +194,8 @@ def entmtp_decode(
     for obs in watchers:
         obs.on_start(session)
     session.prefill()
-    if session.forward is not model and not session.finished:  # every tree size's graph first: none compiles mid-decode
-        stats.compile_seconds = precompile(session)
+    if isinstance(session.forward, CompiledForward) and not session.finished:  # every tree size's graph first
+        stats.compile_seconds = precompile(session, session.forward)  # none compiles mid-decode
     prefill = time.perf_counter() - t_start
     for obs in watchers:
         obs.on_prefill(prefill)
