@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_your_model import char_tokenizer
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from test_your_model import char_llama
+from transformers import AutoModelForCausalLM
 
 from entmtp_hf import TopologyBank
 from entmtp_hf.tools.training import mtp_layout as layout
@@ -29,22 +29,7 @@ def _script():
 def _copying_base(folder: Path) -> None:
     """A tiny Llama with tied embeddings and its character tokenizer in ``folder``: scaled up, its embeddings
     outweigh its random layers, so that it repeats its last token and drafts of that token are accepted."""
-    tokenizer = char_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=None,
-    )
-    model = LlamaForCausalLM(config)
+    model, tokenizer = char_llama(max_position_embeddings=2048, tie_word_embeddings=True)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(4.0)
     model.save_pretrained(folder)

@@ -76,26 +76,23 @@ def char_tokenizer():
     )
 
 
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory) -> Path:
-    """A tiny Llama (float32 on disk) and its tokenizer in a folder, as a user's own model would be."""
+def char_llama(**config):
+    """``(model, tokenizer)``: a tiny random Llama over :func:`char_tokenizer`'s vocabulary (``config``: fields
+    to change), seeded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=None,
-    )
-    model = LlamaForCausalLM(config).eval()
+    fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    fields |= dict(num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=2)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), eos_token_id=None, **{**fields, **config}))
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory) -> Path:
+    """A tiny Llama (float32 on disk) and its tokenizer in a folder, as a user's own model would be."""
+    model, tokenizer = char_llama()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(4.0)  # not flat: greedy runs with some structure
     folder = tmp_path_factory.mktemp("tiny-base")
