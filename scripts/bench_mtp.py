@@ -42,8 +42,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
+from entmtp_hf.calibration.probe import draft_fit
 from entmtp_hf.demo import MTP_HEADS, config_for, load_demo
 from entmtp_hf.demo.compare import find_mismatch
+from entmtp_hf.heads import HEADS_ATTR, MtpHeads
 from entmtp_hf.tools.bench.batched import _eos, batch_inputs, row_tokens
 from entmtp_hf.tools.bench.context import BenchContext
 from entmtp_hf.tools.bench.report import machine_line
@@ -287,6 +289,20 @@ def table(results: dict) -> str:
             f"`use_mtp=True` loads its MTP layers from the checkpoint in every call ({results['use_mtp_load_ms']:.0f} "
             "ms median here), inside its timed calls."
         )
+    costs = results.get("drafting_costs")
+    if costs:
+        d, f = costs["draft_vocab"], costs["full_vocab"]
+        lines += [
+            "",
+            f"Drafting vocabulary ({costs['draft_vocab_rows']} of {costs['vocab_rows']} rows) against the whole "
+            "vocabulary, the MTP layers timed on their own (fit: a + b·depth + c·(nodes - 1) ms):",
+            "",
+            "| scored rows | a | b (per depth) | c (per node) | LM head, 8 nodes |",
+            "|---|---|---|---|---|",
+        ]
+        for label, v in ((costs["draft_vocab_rows"], d), (costs["vocab_rows"], f)):
+            a, b, c = v["fit_ms"]
+            lines.append(f"| {label} | {a:.2f} | {b:.2f} | {c:.3f} | {v['lm_head_8_nodes_ms']:.2f} ms |")
     if summary["batched"]:
         lines += [
             "",
@@ -319,6 +335,31 @@ def mtp_load_ms(model, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def drafting_costs(model) -> dict[str, Any] | None:
+    """What the drafting vocabulary saves: the enabled MTP drafter's fitted drafting ms (``a + b·depth +
+    c·(nodes - 1)``, the cost probe's :func:`~entmtp_hf.calibration.probe.draft_fit`, the layers timed on their
+    own) over its drafting vocabulary and over the whole vocabulary (``use_mtp=True``'s), and the LM head's
+    product alone for 8 nodes over each. None where the drafter scores the whole vocabulary already."""
+    heads = getattr(model, HEADS_ATTR)
+    if not heads.config.draft_vocab_size:
+        return None
+    full = MtpHeads.from_model(model, heads.num_heads).to(dtype=model.get_output_embeddings().weight.dtype).eval()
+    weight = model.get_output_embeddings().weight
+    x = torch.randn(8, weight.shape[1], dtype=weight.dtype)
+    subset = weight[heads.draft_vocab].contiguous()
+    out: dict[str, Any] = {"draft_vocab_rows": int(heads.config.draft_vocab_size), "vocab_rows": int(weight.shape[0])}
+    with torch.no_grad():
+        for name, h, w in (("draft_vocab", heads, subset), ("full_vocab", full, weight)):
+            (a, b, c), error = draft_fit(model, h)
+            times = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                times.append((time.perf_counter() - t0) * 1e3)
+            out[name] = {"fit_ms": [a, b, c], "fit_error": error, "lm_head_8_nodes_ms": statistics.median(times)}
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -345,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # use_mtp=True loads its layers in every call: no loading bar on the clock
     try:
         results["use_mtp_load_ms"] = mtp_load_ms(bench.ctx.model)
+        results["drafting_costs"] = drafting_costs(bench.ctx.model)
         with torch.no_grad():  # generate runs without gradients; so do the logit gaps of a difference
             for task, prompts in baskets.items():
                 for b in sizes:

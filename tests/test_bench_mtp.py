@@ -12,7 +12,7 @@ import torch
 from test_your_model import char_llama
 from transformers import AutoModelForCausalLM
 
-from entmtp_hf import TopologyBank
+from entmtp_hf import TopologyBank, enable_entmtp
 from entmtp_hf.tools.training import mtp_layout as layout
 from entmtp_hf.trees.tree import Tree
 
@@ -125,3 +125,23 @@ def test_a_difference_from_plain_greedy_is_reported_with_its_position():
         }
     )
     assert "no (use_mtp 0, EntMTP 1 differ)" in table
+
+
+def test_the_drafting_vocabulary_is_timed_against_the_whole_vocabulary(mtp_folder):
+    """The LM-head cost: the drafter over its drafting vocabulary and over all of it (use_mtp=True's), fitted and
+    the product alone, in results.json and summary.md; nothing to compare where it drafts over all of it."""
+    script = _script()
+    model, _ = layout.load_mtp_checkpoint(mtp_folder)
+    vocab = model.config.vocab_size
+    enable_entmtp(model, layout.mtp_drafter(model, mtp_folder, draft_vocab=list(range(vocab // 2))))
+    costs = script.drafting_costs(model)
+    assert (costs["draft_vocab_rows"], costs["vocab_rows"]) == (vocab // 2, vocab)
+    for v in (costs["draft_vocab"], costs["full_vocab"]):
+        assert len(v["fit_ms"]) == 3 and v["fit_error"] >= 0 and v["lm_head_8_nodes_ms"] > 0
+    summary = {"single": {}, "batched": {}}
+    settings = {"n": 1, "max_new_tokens": 4, "repeats": 1}
+    results = {"settings": settings, "summary": summary, "environment": {}, "model": "m", "banks": "b"}
+    table = script.table({**results, "drafting_costs": costs})
+    assert f"| {vocab // 2} |" in table and f"| {vocab} |" in table
+    enable_entmtp(model, "mtp")
+    assert script.drafting_costs(model) is None
