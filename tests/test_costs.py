@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import statistics
@@ -576,3 +577,28 @@ def test_enable_entmtp_calibrates_when_asked(tiny_cache, tmp_path, monkeypatch, 
     enable_entmtp(model, model.entmtp_heads, calibrate=[1, 4])
     assert calls == [1, 4]
     assert "measured this machine's step costs at batch sizes 1, 4" in capsys.readouterr().err
+
+
+def test_the_model_key_tells_compiled_and_quantized_decoding_apart(tiny_cache):
+    """A compiled route or quantized weights cost a tree differently: their tables are not an eager model's."""
+    from entmtp_hf.decoding.compiled import use_compiled_decoding
+
+    model = enabled(tiny_cache)
+    heads, saved = model.entmtp_heads, model.generation_config
+    eager = model_key(model, heads)
+    model.generation_config = copy.deepcopy(saved)  # use_compiled_decoding updates it in place
+    try:
+        use_compiled_decoding(model)
+        compiled = model_key(model, heads)
+        model.generation_config.compile_config.dynamic = True
+        assert len({eager, compiled, model_key(model, heads)}) == 3
+        model.generation_config.disable_compile = True  # generate decodes eagerly: the eager key
+        assert model_key(model, heads) == eager
+    finally:
+        model.generation_config = saved
+    model.config.quantization_config = {"quant_method": "torchao", "quant_type": "Int8WeightOnlyConfig"}
+    try:
+        assert model_key(model, heads) != eager
+    finally:
+        del model.config.quantization_config
+    assert model_key(model, heads) == eager

@@ -82,11 +82,32 @@ def machine_fingerprint(device: torch.device, dtype: torch.dtype) -> Fingerprint
 STEP_VERSION = 4
 
 
+def quantization_of(model) -> dict | None:
+    """The model's ``quantization_config`` as a dict (None for plain weights)."""
+    quantization = getattr(model.config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    return quantization or None
+
+
+def compiled_route(model) -> dict | None:
+    """The compile settings ``generate`` decodes ``model`` with by default (a static cache and a
+    ``compile_config`` in its generation config, as ``use_compiled_decoding`` sets), else None."""
+    generation = getattr(model, "generation_config", None)
+    config = getattr(generation, "compile_config", None)
+    if config is None or getattr(generation, "cache_implementation", None) != "static" or generation.disable_compile:
+        return None
+    return {k: v for k, v in config.to_dict().items() if not k.startswith("_")} | {
+        "all_devices": bool(getattr(config, "_compile_all_devices", False))
+    }
+
+
 def model_key(model, heads) -> str:
     """What a step's cost depends on beside the machine: the base model's architecture and size,
     the heads', the decode step's implementation (:data:`STEP_VERSION`) and the kernels the
     linear layers run on (:func:`~entmtp_hf.cpu_kernels.kernel_routing`: the same CPU costs a
-    tree differently with ``cpu_kernels=True``)."""
+    tree differently with ``cpu_kernels=True``), the weights' quantization and the compiled route
+    ``generate`` takes (:func:`compiled_route`)."""
     config = model.config.get_text_config()
     shape = {
         "step": STEP_VERSION,
@@ -101,7 +122,12 @@ def model_key(model, heads) -> str:
             if k not in ("base_model_name_or_path", "prefix_layer_config")
         },
     }
-    routing = kernel_routing(model)
-    if routing:  # only off the default path, so tables measured there keep their keys
+    # only off the default path, so tables measured there keep their keys
+    routing, quantization, compiled = kernel_routing(model), quantization_of(model), compiled_route(model)
+    if routing:
         shape["kernels"] = routing
+    if quantization:  # int8 weights cost what their kernels cost, not what the dtype says
+        shape["quantization"] = quantization
+    if compiled:  # a compiled step costs what its graphs cost
+        shape["compiled"] = compiled
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -42,7 +42,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import CompileConfig
 
-from ..costs.fingerprint import machine_fingerprint
+from ..costs.fingerprint import machine_fingerprint, quantization_of
 from ..errors import EntMTPError
 from ..paths import cache_dir
 
@@ -79,12 +79,9 @@ def compile_folder(model) -> Path:
     dtype, torch build), model architecture and size, and quantization."""
     device = next(model.parameters()).device
     machine = machine_fingerprint(device, model.dtype).key()
-    quantization = getattr(model.config, "quantization_config", None)
-    if quantization is not None and not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
     config = model.config.get_text_config().to_diff_dict()
     config.pop("_name_or_path", None)  # where it was loaded from does not change a graph
-    model_side = {"config": config, "quantization": quantization}
+    model_side = {"config": config, "quantization": quantization_of(model)}
     digest = hashlib.sha256(json.dumps(model_side, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return cache_dir() / "compiled" / f"{machine}-{digest}"
 
