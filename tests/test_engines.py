@@ -76,9 +76,10 @@ def test_the_pinned_release_runs():
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[str, str]:
+def eagle3(tmp_path_factory) -> dict[str, Any]:
     """A tiny Llama target (its config.json: building configs reads no weights) and an EAGLE-3 drafter
-    for it written by ``export-heads``, with a pruned draft vocabulary of 64 tokens."""
+    for it written by ``export-heads``, with a pruned draft vocabulary of 64 tokens; the target model
+    and the project's heads beside the two folders."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("engine-models")
@@ -94,11 +95,18 @@ def models(tmp_path_factory) -> tuple[str, str]:
     target.architectures = ["LlamaForCausalLM"]
     target.save_pretrained(root / "target")
     torch.manual_seed(0)
-    heads = EagleHeads.for_model(
-        LlamaForCausalLM(target), num_heads=4, arch="eagle3", draft_vocab=torch.randperm(256)[:64].tolist()
-    )
-    export_heads(heads, "eagle3", root / "draft")
-    return str(root / "target"), str(root / "draft")
+    model = LlamaForCausalLM(target).eval()
+    heads = EagleHeads.for_model(model, num_heads=4, arch="eagle3", draft_vocab=torch.randperm(256)[:64].tolist())
+    with torch.no_grad():  # random norms and output projections too: a misplaced tensor cannot go unseen
+        for name, p in heads.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
+    export_heads(heads.eval(), "eagle3", root / "draft")
+    return {"target": str(root / "target"), "draft": str(root / "draft"), "model": model, "heads": heads}
+
+
+@pytest.fixture(scope="module")
+def models(eagle3) -> tuple[str, str]:
+    return eagle3["target"], eagle3["draft"]
 
 
 def proposer_for(result: dict, models: tuple[str, str]) -> EagleProposer:
@@ -166,6 +174,9 @@ def drafter_config(method: str, target: str, draft: str) -> Any:
         model=target,
         skip_tokenizer_init=True,
         dtype="float32",
+        # the drafter's forward runs as written (not through vLLM's compiled graphs), each layer's native
+        # torch code (not the compiled extension's kernels, which do not load beside this torch)
+        compilation_config={"mode": 0, "custom_ops": ["none"]},
         speculative_config={"method": method, "model": draft, "num_speculative_tokens": 2},
     ).create_engine_config()
 
@@ -190,7 +201,46 @@ def vllm_drafter(model_cls, method: str, target: str, draft: str) -> tuple[Any, 
     with set_current_vllm_config(config):
         drafter = model_cls(vllm_config=config)
         drafter.load_weights(tensors.items())  # raises on a name it has no parameter for
+    drafter.vllm_config = config
     return drafter, tensors
+
+
+def causal_attention(attn) -> Any:
+    """A plain causal attention in place of ``attn``'s kernel (vLLM's ``Attention`` layer), with its heads, head
+    size and scale: vLLM's CPU attention kernels live in its compiled extension, which does not load beside this
+    torch. Every other layer of a drafter's forward is vLLM's own."""
+
+    def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        t = query.shape[0]
+        q, k, v = (
+            x.view(t, n, attn.head_size).transpose(0, 1)
+            for x, n in ((query, attn.num_heads), (key, attn.num_kv_heads), (value, attn.num_kv_heads))
+        )
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=attn.impl.scale, enable_gqa=True
+        )
+        return out.transpose(0, 1).reshape(t, -1)
+
+    return forward
+
+
+def vllm_eagle3_logits(drafter, model, hidden_states: tuple[torch.Tensor, ...], ids: torch.Tensor) -> torch.Tensor:
+    """vLLM's EAGLE-3 drafter on one sequence as its proposer runs it: the target's states at its auxiliary layers
+    (the input of each listed layer: ``hidden_states[i]`` in transformers' numbering) fused by ``fc``, the token
+    after each position, and the logits over the target vocabulary (-inf outside the drafting vocabulary)."""
+    for m in drafter.modules():  # what vLLM's loader does after load_weights (its CPU linear layers' dispatch)
+        method = getattr(m, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(m)
+    for layer in drafter.model.layers:
+        layer.self_attn.attn.forward = causal_attention(layer.self_attn.attn)
+    drafter.model.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)  # shared with the target
+    aux = torch.cat([hidden_states[i][0] for i in drafter.config.eagle_aux_hidden_state_layer_ids], dim=-1)
+    n = ids.shape[1] - 1
+    with torch.no_grad(), set_current_vllm_config(drafter.vllm_config):
+        fused = drafter.combine_hidden_states(aux)[:n]
+        out, _ = drafter(ids[0, 1:], torch.arange(n), fused)
+        return drafter.compute_logits(out)
 
 
 def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(models, distributed):
@@ -217,6 +267,24 @@ def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(mod
         got = params[name][:rows] if name == "lm_head.weight" else params[name]
         assert torch.equal(got.data, value), name
     assert drafter.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+
+
+def test_vllm_drafts_what_the_project_drafts_from_the_same_hidden_states(eagle3, distributed):
+    """One forward of vLLM's EAGLE-3 drafter (its own layers; the attention kernel a plain causal one) on the
+    target's hidden states and tokens, against the project's drafter at depth 1 on the same: the same logits
+    over the drafting vocabulary and the same top-k target tokens at every position."""
+    model, heads = eagle3["model"], eagle3["heads"]
+    drafter, _ = vllm_drafter(Eagle3LlamaForCausalLM, "eagle3", eagle3["target"], eagle3["draft"])
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+        ours = heads.forward_train(heads.features(states), ids, model.get_input_embeddings())[0][0]
+    theirs = vllm_eagle3_logits(drafter, model, states, ids)
+    targets = heads.draft_vocab
+    assert torch.isinf(theirs).sum() == theirs.shape[0] * (theirs.shape[1] - targets.numel())
+    torch.testing.assert_close(theirs[:, targets], ours, rtol=1e-4, atol=1e-4)
+    for k in (1, 4):
+        assert torch.equal(theirs.topk(k).indices, targets[ours.topk(k).indices]), k
 
 
 def test_vllm_loads_an_exported_eagle1_drafter_without_fc_bias(models, distributed, tmp_path):
