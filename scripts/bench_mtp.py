@@ -42,6 +42,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
+from entmtp_hf.banks.bank import SHIPPED_DIR
 from entmtp_hf.calibration.probe import draft_fit
 from entmtp_hf.demo import MTP_HEADS, config_for, load_demo
 from entmtp_hf.demo.compare import find_mismatch
@@ -319,7 +320,33 @@ def table(results: dict) -> str:
                     f"| {v['min_speedup_vs_plain']:.2f}x | {v['entmtp_tokens_per_step_stats']:.2f} "
                     f"| {v['rows_identical']}/{v['rows']} |"
                 )
+    lines += ["", *prompt_lines(results["single"])] if results.get("single") else []
     return "\n".join(lines) + "\n"
+
+
+def prompt_lines(single: list[dict]) -> list[str]:
+    """Batch size 1, prompt by prompt: what the medians above summarize."""
+    lines = [
+        "Per prompt (seconds of the call, tokens per step):",
+        "",
+        "| task | prompt | new tokens | plain s | use_mtp s | EntMTP s | tokens/step use_mtp | tokens/step EntMTP "
+        "| EntMTP / use_mtp |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in single:
+        m = r["methods"]
+        lines.append(
+            f"| {r['task']} | {r['prompt_id']} | {m['entmtp']['new_tokens']} | {m['plain']['time_s']:.2f} "
+            f"| {m['use_mtp']['time_s']:.2f} | {m['entmtp']['time_s']:.2f} | {m['use_mtp']['tokens_per_step']:.2f} "
+            f"| {m['entmtp']['tokens_per_step']:.2f} | {r['speedup_vs_use_mtp']:.2f}x |"
+        )
+    return lines
+
+
+def bank_name(folder: Path) -> str:
+    """A shipped bank by its name (``shipped_bank_path``'s), any other by its folder."""
+    folder = Path(folder).resolve()
+    return f"shipped {folder.name}" if folder.parent == SHIPPED_DIR.resolve() else str(folder)
 
 
 def mtp_load_ms(model, repeats: int = 5) -> float:
@@ -377,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "environment": environment(bench.ctx.device),
         "model": bench.ctx.model_name,
-        "banks": str(bench.bank_dir),
+        "banks": bank_name(bench.bank_dir),
         "single": [],
         "batched": [],
     }

@@ -89,6 +89,7 @@ def test_the_script_reports_every_prompt_and_equals_plain_greedy(mtp_folder, tmp
     assert all(v["differing_prompts"] == {"use_mtp": 0, "entmtp": 0} for v in summary["single"].values())
     table = (tmp_path / "out" / "summary.md").read_text()
     assert "| gsm8k | 2 |" in table and "use_mtp=True` is not run here" in table and table in capsys.readouterr().out
+    assert all(f"| {r['task']} | {r['prompt_id']} | 8 |" in table for r in single)  # every prompt's own row
 
 
 def test_a_difference_from_plain_greedy_is_reported_with_its_position():

@@ -182,3 +182,20 @@ def test_the_shipped_banks_machine_entries_keep_matching_the_default_path(demo):
     finally:
         if kernels is not None:
             kernels.install()
+
+
+def test_the_shipped_mtp_layers_are_lossless_and_use_mtp_runs_them(demo):
+    """``load_demo(heads="mtp")``: the MTP layers shipped for the demo model, joined to it in the cache, drafting
+    with their banks; transformers' own ``generate(use_mtp=True)`` on the same model decodes what plain does."""
+    from entmtp_hf.demo import MTP_HEADS
+    from entmtp_hf.heads import MtpHeads
+    from entmtp_hf.integration import HEADS_ATTR
+
+    model, tokenizer, bank_dir = load_demo(heads=MTP_HEADS)
+    assert bank_dir.name == "smollm2-135m-cpu-mtp" and isinstance(getattr(model, HEADS_ATTR), MtpHeads)
+    results = decode_prompts(model, tokenizer, bank_dir)
+    assert_lossless(model, results)
+    assert mc_sim_tokens_per_step(results)[0] > 1.5
+    ids = encode(tokenizer, PROMPTS[1][1])
+    ref = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True), ref)
