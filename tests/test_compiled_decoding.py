@@ -12,6 +12,7 @@ from tiny import VOCAB, tiny_model
 from transformers import CompileConfig, StaticCache
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
+from entmtp_hf.calibration.probe import forward_ms
 from entmtp_hf.decoding import compiled
 from entmtp_hf.decoding.compiled import (
     CompiledForward,
@@ -129,6 +130,13 @@ def test_plain_and_entmtp_generate_compiled_equal_eager_plain_generate(tiny_cach
     err = capsys.readouterr().err
     assert f"entmtp-hf: compiling the forward for {first}" in err
     assert f"entmtp-hf: compiled the forward for {first} in" in err
+
+    # the cost probe on a model that decodes compiled by default times that compiled forward, as generate runs it
+    use_compiled_decoding(model, fast["compile_config"], max_cache_len=64)
+    ran, compiled = [], call._compiled
+    monkeypatch.setattr(call, "_compiled", lambda **kw: ran.append(kw["input_ids"].shape) or compiled(**kw))
+    forward_ms(model, model.entmtp_heads, sizes=(1, 2), repeats=1, prefix_len=32)
+    assert ran.count((1, 1)) >= 2 and ran.count((1, 2)) >= 2  # a warm-up and a timed round of each size
 
 
 def test_compiled_decoding_as_the_models_default_needs_entmtp_enabled(tiny_cache):

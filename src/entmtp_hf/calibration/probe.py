@@ -36,12 +36,12 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from ..config import EntMTPConfig
-from ..costs.fingerprint import machine_fingerprint, model_key
+from ..costs.fingerprint import compiled_route, machine_fingerprint, model_key
 from ..costs.table import CostTable
 from ..decoding.loop import entmtp_decode, open_session, trial_forward
 from ..decoding.session import DecodeSession
@@ -188,8 +188,9 @@ def _greedy(model, tokens: int, prompt_len: int | None = None) -> GenerationConf
 
 
 def _session(model, heads, ids: torch.Tensor, tree: Tree, tokens: int) -> tuple[DecodeSession, dict]:
-    """A session decoding ``ids`` [B, L] greedily with ``tree``, as ``generate`` would open it, and
-    the arguments that open it again."""
+    """A session decoding ``ids`` [B, L] greedily with ``tree``, as ``generate`` would open it (on
+    the static cache ``generate`` would build where the model decodes compiled by default, so the
+    compiled forward is what is timed), and the arguments that open it again."""
     config = EntMTPConfig(tree=tree.choices)
     generation = _greedy(model, tokens, ids.shape[1])
     args = dict(
@@ -200,6 +201,9 @@ def _session(model, heads, ids: torch.Tensor, tree: Tree, tokens: int) -> tuple[
         plan=config.resolve(heads.num_heads, heads.config.draft_vocab_rows),
         attention_mask=torch.ones_like(ids),
     )
+    if compiled_route(model):  # generate's own static cache: one per session, as one per call
+        length = max(generation.max_length, getattr(generation, "max_cache_len", None) or 0)
+        args["past_key_values"] = StaticCache(config=model.config, max_cache_len=length)
     return open_session(model, ids, **args), args
 
 
