@@ -304,15 +304,13 @@ def load_base_model(
     return model, tokenizer
 
 
-#: ``--heads mtp`` in the tools: the model's own MTP layers
-MTP_HEADS = "mtp"
-
-
 def heads_source(heads: str, model, model_id: str | None):
     """What ``enable_entmtp`` gets for the tools' ``--heads``: a folder or Hub id as given; ``mtp``, the
     model's own MTP layers, drafting as the folder ``build-drafter --arch mtp`` wrote says its banks were
     searched (its drafting settings) where ``--model`` is such a folder, else over the whole vocabulary."""
-    if heads != MTP_HEADS:
+    from ..heads import MtpHeads
+
+    if heads != MtpHeads.family:
         return heads
     from .training.mtp_layout import DRAFTING_FILE, mtp_drafter
 

@@ -142,8 +142,8 @@ def config_from_args(args: argparse.Namespace) -> SearchConfig:
 
 
 def _load_heads(args: argparse.Namespace, model) -> tuple[Any, str]:
-    from ...heads import HydraHeads, load_heads
-    from ..models import DEMO_NAME, MTP_HEADS, heads_source
+    from ...heads import HydraHeads, MtpHeads, load_heads
+    from ..models import DEMO_NAME, heads_source
 
     if args.random_heads:
         torch.manual_seed(args.seed)
@@ -153,7 +153,7 @@ def _load_heads(args: argparse.Namespace, model) -> tuple[Any, str]:
     source = args.heads or (str(DEMO_HEADS) if args.model is None and DEMO_HEADS.is_dir() else None)
     if source is None:
         raise ValueError("give --heads (a folder or Hub repo id) or --random-heads N")
-    if source == MTP_HEADS:
+    if source == MtpHeads.family:
         return heads_source(source, model, args.model), f"the MTP layers of {args.model or DEMO_NAME}"
     name = f"entmtp-hf demo heads ({DEMO_HEADS.name})" if FsPath(source).resolve() == DEMO_HEADS else str(source)
     return load_heads(source, model=model, base_config=model.config), name
