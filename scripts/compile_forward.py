@@ -14,7 +14,10 @@ Routes are ``NAME:LEN`` (``--routes eager:512 transformers:2048 direct:512``):
 * ``freezing``: the same without ``cpp_wrapper``;
 * ``entmtp``: the package's compiled forward (:mod:`entmtp_hf.decoding.compiled`) on a copy of the
   model with EntMTP's attention, what plain and EntMTP ``generate`` run on a model with compiled
-  decoding (on a CPU: ``freezing``); ``entmtp-cpp``: the same with inductor's ``cpp_wrapper`` too.
+  decoding (on a CPU: ``freezing``); ``entmtp-cpp``: the same with inductor's ``cpp_wrapper`` too;
+  ``entmtp-nofreeze`` and ``entmtp-nofreeze-cpp``: the package's forward without ``freezing`` (which
+  makes inductor compile past its AOTAutograd cache: what a second process pays), alone and with
+  ``cpp_wrapper``.
 
 Every compile is timed (cold: a fresh inductor cache folder unless ``--inductor-cache``); the
 forwards are then timed interleaved (rounds of ``--per-round`` calls per route, medians), after the
@@ -42,7 +45,24 @@ from transformers import CompileConfig, StaticCache
 from entmtp_hf.costs.fingerprint import machine_fingerprint
 from entmtp_hf.tools.models import PRECISIONS, load_base_model
 
-ROUTES = ("eager", "transformers", "bench", "direct", "freezing", "entmtp", "entmtp-cpp")
+ROUTES = (
+    "eager",
+    "transformers",
+    "bench",
+    "direct",
+    "freezing",
+    "entmtp",
+    "entmtp-cpp",
+    "entmtp-nofreeze",
+    "entmtp-nofreeze-cpp",
+)
+#: inductor options of the package's routes (None: the package's own default)
+PACKAGE_OPTIONS = {
+    "entmtp": None,
+    "entmtp-cpp": {"freezing": True, "cpp_wrapper": True},
+    "entmtp-nofreeze": {},
+    "entmtp-nofreeze-cpp": {"cpp_wrapper": True},
+}
 
 
 def decode_inputs(model, cache_len: int, fill: int) -> tuple[StaticCache, dict]:
@@ -74,14 +94,14 @@ def route_call(model, name: str):
     if name in ("direct", "freezing"):
         options = {"freezing": True, "cpp_wrapper": name == "direct"}
         return torch.compile(model.forward, dynamic=False, fullgraph=True, options=options)
-    if name in ("entmtp", "entmtp-cpp"):  # a copy with EntMTP's attention (grouped key/value heads kept grouped)
+    if name in PACKAGE_OPTIONS:  # a copy with EntMTP's attention (grouped key/value heads kept grouped)
         from entmtp_hf.decoding.attention import use_tree_attention
         from entmtp_hf.decoding.compiled import compiled_call
 
         copy = deepcopy(model)
         use_tree_attention(copy)
-        config = CompileConfig(options={"freezing": True, "cpp_wrapper": True}) if name == "entmtp-cpp" else None
-        return compiled_call(copy, config)
+        options = PACKAGE_OPTIONS[name]
+        return compiled_call(copy, CompileConfig(options=options) if options is not None else None)
     raise ValueError(f"unknown route {name!r}; the routes are {', '.join(ROUTES)}")
 
 

@@ -141,7 +141,7 @@ class EntMTPGenerationMixin:
 
     def get_compiled_call(self, compile_config):
         """transformers' compiled forward, compiled as :func:`~entmtp_hf.decoding.compiled.compiled_call`
-        does (static shapes; on a CPU inductor's weight freezing where the config sets no options):
+        does (static shapes; on a CPU its default inductor options where the config sets none):
         plain ``generate`` and EntMTP's verification share its graphs."""
         return compiled_call(self, compile_config)
 

@@ -16,7 +16,7 @@ than eager, for reasons of the route, not of inductor (docs/performance.md, "Com
   inductor option is set.
 
 :func:`compile_kwargs` keeps what the user's ``CompileConfig`` says and fills in what it leaves
-at transformers' defaults: static shapes and, on a CPU, inductor's weight freezing. The EntMTP
+at transformers' defaults: static shapes and, on a CPU, :func:`default_options`. The EntMTP
 attention (:func:`~entmtp_hf.decoding.attention.grouped_tree_attention`) keeps the heads grouped
 in every compiled CPU forward. :func:`compiled_call` compiles once per model and config; the
 EntMTP mixin's ``get_compiled_call`` returns it, so plain ``generate`` (the honest baseline) and
@@ -46,29 +46,40 @@ from ..costs.fingerprint import machine_fingerprint, quantization_of
 from ..errors import EntMTPError
 from ..paths import cache_dir
 
-#: inductor options where the user's config sets none, by device type: ``freezing`` folds the
-#: weights into the graph as constants (on a CPU, prepacked for oneDNN). ``cpp_wrapper`` (the
-#: graph's kernels called from C++) is left to the user: a few percent per forward, minutes of C++
-#: compilation per graph on two cores
-DEVICE_OPTIONS: dict[str, dict[str, Any]] = {"cpu": {"freezing": True}}
+
+def default_options(device: torch.device, dtype: torch.dtype) -> dict[str, Any] | None:
+    """inductor options where the user's config sets none (None: transformers' mode stays). On a CPU a
+    float32 model compiles without ``freezing``: on the demo model a frozen forward was no faster
+    (33.2 against 32.8 ms) and cost twice the first compile (72 against 36 s) and more than twice a
+    second process's (21 against 9 s: freezing compiles past inductor's AOTAutograd cache); other
+    dtypes freeze (the weights folded into the graph, prepacked for oneDNN's bf16 and int8 kernels;
+    not measured without it). ``cpp_wrapper`` (the graph's kernels called from C++) is left to the
+    user: 7% per forward there, two minutes of C++ compilation per graph on two cores."""
+    if device.type != "cpu":
+        return None
+    return {} if dtype == torch.float32 else {"freezing": True}
+
 
 #: attribute of a model that holds its compiled forwards, by their ``torch.compile`` keywords
 _COMPILED_ATTR = "_entmtp_compiled_calls"
 
 
-def compile_kwargs(config: CompileConfig | None, device: torch.device) -> dict[str, Any]:
-    """``torch.compile`` keywords for ``config`` on ``device``: its backend, ``fullgraph``, and its
-    ``dynamic``, ``mode`` and ``options`` where it changed transformers' defaults; else static shapes
-    (``dynamic=False``) and, on a device of :data:`DEVICE_OPTIONS`, those options (torch takes a
-    mode or options, not both) in place of the CUDA-graph mode."""
+def compile_kwargs(
+    config: CompileConfig | None, device: torch.device, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
+    """``torch.compile`` keywords for ``config`` on ``device`` (a model in ``dtype``): its backend,
+    ``fullgraph``, and its ``dynamic``, ``mode`` and ``options`` where it changed transformers'
+    defaults; else static shapes (``dynamic=False``) and, where :func:`default_options` has some,
+    those options (torch takes a mode or options, not both) in place of the CUDA-graph mode."""
     config = config or CompileConfig()
     default = CompileConfig()
     kwargs = {"backend": config.backend, "fullgraph": config.fullgraph}
     kwargs["dynamic"] = False if config.dynamic is None else config.dynamic
+    options = default_options(device, dtype)
     if config.options is not None:
         kwargs |= {"mode": None, "options": dict(config.options)}
-    elif config.mode == default.mode and device.type in DEVICE_OPTIONS and config.backend == "inductor":
-        kwargs |= {"mode": None, "options": dict(DEVICE_OPTIONS[device.type])}
+    elif config.mode == default.mode and options is not None and config.backend == "inductor":
+        kwargs |= {"mode": None, "options": options}
     else:
         kwargs["mode"] = config.mode
     return kwargs
@@ -198,7 +209,7 @@ class CompiledForward:
 def compiled_call(model, config: CompileConfig | None = None) -> Callable[..., Any]:
     """``model``'s forward compiled with :func:`compile_kwargs` of ``config`` (one
     :class:`CompiledForward` per model and keywords, reused by every later call)."""
-    kwargs = compile_kwargs(config, next(model.parameters()).device)
+    kwargs = compile_kwargs(config, next(model.parameters()).device, model.dtype)
     calls = vars(model).setdefault(_COMPILED_ATTR, {})
     token = json.dumps(kwargs, sort_keys=True, default=repr)
     if calls.get(token) is None:
