@@ -1,11 +1,14 @@
-"""Plain ``generate`` of the demo model, eager against compiled decoding, in tokens per second.
+"""The demo model's ``generate``, eager against compiled decoding, plain and EntMTP, in tokens per second.
 
 Per held-out prompt (the first ``--prompts`` of each ``data/prompts/unseen-*.jsonl``, chat template,
 greedy, ``--max-new-tokens``), each round times eager plain ``generate`` (its dynamic cache) and
 plain ``generate`` on the compiled path (:func:`entmtp_hf.decoding.compiled.compiled_generation`: a
 static cache of 512 slots, the forward compiled once; that compile runs before the timing, and its
-seconds are reported), back to back. Prints and saves (``--out``) the median tokens/s per task and
-whether the two outputs are token-identical (else the first differing token).
+seconds are reported), back to back; with ``--entmtp``, also EntMTP with the task's shipped bank
+(``load_demo()``'s drafter and banks, code/math/chat -> humaneval/gsm8k/chat) eager and on the same
+compiled path (each tree size's graph compiled in a warm-up call before the timing). Prints and saves
+(``--out``) the median tokens/s per task and method, and whether each output equals its own plain
+decoding's (eager for eager, compiled for compiled) token for token (else the first differing token).
 
     python scripts/compile_generate.py --precision fp32 --out docs/results/compile-forward/xeon-generate-fp32.json
 """
@@ -22,11 +25,12 @@ import torch
 
 from entmtp_hf.costs.fingerprint import machine_fingerprint
 from entmtp_hf.decoding.compiled import compiled_call, compiled_generation
-from entmtp_hf.demo import load_demo
+from entmtp_hf.demo import config_for, load_demo
 from entmtp_hf.tools.models import PRECISIONS
 
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
 TASKS = ("code", "math", "chat")
+BANK_TASKS = ("humaneval", "gsm8k", "chat")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -36,11 +40,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--entmtp", action="store_true", help="also EntMTP with the shipped banks, eager and compiled")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tok, _ = load_demo(precision=args.precision)
+    model, tok, bank_dir = load_demo(precision=args.precision)
     fast = compiled_generation(max_cache_len=512)
+    bank = {task: {"entmtp_config": config_for(bank_dir, name)} for task, name in zip(TASKS, BANK_TASKS)}
+    kinds = {"eager": {}, "compiled": fast}
+    if args.entmtp:
+        kinds |= {"entmtp": "bank", "entmtp-compiled": "bank+compiled"}
+
+    def extra(kind: str, task: str) -> dict:
+        spec = kinds[kind]
+        if isinstance(spec, dict):
+            return spec
+        return {**bank[task], **(fast if spec.endswith("compiled") else {})}
+
     greedy = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "min_new_tokens": args.max_new_tokens}
     prompts = []
     for task in TASKS:
@@ -51,21 +67,27 @@ def main(argv: list[str] | None = None) -> dict:
             prompts.append((task, ids["input_ids"]))
     t0 = time.perf_counter()
     model.generate(prompts[0][1], max_new_tokens=2, do_sample=False, **fast)  # compiles plain decoding's graph
+    for task, ids in prompts if args.entmtp else ():  # and every tree size the banks' plans verify
+        model.generate(ids, max_new_tokens=2, do_sample=False, **extra("entmtp-compiled", task))
     compile_s = time.perf_counter() - t0
-    speed = {(task, kind): [] for task in TASKS for kind in ("eager", "compiled")}
+    speed = {(task, kind): [] for task in TASKS for kind in kinds}
     same = {}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for i, (task, ids) in enumerate(prompts):
             outs = {}
-            for kind, extra in (("eager", {}), ("compiled", fast)):
+            order = list(kinds)[r % len(kinds) :] + list(kinds)[: r % len(kinds)]  # who goes first rotates
+            for kind in order:
                 t0 = time.perf_counter()
-                outs[kind] = model.generate(ids, **greedy, **extra)[0, ids.shape[1] :]
+                outs[kind] = model.generate(ids, **greedy, **extra(kind, task))[0, ids.shape[1] :]
                 speed[task, kind].append(len(outs[kind]) / (time.perf_counter() - t0))
-            differ = (outs["eager"] != outs["compiled"]).nonzero()
-            same[f"{task}-{i}"] = True if len(differ) == 0 else f"first differing token: {int(differ[0])}"
+            for kind, reference in (("compiled", "eager"), ("entmtp", "eager"), ("entmtp-compiled", "compiled")):
+                if kind in outs:
+                    differ = (outs[reference] != outs[kind]).nonzero()
+                    first = True if len(differ) == 0 else f"first differing token: {int(differ[0])}"
+                    same[f"{task}-{i}/{kind}"] = first
     compiles = compiled_call(model, fast["compile_config"]).compile_seconds
     result = {
-        "what": "plain generate, greedy, tokens/s (median per task over prompts and rounds), eager vs compiled",
+        "what": "generate, greedy, tokens/s (median per task over prompts and rounds), eager vs compiled",
         "model": "SmolLM2-135M-Instruct",
         "precision": args.precision,
         "processor": machine_fingerprint(torch.device("cpu"), torch.float32).processor,
