@@ -56,7 +56,7 @@ from entmtp_hf.tools.bench.settings import BenchSettings
 from entmtp_hf.tools.data.tasks import BUILTIN_TASKS, evaluation_basket
 
 METHODS = ("plain", "use_mtp", "entmtp")
-#: the issue's bar: EntMTP's median per-prompt speed-up over use_mtp on every task, and its lowest
+#: the target: EntMTP's median per-prompt speed-up over use_mtp on every task, and its lowest
 BAR_MEDIAN, BAR_MIN = 1.2, 1.0
 WARMUP_TOKENS = 16
 

@@ -1,4 +1,4 @@
-"""One plain decode forward of the demo model, eager against compiled routes (issue 62's table).
+"""One plain decode forward of the demo model, eager against compiled routes.
 
 Each route runs the forward plain ``generate`` runs at a decode step: one token, a static cache of
 ``LEN`` slots (300 filled), the 4D mask ``prepare_inputs_for_generation`` builds for a static cache.
@@ -10,7 +10,7 @@ Routes are ``NAME:LEN`` (``--routes eager:512 transformers:2048 direct:512``):
 * ``bench``: what the project's compiled benchmark methods ran (``CompileConfig(dynamic=False,
   mode=None, options={"freezing": True})`` through ``get_compiled_call``);
 * ``direct``: ``torch.compile(model.forward, dynamic=False, fullgraph=True)`` with inductor's
-  ``cpp_wrapper`` and ``freezing`` (the issue's table);
+  ``cpp_wrapper`` and ``freezing``;
 * ``freezing``: the same without ``cpp_wrapper``;
 * ``entmtp``: the package's compiled forward (:mod:`entmtp_hf.decoding.compiled`) on a copy of the
   model with EntMTP's attention, what plain and EntMTP ``generate`` run on a model with compiled
