@@ -1,0 +1,79 @@
+"""llama.cpp's plain decoding of the demo model: the CPU user's yardstick, on the prompts of compile_generate.py.
+
+GGUF files of the demo model's own weights (``convert_hf_to_gguf.py MODEL --outtype f32|bf16|q8_0`` of the
+llama.cpp release that ``llama-cpp-python`` vendors; the demo model's folder is
+``entmtp_hf.tools.models.demo_model_dir()``) are timed per held-out prompt (the first ``--prompts`` of each
+``data/prompts/unseen-*.jsonl``, the Hugging Face chat template's token ids, exactly what
+``scripts/compile_generate.py`` feeds ``generate``): greedy (``top_k=1``), ``--max-new-tokens`` tokens, prompt
+evaluation included, the files rotated per round. Prints and saves (``--out``) the median tokens/s per file
+and task. Needs ``pip install llama-cpp-python`` (it builds llama.cpp from source: minutes).
+
+    python scripts/llamacpp_baseline.py smollm2-f32.gguf smollm2-bf16.gguf smollm2-q8_0.gguf --out runs/llamacpp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from entmtp_hf.tools.models import DEFAULT_DEMO, demo_model_dir
+
+PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
+TASKS = ("code", "math", "chat")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("gguf", nargs="+", type=Path, help="GGUF files of the demo model")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per task")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from llama_cpp import Llama, __version__
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir(None, DEFAULT_DEMO))
+    prompts = []
+    for task in TASKS:
+        for line in (PROMPTS / f"unseen-{task}.jsonl").read_text().splitlines()[: args.prompts]:
+            chat = [{"role": "user", "content": json.loads(line)["prompt"]}]
+            ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+            prompts.append((task, list(ids)))
+    files = [str(f) for f in args.gguf]
+    models = {
+        f: Llama(model_path=f, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024, verbose=False)
+        for f in files
+    }
+    speed = {(f, task): [] for f in files for task in TASKS}
+    for r in range(args.rounds):
+        for task, ids in prompts:
+            for f in files[r % len(files) :] + files[: r % len(files)]:
+                t0, n = time.perf_counter(), 0
+                for _ in models[f].generate(ids, top_k=1, temp=0.0, reset=True):
+                    n += 1
+                    if n == args.max_new_tokens:
+                        break
+                speed[f, task].append(n / (time.perf_counter() - t0))
+    result = {
+        "what": "llama.cpp plain decoding, greedy (top_k=1), tokens/s, median per file and task, prompt included",
+        "llama_cpp_python": __version__,
+        "threads": args.threads,
+        "prompts_per_task": args.prompts,
+        "rounds": args.rounds,
+        "max_new_tokens": args.max_new_tokens,
+        "tokens_per_s": {f"{Path(f).stem}/{task}": round(statistics.median(v), 2) for (f, task), v in speed.items()},
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
