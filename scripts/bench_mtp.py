@@ -245,6 +245,7 @@ def summarize(single: list[dict], batched: list[dict]) -> dict:
             "entmtp_forwards_match_steps": all(e["forwards_match_steps"] for e in entmtp),
             "differing_prompts": {m: sum(not r["methods"][m]["identical"] for r in rs) for m in ("use_mtp", "entmtp")},
             "bar_met": median(vs_mtp) >= BAR_MEDIAN and min(vs_mtp) >= BAR_MIN,
+            "prompts_below_1x": sum(x < 1.0 for x in vs_mtp),
         }
     for task, b in dict.fromkeys((r["task"], r["batch_size"]) for r in batched):
         rs = [r for r in batched if (r["task"], r["batch_size"]) == (task, b)]
@@ -273,7 +274,7 @@ def table(results: dict) -> str:
         "Speed-ups per prompt in time per new token; tokens per step = (new tokens - 1) / (forwards - 1).",
         "",
         "| task | prompts | EntMTP / use_mtp (median) | min | EntMTP / plain | use_mtp / plain "
-        "| tokens/step EntMTP | tokens/step use_mtp | identical to plain | bar |",
+        "| tokens/step EntMTP | tokens/step use_mtp | identical to plain | prompts below 1.0x |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, v in summary["single"].items():
@@ -282,9 +283,9 @@ def table(results: dict) -> str:
         lines.append(
             f"| {task} | {v['prompts']} | {v['median_speedup_vs_use_mtp']:.2f}x | {v['min_speedup_vs_use_mtp']:.2f}x "
             f"| {v['median_speedup_vs_plain']:.2f}x | {v['median_use_mtp_vs_plain']:.2f}x | {tps['entmtp']:.2f} "
-            f"| {tps['use_mtp']:.2f} | {same} | {'met' if v['bar_met'] else 'not met'} |"
+            f"| {tps['use_mtp']:.2f} | {same} | {v['prompts_below_1x']} |"
         )
-    lines += ["", f"Bar: median >= {BAR_MEDIAN}x over use_mtp on every task, no prompt below {BAR_MIN}x."]
+    lines.append("")
     if results.get("use_mtp_load_ms") is not None:
         lines.append(
             f"`use_mtp=True` loads its MTP layers from the checkpoint in every call ({results['use_mtp_load_ms']:.0f} "

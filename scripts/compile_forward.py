@@ -31,7 +31,6 @@ cache is cropped back each call so every forward sees the same 300 filled slots.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -43,6 +42,7 @@ import torch
 from transformers import CompileConfig, StaticCache
 
 from entmtp_hf.costs.fingerprint import machine_fingerprint
+from entmtp_hf.tools.checkpoint import write_json
 from entmtp_hf.tools.models import PRECISIONS, load_base_model
 
 ROUTES = (
@@ -170,8 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["routes"].append(entry)
         print(f"{r['route']:>20}: median {entry['median_ms']} ms, p10 {entry['p10_ms']}, min {entry['min_ms']}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
     return result
 
 

@@ -26,11 +26,24 @@ import torch
 from entmtp_hf.costs.fingerprint import machine_fingerprint
 from entmtp_hf.decoding.compiled import compiled_call, compiled_generation
 from entmtp_hf.demo import config_for, load_demo
+from entmtp_hf.tools.checkpoint import write_json
 from entmtp_hf.tools.models import PRECISIONS
 
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
 TASKS = ("code", "math", "chat")
 BANK_TASKS = ("humaneval", "gsm8k", "chat")
+
+
+def held_out_ids(tokenizer, per_task: int) -> list[tuple[str, list[int]]]:
+    """(task, token ids): the first ``per_task`` prompts of each ``data/prompts/unseen-TASK.jsonl``, chat template
+    applied with a generation prompt."""
+    prompts = []
+    for task in TASKS:
+        for line in (PROMPTS / f"unseen-{task}.jsonl").read_text().splitlines()[:per_task]:
+            chat = [{"role": "user", "content": json.loads(line)["prompt"]}]
+            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+            prompts.append((task, list(ids)))
+    return prompts
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -47,24 +60,13 @@ def main(argv: list[str] | None = None) -> dict:
     model, tok, bank_dir = load_demo(precision=args.precision)
     fast = compiled_generation(max_cache_len=512)
     bank = {task: {"entmtp_config": config_for(bank_dir, name)} for task, name in zip(TASKS, BANK_TASKS)}
-    kinds = {"eager": {}, "compiled": fast}
-    if args.entmtp:
-        kinds |= {"entmtp": "bank", "entmtp-compiled": "bank+compiled"}
+    kinds = ["eager", "compiled", *(("entmtp", "entmtp-compiled") if args.entmtp else ())]
 
     def extra(kind: str, task: str) -> dict:
-        spec = kinds[kind]
-        if isinstance(spec, dict):
-            return spec
-        return {**bank[task], **(fast if spec.endswith("compiled") else {})}
+        return {**(bank[task] if kind.startswith("entmtp") else {}), **(fast if kind.endswith("compiled") else {})}
 
     greedy = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "min_new_tokens": args.max_new_tokens}
-    prompts = []
-    for task in TASKS:
-        lines = (PROMPTS / f"unseen-{task}.jsonl").read_text().splitlines()[: args.prompts]
-        for line in lines:
-            chat = [{"role": "user", "content": json.loads(line)["prompt"]}]
-            ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-            prompts.append((task, ids["input_ids"]))
+    prompts = [(task, torch.tensor([ids])) for task, ids in held_out_ids(tok, args.prompts)]
     t0 = time.perf_counter()
     model.generate(prompts[0][1], max_new_tokens=2, do_sample=False, **fast)  # compiles plain decoding's graph
     for task, ids in prompts if args.entmtp else ():  # and every tree size the banks' plans verify
@@ -103,8 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
     return result
 
 

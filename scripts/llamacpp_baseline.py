@@ -19,10 +19,10 @@ import statistics
 import time
 from pathlib import Path
 
-from entmtp_hf.tools.models import DEFAULT_DEMO, demo_model_dir
+from compile_generate import TASKS, held_out_ids  # the same prompts and token ids
 
-PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts"
-TASKS = ("code", "math", "chat")
+from entmtp_hf.tools.checkpoint import write_json
+from entmtp_hf.tools.models import DEFAULT_DEMO, demo_model_dir
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,13 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
     from llama_cpp import Llama, __version__
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(demo_model_dir(None, DEFAULT_DEMO))
-    prompts = []
-    for task in TASKS:
-        for line in (PROMPTS / f"unseen-{task}.jsonl").read_text().splitlines()[: args.prompts]:
-            chat = [{"role": "user", "content": json.loads(line)["prompt"]}]
-            ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
-            prompts.append((task, list(ids)))
+    prompts = held_out_ids(AutoTokenizer.from_pretrained(demo_model_dir(None, DEFAULT_DEMO)), args.prompts)
     files = [str(f) for f in args.gguf]
     models = {
         f: Llama(model_path=f, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024, verbose=False)
@@ -70,8 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
     return result
 
 
