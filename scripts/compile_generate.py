@@ -6,9 +6,13 @@ plain ``generate`` on the compiled path (:func:`entmtp_hf.decoding.compiled.comp
 static cache of 512 slots, the forward compiled once; that compile runs before the timing, and its
 seconds are reported), back to back; with ``--entmtp``, also EntMTP with the task's shipped bank
 (``load_demo()``'s drafter and banks, code/math/chat -> humaneval/gsm8k/chat) eager and on the same
-compiled path (each tree size's graph compiled in a warm-up call before the timing). Prints and saves
-(``--out``) the median tokens/s per task and method, and whether each output equals its own plain
-decoding's (eager for eager, compiled for compiled) token for token (else the first differing token).
+compiled path (each tree size's graph compiled in a warm-up call before the timing); with ``--gguf FILE``
+(repeatable), also llama.cpp's plain decoding of that file (``scripts/llamacpp_baseline.py``: the same
+token ids, greedy) in the same rotation, so that both are timed under the same load. Prints and saves
+(``--out``) the median tokens/s per task and method, the ratios of compiled EntMTP to each of the others,
+and whether each output equals its own plain decoding's (eager for eager, compiled for compiled) token for
+token: where not, the first differing position and the model's logit gap there between the two tokens
+(a near-zero gap is a tie that rounding decides, as bf16 and int8 weights make more likely).
 
     python scripts/compile_generate.py --precision fp32 --out docs/results/compile-forward/xeon-generate-fp32.json
 """
@@ -26,6 +30,7 @@ import torch
 from entmtp_hf.costs.fingerprint import machine_fingerprint
 from entmtp_hf.decoding.compiled import compiled_call, compiled_generation
 from entmtp_hf.demo import config_for, load_demo
+from entmtp_hf.demo.compare import find_mismatch
 from entmtp_hf.tools.checkpoint import write_json
 from entmtp_hf.tools.models import PRECISIONS
 
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--entmtp", action="store_true", help="also EntMTP with the shipped banks, eager and compiled")
+    ap.add_argument("--gguf", type=Path, action="append", default=[], help="also llama.cpp on this GGUF file")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -61,6 +67,12 @@ def main(argv: list[str] | None = None) -> dict:
     fast = compiled_generation(max_cache_len=512)
     bank = {task: {"entmtp_config": config_for(bank_dir, name)} for task, name in zip(TASKS, BANK_TASKS)}
     kinds = ["eager", "compiled", *(("entmtp", "entmtp-compiled") if args.entmtp else ())]
+    engines = {}
+    if args.gguf:
+        from llamacpp_baseline import load, tokens_per_s
+
+        loaded = load([str(f) for f in args.gguf], args.threads)
+        engines = {f"llama.cpp {Path(f).stem}": llm for f, llm in loaded.items()}
 
     def extra(kind: str, task: str) -> dict:
         return {**(bank[task] if kind.startswith("entmtp") else {}), **(fast if kind.endswith("compiled") else {})}
@@ -72,21 +84,31 @@ def main(argv: list[str] | None = None) -> dict:
     for task, ids in prompts if args.entmtp else ():  # and every tree size the banks' plans verify
         model.generate(ids, max_new_tokens=2, do_sample=False, **extra("entmtp-compiled", task))
     compile_s = time.perf_counter() - t0
-    speed = {(task, kind): [] for task in TASKS for kind in kinds}
+    methods = kinds + list(engines)
+    speed = {(task, kind): [] for task in TASKS for kind in methods}
     same = {}
     for r in range(args.rounds):
         for i, (task, ids) in enumerate(prompts):
             outs = {}
-            order = list(kinds)[r % len(kinds) :] + list(kinds)[: r % len(kinds)]  # who goes first rotates
-            for kind in order:
+            for kind in methods[r % len(methods) :] + methods[: r % len(methods)]:  # who goes first rotates
+                if kind in engines:
+                    speed[task, kind].append(tokens_per_s(engines[kind], ids[0].tolist(), args.max_new_tokens))
+                    continue
                 t0 = time.perf_counter()
                 outs[kind] = model.generate(ids, **greedy, **extra(kind, task))[0, ids.shape[1] :]
                 speed[task, kind].append(len(outs[kind]) / (time.perf_counter() - t0))
             for kind, reference in (("compiled", "eager"), ("entmtp", "eager"), ("entmtp-compiled", "compiled")):
                 if kind in outs:
-                    differ = (outs[reference] != outs[kind]).nonzero()
-                    first = True if len(differ) == 0 else f"first differing token: {int(differ[0])}"
-                    same[f"{task}-{i}/{kind}"] = first
+                    with torch.no_grad():
+                        differ = find_mismatch(outs[reference].tolist(), outs[kind].tolist(), model, ids[0].tolist())
+                    same[f"{task}-{i}/{kind}"] = True if differ is None else differ
+    median = {(task, kind): statistics.median(v) for (task, kind), v in speed.items()}
+    ratios = {
+        f"{task}/entmtp-compiled:{other}": round(median[task, "entmtp-compiled"] / median[task, other], 3)
+        for task in TASKS
+        for other in methods
+        if "entmtp-compiled" in methods and other != "entmtp-compiled"
+    }
     compiles = compiled_call(model, fast["compile_config"]).compile_seconds
     result = {
         "what": "generate, greedy, tokens/s (median per task over prompts and rounds), eager vs compiled",
@@ -100,7 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": args.rounds,
         "compile_s": round(compile_s, 1),
         "graphs_compiled": [[what, round(s, 1)] for what, s in compiles],
-        "tokens_per_s": {f"{task}/{kind}": round(statistics.median(v), 2) for (task, kind), v in speed.items()},
+        "gguf": [str(f) for f in args.gguf],
+        "tokens_per_s": {f"{task}/{kind}": round(v, 2) for (task, kind), v in median.items()},
+        "entmtp_compiled_ratios": ratios,
         "identical": same,
     }
     print(json.dumps(result, indent=1))

@@ -25,6 +25,25 @@ from entmtp_hf.tools.checkpoint import write_json
 from entmtp_hf.tools.models import DEFAULT_DEMO, demo_model_dir
 
 
+def load(files: list[str], threads: int) -> dict:
+    """llama.cpp models of ``files``, by file: ``threads`` threads for prompt and decoding, 1024 positions."""
+    from llama_cpp import Llama
+
+    return {
+        f: Llama(model_path=f, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False) for f in files
+    }
+
+
+def tokens_per_s(llm, ids: list[int], max_new_tokens: int) -> float:
+    """llama.cpp's greedy decoding of ``max_new_tokens`` after the prompt ``ids`` (evaluated in the time)."""
+    t0, n = time.perf_counter(), 0
+    for _ in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+        n += 1
+        if n == max_new_tokens:
+            break
+    return n / (time.perf_counter() - t0)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("gguf", nargs="+", type=Path, help="GGUF files of the demo model")
@@ -34,25 +53,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from llama_cpp import Llama, __version__
+    from llama_cpp import __version__
     from transformers import AutoTokenizer
 
     prompts = held_out_ids(AutoTokenizer.from_pretrained(demo_model_dir(None, DEFAULT_DEMO)), args.prompts)
     files = [str(f) for f in args.gguf]
-    models = {
-        f: Llama(model_path=f, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024, verbose=False)
-        for f in files
-    }
+    models = load(files, args.threads)
     speed = {(f, task): [] for f in files for task in TASKS}
     for r in range(args.rounds):
         for task, ids in prompts:
             for f in files[r % len(files) :] + files[: r % len(files)]:
-                t0, n = time.perf_counter(), 0
-                for _ in models[f].generate(ids, top_k=1, temp=0.0, reset=True):
-                    n += 1
-                    if n == args.max_new_tokens:
-                        break
-                speed[f, task].append(n / (time.perf_counter() - t0))
+                speed[f, task].append(tokens_per_s(models[f], ids, args.max_new_tokens))
     result = {
         "what": "llama.cpp plain decoding, greedy (top_k=1), tokens/s, median per file and task, prompt included",
         "llama_cpp_python": __version__,

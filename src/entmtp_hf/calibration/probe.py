@@ -215,6 +215,7 @@ def prefilled(model, heads, *, prefix_len: int = PREFIX_LEN, batch_size: int = 1
     return session
 
 
+@torch.no_grad()  # as generate runs it: no autograd record, no graph compiled for one
 def forward_ms(
     model,
     heads,
@@ -234,6 +235,7 @@ def forward_ms(
     return forward_grid(session, sizes, repeats, on_round=on_round)[0]
 
 
+@torch.no_grad()
 def forward_grid(
     session: DecodeSession,
     sizes: Sequence[int],

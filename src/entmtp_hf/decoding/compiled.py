@@ -22,7 +22,8 @@ in every compiled CPU forward. :func:`compiled_call` compiles once per model and
 EntMTP mixin's ``get_compiled_call`` returns it, so plain ``generate`` (the honest baseline) and
 EntMTP's verification (:func:`~entmtp_hf.decoding.loop.open_session`) share one compiled forward.
 Each new shape is announced and timed; inductor's on-disk caches live in a folder per machine,
-model and precision under the user cache folder, so a second process finds its graphs compiled.
+model and precision under the user cache folder, and an unfrozen graph is saved whole there
+(:mod:`~entmtp_hf.decoding.precompiled`), so a second process loads it in about a second.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from transformers import CompileConfig
 from ..costs.fingerprint import machine_fingerprint, quantization_of
 from ..errors import EntMTPError
 from ..paths import cache_dir
+from . import precompiled
 
 
 def default_options(device: torch.device, dtype: torch.dtype) -> dict[str, Any] | None:
@@ -165,15 +167,20 @@ def _not_compiled() -> None:
 
 
 class CompiledForward:
-    """``torch.compile(model.__call__, **kwargs)``; the first call of each new shape compiles
-    (announced, timed in :attr:`compile_seconds`), in :func:`compile_folder`'s inductor caches."""
+    """``model``'s forward compiled with ``torch.compile`` keywords ``kwargs``; the first call of each
+    new shape compiles (announced, timed in :attr:`compile_seconds`) in :func:`compile_folder`'s
+    inductor caches, or loads that shape's graph saved there by an earlier process
+    (:mod:`~entmtp_hf.decoding.precompiled`, where the keywords allow saving one)."""
 
     def __init__(self, model, kwargs: dict[str, Any]) -> None:
         self.kwargs = kwargs
         self.folder = compile_folder(model)
+        self._model = model
         self._compiled = torch.compile(model.__call__, **kwargs)
-        self._shapes: set[tuple] = set()
-        #: seconds the first call of each compiled shape took, in order
+        #: whether each shape's graph is saved to (and loaded from) the folder
+        self.saves_graphs = precompiled.saves_graphs(kwargs)
+        self._graphs: dict[tuple, Callable[..., Any]] = {}
+        #: seconds the first call of each shape took (compiling, or loading a saved graph), in order
         self.compile_seconds: list[tuple[str, float]] = []
         #: the (rows, tree nodes) verification shapes compiled ahead of decoding
         #: (:func:`~entmtp_hf.decoding.loop.precompile`), and whether it warned of dynamo's graph limit
@@ -181,23 +188,47 @@ class CompiledForward:
         self.warned_limit = False
 
     def __call__(self, **kwargs: Any) -> Any:
-        key = _shape_key(kwargs)
-        if key in self._shapes:
-            return self._compiled(**kwargs)
+        key = (_shape_key(kwargs), self._model.training)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            try:
+                return graph(**kwargs)
+            except precompiled.Refused:  # e.g. a cache written with autograd on: dynamo compiles for it
+                return self._compiled(**kwargs)
         what = _describe(kwargs)
         with inductor_cache(self.folder) as folder:
-            tqdm.write(
-                f"entmtp-hf: compiling the forward for {what}: once per shape and process, a minute or more "
-                f"the first time on this machine, less once inductor's caches in {folder} hold it",
-                file=sys.stderr,
-            )
+            saved = folder / "precompiled" / precompiled.artifact_key(self._model, key, self.kwargs)
             t0 = time.perf_counter()
-            with _ticking(f"entmtp-hf: compiling {what}"):
-                out = self._compiled(**kwargs)
-        seconds = time.perf_counter() - t0
-        self._shapes.add(key)
-        self.compile_seconds.append((what, seconds))
-        tqdm.write(f"entmtp-hf: compiled the forward for {what} in {seconds:.0f} s", file=sys.stderr)
+            graph = precompiled.load(saved, self._model) if self.saves_graphs else None
+            if graph is not None:
+                try:
+                    out = graph(**kwargs)
+                except precompiled.Refused:  # saved for calls unlike this one's: compiled again
+                    saved.unlink(missing_ok=True)
+                    graph = None
+                else:
+                    seconds = time.perf_counter() - t0
+                    self.compile_seconds.append((f"{what}, loaded", seconds))
+                    tqdm.write(
+                        f"entmtp-hf: loaded the compiled forward for {what} from {folder} in {seconds:.1f} s",
+                        file=sys.stderr,
+                    )
+            if graph is None:
+                tqdm.write(
+                    f"entmtp-hf: compiling the forward for {what}: once per shape on this machine, a minute "
+                    f"or more; a later process loads it from {folder}",
+                    file=sys.stderr,
+                )
+                t0 = time.perf_counter()
+                with _ticking(f"entmtp-hf: compiling {what}"):
+                    if self.saves_graphs:
+                        graph = precompiled.compile_and_save(saved, self._model, self.kwargs, kwargs)
+                    graph = graph or self._compiled
+                    out = graph(**kwargs)
+                seconds = time.perf_counter() - t0
+                self.compile_seconds.append((what, seconds))
+                tqdm.write(f"entmtp-hf: compiled the forward for {what} in {seconds:.0f} s", file=sys.stderr)
+        self._graphs[key] = graph
         return out
 
     def __reduce__(self):

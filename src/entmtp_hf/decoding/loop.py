@@ -84,7 +84,8 @@ def precompile(session: DecodeSession, forward: CompiledForward) -> dict[int, fl
     seconds = {}
     todo = [n for n in sorted(session.plan.node_counts) if (rows, n) not in done]
     graphs, limit = len(done) + len(todo) + 1, _recompile_limit()  # one per (rows, size), and plain decoding's
-    if todo and limit and graphs > limit and not forward.warned_limit:  # past dynamo's limit a new shape runs eagerly
+    # past dynamo's limit a new shape runs eagerly; saved graphs are compiled one by one, without it
+    if todo and limit and graphs > limit and not forward.warned_limit and not forward.saves_graphs:
         warnings.warn(
             f"entmtp-hf: compiled verification needs {graphs} graphs of the model's forward "
             f"(one per batch size and tree size, and plain decoding's), more than torch._dynamo.config."

@@ -1,0 +1,147 @@
+"""Compiled graphs saved for a later process (:mod:`entmtp_hf.decoding.precompiled`): what may be saved,
+what a saved graph is keyed by, that a loaded graph decodes with its own model's weights, and that a
+file which cannot serve is removed and compiled again."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny import VOCAB, tiny_model
+from transformers import CompileConfig
+
+from entmtp_hf import EntMTPConfig, enable_entmtp
+from entmtp_hf.decoding import compiled, precompiled
+from entmtp_hf.decoding.compiled import compile_kwargs, compiled_call, compiled_generation
+from entmtp_hf.trees.tree import Tree
+
+CPU = torch.device("cpu")
+
+
+def test_only_graphs_whose_weights_stay_inputs_are_saved():
+    assert precompiled.saves_graphs(compile_kwargs(None, CPU))  # float32 on a CPU: unfrozen
+    assert not precompiled.saves_graphs(compile_kwargs(None, CPU, torch.bfloat16))  # frozen: weights in the graph
+    assert not precompiled.saves_graphs(compile_kwargs(CompileConfig(mode="max-autotune"), CPU))
+    assert not precompiled.saves_graphs(compile_kwargs(CompileConfig(dynamic=True), CPU))
+    assert not precompiled.saves_graphs(compile_kwargs(CompileConfig(backend="eager"), CPU))
+
+
+def test_the_key_separates_what_the_saved_guards_do_not_check():
+    model = tiny_model("llama")
+    kwargs = compile_kwargs(None, CPU)
+    key = precompiled.artifact_key(model, ("shape",), kwargs)
+    assert key.endswith(precompiled.SUFFIX) and key == precompiled.artifact_key(model, ("shape",), kwargs)
+    assert precompiled.artifact_key(model, ("other shape",), kwargs) != key
+    assert precompiled.artifact_key(model, ("shape",), {**kwargs, "options": {"cpp_wrapper": True}}) != key
+    trained = copy.deepcopy(model).train()
+    assert precompiled.artifact_key(trained, ("shape",), kwargs) != key
+    other = copy.deepcopy(model)
+    other.config._attn_implementation = "eager" if model.config._attn_implementation != "eager" else "sdpa"
+    assert precompiled.artifact_key(other, ("shape",), kwargs) != key
+
+
+def _saved_sources(code: list[tuple[str, int, int, str]]):
+    """An object shaped like a loaded graph, whose traced sources are ``code``."""
+    sources = [SimpleNamespace(module=m, firstlineno=a, lastlineno=b, checksum=c) for m, a, b, c in code]
+    return SimpleNamespace(source_info=lambda: SimpleNamespace(inlined_sources=sources))
+
+
+def test_a_saved_graph_serves_only_while_the_code_it_traced_is_unchanged():
+    lines, first = inspect.getsourcelines(precompiled._forward)
+    last = first + len(lines)
+    digest = hashlib.sha256("".join(lines).encode()).hexdigest()
+    assert precompiled._sources_unchanged(_saved_sources([(precompiled.__name__, first, last, digest)]))
+    assert not precompiled._sources_unchanged(_saved_sources([(precompiled.__name__, first, last, "0" * 64)]))
+    assert not precompiled._sources_unchanged(_saved_sources([("no_such_module_here", 1, 2, digest)]))
+
+
+def test_a_file_that_cannot_be_loaded_is_removed(tmp_path: Path):
+    bad = tmp_path / ("x" + precompiled.SUFFIX)
+    bad.write_bytes(b"not a compiled graph")
+    with pytest.warns(UserWarning, match="could not load the compiled forward"):
+        assert precompiled.load(bad, tiny_model("llama")) is None
+    assert not bad.exists()
+    assert precompiled.load(tmp_path / "absent.aot", tiny_model("llama")) is None
+
+
+@pytest.mark.slow
+def test_a_later_process_loads_the_saved_graphs_and_decodes_with_its_own_weights(
+    tiny_cache, tmp_path, monkeypatch, capsys
+):
+    """The first model compiles and saves each shape's graph (plain decoding's, each tree size's); a second
+    model of the same architecture and other weights, after dynamo forgot everything (as in a new
+    process), loads every graph instead of compiling it, and its greedy output equals its own eager one."""
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    _, heads = tiny_cache("llama", "hydra", "mlp")
+    trees = [Tree.chain(1).choices, Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices]
+    config = EntMTPConfig(trees=trees, tau_on=0.1, tau_off=0.09, feature="base_top1")
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    greedy = dict(max_new_tokens=16, do_sample=False)
+    fast = compiled_generation(max_cache_len=64)
+    outputs = []
+    for seed in (0, 1):
+        model = tiny_model("llama", seed=seed).float()
+        enable_entmtp(model, copy.deepcopy(heads).float(), cpu_kernels=False)
+        eager = model.generate(ids, **greedy)
+        assert torch.equal(model.generate(ids, **greedy, **fast), eager)
+        assert torch.equal(model.generate(ids, **greedy, **fast, entmtp_config=config), eager)
+        call = compiled_call(model, fast["compile_config"])
+        outputs.append((eager, call))
+        torch._dynamo.reset()
+    (first, compiled), (second, loaded) = outputs
+    assert not torch.equal(first, second)  # the weights differ, and so do the outputs
+    saved = sorted((compiled.folder / "precompiled").glob("*" + precompiled.SUFFIX))
+    assert len(saved) == len(compiled.compile_seconds) >= 3  # plain decoding's graph and one per tree size
+    assert all(not what.endswith("loaded") for what, _ in compiled.compile_seconds)
+    assert [what for what, _ in loaded.compile_seconds] == [f"{what}, loaded" for what, _ in compiled.compile_seconds]
+    assert "entmtp-hf: loaded the compiled forward for 1 row(s) x 1 token(s)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_graph_whose_traced_code_changed_is_compiled_again(tiny_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    fast = compiled_generation(max_cache_len=32)
+    shapes = []
+    for stale in (False, True):
+        model = tiny_model("llama").float()
+        enable_entmtp(model, copy.deepcopy(tiny_cache("llama", "hydra", "mlp")[1]).float(), cpu_kernels=False)
+        if stale:
+            monkeypatch.setattr(precompiled, "_sources_unchanged", lambda fn: False)
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, **fast)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
+        shapes.append([what for what, _ in compiled_call(model, fast["compile_config"]).compile_seconds])
+        torch._dynamo.reset()
+    assert shapes[0] == shapes[1] and not any(what.endswith("loaded") for what in shapes[1])
+
+
+def test_a_call_the_saved_guards_refuse_runs_through_dynamo(tmp_path, monkeypatch):
+    """Refused before the graph runs (nothing computed, nothing written): that call goes to the usual
+    compiled route, which compiles what it needs; any other error is the caller's to see."""
+
+    def refusing(model, **kwargs):
+        raise RuntimeError("GuardManager check failed, reason: requires_grad mismatch")
+
+    def failing(model, **kwargs):
+        raise RuntimeError("index out of range")
+
+    with pytest.raises(precompiled.Refused):
+        precompiled._as_forward(refusing, None)(input_ids=None)
+    with pytest.raises(RuntimeError, match="index out of range"):
+        precompiled._as_forward(failing, None)(input_ids=None)
+
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    model = tiny_model("llama").float()
+    call = compiled_call(model, None)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    key = (compiled._shape_key({"input_ids": ids}), model.training)
+    call._graphs[key] = precompiled._as_forward(refusing, model)
+    monkeypatch.setattr(call, "_compiled", lambda **kwargs: "dynamo's route")
+    assert call(input_ids=ids) == "dynamo's route"
