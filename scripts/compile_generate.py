@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": args.rounds,
         "compile_s": round(compile_s, 1),
         "graphs_compiled": [[what, round(s, 1)] for what, s in compiles],
-        "gguf": [str(f) for f in args.gguf],
+        "gguf": [f.name for f in args.gguf],
         "tokens_per_s": {f"{task}/{kind}": round(v, 2) for (task, kind), v in median.items()},
         "entmtp_compiled_ratios": ratios,
         "identical": same,

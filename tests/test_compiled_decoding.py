@@ -86,6 +86,10 @@ def test_shapes_that_need_their_own_graph_are_told_apart(tiny_cache):
     assert key({"input_ids": ids, "cache": one}) != key({"input_ids": ids, "cache": two})
     assert key({"input_ids": ids, "cache": one}) != key({"input_ids": ids.repeat(1, 3), "cache": one})
     assert key({"input_ids": ids, "use_cache": True}) != key({"input_ids": ids, "use_cache": False})
+    with torch.no_grad():
+        quiet = key({"input_ids": ids})
+        with torch.inference_mode():  # inference tensors: a graph traced outside the mode refuses them
+            assert key({"input_ids": ids}) != quiet
 
 
 def test_one_compiled_forward_per_model_and_config_and_a_copy_compiles_its_own(tiny_cache, tmp_path, monkeypatch):

@@ -145,3 +145,51 @@ def test_a_call_the_saved_guards_refuse_runs_through_dynamo(tmp_path, monkeypatc
     call._graphs[key] = precompiled._as_forward(refusing, model)
     monkeypatch.setattr(call, "_compiled", lambda **kwargs: "dynamo's route")
     assert call(input_ids=ids) == "dynamo's route"
+
+
+@pytest.mark.slow
+def test_a_left_padded_batch_on_saved_graphs_equals_plain_batched_generate(tiny_cache, tmp_path, monkeypatch):
+    """Saved graphs of a 3-row batch, made in one model and loaded by a second: each model's EntMTP output
+    equals its plain batched ``generate``, rows ending at different steps."""
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    _, heads = tiny_cache("llama", "hydra", "mlp")
+    g = torch.Generator().manual_seed(3)
+    lengths = (3, 7, 5)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, -n:], mask[i, -n:] = torch.randint(1, VOCAB, (n,), generator=g), 1
+    trees = [Tree.chain(1).choices, Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices]
+    config = EntMTPConfig(trees=trees, tau_on=0.1, tau_off=0.09, feature="base_top1")
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    fast = compiled_generation(max_cache_len=64)
+    free = tiny_model("llama").float().generate(ids, **kwargs)
+    kwargs["eos_token_id"] = [int(free[0, max(lengths) + 5])]  # the first row stops early
+    loaded = []
+    for _ in range(2):
+        model = tiny_model("llama").float()
+        enable_entmtp(model, copy.deepcopy(heads).float(), cpu_kernels=False)
+        plain = model.generate(ids, **kwargs)
+        assert torch.equal(model.generate(ids, **kwargs, **fast, entmtp_config=config), plain)
+        loaded.append([w.endswith("loaded") for w, _ in compiled_call(model, fast["compile_config"]).compile_seconds])
+        torch._dynamo.reset()
+    assert not any(loaded[0]) and loaded[1] and all(loaded[1])
+
+
+def test_a_saved_graph_refusing_its_first_call_is_kept_and_the_call_compiled_here(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    model = tiny_model("llama").float()
+    call = compiled_call(model, None)
+
+    def refusing(**kwargs):
+        raise precompiled.Refused("GuardManager check failed")
+
+    def never(*args, **kwargs):
+        raise AssertionError("a graph this call's tensors refuse is not compiled over the saved one")
+
+    monkeypatch.setattr(precompiled, "load", lambda path, model: refusing)
+    monkeypatch.setattr(precompiled, "compile_and_save", never)
+    monkeypatch.setattr(call, "_compiled", lambda **kwargs: "dynamo's route")
+    assert call(input_ids=torch.zeros(1, 1, dtype=torch.long)) == "dynamo's route"
+    assert [what for what, _ in call.compile_seconds] == ["1 row(s) x 1 token(s)"]

@@ -6,7 +6,7 @@ from tiny import VOCAB
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.costs.table import interpolate
-from entmtp_hf.integration import enable_entmtp
+from entmtp_hf.integration import HEADS_ATTR, enable_entmtp
 from entmtp_hf.tools.profile import (
     analytic_bound,
     forward_costs,
@@ -87,3 +87,32 @@ def test_the_report_shows_the_kernel_reference_and_both_bounds():
     md = _markdown(report)
     assert "40.0 ms with the model's own kernels and 28.0 ms" in md and "0.70 of it" in md
     assert "| 4 | 2.20 | 1.10 | 2.00x | 1.40x |" in md
+
+
+def test_the_weights_bytes_count_a_tied_matrix_once():
+    from entmtp_hf.tools.profile import weight_bytes
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied, as the demo model's LM head is
+    assert weight_bytes(model) == 10 * 4 * 4
+    model[1].weight = torch.nn.Parameter(torch.zeros(10, 4, dtype=torch.bfloat16))
+    assert weight_bytes(model) == 10 * 4 * 4 + 10 * 4 * 2
+    setattr(model, HEADS_ATTR, torch.nn.Linear(4, 4))  # an enabled model's drafter: not the plain forward's
+    assert weight_bytes(model) == 10 * 4 * 4 + 10 * 4 * 2
+
+
+def test_the_physical_bound_is_the_weights_over_the_bandwidth_and_the_report_compares_each_run():
+    from entmtp_hf.tools.profile import _markdown, physical_bound, read_bandwidth
+
+    model = torch.nn.Linear(1000, 1000, bias=False)  # 4 MB
+    phys = physical_bound(model, forward_s=0.004, bandwidth=2e9)
+    assert phys["bound_ms"] == pytest.approx(2.0) and phys["forward_over_bound"] == pytest.approx(2.0)
+    assert read_bandwidth(megabytes=8, repeats=2) > 0
+    step = {"mean_tree_nodes": 3, "mean_accept_length": 2.0, "ms_per_step": 6.0, "draft_ms": 1, "forward_ms": 4}
+    step |= {"accept_ms": 0.2, "commit_ms": 0.3, "other_ms": 0.5, "draft_share": 0.17, "other_share": 0.08}
+    report = {"forward_costs_ms": {"1": 4.0}, "breakdown": {"gsm8k static": step}, "physical_bound": phys}
+    report |= {"path": "compiled", "precision": "bf16"}
+    md = _markdown(report)
+    assert md.startswith("Profile of the compiled path, bf16.")
+    assert "(4 MB) read once at this process's measured read bandwidth (2.0 GB/s) take 2.0 ms" in md
+    assert "| gsm8k static | 3.0 | 1.50x |" in md  # 6 ms a step over 2 tokens, against 2 ms a token

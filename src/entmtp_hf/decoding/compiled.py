@@ -117,8 +117,9 @@ def inductor_cache(folder: Path) -> Iterator[Path]:
 
 def _shape_key(kwargs: dict[str, Any]) -> tuple:
     """What a static-shape graph is specialised to: every tensor's shape and dtype, every other
-    argument's value, the cache's type and length, and whether autograd records."""
-    key: list = [torch.is_grad_enabled()]
+    argument's value, the cache's type and length, and whether autograd records (and inference
+    mode, whose tensors a graph traced outside it does not take)."""
+    key: list = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     for name, value in sorted(kwargs.items()):
         if isinstance(value, torch.Tensor):
             key.append((name, tuple(value.shape), str(value.dtype)))
@@ -198,14 +199,14 @@ class CompiledForward:
         what = _describe(kwargs)
         with inductor_cache(self.folder) as folder:
             saved = folder / "precompiled" / precompiled.artifact_key(self._model, key, self.kwargs)
+            save = self.saves_graphs
             t0 = time.perf_counter()
-            graph = precompiled.load(saved, self._model) if self.saves_graphs else None
+            graph = precompiled.load(saved, self._model) if save else None
             if graph is not None:
                 try:
                     out = graph(**kwargs)
-                except precompiled.Refused:  # saved for calls unlike this one's: compiled again
-                    saved.unlink(missing_ok=True)
-                    graph = None
+                except precompiled.Refused:  # saved for calls unlike this one's (kept for those): compiled here
+                    graph, save = None, False
                 else:
                     seconds = time.perf_counter() - t0
                     self.compile_seconds.append((f"{what}, loaded", seconds))
@@ -221,8 +222,7 @@ class CompiledForward:
                 )
                 t0 = time.perf_counter()
                 with _ticking(f"entmtp-hf: compiling {what}"):
-                    if self.saves_graphs:
-                        graph = precompiled.compile_and_save(saved, self._model, self.kwargs, kwargs)
+                    graph = precompiled.compile_and_save(saved, self._model, self.kwargs, kwargs) if save else None
                     graph = graph or self._compiled
                     out = graph(**kwargs)
                 seconds = time.perf_counter() - t0

@@ -4,10 +4,13 @@ It streams EntMTP's answers to a coding, a math and a chat prompt, then measures
 machine, in one run with the methods interleaved: plain ``generate``, plain ``generate`` on the
 CPU kernels ``enable_entmtp`` measured (:class:`~entmtp_hf.cpu_kernels.CPUKernels`: the fastest
 plain decoding here), EntMTP as ``enable_entmtp`` sets it up (on those kernels) and EntMTP with
-``F.linear`` throughout (``cpu_kernels=False``). Warm-up runs are excluded, every greedy output
-is compared with plain ``generate``'s token for token (a divergence is named with the base
-model's logit gap there), and the result is said in words: the speed-up over plain
-``generate`` and over the fastest plain decoding measured.
+``F.linear`` throughout (``cpu_kernels=False``); then plain ``generate`` and EntMTP on the
+compiled path (:func:`~entmtp_hf.decoding.compiled.compiled_generation`: a static cache, each
+shape's graph compiled once per machine and loaded by later runs; the banks ranked as for eager
+decoding), unless ``--no-compile``. Warm-up runs, compilation included, are excluded; every greedy
+output is compared token for token with plain ``generate``'s on the same path (eager or compiled;
+a divergence is named with the base model's logit gap there), and the result is said in words:
+the speed-up over plain ``generate`` and over the fastest plain decoding measured.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from transformers import TextStreamer
 
 from ..calibration import calibrate
 from ..cpu_kernels import CPUKernels, kernels_of
+from ..decoding.compiled import compiled_generation
 from ..integration import HEADS_ATTR
 from ..scheduling.policies import POLICIES
 from . import DEFAULT_DRAFTER, DEMO_PROMPTS, config_for, load_demo
 from .compare import find_mismatch, mismatch_text
 
 PLAIN, PLAIN_K, ENTMTP, ENTMTP_F = "plain generate", "plain generate + CPU kernels", "EntMTP", "EntMTP, F.linear only"
+PLAIN_C, ENTMTP_C = "plain generate, compiled", "EntMTP, compiled"
 
 
 def _encode(tokenizer, text: str) -> torch.Tensor:
@@ -39,18 +44,23 @@ def _encode(tokenizer, text: str) -> torch.Tensor:
     return ids["input_ids"]
 
 
-def _methods(configs: dict, kernels: CPUKernels | None) -> dict[str, tuple[Callable[[], ContextManager], dict]]:
+def _methods(
+    configs: dict, kernels: CPUKernels | None, compiled: bool
+) -> dict[str, tuple[Callable[[], ContextManager], dict]]:
     """name -> (the context of its calls, generate kwargs per task)."""
     plain = {task: {} for task in configs}
     tree = {task: {"entmtp_config": cfg, "return_dict_in_generate": True} for task, cfg in configs.items()}
-    if kernels is None:
-        return {PLAIN: (nullcontext, plain), ENTMTP: (nullcontext, tree)}
-    return {
-        PLAIN: (nullcontext, plain),
-        PLAIN_K: (kernels.applied, plain),
-        ENTMTP: (nullcontext, tree),
-        ENTMTP_F: (lambda: _lifted(kernels), tree),
-    }
+    methods = {PLAIN: (nullcontext, plain)}
+    if kernels is not None:
+        methods[PLAIN_K] = (kernels.applied, plain)
+    methods[ENTMTP] = (nullcontext, tree)
+    if kernels is not None:
+        methods[ENTMTP_F] = (lambda: _lifted(kernels), tree)
+    if compiled:
+        fast = compiled_generation(max_cache_len=512)
+        methods[PLAIN_C] = (nullcontext, {task: dict(fast) for task in configs})
+        methods[ENTMTP_C] = (nullcontext, {task: {**kw, **fast} for task, kw in tree.items()})
+    return methods
 
 
 @contextmanager
@@ -119,8 +129,8 @@ def _report(model, inputs, runs: dict, methods: list[str]) -> dict:
     """Print the table and the summary in words; return the figures."""
     mismatches = []
     for task, ids, _ in inputs:
-        ref = runs[task][PLAIN]["out"]
         for name in methods:
+            ref = runs[task][PLAIN_C if name.endswith(", compiled") else PLAIN]["out"]
             diff = find_mismatch(ref, runs[task][name]["out"], model, ids[0].tolist())
             if diff is not None:
                 mismatches.append({"task": task, "method": name, **diff})
@@ -164,7 +174,7 @@ def _report(model, inputs, runs: dict, methods: list[str]) -> dict:
     }
 
 
-def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = None) -> dict:
+def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = None, compiled: bool = True) -> dict:
     """Stream the three prompts with EntMTP, then time every method on them (see the module docstring)."""
     t0 = time.perf_counter()
     model, tokenizer, bank_dir = load_demo()
@@ -184,10 +194,16 @@ def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = N
         print(f"EntMTP runs on the CPU kernels measured here: {kernels.describe()}")
         with _lifted(kernels):
             _rank_banks(model, configs, " with F.linear only (cpu_kernels=False)")
-    methods = _methods(configs, kernels)
-    for name, (context, kwargs) in methods.items():  # warm-up, outside the timings
-        with context():
-            model.generate(inputs[0][1], max_new_tokens=8, do_sample=False, **kwargs[inputs[0][0]])
+    methods = _methods(configs, kernels, compiled)
+    if compiled:
+        print(
+            "Compiled decoding: the forward is compiled once per shape on this machine (a minute or more each, "
+            "announced), and later runs load the graphs in seconds."
+        )
+    for name, (context, kwargs) in methods.items():  # warm-up outside the timings: every task's tree sizes
+        for task, ids, _ in inputs:
+            with context():
+                model.generate(ids, max_new_tokens=8, do_sample=False, **kwargs[task])
     print(f"Then {repeats} timed run(s) per prompt and method, interleaved; warm-up runs excluded.")
     runs = _measure(model, inputs, methods, greedy, repeats)
     return _report(model, inputs, runs, list(methods))
@@ -198,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per prompt and method")
     parser.add_argument("--policy", choices=POLICIES, default=None, help="override the banks' default policy")
+    parser.add_argument("--no-compile", action="store_true", help="time eager decoding only (nothing compiled)")
     args = parser.parse_args(argv)
-    run_demo(args.max_new_tokens, args.repeats, args.policy)
+    run_demo(args.max_new_tokens, args.repeats, args.policy, compiled=not args.no_compile)
     return 0
 
 

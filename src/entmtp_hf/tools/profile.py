@@ -11,9 +11,13 @@
 * :func:`analytic_bound`: for each tree, ``tau / c(N)``: the speedup over one-token decoding
   if drafting and bookkeeping were free; the best tree's value is this machine's limit for
   these heads.
+* :func:`physical_bound`: the weights' bytes over the machine's read bandwidth, the least a
+  forward that reads every weight once can take, against the measured one-token forward and
+  each step's milliseconds per token.
 
-``entmtp-hf profile`` runs all three on the demo model (or any model with heads) and writes
-``profile.json`` plus a Markdown summary. Timings are medians of interleaved repeats.
+``entmtp-hf profile`` runs them on the demo model (eager, or with ``--compile`` on the compiled
+path at ``--precision``) and writes ``profile.json`` plus a Markdown summary. Timings are medians
+of interleaved repeats.
 """
 
 from __future__ import annotations
@@ -37,8 +41,11 @@ from ..cpu_kernels import onednn_linears
 from ..decoding.stats import PhaseTimer
 from ..integration import HEADS_ATTR
 from .bench.settings import SAMPLING
+from .models import PRECISIONS
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+#: sizes timed on the compiled path, one graph each: those the demo's trees verify
+COMPILED_SIZES = (1, 2, 3, 4, 6, 8)
 
 
 def _prefilled_cache(model, prefix_len: int, g: torch.Generator) -> DynamicCache:
@@ -186,9 +193,64 @@ def analytic_bound(trees: Sequence[dict], costs: dict[int, float], reference: fl
     return rows
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers, each storage once (tied embeddings counted once),
+    the draft heads of an enabled model left out: what one plain forward reads at least, as the LM
+    head reads the whole embedding matrix."""
+    heads = getattr(model, HEADS_ATTR, None)
+    drafter = {id(t) for t in [*heads.parameters(), *heads.buffers()]} if isinstance(heads, torch.nn.Module) else set()
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in drafter:
+            continue
+        try:
+            key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        except (NotImplementedError, RuntimeError, TypeError):  # a tensor subclass (quantized weights)
+            key, size = id(t), sum(x.nbytes for x in _plain_tensors(t))
+        if key not in seen:
+            seen.add(key)
+            total += size
+    return total
+
+
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a (quantized) tensor subclass stores: its flattened inner tensors."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for name in names for x in _plain_tensors(getattr(t, name))]
+    return [t]
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
+    """Bytes per second this process reads from memory with torch's threads: the median time of
+    summing a float32 tensor of ``megabytes``, far larger than the caches."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()  # pages in
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.nbytes / statistics.median(times)
+
+
+def physical_bound(model, forward_s: float, bandwidth: float) -> dict[str, float]:
+    """The one-token forward (``forward_s`` seconds) against the time to read the weights once."""
+    size = weight_bytes(model)
+    bound = size / bandwidth
+    return {
+        "weight_bytes": size,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "bound_ms": 1e3 * bound,
+        "forward_ms": 1e3 * forward_s,
+        "forward_over_bound": forward_s / bound,
+    }
+
+
 # ============================================================================ CLI
 def _markdown(report: dict) -> str:
-    lines = ["## Forward cost by tokens verified", "", "| tokens N | ms | c(N) |", "|---|---|---|"]
+    lines = [f"Profile of the {report.get('path', 'eager')} path, {report.get('precision', 'fp32')}.", ""]
+    lines += ["## Forward cost by tokens verified", "", "| tokens N | ms | c(N) |", "|---|---|---|"]
     base = report["forward_costs_ms"]["1"]
     lines += [f"| {n} | {ms:.1f} | {ms / base:.2f} |" for n, ms in report["forward_costs_ms"].items()]
     lines += [
@@ -205,6 +267,24 @@ def _markdown(report: dict) -> str:
             f"{b['draft_ms']:.1f} | {b['forward_ms']:.1f} | {b['accept_ms']:.1f} | {b['commit_ms']:.1f} | "
             f"{b['other_ms']:.1f} | {b['draft_share']:.1%} | {b['other_share']:.1%} |"
         )
+    phys = report.get("physical_bound")
+    if phys:
+        lines += [
+            "",
+            "## Against the physical bound",
+            "",
+            f"The weights ({phys['weight_bytes'] / 1e6:.0f} MB) read once at this process's measured read bandwidth "
+            f"({phys['bandwidth_gb_s']:.1f} GB/s) take {phys['bound_ms']:.1f} ms: the least a one-token forward can "
+            f"take. The measured one is {phys['forward_ms']:.1f} ms, {phys['forward_over_bound']:.2f}x that. Per "
+            "token generated (a step's milliseconds over the tokens it accepted, the bound's one forward per "
+            "token being plain decoding at the bound):",
+            "",
+            "| run | ms per token | over the bound |",
+            "|---|---|---|",
+        ]
+        for name, b in report["breakdown"].items():
+            per_token = b["ms_per_step"] / max(b["mean_accept_length"], 1e-9)
+            lines.append(f"| {name} | {per_token:.1f} | {per_token / phys['bound_ms']:.2f}x |")
     if report.get("linear_costs_ms"):
         sizes = list(next(iter(report["linear_costs_ms"].values())))
         lines += [
@@ -246,7 +326,7 @@ def _markdown(report: dict) -> str:
 
 
 def _breakdowns(
-    model, tokenizer, bank_dir: Path, args: argparse.Namespace, costs: dict[int, float], reference: float
+    model, tokenizer, bank_dir: Path, args: argparse.Namespace, costs: dict[int, float], reference: float | None
 ) -> tuple[dict, dict]:
     """Per task: the step breakdown of the bank's static tree and default policy (greedy, and
     sampled at ``--temperature`` if given), and the analytic bound of every bank tree."""
@@ -275,20 +355,30 @@ def _profile(args: argparse.Namespace) -> int:
     from .machine import set_threads
 
     set_threads(args.threads)
-    model, tokenizer, bank_dir = load_demo()
+    model, tokenizer, bank_dir = load_demo(precision=args.precision, compile=args.compile)
     bank_dir = Path(args.bank) if args.bank else bank_dir
-    report: dict[str, Any] = {"threads": torch.get_num_threads(), "bank": str(bank_dir)}
-    costs = forward_costs(model, prefix_len=args.prefix_len, repeats=args.repeats, progress=True)
-    report["forward_costs_ms"] = {str(n): 1e3 * s for n, s in costs.items()}
-    plain = kernel_reference(model, prefix_len=args.prefix_len, repeats=args.repeats, progress=True)
-    report["kernel_reference_ms"] = {k: 1e3 * v for k, v in plain.items()}
-    report["linear_costs_ms"] = {
-        k: {str(m): 1e3 * t for m, t in per.items()}
-        for k, per in linear_costs(model, repeats=args.repeats, progress=True).items()
+    path = "compiled" if args.compile else "eager"
+    report: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "bank": bank_dir.name,  # the folder's name: a report carries no machine paths
+        "path": path,
+        "precision": args.precision,
     }
-    report["breakdown"], report["bound"] = _breakdowns(
-        model, tokenizer, bank_dir, args, costs, plain["onednn"] / plain["model"]
-    )
+    # a compiled model compiles one graph per size: only the sizes trees verify, unless asked
+    sizes = tuple(args.sizes) if args.sizes else (COMPILED_SIZES if args.compile else SIZES)
+    costs = forward_costs(model, sizes, prefix_len=args.prefix_len, repeats=args.repeats, progress=True)
+    report["forward_costs_ms"] = {str(n): 1e3 * s for n, s in costs.items()}
+    reference = None
+    if not args.compile:  # the eager kernels' comparison; a compiled graph brings its own kernels
+        plain = kernel_reference(model, prefix_len=args.prefix_len, repeats=args.repeats, progress=True)
+        report["kernel_reference_ms"] = {k: 1e3 * v for k, v in plain.items()}
+        reference = plain["onednn"] / plain["model"]
+        report["linear_costs_ms"] = {
+            k: {str(m): 1e3 * t for m, t in per.items()}
+            for k, per in linear_costs(model, repeats=args.repeats, progress=True).items()
+        }
+    report["breakdown"], report["bound"] = _breakdowns(model, tokenizer, bank_dir, args, costs, reference)
+    report["physical_bound"] = physical_bound(model, costs[1], read_bandwidth())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
@@ -319,5 +409,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
         help="also break down sampled steps (exact acceptance) at this temperature",
     )
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="profile the compiled path (load_demo(compile=True))")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="the demo model's weights")
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="tokens per timed forward (default: by path)")
     p.add_argument("--out", default="runs/profile")
     p.set_defaults(func=_profile)
