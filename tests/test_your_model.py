@@ -354,3 +354,21 @@ def test_drafters_with_a_decoder_layer_fit_gemma_3(family, arch):
         assert torch.equal(plain, tree)
     finally:
         disable_entmtp(model)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_load_demo_calibrates_the_path_its_model_decodes_on(monkeypatch, compile):
+    """Compiled by default: the step costs are measured once compiled decoding is the model's default
+    (a table is keyed by the compiled route), not on the eager model before it."""
+    import entmtp_hf.demo as demo
+
+    calls = []
+    monkeypatch.setattr(demo, "load_base_model", lambda model=None, **kw: ("m", "t"))
+    monkeypatch.setattr(demo, "enable_entmtp", lambda m, heads, calibrate: calls.append(("enable", calibrate)))
+    monkeypatch.setattr(demo, "use_compiled_decoding", lambda m: calls.append(("compile",)))
+    monkeypatch.setattr(demo, "calibrate_costs", lambda m, batch_sizes: calls.append(("calibrate", batch_sizes)))
+    demo.load_demo(calibrate=[1, 4], compile=compile)
+    if compile:
+        assert calls == [("enable", False), ("compile",), ("calibrate", [1, 4])]
+    else:
+        assert calls == [("enable", [1, 4])]

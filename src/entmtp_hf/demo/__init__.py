@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..banks.bank import TopologyBank, shipped_bank_path
+from ..calibration import calibrate as calibrate_costs
 from ..config import EntMTPConfig
 from ..decoding.compiled import use_compiled_decoding
 from ..integration import enable_entmtp
@@ -100,7 +101,8 @@ def load_demo(
     ``"bf16"`` or ``"int8"`` (torchao weight-only, :func:`~entmtp_hf.tools.models.precision_kwargs`);
     the drafter follows the LM head's dtype. ``compile=True``: compiled decoding by default
     (:func:`~entmtp_hf.decoding.compiled.use_compiled_decoding`), for plain ``generate`` as for
-    EntMTP; the first call of each shape compiles, announced."""
+    EntMTP; the first call of each shape compiles, announced (with ``calibrate``, the compiled step's
+    costs are the ones measured: a graph per probed size, the first time on a machine)."""
     from ..tools.models import DEFAULT_DEMO
 
     if heads == MTP_HEADS:
@@ -128,9 +130,11 @@ def load_demo(
             f"no draft heads at {heads}: train them with `entmtp-hf train-heads` (see docs/training.md)"
         )
     loaded, tokenizer = load_base_model(model, cache_dir=cache_dir, precision=precision)
-    enable_entmtp(loaded, str(heads), calibrate=calibrate)
+    enable_entmtp(loaded, str(heads), calibrate=False if compile else calibrate)
     if compile:
         use_compiled_decoding(loaded)
+        if calibrate is not False and calibrate is not None:  # the compiled step's costs, as decoding runs it
+            calibrate_costs(loaded, batch_sizes=(1,) if calibrate is True else calibrate)
     return loaded, tokenizer, bank_dir
 
 
