@@ -179,8 +179,14 @@ def test_a_left_padded_batch_on_saved_graphs_equals_plain_batched_generate(tiny_
 
 def test_a_saved_graph_refusing_its_first_call_is_kept_and_the_call_compiled_here(tmp_path, monkeypatch):
     monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     model = tiny_model("llama").float()
     call = compiled_call(model, None)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    key = (compiled._shape_key({"input_ids": ids}), model.training)
+    saved = call.folder / "precompiled" / precompiled.artifact_key(model, key, call.kwargs)
+    saved.parent.mkdir(parents=True)
+    saved.write_bytes(b"a graph saved for other calls")
 
     def refusing(**kwargs):
         raise precompiled.Refused("GuardManager check failed")
@@ -191,5 +197,6 @@ def test_a_saved_graph_refusing_its_first_call_is_kept_and_the_call_compiled_her
     monkeypatch.setattr(precompiled, "load", lambda path, model: refusing)
     monkeypatch.setattr(precompiled, "compile_and_save", never)
     monkeypatch.setattr(call, "_compiled", lambda **kwargs: "dynamo's route")
-    assert call(input_ids=torch.zeros(1, 1, dtype=torch.long)) == "dynamo's route"
+    assert call(input_ids=ids) == "dynamo's route"
     assert [what for what, _ in call.compile_seconds] == ["1 row(s) x 1 token(s)"]
+    assert saved.read_bytes() == b"a graph saved for other calls"

@@ -196,44 +196,58 @@ class CompiledForward:
                 return graph(**kwargs)
             except precompiled.Refused:  # e.g. a cache written with autograd on: dynamo compiles for it
                 return self._compiled(**kwargs)
-        what = _describe(kwargs)
         with inductor_cache(self.folder) as folder:
             saved = folder / "precompiled" / precompiled.artifact_key(self._model, key, self.kwargs)
-            save = self.saves_graphs
-            t0 = time.perf_counter()
-            graph = precompiled.load(saved, self._model) if save else None
-            if graph is not None:
-                try:
-                    out = graph(**kwargs)
-                except precompiled.Refused:  # saved for calls unlike this one's (kept for those): compiled here
-                    graph, save = None, False
-                else:
-                    seconds = time.perf_counter() - t0
-                    self.compile_seconds.append((f"{what}, loaded", seconds))
-                    tqdm.write(
-                        f"entmtp-hf: loaded the compiled forward for {what} from {folder} in {seconds:.1f} s",
-                        file=sys.stderr,
-                    )
-            if graph is None:
-                tqdm.write(
-                    f"entmtp-hf: compiling the forward for {what}: once per shape on this machine, a minute "
-                    f"or more; a later process loads it from {folder}",
-                    file=sys.stderr,
-                )
-                t0 = time.perf_counter()
-                with _ticking(f"entmtp-hf: compiling {what}"):
-                    graph = precompiled.compile_and_save(saved, self._model, self.kwargs, kwargs) if save else None
-                    graph = graph or self._compiled
-                    out = graph(**kwargs)
-                seconds = time.perf_counter() - t0
-                self.compile_seconds.append((what, seconds))
-                tqdm.write(f"entmtp-hf: compiled the forward for {what} in {seconds:.0f} s", file=sys.stderr)
+            graph, out = self._load(saved, kwargs) if self.saves_graphs else (None, None)
+            if graph is None:  # nothing saved, or saved for calls unlike this one (kept for those)
+                save = self.saves_graphs and not saved.exists()
+                graph, out = self._compile(saved if save else None, kwargs, folder)
         self._graphs[key] = graph
         return out
 
+    def _load(self, saved: Path, kwargs: dict[str, Any]) -> tuple[Callable[..., Any] | None, Any]:
+        """The graph saved at ``saved`` and its output for this call; (None, None) when there is none
+        or its guards refuse this call."""
+        t0 = time.perf_counter()
+        graph = precompiled.load(saved, self._model)
+        if graph is None:
+            return None, None
+        try:
+            out = graph(**kwargs)
+        except precompiled.Refused:
+            return None, None
+        what, seconds = _describe(kwargs), time.perf_counter() - t0
+        self.compile_seconds.append((f"{what}, loaded", seconds))
+        tqdm.write(
+            f"entmtp-hf: loaded the compiled forward for {what} from {saved.parent} in {seconds:.1f} s", file=sys.stderr
+        )
+        return graph, out
+
+    def _compile(self, save_to: Path | None, kwargs: dict[str, Any], folder: Path) -> tuple[Callable[..., Any], Any]:
+        """This call's graph compiled (announced, timed; inductor's caches in ``folder``), saved at
+        ``save_to`` if given, and its output."""
+        what = _describe(kwargs)
+        later = (
+            f"a later process loads it from {save_to.parent}"
+            if save_to
+            else f"less once inductor's caches in {folder} hold it"
+        )
+        tqdm.write(
+            f"entmtp-hf: compiling the forward for {what}: once per shape, a minute or more; {later}", file=sys.stderr
+        )
+        t0 = time.perf_counter()
+        with _ticking(f"entmtp-hf: compiling {what}"):
+            graph = precompiled.compile_and_save(save_to, self._model, self.kwargs, kwargs) if save_to else None
+            graph = graph or self._compiled
+            out = graph(**kwargs)
+        seconds = time.perf_counter() - t0
+        self.compile_seconds.append((what, seconds))
+        tqdm.write(f"entmtp-hf: compiled the forward for {what} in {seconds:.0f} s", file=sys.stderr)
+        return graph, out
+
     def __reduce__(self):
-        """A copy of the model (deep copy, pickle) compiles its own forward: a graph holds its model's
-        weights as constants."""
+        """A copy of the model (deep copy, pickle) gets a compiled forward of its own: a frozen graph
+        holds its model's weights as constants (a saved graph is loaded again, for the copy)."""
         return (_not_compiled, ())
 
 
