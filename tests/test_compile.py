@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
-from tiny import VOCAB
+from tiny import VOCAB, left_padded
 from transformers import CompileConfig
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
@@ -64,12 +64,8 @@ def test_compiled_verification_of_a_left_padded_batch_equals_plain_batched_gener
     Gemma 3's sliding layers (window 8, passed three times over) verify with their own mask."""
     model, heads = tiny_cache(arch, "hydra", "mlp")
     enable_entmtp(model, heads)
-    g = torch.Generator().manual_seed(3)
     lengths = (3, 7, 5)
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, -n:], mask[i, -n:] = torch.randint(1, VOCAB, (n,), generator=g), 1
+    ids, mask = left_padded(lengths)
     plain_kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     free = model.generate(ids, **plain_kwargs)
     eos = [int(free[0, max(lengths) + 6])]  # ends the first row early, the others later or never

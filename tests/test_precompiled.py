@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny import VOCAB, tiny_model
+from tiny import VOCAB, left_padded, tiny_model
 from transformers import CompileConfig
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
@@ -154,12 +154,8 @@ def test_a_left_padded_batch_on_saved_graphs_equals_plain_batched_generate(tiny_
     monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     _, heads = tiny_cache("llama", "hydra", "mlp")
-    g = torch.Generator().manual_seed(3)
     lengths = (3, 7, 5)
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, -n:], mask[i, -n:] = torch.randint(1, VOCAB, (n,), generator=g), 1
+    ids, mask = left_padded(lengths)
     trees = [Tree.chain(1).choices, Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices]
     config = EntMTPConfig(trees=trees, tau_on=0.1, tau_off=0.09, feature="base_top1")
     kwargs = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)

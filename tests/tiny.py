@@ -136,3 +136,13 @@ def fitted_heads(
         loss.backward()
         opt.step()
     return heads.eval()
+
+
+def left_padded(lengths: tuple[int, ...], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of a batch of random prompts of ``lengths``, left-padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, -n:], mask[i, -n:] = torch.randint(1, VOCAB, (n,), generator=g), 1
+    return ids, mask
