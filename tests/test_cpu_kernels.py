@@ -466,11 +466,11 @@ def test_the_demo_times_plain_and_entmtp_on_and_off_the_kernels(tiny32, monkeypa
     monkeypatch.setattr(K, "_timed_median", lambda run_, choices, repeats: {c: float(c != "onednn") for c in choices})
     model = enable_entmtp(tiny32, tiny32.entmtp_heads, rows=(1, 2), repeats=1)
     kernels = K.kernels_of(model)
-    methods = run._methods({"t": EntMTPConfig(tree=TREE)}, kernels)
-    assert list(methods) == [run.PLAIN, run.PLAIN_K, run.ENTMTP, run.ENTMTP_F]
+    methods = run._methods({"t": EntMTPConfig(tree=TREE)}, kernels, compiled=True)
+    assert list(methods) == [run.PLAIN, run.PLAIN_K, run.ENTMTP, run.ENTMTP_F, run.PLAIN_C, run.ENTMTP_C]
     with methods[run.PLAIN_K][0]():
         assert kernels._routes.active()
     with methods[run.ENTMTP_F][0]():
         assert K.kernels_of(model) is None
     assert K.kernels_of(model) is kernels and not kernels._routes.active()
-    assert list(run._methods({"t": EntMTPConfig(tree=TREE)}, None)) == [run.PLAIN, run.ENTMTP]
+    assert list(run._methods({"t": EntMTPConfig(tree=TREE)}, None, compiled=False)) == [run.PLAIN, run.ENTMTP]

@@ -16,7 +16,6 @@ def test_the_compiled_methods_run_on_a_static_cache_and_can_be_left_out():
         kwargs = with_compiled[name][1]["gsm8k"]
         assert kwargs["cache_implementation"] == "static" and kwargs["compile_config"]._compile_all_devices
     assert with_compiled[run.ENTMTP_C][1]["gsm8k"]["entmtp_config"] == "its config"
-    assert list(run._methods(configs, None, compiled=False)) == [run.PLAIN, run.ENTMTP]
 
 
 def test_each_output_is_checked_against_plain_decoding_on_its_own_path(capsys):
