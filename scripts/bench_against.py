@@ -1,6 +1,7 @@
-"""This code against another commit (a release) on the same basket, interleaved run by run.
+"""This code against another commit (a release), or the default drafter against another drafter,
+on the same basket, interleaved run by run.
 
-Each version runs ``entmtp-hf bench --batch-size ...`` (plain batched ``generate`` and the
+Each variant runs ``entmtp-hf bench --batch-size ...`` (plain batched ``generate`` and the
 method under test) in a process of its own, with ``PYTHONPATH`` pointing at its source, after it
 measured its own cost tables into a cache folder of its own; the order alternates (this, other,
 other, this, ...) so a drift of the machine falls on both (a killed run leaves its git worktree:
@@ -9,6 +10,10 @@ the same run; the table gives every pair's cells and their medians, and whether
 every row of every run was token-identical to plain ``generate``.
 
     python scripts/bench_against.py 8ac5e00 --out runs/against --pairs 2 --n 8 --max-new-tokens 64
+    python scripts/bench_against.py --heads eagle3-out --out runs/drafters --pairs 2
+
+``--heads DIR``: this code with the drafter ``entmtp-hf build-drafter`` wrote to ``DIR`` (its banks
+in ``DIR/banks`` unless ``--bank``) against this code with ``load_demo()``'s default drafter.
 
 ``--shared-costs``: the other version ranks with the tables this code measured (the order starts with
 this code), so both decode with the same trees wherever their ranking code agrees.
@@ -24,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from entmtp_hf.paths import cache_dir
@@ -37,21 +43,36 @@ def worktree(ref: str, where: Path) -> Path:
     return where / "src"
 
 
-def calibrate(src: Path, cache: Path, args: argparse.Namespace) -> None:
-    """The code in ``src`` measures its cost tables for the demo model and its default drafter at the
-    powers of two up to the bench's largest batch size (every live batch size a batch call reaches),
-    into ``cache`` (what its ``generate`` then ranks its banks with)."""
-    env = dict(os.environ, PYTHONPATH=str(src), ENTMTP_HF_CACHE=str(cache))
+@dataclass(frozen=True)
+class Variant:
+    """What one side of the comparison runs: the code in ``src`` with the drafter in ``heads`` and its
+    banks in ``bank`` (``None``: the demo's default drafter and banks)."""
+
+    label: str
+    slug: str
+    src: Path
+    heads: Path | None = None
+    bank: Path | None = None
+
+
+def calibrate(variant: Variant, cache: Path, args: argparse.Namespace) -> None:
+    """The variant measures its cost tables for the demo model and its drafter at the powers of two
+    up to the bench's largest batch size (every live batch size a batch call reaches), into
+    ``cache`` (what its ``generate`` then ranks its banks with)."""
+    env = dict(os.environ, PYTHONPATH=str(variant.src), ENTMTP_HF_CACHE=str(cache))
     code = f"import torch; torch.set_num_threads({args.threads}); from entmtp_hf.demo import load_demo; "
     sizes = [2**i for i in range(max(args.batch_sizes).bit_length())]
-    code += f"load_demo(calibrate={sizes})"
+    heads = "" if variant.heads is None else f"{str(variant.heads)!r}, banks={str(variant.bank)!r}, "
+    code += f"load_demo({heads}calibrate={sizes})"
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
-def bench(src: Path, cache: Path, out: Path, args: argparse.Namespace) -> dict:
-    """One bench run of the code in ``src``; its ``summary.json``'s summary."""
-    env = dict(os.environ, PYTHONPATH=str(src), ENTMTP_HF_CACHE=str(cache))
+def bench(variant: Variant, cache: Path, out: Path, args: argparse.Namespace) -> dict:
+    """One bench run of the variant; its ``summary.json``'s summary."""
+    env = dict(os.environ, PYTHONPATH=str(variant.src), ENTMTP_HF_CACHE=str(cache))
     cmd = [sys.executable, "-m", "entmtp_hf.tools.cli", "bench", "--methods", "vanilla", args.method]
+    if variant.heads is not None:
+        cmd += ["--eagle-heads", str(variant.heads), "--eagle-bank", str(variant.bank)]
     cmd += ["--batch-size", *map(str, args.batch_sizes), "--n", str(args.n)]
     cmd += ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--no-progress"]
     cmd += ["--tasks", *args.tasks, "--out", str(out)]
@@ -90,7 +111,9 @@ def table(runs: dict[str, list[dict[str, tuple[float, bool]]]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("ref", help="the other commit (e.g. the last release)")
+    p.add_argument("ref", nargs="?", help="the other commit (e.g. the last release)")
+    p.add_argument("--heads", type=Path, default=None, help="instead of a commit: another drafter's folder")
+    p.add_argument("--bank", type=Path, default=None, help="with --heads: its banks (default HEADS/banks)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--method", default="eagle-static")
     p.add_argument("--pairs", type=int, default=2)
@@ -107,34 +130,56 @@ def main(argv: list[str] | None = None) -> int:
         "bank's choice by a tree size)",
     )
     args = p.parse_args(argv)
+    if (args.ref is None) == (args.heads is None):
+        p.error("give either a commit (REF) or --heads DIR")
+    if args.bank is not None and args.heads is None:
+        p.error("--bank goes with --heads")
+    if args.shared_costs and args.heads is not None:
+        p.error("--shared-costs compares code, not drafters: a step's costs include its drafter's")
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        sources = {"this code": ROOT / "src", args.ref: worktree(args.ref, tmp / "other")}
+        this = Variant("this code" if args.heads is None else "default drafter", "this", ROOT / "src")
+        if args.heads is None:
+            other = Variant(args.ref, "other", worktree(args.ref, tmp / "other"))
+        else:
+            heads = args.heads.resolve()
+            bank = (args.bank or heads / "banks").resolve()
+            if not (heads / "config.json").is_file() or not any(bank.glob("*.safetensors")):
+                p.error(f"--heads {heads}: needs a drafter (config.json) and banks (*.safetensors in {bank})")
+            other = Variant(heads.name, "other", ROOT / "src", heads, bank)
         try:
-            runs: dict[str, list] = {label: [] for label in sources}
-            order = [lab for i in range(args.pairs) for lab in (list(sources) if i % 2 == 0 else list(sources)[::-1])]
-            for i, label in enumerate(order):
-                slug = "this" if label == "this code" else "other"
-                cache = args.out / f"cache-{slug}"
+            runs: dict[str, list] = {this.label: [], other.label: []}
+            order = [v for i in range(args.pairs) for v in ((this, other) if i % 2 == 0 else (other, this))]
+            for i, variant in enumerate(order):
+                cache = args.out / f"cache-{variant.slug}"
                 fresh = not cache.exists()
                 cache.mkdir(exist_ok=True)
                 for folder in cache_dir().glob("SmolLM2*"):  # the demo model's copy is shared; the cost tables are not
                     if not (cache / folder.name).exists():
                         (cache / folder.name).symlink_to(folder)
-                if fresh and args.shared_costs and label != "this code":
+                if fresh and args.shared_costs and variant is other:
                     shutil.copytree(args.out / "cache-this" / "costs", cache / "costs")
                 elif fresh:
-                    calibrate(sources[label], cache, args)
-                summary = bench(sources[label], cache, args.out / f"{i + 1:02d}-{slug}", args)
-                runs[label].append(cells(summary, args.method))
+                    calibrate(variant, cache, args)
+                summary = bench(variant, cache, args.out / f"{i + 1:02d}-{variant.slug}", args)
+                runs[variant.label].append(cells(summary, args.method))
                 print(table(runs), flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "other")], check=False)
+            if args.heads is None:
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "other")], check=False
+                )
     text = table(runs)
     (args.out / "table.md").write_text(text, encoding="utf-8")
     (args.out / "runs.json").write_text(
-        json.dumps({"args": vars(args) | {"out": args.out.name}, "runs": runs}, indent=1)
+        json.dumps(
+            {
+                "args": vars(args) | {k: getattr(args, k) and getattr(args, k).name for k in ("out", "heads", "bank")},
+                "runs": runs,
+            },
+            indent=1,
+        )
     )
     print(text)
     return 0
