@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: test test-min test-engines lint demo venv clean
+.PHONY: test suite test-min test-engines lint demo venv clean
 
 # torch first: the CPU build of this version lies on local disk; a bare `torch`
 # requirement with nothing installed would pull a multi-GB CUDA build.
@@ -36,16 +36,19 @@ FRESH := $(if $(CI),scripts/fresh_caches.sh,)
 test-engines: $(ENGINES_STAMP)
 	ENTMTP_ENGINES=$(ENGINES) $(FRESH) $(BIN)/python -m pytest -q -m engines --timeout=600 tests/test_engines.py
 
-# the suite includes building the wheel and decoding from it, installed away from the checkout;
-# then the engine canary, in a process of its own (about 20 s with its install, docs/export.md)
 # lint and format, as configured in pyproject.toml ([tool.ruff]); `ruff format src tests scripts` fixes the format
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/ruff format --check src tests scripts
 
+# the suite (it includes building the wheel and decoding from it, installed away from the checkout), then the
+# engine canary in a process of its own (about 20 s with its install, docs/export.md); under $$CI both share one
+# set of fresh caches, as one newcomer's machine would
 test: lint $(STAMP) $(ENGINES_STAMP)
-	$(FRESH) $(BIN)/python -m pytest -q -x --timeout=900 tests
-	$(MAKE) test-engines
+	$(FRESH) $(MAKE) suite test-engines
+
+suite: $(STAMP)
+	$(BIN)/python -m pytest -q -x --timeout=900 --durations=15 tests
 
 # the suite on the dependency floors (.ci/min-versions.txt) in a second venv; not run by CI:
 # torch 2.6 comes from PyPI as its CUDA build (several GB), although the suite stays on the CPU

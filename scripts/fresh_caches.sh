@@ -3,8 +3,12 @@
 # new, empty temporary folder, removed afterwards: the command meets what a newcomer's machine has,
 # and fetches or builds whatever it needs (`make test` runs the suite this way when $CI is set).
 set -euo pipefail
+if [ -n "${ENTMTP_FRESH_CACHES:-}" ]; then  # already inside one: its caches are the newcomer's
+  exec "$@"
+fi
 root=$(mktemp -d "${TMPDIR:-/tmp}/entmtp-fresh-caches.XXXXXX")
 trap 'rm -rf "$root"' EXIT
+export ENTMTP_FRESH_CACHES="$root"
 export ENTMTP_HF_CACHE="$root/entmtp-hf"          # the demo models, cost tables, kernel choices
 export HF_HOME="$root/huggingface"                 # the Hub, datasets and evaluate caches
 export XDG_CACHE_HOME="$root/xdg-cache"            # whatever else follows the XDG convention
