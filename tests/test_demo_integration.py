@@ -9,7 +9,7 @@ import torch
 
 from entmtp_hf.config import EntMTPConfig
 from entmtp_hf.demo import DEMO_HEADS, config_for, load_demo
-from entmtp_hf.trees.tree import MC_SIM_7B_63
+from entmtp_hf.trees.tree import MC_SIM_7B_63, Tree
 
 pytestmark = pytest.mark.slow
 
@@ -157,6 +157,52 @@ def test_the_shipped_hydra_heads_are_lossless_and_draft(demo):
         assert mc_sim_tokens_per_step(results)[0] > 1.5
     finally:
         enable_entmtp(model, str(DEMO_DRAFTERS[DEFAULT_DRAFTER][0]))  # the module's other tests run on the default
+
+
+def test_the_shipped_eagle3_drafter_is_lossless_and_drafts(demo):
+    """``load_demo(heads="eagle3")``: the EAGLE-3 drafter with the banks searched for it."""
+    from entmtp_hf.demo import DEFAULT_DRAFTER, DEMO_DRAFTERS, demo_bank_dir
+    from entmtp_hf.heads import EagleHeads
+    from entmtp_hf.integration import HEADS_ATTR, enable_entmtp
+
+    model, tokenizer, _ = demo
+    assert demo_bank_dir("eagle3").name == "smollm2-135m-cpu-eagle3"
+    enable_entmtp(model, str(DEMO_DRAFTERS["eagle3"][0]))
+    try:
+        heads = getattr(model, HEADS_ATTR)
+        assert isinstance(heads, EagleHeads) and heads.config.head_arch == "eagle3"
+        results = decode_prompts(model, tokenizer, demo_bank_dir("eagle3"))
+        assert_lossless(model, results)
+        assert mc_sim_tokens_per_step(results)[0] > 1.5
+    finally:
+        enable_entmtp(model, str(DEMO_DRAFTERS[DEFAULT_DRAFTER][0]))  # the module's other tests run on the default
+
+
+def test_the_shipped_eagle3_drafter_exported_for_the_engines_reads_back_the_same(demo, tmp_path):
+    """``entmtp-hf export-heads`` of the shipped EAGLE-3 drafter writes the engines' layout; read back as a
+    published EAGLE-3 checkpoint, it gives the shipped drafter's logits at every depth on a real prompt and
+    drafts the same chain, bit for bit."""
+    from entmtp_hf.demo import DEMO_DRAFTERS
+    from entmtp_hf.heads import load_heads
+    from entmtp_hf.tools.cli import main
+
+    model, tokenizer, _ = demo
+    assert main(["export-heads", str(DEMO_DRAFTERS["eagle3"][0]), "--to", "eagle3", "--out", str(tmp_path)]) == 0
+    shipped, again = load_heads(DEMO_DRAFTERS["eagle3"][0]).float(), load_heads(tmp_path).float()
+    assert (again.config.head_arch, again.config.feature_layers) == ("eagle3", shipped.config.feature_layers)
+    ids = encode(tokenizer, PROMPTS[0][1])
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+        embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        mine, theirs = (h.forward_train(h.features(states), ids, embed, lm_head) for h in (shipped, again))
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a, b)
+        chains = []
+        for h in (shipped, again):
+            state = h.new_state(model)
+            h.observe(state, h.features(states)[0, :-1], tokens=ids[0, :-1])
+            chains.append(h.propose(state, ids[0, -1], Tree.chain(5).buffers("cpu", torch.float32)).tokens)
+    assert torch.equal(*chains)
 
 
 def test_the_shipped_banks_machine_entries_keep_matching_the_default_path(demo):

@@ -243,10 +243,9 @@ def vllm_eagle3_logits(drafter, model, hidden_states: tuple[torch.Tensor, ...], 
         return drafter.compute_logits(out)
 
 
-def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(models, distributed):
-    """vLLM's own EAGLE-3 model class takes export-heads' file: every tensor lands where the names say."""
-    target, draft = models
-    drafter, tensors = vllm_drafter(Eagle3LlamaForCausalLM, "eagle3", target, draft)
+def assert_every_eagle3_parameter_matched(drafter, tensors: dict[str, torch.Tensor]) -> None:
+    """Every parameter of vLLM's EAGLE-3 drafter holds the exported tensor its name says (the fused
+    projections concatenated as vLLM stacks them); only the embedding, shared with the target, is not in the file."""
     params = dict(drafter.named_parameters())
     layer = "model.layers.0."
     qkv = torch.cat([tensors[f"midlayer.self_attn.{x}_proj.weight"] for x in "qkv"])
@@ -266,16 +265,12 @@ def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(mod
     for name, value in expected.items():
         got = params[name][:rows] if name == "lm_head.weight" else params[name]
         assert torch.equal(got.data, value), name
-    assert drafter.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
 
 
-def test_vllm_drafts_what_the_project_drafts_from_the_same_hidden_states(eagle3, distributed):
+def assert_vllm_drafts_as_the_project(drafter, model, heads, ids: torch.Tensor) -> None:
     """One forward of vLLM's EAGLE-3 drafter (its own layers; the attention kernel a plain causal one) on the
     target's hidden states and tokens, against the project's drafter at depth 1 on the same: the same logits
     over the drafting vocabulary and the same top-k target tokens at every position."""
-    model, heads = eagle3["model"], eagle3["heads"]
-    drafter, _ = vllm_drafter(Eagle3LlamaForCausalLM, "eagle3", eagle3["target"], eagle3["draft"])
-    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
         ours = heads.forward_train(heads.features(states), ids, model.get_input_embeddings())[0][0]
@@ -285,6 +280,50 @@ def test_vllm_drafts_what_the_project_drafts_from_the_same_hidden_states(eagle3,
     torch.testing.assert_close(theirs[:, targets], ours, rtol=1e-4, atol=1e-4)
     for k in (1, 4):
         assert torch.equal(theirs.topk(k).indices, targets[ours.topk(k).indices]), k
+
+
+def test_vllm_loads_the_exported_eagle3_drafter_with_every_parameter_matched(models, distributed):
+    """vLLM's own EAGLE-3 model class takes export-heads' file: every tensor lands where the names say."""
+    target, draft = models
+    drafter, tensors = vllm_drafter(Eagle3LlamaForCausalLM, "eagle3", target, draft)
+    assert_every_eagle3_parameter_matched(drafter, tensors)
+    assert drafter.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+
+
+def test_vllm_drafts_what_the_project_drafts_from_the_same_hidden_states(eagle3, distributed):
+    """vLLM's EAGLE-3 drafter and the project's on a tiny target's states (see assert_vllm_drafts_as_the_project)."""
+    drafter, _ = vllm_drafter(Eagle3LlamaForCausalLM, "eagle3", eagle3["target"], eagle3["draft"])
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    assert_vllm_drafts_as_the_project(drafter, eagle3["model"], eagle3["heads"], ids)
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory) -> dict[str, Any]:
+    """The demo model (its config.json in a folder of its own: vLLM's engine config reads no weights) and
+    its shipped EAGLE-3 drafter as ``entmtp-hf export-heads`` writes it, with the project's heads."""
+    from entmtp_hf.demo import DEMO_DRAFTERS
+    from entmtp_hf.heads import load_heads
+    from entmtp_hf.tools.models import load_base_model
+
+    root = tmp_path_factory.mktemp("shipped-drafter")
+    model, _ = load_base_model(None)
+    model.config.save_pretrained(root / "target")
+    heads = load_heads(DEMO_DRAFTERS["eagle3"][0]).float().eval()
+    export_heads(heads, "eagle3", root / "draft")
+    return {"target": str(root / "target"), "draft": str(root / "draft"), "model": model.eval(), "heads": heads}
+
+
+def test_vllm_loads_the_shipped_eagle3_drafter_and_drafts_what_the_project_drafts(shipped, distributed):
+    """The drafter the project ships, through vLLM's own ``load_weights`` (every tensor where its name says) and
+    one forward of vLLM's layers on the demo model's hidden states of a real prompt: the same top-k."""
+    from entmtp_hf.tools.models import load_base_model
+
+    drafter, tensors = vllm_drafter(Eagle3LlamaForCausalLM, "eagle3", shipped["target"], shipped["draft"])
+    assert_every_eagle3_parameter_matched(drafter, tensors)
+    assert drafter.config.eagle_aux_hidden_state_layer_ids == shipped["heads"].config.feature_layers
+    _, tokenizer = load_base_model(None)
+    ids = tokenizer('def fibonacci(n):\n    """Return the n-th Fibonacci number.', return_tensors="pt")["input_ids"]
+    assert_vllm_drafts_as_the_project(drafter, shipped["model"], shipped["heads"], ids)
 
 
 def test_vllm_loads_an_exported_eagle1_drafter_without_fc_bias(models, distributed, tmp_path):

@@ -31,6 +31,9 @@ DEMO_MEDUSA_HEADS = ASSETS / "smollm2-135m-medusa"
 DEMO_EAGLE_HEADS = ASSETS / "smollm2-135m-eagle"
 DEMO_BANK = "smollm2-135m-cpu"
 DEMO_EAGLE_BANK = "smollm2-135m-cpu-eagle"  # searched with the EAGLE-style drafter
+#: the EAGLE-3 drafter (``build-drafter --arch eagle3``): the layout vLLM, SGLang and TensorRT-LLM load
+DEMO_EAGLE3_HEADS = ASSETS / "smollm2-135m-eagle3"
+DEMO_EAGLE3_BANK = "smollm2-135m-cpu-eagle3"  # searched with the EAGLE-3 drafter
 #: MTP layers trained for SmolLM2 (``build-drafter --arch mtp``): their ``model-mtp.safetensors``, drafting
 #: settings and card, without the base weights (the demo model's, joined to them in the user cache)
 DEMO_MTP = ASSETS / "smollm2-135m-mtp"
@@ -55,7 +58,11 @@ DEMO_PROMPTS = (
 
 
 #: the shipped drafters by name, with the banks searched for each
-DEMO_DRAFTERS = {"hydra": (DEMO_HEADS, DEMO_BANK), "eagle": (DEMO_EAGLE_HEADS, DEMO_EAGLE_BANK)}
+DEMO_DRAFTERS = {
+    "hydra": (DEMO_HEADS, DEMO_BANK),
+    "eagle": (DEMO_EAGLE_HEADS, DEMO_EAGLE_BANK),
+    "eagle3": (DEMO_EAGLE3_HEADS, DEMO_EAGLE3_BANK),
+}
 #: the drafters shipped for the other demo models (model name -> heads, bank), each built with
 #: ``entmtp-hf build-drafter`` (docs/your-model.md)
 SHIPPED_DRAFTERS = {"gemma-3-270m": (ASSETS / "gemma-3-270m-eagle", "gemma-3-270m-cpu-eagle")}
@@ -89,8 +96,9 @@ def load_demo(
 
     ``model``: ``None`` (SmolLM2-135M-Instruct), a name of :data:`~entmtp_hf.tools.models.DEMO_MODELS`
     (``"gemma-3-270m"``), a Hub id or a local folder. For SmolLM2, ``heads`` is ``"eagle"`` (the
-    EAGLE-style drafter, the default) or ``"hydra"`` (the Hydra heads), each with the banks searched
-    for it, or a heads folder (with the banks in its ``banks/`` if there, else ``banks``, else the
+    EAGLE-style drafter, the default), ``"eagle3"`` (the EAGLE-3 drafter, which ``export-heads``
+    writes for vLLM, SGLang and TensorRT-LLM) or ``"hydra"`` (the Hydra heads), each with the banks
+    searched for it, or a heads folder (with the banks in its ``banks/`` if there, else ``banks``, else the
     Hydra heads'). Gemma 3 270M gets its shipped EAGLE-style drafter and banks without ``heads``.
     For any other model (or another drafter) ``heads`` is the folder ``entmtp-hf build-drafter``
     wrote, and the banks are ``banks`` or that folder's ``banks/``. ``heads="mtp"``: MTP layers in

@@ -178,7 +178,7 @@ def run_demo(max_new_tokens: int = 128, repeats: int = 2, policy: str | None = N
     """Stream the three prompts with EntMTP, then time every method on them (see the module docstring)."""
     t0 = time.perf_counter()
     model, tokenizer, bank_dir = load_demo()
-    drafter = {"eagle": "EAGLE-style drafter", "hydra": "Hydra heads"}[DEFAULT_DRAFTER]
+    drafter = {"eagle3": "EAGLE-3 drafter", "eagle": "EAGLE-style drafter", "hydra": "Hydra heads"}[DEFAULT_DRAFTER]
     print(
         f"entmtp-hf demo: SmolLM2-135M-Instruct (float32, {torch.get_num_threads()} CPU threads) with its shipped "
         f"{drafter} and tree banks, loaded in {time.perf_counter() - t0:.1f} s\n"
