@@ -224,8 +224,9 @@ class EagleHeads(PairQueue, DraftHeads):
     @classmethod
     def card_summary(cls, config: Any, vocab: str, lm: str, stored: str) -> tuple[str, str]:
         lm = lm if config.use_base_lm_head else "its own LM head"
+        name = "EAGLE-3 drafter" if config.head_arch == "eagle3" else "EAGLE-style drafter"
         what = (
-            f"An EAGLE-style drafter (`{config.head_arch}`, {config.num_layers} decoder layer(s), hidden size "
+            f"An {name} (`{config.head_arch}`, {config.num_layers} decoder layer(s), hidden size "
             f"{config.hidden_size}, trees up to depth {config.num_heads}) drafting over {vocab} with {lm}; "
             f"stored in {stored}. At depth d it predicts the base model's feature from "
             "its own output at depth d-1 and the token drafted there, so it drafts token t+d+1."
@@ -238,7 +239,7 @@ class EagleHeads(PairQueue, DraftHeads):
             )
         elif layers:
             what += f" It fuses the base model's hidden states {', '.join(map(str, layers))} (0 = embeddings)."
-        return "EAGLE-style drafter", what
+        return name, what
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
