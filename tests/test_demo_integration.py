@@ -55,12 +55,17 @@ def test_shipped_heads_exist():
         assert (heads / "config.json").exists() and (heads / "model.safetensors").exists()
 
 
-def decode_prompts(model, tokenizer, bank_dir):
-    """Vanilla and EntMTP (mc_sim_7b_63 and the task's bank) on every prompt: (task, cfg, ids, ref, out)."""
+def plain_outputs(model, tokenizer):
+    """Every prompt's ids and plain greedy output: (task, ids, ref)."""
+    encoded = [(task, encode(tokenizer, text)) for task, text in PROMPTS]
+    return [(task, ids, model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)) for task, ids in encoded]
+
+
+def decode_prompts(model, plain, bank_dir):
+    """EntMTP (mc_sim_7b_63 and the task's bank) on every prompt of ``plain`` (:func:`plain_outputs` of the
+    same model): (task, cfg, ids, ref, out)."""
     results = []
-    for task, text in PROMPTS:
-        ids = encode(tokenizer, text)
-        ref = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    for task, ids, ref in plain:
         for cfg in (EntMTPConfig(tree=MC_SIM_7B_63), config_for(bank_dir, task)):
             out = model.generate(
                 ids, max_new_tokens=NEW_TOKENS, do_sample=False, entmtp_config=cfg, return_dict_in_generate=True
@@ -86,8 +91,14 @@ def mc_sim_tokens_per_step(results) -> tuple[float, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(demo):
-    return decode_prompts(*demo)
+def plain(demo):
+    """The demo model's plain outputs, decoded once for every drafter's test (plain decoding ignores the heads)."""
+    return plain_outputs(*demo[:2])
+
+
+@pytest.fixture(scope="module")
+def runs(demo, plain):
+    return decode_prompts(demo[0], plain, demo[2])
 
 
 def test_demo_greedy_identical_to_vanilla(demo, runs):
@@ -141,37 +152,37 @@ def test_the_default_is_the_eagle_drafter_with_its_banks(demo):
     assert bank_dir == demo_bank_dir() and bank_dir.name == "smollm2-135m-cpu-eagle"
 
 
-def test_the_shipped_hydra_heads_are_lossless_and_draft(demo):
+def test_the_shipped_hydra_heads_are_lossless_and_draft(demo, plain):
     """The other shipped drafter, ``load_demo(heads="hydra")``, with the banks searched for it."""
     from entmtp_hf.demo import DEFAULT_DRAFTER, DEMO_DRAFTERS, demo_bank_dir
     from entmtp_hf.heads import HydraHeads
     from entmtp_hf.integration import HEADS_ATTR, enable_entmtp
 
-    model, tokenizer, _ = demo
+    model = demo[0]
     assert demo_bank_dir("hydra").name == "smollm2-135m-cpu"
     enable_entmtp(model, str(DEMO_HEADS))
     try:
         assert isinstance(getattr(model, HEADS_ATTR), HydraHeads)
-        results = decode_prompts(model, tokenizer, demo_bank_dir("hydra"))
+        results = decode_prompts(model, plain, demo_bank_dir("hydra"))
         assert_lossless(model, results)
         assert mc_sim_tokens_per_step(results)[0] > 1.5
     finally:
         enable_entmtp(model, str(DEMO_DRAFTERS[DEFAULT_DRAFTER][0]))  # the module's other tests run on the default
 
 
-def test_the_shipped_eagle3_drafter_is_lossless_and_drafts(demo):
+def test_the_shipped_eagle3_drafter_is_lossless_and_drafts(demo, plain):
     """``load_demo(heads="eagle3")``: the EAGLE-3 drafter with the banks searched for it."""
     from entmtp_hf.demo import DEFAULT_DRAFTER, DEMO_DRAFTERS, demo_bank_dir
     from entmtp_hf.heads import EagleHeads
     from entmtp_hf.integration import HEADS_ATTR, enable_entmtp
 
-    model, tokenizer, _ = demo
+    model = demo[0]
     assert demo_bank_dir("eagle3").name == "smollm2-135m-cpu-eagle3"
     enable_entmtp(model, str(DEMO_DRAFTERS["eagle3"][0]))
     try:
         heads = getattr(model, HEADS_ATTR)
         assert isinstance(heads, EagleHeads) and heads.config.head_arch == "eagle3"
-        results = decode_prompts(model, tokenizer, demo_bank_dir("eagle3"))
+        results = decode_prompts(model, plain, demo_bank_dir("eagle3"))
         assert_lossless(model, results)
         assert mc_sim_tokens_per_step(results)[0] > 1.5
     finally:
@@ -239,7 +250,7 @@ def test_the_shipped_mtp_layers_are_lossless_and_use_mtp_runs_them(demo):
 
     model, tokenizer, bank_dir = load_demo(heads=MTP_HEADS)
     assert bank_dir.name == "smollm2-135m-cpu-mtp" and isinstance(getattr(model, HEADS_ATTR), MtpHeads)
-    results = decode_prompts(model, tokenizer, bank_dir)
+    results = decode_prompts(model, plain_outputs(model, tokenizer), bank_dir)
     assert_lossless(model, results)
     assert mc_sim_tokens_per_step(results)[0] > 1.5
     ids = encode(tokenizer, PROMPTS[1][1])
