@@ -216,9 +216,41 @@ def test_a_run_stopped_at_a_checkpoint_resumes_to_the_same_layers(trained, tmp_p
 
 
 # ----------------------------------------------------------------------------- refusals
+def test_a_run_continues_the_layers_of_an_earlier_runs_folder(trained, tmp_path):
+    """``--init-from`` an MTP model folder: the run starts from its layers and keeps its drafting vocabulary
+    (at lr 0 the layers come out as they went in), or chooses the vocabulary anew from the data."""
+    model = _plain(AutoModelForCausalLM.from_pretrained(trained["root"] / "base"))
+    given = load_file(trained["out"] / layout.MTP_SHARD)
+    vocab = layout.drafting_settings(trained["out"])["draft_vocab"]
+    cfg = _config(tmp_path, run_name="again", init_from=str(trained["out"]), lr=0.0, epochs=1)
+    summary = train_heads(cfg, model, cache=trained["cache"], measure=False)
+    out = tmp_path / "again" / "final"
+    again = load_file(out / layout.MTP_SHARD)
+    assert again.keys() == given.keys() and all(torch.equal(again[k], given[k]) for k in given)
+    assert layout.drafting_settings(out)["draft_vocab"] == vocab and len(vocab) == 16
+    assert summary["validation"]["top1"] == trained["summary"]["validation"]["top1"]
+    assert f"Training continued the layers in `{trained['out']}`" in (out / "README.md").read_text()
+
+    cfg = _config(tmp_path, run_name="vocab", init_from=str(trained["out"]), init_vocab="data", draft_vocab_size=8)
+    train_heads(cfg, model, cache=trained["cache"], measure=False, stop_after=1)
+    assert len(layout.drafting_settings(tmp_path / "vocab" / "final")["draft_vocab"]) == 8
+    cfg = _config(tmp_path, run_name="other", init_from=str(trained["out"]), draft_vocab_size=8)
+    with pytest.raises(ValueError, match="its drafting vocabulary has 16 rows .* asks for 8 .* --init-vocab data"):
+        train_heads(cfg, model, cache=trained["cache"], measure=False)
+
+
+def test_init_from_refuses_what_is_not_the_same_layers(trained, tmp_path):
+    model = _plain(AutoModelForCausalLM.from_pretrained(trained["root"] / "base"))
+    heads = layout.new_mtp_heads(model, 1, 2)  # the folder holds two layers
+    with pytest.raises(FileFormatError, match=rf"{layout.MTP_SHARD}: its MTP tensors are not those of 1 layer"):
+        layout.load_trained_layers(heads, trained["out"])
+    with pytest.raises(layout.MtpLayoutError, match="--init-from .*no MTP layers here"):
+        layout.load_trained_layers(heads, trained["root"] / "base")
+
+
 def test_refusals_name_what_is_wrong(trained, tmp_path):
-    with pytest.raises(ValueError, match="init_from takes draft heads"):
-        TrainConfig(arch="mtp", init_from="somewhere", tau_prompts=0)
+    with pytest.raises(ValueError, match="need num_layers >= 1"):
+        TrainConfig(arch="mtp", num_layers=0, tau_prompts=0)
     native = _native(trained)
     with pytest.raises(layout.MtpLayoutError, match="carries MTP layers already"):
         layout.new_mtp_heads(native, 1, 4)

@@ -338,6 +338,42 @@ def test_the_data_sources_build(tmp_path, demo_copy):
     assert seqs and manifest["sources"]["gsm8k"]["train"]["tokens"] > 0
 
 
+def test_a_train_offset_trains_on_the_next_documents_and_validates_on_the_same(tmp_path):
+    """A further round (``train_offset`` = the earlier round's ``max_tokens``) starts where that round's train
+    documents ended; its validation documents are that round's."""
+    from entmtp_hf.tools.training import build_sequences
+
+    rows = [
+        {"source": "math", "prompt_id": f"q{i}", "prompt_ids": [1, 2, 3], "response_ids": [4 + i % 9] * (20 + i % 7)}
+        for i in range(300)
+    ]
+    (tmp_path / "distill-math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def docs(split, **kw):
+        cfg = TrainConfig(sources=("distill",), distill_dir=str(tmp_path), distill_share=1.0, val_fraction=0.2, **kw)
+        return [s.ids for s in build_sequences(None, cfg, log=lambda m: None)[0] if s.split == split]
+
+    first, second = docs(SPLIT_TRAIN, max_tokens=1500), docs(SPLIT_TRAIN, max_tokens=1500, train_offset=1500)
+    assert first and second and docs(SPLIT_TRAIN, max_tokens=6000)[: len(first) + len(second)] == first + second
+    assert docs(SPLIT_VAL, max_tokens=1500) == docs(SPLIT_VAL, max_tokens=1500, train_offset=1500)
+    with pytest.raises(ValueError, match="train_offset must be >= 0"):
+        TrainConfig(train_offset=-1)
+
+
+def test_a_teacher_cache_of_another_round_is_refused_and_other_settings_are_said(tmp_path):
+    from entmtp_hf.errors import FileFormatError
+    from entmtp_hf.tools.training.teacher import _check_built_with
+
+    manifest, said = {"built_with": {"max_tokens": 900, "train_offset": 0, "sources": ["distill"]}}, []
+    _check_built_with(tmp_path, manifest, TrainConfig(max_tokens=900, sources=("distill",)), said.append)
+    assert said == []
+    _check_built_with(tmp_path, manifest, TrainConfig(max_tokens=600, sources=("distill",)), said.append)
+    assert said == [f"the teacher cache in {tmp_path} was built with max_tokens=900: training on its documents"]
+    for built in (manifest, {"built_with": {"max_tokens": 900}}):  # older caches name no offset: theirs was 0
+        with pytest.raises(FileFormatError, match="built for train_offset=0, this run asks for 900"):
+            _check_built_with(tmp_path, built, TrainConfig(max_tokens=900, train_offset=900), said.append)
+
+
 def test_cli_registers_train_heads():
     args = build_parser().parse_args(["train-heads", "--family", "medusa", "--max-steps", "5", "--resume"])
     assert args.func.__name__ == "_train_command" and args.family == "medusa" and args.resume

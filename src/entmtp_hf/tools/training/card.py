@@ -96,6 +96,17 @@ def heads_card(s: dict[str, Any], heads: DraftHeads) -> HeadsCard:
     )
 
 
+def _mtp_start(c: dict[str, Any]) -> str:
+    if not c.get("init_from"):
+        return "Each layer started as the base LM head on its input state (its block's output projections at zero)."
+    vocab = (
+        "its drafting vocabulary chosen anew from this run's data"
+        if c.get("init_vocab") == "data"
+        else "same drafting vocabulary"
+    )
+    return f"Training continued the layers in `{c['init_from']}` ({vocab})."
+
+
 def mtp_recipe(s: dict[str, Any]) -> str:
     """How MTP layers were trained, in Markdown, from a run summary."""
     c = s["config"]
@@ -106,8 +117,7 @@ def mtp_recipe(s: dict[str, Any]) -> str:
         "output (h_t for depth 1), teacher-forced on the base model's text as transformers' MTP decoding and "
         "EntMTP's trees read it, and learns the base model's next-token distribution at position t+d over the "
         f"whole vocabulary, with KL(teacher || layer) (CE weight {c['ce_weight']}, depth weights "
-        f"{c['head_decay']}^(d-1)). Embeddings and LM head are the base model's, frozen. Each layer started "
-        "as the base LM head on its input state (its block's output projections at zero). AdamW lr "
+        f"{c['head_decay']}^(d-1)). Embeddings and LM head are the base model's, frozen. {_mtp_start(c)} AdamW lr "
         f"{c['lr']}, {c['schedule']} schedule with {c['warmup_steps']} warm-up steps, clip {c['grad_clip']}, "
         f"batches of ≤ {c['batch_tokens']} tokens, {s['steps']} of {s['total_steps']} steps "
         f"({s['train_tokens_seen']} tokens seen, ≈ {s['epochs_done']} epochs, {s['train_seconds']} s). Documents "

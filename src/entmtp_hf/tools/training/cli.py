@@ -27,7 +27,8 @@ _HELP = {
     "work_dir": "folder of the teacher cache (WORK/data) and runs (WORK/RUN); keep it out of git",
     "run_name": "run folder name under WORK (default FAMILY-ARCH)",
     "output": "folder for the final heads (default WORK/RUN/final)",
-    "init_from": "start from these heads (a heads folder) instead of a warm start",
+    "init_from": "start from these heads (a heads folder; --arch mtp: a model folder with MTP layers, as an "
+    "earlier run wrote it) instead of a warm start",
     "init_vocab": "with --init-from: 'heads' keeps their drafting vocabulary, 'data' chooses it anew from this "
     "run's data (the head weights do not depend on it: their LM head is the base model's)",
     "draft_vocab_size": "rows of the drafting vocabulary, the most frequent greedy tokens (mtp: the layers train "
@@ -35,6 +36,8 @@ _HELP = {
     "distill_dir": "folder of distill-*.jsonl self-distilled records",
     "sources": "comma-separated data sources",
     "max_tokens": "token budget of the data set (train + val)",
+    "train_offset": "train on the documents after those an earlier run with --max-tokens TRAIN_OFFSET trained "
+    "on (same sources and seed): a further round on new text; the validation documents stay the same",
     "distill_share": "largest share of distilled data",
     "batch_tokens": "padded tokens per batch",
     "max_steps": "stop after this many steps (else EPOCHS epochs)",

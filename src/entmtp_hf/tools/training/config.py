@@ -37,6 +37,9 @@ class TrainConfig:
     distill_dir: str | None = "data/distill"
     sources: tuple[str, ...] = SOURCES
     max_tokens: int = 600_000
+    #: train on the documents after those a run with ``max_tokens=train_offset`` trained on (same sources, shares
+    #: and seed); the validation documents stay the same, so rounds on new text validate alike
+    train_offset: int = 0
     distill_share: float = 0.6
     val_fraction: float = 0.04
     max_seq_len: int = 512
@@ -81,15 +84,15 @@ class TrainConfig:
         bad = set(self.sources) - set(SOURCES)
         if bad:
             raise ValueError(f"unknown data sources {sorted(bad)}; choose from {SOURCES}")
+        if self.train_offset < 0:
+            raise ValueError(f"train_offset must be >= 0 tokens, got {self.train_offset}")
         if self.num_heads < 1 or self.batch_tokens < self.max_seq_len or self.draft_vocab_size < int(not self.mtp):
             raise ValueError(
                 "need num_heads >= 1, batch_tokens >= max_seq_len and draft_vocab_size >= 1 (mtp: >= 0, 0 drafting "
                 "over the whole vocabulary)"
             )
-        if self.mtp and (self.init_from or self.num_layers < 1):
-            raise ValueError(
-                "mtp: new MTP layers (num_layers >= 1) start from their warm start; init_from takes draft heads"
-            )
+        if self.mtp and self.num_layers < 1:
+            raise ValueError(f"mtp: need num_layers >= 1 MTP layers, got {self.num_layers}")
         if self.tau_prompts > 0 and self.num_heads < TAU_TREE_DEPTH:
             raise ValueError(
                 f"tau_prompts checks the heads with mc_sim_7b_63, a tree of depth {TAU_TREE_DEPTH}, deeper "

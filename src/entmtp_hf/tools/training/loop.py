@@ -215,8 +215,8 @@ def uses_base_lm_head(arch: str) -> bool:
 
 
 def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftHeads, Tensor | None]:
-    """The heads training starts from (``--init-from`` heads, or a warm start) and the drafting
-    vocabulary: chosen from this data unless kept from the ``--init-from`` heads. MTP layers train over
+    """The heads training starts from (``--init-from`` heads or MTP model folder, or a warm start) and the
+    drafting vocabulary: chosen from this data unless kept from the ``--init-from`` heads. MTP layers train over
     the whole vocabulary (as ``generate(use_mtp=True)`` drafts); their drafting vocabulary, if any, is
     saved beside them for EntMTP."""
     vocab_size = model.config.get_text_config().vocab_size
@@ -228,6 +228,18 @@ def _initial_heads(cfg: TrainConfig, model, cache: TeacherCache) -> tuple[DraftH
 
         torch.manual_seed(cfg.seed)  # transformers' initialisation of the new layers
         heads = new_mtp_heads(model, cfg.num_layers, cfg.num_heads).float()
+        if cfg.init_from:  # continue training the layers of an earlier run's model folder
+            from .mtp_layout import load_trained_layers
+
+            kept = load_trained_layers(heads, cfg.init_from)
+            if cfg.init_vocab == "heads":
+                if len(kept or ()) != cfg.draft_vocab_size:
+                    raise ValueError(
+                        f"--init-from {cfg.init_from}: its drafting vocabulary has {len(kept or ())} rows (0: the "
+                        f"whole vocabulary), this run asks for {cfg.draft_vocab_size} (--draft-vocab-size): pass "
+                        f"{len(kept or ())}, or --init-vocab data to choose it anew"
+                    )
+                dv = None if kept is None else torch.tensor(kept, dtype=torch.long)
     elif cfg.init_from:  # continue training given heads on this data
         heads = init_heads_from(cfg, model)
         if dv is not None:  # --init-vocab data: the weights do not depend on the vocabulary
@@ -590,7 +602,7 @@ def finalize(
         "validation_fp32_weights": evaluate_heads(heads, *_base_io(model), cache),
         "weights_bytes": os.path.getsize(weights),
     }
-    if cfg.init_from:
+    if cfg.init_from and not cfg.mtp:
         summary["init_num_heads"] = DraftHeads.from_pretrained(cfg.init_from).num_heads
     if measure and cfg.tau_prompts > 0 and tokenizer is not None:
         prompts = tau_prompts(cache, tokenizer, cfg.tau_prompts, cfg.seed, cfg.val_fraction)

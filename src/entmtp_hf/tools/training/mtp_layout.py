@@ -137,6 +137,46 @@ def mtp_tensors(heads: MtpHeads) -> dict[str, Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
+@torch.no_grad()
+def load_trained_layers(heads: MtpHeads, folder: str | Path) -> list[int] | None:
+    """Copy the MTP layers an earlier run saved in ``folder`` (the native layout) into ``heads`` (new layers of
+    the same count for the same base model), so that a run continues training them; returns the folder's
+    drafting vocabulary (None: the whole vocabulary). Every tensor must match by name, shape and dtype class."""
+    from ...heads.files import open_safetensors
+
+    folder = Path(folder)
+    path = folder / MTP_SHARD
+    if not path.is_file():  # a model folder in the native layout, or its MTP shard alone (as the demo ships it)
+        raise MtpLayoutError(
+            f"--init-from {folder}: no MTP layers here (no {MTP_SHARD}), as `entmtp-hf build-drafter --arch mtp` "
+            "or `train-heads --arch mtp` writes them"
+        )
+    stored = open_safetensors(str(path)).tensors
+    want = mtp_tensors(heads)
+    if stored.keys() != want.keys():
+        extra, missing = sorted(stored.keys() - want.keys()), sorted(want.keys() - stored.keys())
+        raise FileFormatError(
+            path,
+            f"its MTP tensors are not those of {len(heads.layers)} layer(s) for this base model (missing: "
+            f"{missing[:3]}, unexpected: {extra[:3]}): pass --num-layers as that run had them",
+        )
+    wrong = [
+        k
+        for k, t in want.items()
+        if stored[k].shape != t.shape or not (stored[k].dtype or torch.int8).is_floating_point
+    ]
+    if wrong:
+        raise FileFormatError(path, f"tensors of another shape or dtype than this base model's layers: {wrong[:3]}")
+
+    def part(prefix: str) -> dict[str, Tensor]:
+        return {k.removeprefix(prefix): stored[k].read().float() for k in want if k.startswith(prefix)}
+
+    heads.layers.load_state_dict(part(f"{MTP_PREFIX}layers."))
+    if heads.shared_post_norm is not None:
+        heads.shared_post_norm.load_state_dict(part(f"{MTP_PREFIX}shared_post_norm."))
+    return drafting_settings(folder).get("draft_vocab")
+
+
 # ============================================================================ writing
 def save_trained_mtp(
     model: nn.Module, heads: MtpHeads, out: Path, scratch: Path, draft_vocab: Tensor | None

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ...errors import FileFormatError
 from .config import SOURCES, SPLIT_TRAIN, SPLIT_VAL, TrainConfig
 
 
@@ -79,6 +80,16 @@ def _take(items: Iterable[TokenSeq], budget: int) -> list[TokenSeq]:
     return out
 
 
+def _shares(sources: list[str], n_distill: int, distill_share: float, budget: int) -> dict[str, int]:
+    """Each source's tokens of a data set of ``budget`` tokens: distilled text up to its share, the rest split
+    evenly between the other sources."""
+    share = {"distill": min(n_distill, int(distill_share * budget))} if "distill" in sources else {}
+    others = [s for s in sources if s != "distill"]
+    for s in others:
+        share[s] = (budget - share.get("distill", 0)) // max(len(others), 1)
+    return share
+
+
 def build_sequences(tokenizer, cfg: TrainConfig, log=print) -> tuple[list[TokenSeq], dict]:
     """The run's documents under the token budget, and a manifest describing them."""
     from ..data import datasets as D
@@ -128,14 +139,15 @@ def build_sequences(tokenizer, cfg: TrainConfig, log=print) -> tuple[list[TokenS
             for k in order[:20_000]
         ]
     n_distill = sum(len(s.ids) for s in pools.get("distill", []))
-    share = {"distill": min(n_distill, int(cfg.distill_share * budget))} if "distill" in pools else {}
-    others = [s for s in pools if s != "distill"]
-    for s in others:
-        share[s] = (budget - share.get("distill", 0)) // max(len(others), 1)
+    share = _shares(list(pools), n_distill, cfg.distill_share, budget)
+    skipped = _shares(list(pools), n_distill, cfg.distill_share, cfg.train_offset)
     out: list[TokenSeq] = []
     for name, pool in pools.items():
         for split, frac in ((SPLIT_TRAIN, 1 - vf), (SPLIT_VAL, vf)):
-            docs = _take((s for s in pool if s.split == split), int(share[name] * frac))
+            docs = [s for s in pool if s.split == split]
+            if split == SPLIT_TRAIN and cfg.train_offset:  # what the earlier round's _take took
+                docs = docs[len(_take(docs, int(skipped[name] * frac))) :]
+            docs = _take(docs, int(share[name] * frac))
             pieces = [p for d in docs for p in cut(d, cfg.max_seq_len)]
             out += pieces
             manifest["sources"].setdefault(name, {})[("train", "val")[split]] = {
@@ -507,6 +519,30 @@ def open_cache(path: str | Path) -> TeacherCache:
     )
 
 
+#: the settings a teacher cache's documents follow from (its manifest's ``built_with``)
+BUILT_WITH = ("model", "max_tokens", "train_offset", "distill_share", "val_fraction", "max_seq_len", "seed", "sources")
+
+
+def _check_built_with(root: Path, manifest: dict[str, Any], cfg: TrainConfig, log) -> None:
+    """The run trains on the documents the cache was built with. A cache built for another ``train_offset`` holds
+    another round's text: refused. Other settings that differ are said (the cache's documents are used, as
+    before: a second drafter trains on a first one's cache without repeating its flags)."""
+    built = manifest.get("built_with") or {}
+
+    def differs(k: str) -> bool:
+        return k in built and built[k] != json.loads(json.dumps(getattr(cfg, k)))
+
+    if differs("train_offset") or (cfg.train_offset and "train_offset" not in built):
+        raise FileFormatError(
+            root / "manifest.json",
+            f"this teacher cache was built for train_offset={built.get('train_offset', 0)}, this run asks for "
+            f"{cfg.train_offset}: another round's documents; use another --work-dir",
+        )
+    notes = [f"{k}={built[k]!r}" for k in BUILT_WITH if differs(k)]
+    if notes:
+        log(f"the teacher cache in {root} was built with {', '.join(notes)}: training on its documents")
+
+
 def prepare_teacher_cache(model, tokenizer, cfg: TrainConfig, log=print, extract: bool = True) -> TeacherCache:
     """Build (once) and fill (resumably; ``extract=False``: as far as it got) ``WORK/data``."""
     root = Path(cfg.work_dir) / "data"
@@ -514,12 +550,10 @@ def prepare_teacher_cache(model, tokenizer, cfg: TrainConfig, log=print, extract
     layers = [i for i in cfg.heads_feature_layers(base) or () if i != -1]
     if not (root / "manifest.json").exists():
         seqs, manifest = build_sequences(tokenizer, cfg, log)
-        manifest["built_with"] = {
-            k: getattr(cfg, k)
-            for k in ("model", "max_tokens", "distill_share", "val_fraction", "max_seq_len", "seed", "sources")
-        }
+        manifest["built_with"] = {k: getattr(cfg, k) for k in BUILT_WITH}
         TeacherCache.create(root, seqs, base.hidden_size, manifest, feature_layers=layers)
     cache = TeacherCache(root)
+    _check_built_with(root, cache.manifest, cfg, log)
     cache.check_layers(layers)
     if extract:
         reuse = open_cache(cfg.reuse_cache) if cfg.reuse_cache else None
