@@ -11,7 +11,9 @@ Batch size 1: per prompt, plain ``generate``, ``generate(use_mtp=True)`` and Ent
 after one warm-up call per method and task; each call is timed with ``time.perf_counter`` around
 ``generate`` (prefill included; for ``use_mtp=True`` also the loading of its MTP layers from the checkpoint,
 which transformers does in every call), the median of ``--repeats`` calls is the prompt's time. Speed-ups
-are per prompt, in time per new token (the time ratio where the outputs are identical).
+are per prompt, in time per new token (the time ratio where the outputs are identical). EntMTP calls run on
+the CPU kernels ``enable_entmtp`` measures (its default path), plain ``generate`` and ``use_mtp=True`` on
+``F.linear`` as transformers runs them; ``--no-cpu-kernels`` runs EntMTP on ``F.linear`` too.
 
 Tokens per step: a forward pre-hook on the model counts its forwards in each call; the first is the prefill,
 which emits the first new token, and every other verifies drafts (one token for plain decoding), so tokens
@@ -44,6 +46,8 @@ from transformers.utils import logging as hf_logging
 
 from entmtp_hf.banks.bank import SHIPPED_DIR
 from entmtp_hf.calibration.probe import draft_fit
+from entmtp_hf.calibration.tables import calibrate as entmtp_calibrate
+from entmtp_hf.cpu_kernels import kernels_of
 from entmtp_hf.demo import MTP_HEADS, config_for, load_demo
 from entmtp_hf.demo.compare import find_mismatch
 from entmtp_hf.heads import HEADS_ATTR, MtpHeads
@@ -56,6 +60,7 @@ from entmtp_hf.tools.bench.settings import BenchSettings
 from entmtp_hf.tools.data.tasks import BUILTIN_TASKS, evaluation_basket
 
 METHODS = ("plain", "use_mtp", "entmtp")
+KERNELS_TEXT = {True: "the CPU kernels `enable_entmtp` measured", False: "`F.linear` too (`--no-cpu-kernels`)"}
 #: the target: EntMTP's median per-prompt speed-up over use_mtp on every task, and its lowest
 BAR_MEDIAN, BAR_MIN = 1.2, 1.0
 WARMUP_TOKENS = 16
@@ -72,6 +77,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed calls per method and prompt (their median)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's step costs at --batch-sizes first")
+    p.add_argument(
+        "--no-cpu-kernels",
+        dest="cpu_kernels",
+        action="store_false",
+        help="EntMTP on F.linear too (enable_entmtp(..., cpu_kernels=False)), as plain generate and use_mtp=True run",
+    )
     p.add_argument("--out", type=Path, required=True, help="folder for results.json and summary.md")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -94,7 +105,14 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         calibrate = tuple(sorted(set(args.batch_sizes))) if args.calibrate else False
-        model, tokenizer, self.bank_dir = load_demo(MTP_HEADS, model=args.model, banks=args.banks, calibrate=calibrate)
+        model, tokenizer, self.bank_dir = load_demo(
+            MTP_HEADS, model=args.model, banks=args.banks, calibrate=calibrate if args.cpu_kernels else False
+        )
+        kernels = kernels_of(model)
+        if not args.cpu_kernels and kernels is not None:  # EntMTP on F.linear, as plain and use_mtp=True run
+            kernels.remove()
+            if calibrate:  # a cost table is keyed by the kernels: the F.linear path's own
+                entmtp_calibrate(model, batch_sizes=calibrate)
         self.ctx = BenchContext(model, tokenizer, model_name=str(args.model or "demo MTP layers"))
         self.settings = BenchSettings(
             tasks=tuple(args.tasks), num_prompts=args.n, max_new_tokens=args.max_new_tokens, preset="custom"
@@ -271,6 +289,7 @@ def table(results: dict) -> str:
         "",
         f"Model {results['model']}, banks {results['banks']}; {s['n']} held-out prompts per task, greedy, "
         f"{s['max_new_tokens']} new tokens, methods interleaved, median of {s['repeats']} call(s) per prompt. "
+        f"EntMTP on {KERNELS_TEXT[s.get('cpu_kernels', True)]}; plain `generate` and `use_mtp=True` on `F.linear`. "
         "Speed-ups per prompt in time per new token; tokens per step = (new tokens - 1) / (forwards - 1).",
         "",
         "| task | prompts | EntMTP / use_mtp (median) | min | EntMTP / plain | use_mtp / plain "

@@ -92,6 +92,23 @@ def test_the_script_reports_every_prompt_and_equals_plain_greedy(mtp_folder, tmp
     assert all(f"| {r['task']} | {r['prompt_id']} | 8 |" in table for r in single)  # every prompt's own row
 
 
+@pytest.mark.filterwarnings("ignore:entmtp-hf. this machine's step costs:UserWarning")
+def test_without_cpu_kernels_entmtp_runs_on_f_linear_and_the_summary_says_so(mtp_folder, tmp_path, monkeypatch):
+    from entmtp_hf.cpu_kernels import kernels_of
+
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path / "cache"))
+    script = _script()
+    argv = ["--model", str(mtp_folder), "--tasks", "gsm8k", "--n", "1", "--max-new-tokens", "4", "--batch-sizes", "1"]
+    argv += ["--threads", "1", "--no-progress", "--out", str(tmp_path / "out")]
+    args = script.parse_args(argv + ["--no-cpu-kernels"])
+    assert not args.cpu_kernels and script.parse_args(argv).cpu_kernels
+    assert kernels_of(script.Bench(script.parse_args(argv)).model) is not None  # enable_entmtp's default
+    assert kernels_of(script.Bench(args).model) is None
+    assert script.main(argv + ["--no-cpu-kernels"]) == 0
+    table = (tmp_path / "out" / "summary.md").read_text()
+    assert "EntMTP on `F.linear` too (`--no-cpu-kernels`)" in table
+
+
 def test_a_difference_from_plain_greedy_is_reported_with_its_position():
     """A run whose output leaves plain greedy's is flagged with the first position that differs, in its record
     and in the task's summary, and is not averaged away."""

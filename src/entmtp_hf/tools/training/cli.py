@@ -37,7 +37,8 @@ _HELP = {
     "sources": "comma-separated data sources",
     "max_tokens": "token budget of the data set (train + val)",
     "train_offset": "train on the documents after those an earlier run with --max-tokens TRAIN_OFFSET trained "
-    "on (same sources and seed): a further round on new text; the validation documents stay the same",
+    "on (same sources and seed): a further round on new text, validated on the held-out documents any run of "
+    "the same --max-tokens uses",
     "distill_share": "largest share of distilled data",
     "batch_tokens": "padded tokens per batch",
     "max_steps": "stop after this many steps (else EPOCHS epochs)",

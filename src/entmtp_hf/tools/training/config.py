@@ -38,7 +38,7 @@ class TrainConfig:
     sources: tuple[str, ...] = SOURCES
     max_tokens: int = 600_000
     #: train on the documents after those a run with ``max_tokens=train_offset`` trained on (same sources, shares
-    #: and seed); the validation documents stay the same, so rounds on new text validate alike
+    #: and seed); validation takes the held-out documents any run of the same ``max_tokens`` takes, so rounds compare
     train_offset: int = 0
     distill_share: float = 0.6
     val_fraction: float = 0.04
