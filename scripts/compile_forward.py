@@ -19,6 +19,11 @@ Routes are ``NAME:LEN`` (``--routes eager:512 transformers:2048 direct:512``):
   makes inductor compile past its AOTAutograd cache: what a second process pays), alone and with
   ``cpp_wrapper``.
 
+``--precision`` is one of the package's (``fp32``, ``bf16``, ``int8``) or a weight format it does
+not ship, measured to say why: ``int8-fp32`` (torchao's int8 weight-only linears with fp32
+activations, for a CPU without bf16 instructions), ``bnb8`` and ``bnb4`` (bitsandbytes' LLM.int8()
+and NF4 with fp32 compute, loaded through ``BitsAndBytesConfig``; eager routes only).
+
 Every compile is timed (cold: a fresh inductor cache folder unless ``--inductor-cache``); the
 forwards are then timed interleaved (rounds of ``--per-round`` calls per route, medians), after the
 cache is cropped back each call so every forward sees the same 300 filled slots. The JSON goes to
@@ -43,7 +48,7 @@ from transformers import CompileConfig, StaticCache
 
 from entmtp_hf.costs.fingerprint import machine_fingerprint
 from entmtp_hf.tools.checkpoint import write_json
-from entmtp_hf.tools.models import PRECISIONS, load_base_model
+from entmtp_hf.tools.models import PRECISIONS, demo_model_dir, load_base_model
 
 ROUTES = (
     "eager",
@@ -63,6 +68,29 @@ PACKAGE_OPTIONS = {
     "entmtp-nofreeze": {},
     "entmtp-nofreeze-cpp": {"cpp_wrapper": True},
 }
+
+
+#: weight formats measured here but not shipped by ``load_base_model(precision=...)``
+EXTRA_PRECISIONS = ("int8-fp32", "bnb8", "bnb4")
+
+
+def load_model(precision: str):
+    """The demo model in ``precision``: one of the package's, or of :data:`EXTRA_PRECISIONS`."""
+    if precision in PRECISIONS:
+        return load_base_model(precision=precision)[0]
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TorchAoConfig
+
+    if precision == "int8-fp32":
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        kwargs = {"quantization_config": TorchAoConfig(Int8WeightOnlyConfig())}
+    elif precision in ("bnb8", "bnb4"):  # bitsandbytes runs on a CPU from 0.48
+        bnb = {"load_in_8bit": True} if precision == "bnb8" else {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+        kwargs = {"quantization_config": BitsAndBytesConfig(**bnb, bnb_4bit_compute_dtype=torch.float32)}
+    else:
+        raise ValueError(f"unknown precision {precision!r}")
+    folder = demo_model_dir()  # the demo model, fetched and converted once
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu", **kwargs).eval()
 
 
 def decode_inputs(model, cache_len: int, fill: int) -> tuple[StaticCache, dict]:
@@ -107,7 +135,7 @@ def route_call(model, name: str):
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    ap.add_argument("--precision", choices=PRECISIONS + EXTRA_PRECISIONS, default="fp32")
     ap.add_argument(
         "--routes", nargs="+", default=["eager:512", "direct:512"], help="NAME:LEN, NAME one of " + ", ".join(ROUTES)
     )
@@ -122,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.inductor_cache or tempfile.mkdtemp(prefix="inductor-")
-    model, _ = load_base_model(precision=args.precision)
+    model = load_model(args.precision)
     routes = []
     for spec in args.routes:
         name, _, length = spec.partition(":")

@@ -18,7 +18,7 @@ from entmtp_hf import EntMTPConfig, EntMTPError, FileFormatError, TopologyBank, 
 from entmtp_hf.banks.bank import published_defaults_bank
 from entmtp_hf.calibration import calibrate, tables_for
 from entmtp_hf.calibration.probe import probe, probe_batch
-from entmtp_hf.calibration.store import key_for, table_path
+from entmtp_hf.calibration.store import key_for, table_path, write_table
 from entmtp_hf.costs.fingerprint import machine_fingerprint, model_key
 from entmtp_hf.costs.ranking import BATCH_TIE, MARGIN, rank
 from entmtp_hf.costs.table import CostTable, interpolate
@@ -309,7 +309,7 @@ def test_a_probe_on_a_busy_machine_measures_again_what_changed_and_says_so(tiny_
     """The one-node forward and the plain step are timed twice; the one that disagrees (a busy
     machine) is measured again, alone; steady when the new timing agrees with one of the two; a
     table that never agreed is kept with a note and measured again by the next calibrate call
-    (generate uses it meanwhile)."""
+    (generate ranks the bank's trees as stored meanwhile, or on a steady table of another batch size)."""
     model = enabled(tiny_cache)
     assert probe_module.steady(10.0, 12.0) and not probe_module.steady(10.0, 15.0)
     assert probe_module.steady(10.0, 15.0, 11.0) and not probe_module.steady(10.0, 15.0, 5.0)
@@ -327,7 +327,11 @@ def test_a_probe_on_a_busy_machine_measures_again_what_changed_and_says_so(tiny_
     with pytest.warns(UserWarning, match="changed while measuring"):
         busy = calibrate(model, folder=tmp_path, progress=False)[1]
     assert busy.notes["timings_steady"] is False and len(list(tmp_path.glob("*.json"))) == 1
-    assert tables_for(model, model.entmtp_heads, [1], folder=tmp_path)[1] == busy  # used by generate
+    with pytest.warns(UserWarning, match=r"at batch size \[1\] were measured while the machine was busy"):
+        assert tables_for(model, model.entmtp_heads, [1], folder=tmp_path) == {1: None}  # the stored ranking
+    steady_two = dataclasses.replace(busy, batch_size=2, notes={})
+    write_table(steady_two, table_path(steady_two.key, tmp_path))
+    assert tables_for(model, model.entmtp_heads, [1], folder=tmp_path) == {1: steady_two}  # the nearest steady size
     calls = []
     monkeypatch.setattr(tables_module, "probe", lambda m, h, **k: calls.append(1) or busy)
     with pytest.warns(UserWarning, match="changed while measuring"):

@@ -18,6 +18,7 @@ from transformers import CompileConfig
 from entmtp_hf import EntMTPConfig, enable_entmtp
 from entmtp_hf.decoding import compiled, precompiled
 from entmtp_hf.decoding.compiled import compile_kwargs, compiled_call, compiled_generation
+from entmtp_hf.heads import HEADS_ATTR
 from entmtp_hf.trees.tree import Tree
 
 CPU = torch.device("cpu")
@@ -43,6 +44,19 @@ def test_the_key_separates_what_the_saved_guards_do_not_check():
     other = copy.deepcopy(model)
     other.config._attn_implementation = "eager" if model.config._attn_implementation != "eager" else "sdpa"
     assert precompiled.artifact_key(other, ("shape",), kwargs) != key
+    # the module tree: a layer swapped for another class with the same weights, or an adapter added
+    swapped, adapted = copy.deepcopy(model), copy.deepcopy(model)
+    mlp = swapped.model.layers[0].mlp
+    mlp.down_proj = type("Rewired", (torch.nn.Linear,), {})(
+        mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False
+    )
+    adapted.model.layers[0].mlp.down_proj.register_parameter("lora_A", torch.nn.Parameter(torch.zeros(2, 2)))
+    keys = {precompiled.artifact_key(m, ("shape",), kwargs) for m in (swapped, adapted)}
+    assert key not in keys and len(keys) == 2
+    assert precompiled.artifact_key(copy.deepcopy(model), ("shape",), kwargs) == key  # a copy: the same graph
+    enabled = copy.deepcopy(model)
+    setattr(enabled, HEADS_ATTR, torch.nn.Linear(2, 2))  # a drafter: the forward never runs it
+    assert precompiled.artifact_key(enabled, ("shape",), kwargs) == key
 
 
 def _saved_sources(code: list[tuple[str, int, int, str]]):

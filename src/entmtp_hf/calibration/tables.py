@@ -5,7 +5,10 @@ caches; ``enable_entmtp(..., calibrate=...)``, ``entmtp_hf.calibrate(model)`` an
 ``entmtp-hf calibrate`` call it. :func:`tables_for` is what a ``generate`` call with an adapting
 bank reads: the measured tables, a batch size without one priced from the nearest measured one
 (said in the log), and nothing at all (the bank's stored choice, warned once) when this machine
-was never measured. No ``generate`` call measures anything.
+was never measured. A table whose timings changed while it was measured (a busy machine) ranks
+nothing: one inflated forward can make plain decoding look best for every task, and the bank's
+stored ranking is the safer guess until ``calibrate`` measures it again. No ``generate`` call
+measures anything.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def calibrate(
     if unsteady:
         warnings.warn(
             f"{message}; the timings at batch size {unsteady} changed while measuring (a busy machine): "
-            "they are used, and measured again by the next calibrate call",
+            "decoding ranks the bank's trees as stored there until the next calibrate call measures them again",
             stacklevel=2,
         )
     elif progress:
@@ -105,21 +108,32 @@ def tables_for(
     model, heads, batch_sizes: Iterable[int], *, known: Iterable[CostTable] = (), folder: str | Path | None = None
 ) -> dict[int, CostTable | None]:
     """The table that ranks each of ``batch_sizes`` for a ``generate`` call, read, never measured:
-    the measured one (a bank's machine entry, else the cache), else the nearest measured batch
-    size's (the largest below, else the smallest above; logged), else None for all (this machine
-    was never measured for the model: warned)."""
+    the measured one (a bank's machine entry, else the cache) if its timings were steady, else the
+    nearest steady batch size's (the largest below, else the smallest above; logged), else None
+    for all (this machine was never measured for the model, or only while busy: warned)."""
     known = tuple(known)
     folder = Path(folder) if folder is not None else None
     wanted = sorted(set(batch_sizes))
-    measured = {b: find_table(model, heads, b, known=known, folder=folder) for b in wanted}
+    found = {b: find_table(model, heads, b, known=known, folder=folder) for b in wanted}
+    measured = {b: t if _steady(t) else None for b, t in found.items()}
     have = {b: t for b, t in measured.items() if t is not None}
     if len(have) < len(wanted):
         have.update(_other_sizes(model, heads, known, folder, exclude=set(wanted)))
     if not have:
+        busy = sorted(b for b, t in found.items() if t is not None)
         warnings.warn(
-            "entmtp-hf: this machine's step costs for this model were never measured, so the bank ranks its "
-            "trees as stored; measure them once (seconds, cached) with enable_entmtp(model, heads, "
-            "calibrate=True), entmtp_hf.calibrate(model) or `entmtp-hf calibrate`",
+            (
+                f"entmtp-hf: this machine's step costs for this model at batch size {busy} were measured while "
+                "the machine was busy (the timings changed while measuring), so the bank ranks its trees as "
+                "stored; measure them again on a quiet machine with entmtp_hf.calibrate(model) or "
+                "`entmtp-hf calibrate`"
+            )
+            if busy
+            else (
+                "entmtp-hf: this machine's step costs for this model were never measured, so the bank ranks its "
+                "trees as stored; measure them once (seconds, cached) with enable_entmtp(model, heads, "
+                "calibrate=True), entmtp_hf.calibrate(model) or `entmtp-hf calibrate`"
+            ),
             stacklevel=4,
         )
         return dict.fromkeys(wanted)
@@ -141,13 +155,18 @@ def tables_for(
     return out
 
 
+def _steady(table: CostTable | None) -> bool:
+    """Whether ``table`` exists and its timings agreed with their recheck (see :func:`probe`)."""
+    return table is not None and table.notes.get("timings_steady", True)
+
+
 def _other_sizes(model, heads, known: tuple, folder: Path | None, exclude: set[int]) -> dict[int, CostTable]:
-    """Measured tables at the batch sizes decoding ranks (powers of two) outside ``exclude``."""
+    """Steady measured tables at the batch sizes decoding ranks (powers of two) outside ``exclude``."""
     found = {}
     for b in (1 << k for k in range(MAX_CALIBRATED_BATCH.bit_length())):
         if b not in exclude:
             table = find_table(model, heads, b, known=known, folder=folder)
-            if table is not None:
+            if _steady(table):
                 found[b] = table
     return found
 

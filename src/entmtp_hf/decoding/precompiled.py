@@ -10,7 +10,9 @@ What a saved graph may be reused for is this package's :func:`artifact_key`, not
 the graph keeps only its tensor and global-state guards (``keep_portable_guards_unsafe``; its other
 guards name transformers' local classes, which cannot be saved), so everything else a graph is
 specialised to is in the key: the call's non-tensor arguments, the cache's type and length, the
-model's attention implementation and training mode, the compile options, and the versions of
+model's module tree (each module's name and class, each parameter's and buffer's name, shape and
+dtype: a module swapped in with the same weights, or adapters added, would otherwise load the
+graph traced without them), its attention implementation and training mode, the compile options, and the versions of
 Python, torch and transformers; a loaded graph is used only while the source of every function it
 traced (transformers' modelling code, this package's attention) reads as it did. The
 folder (:func:`~entmtp_hf.decoding.compiled.compile_folder`) already separates machines, models,
@@ -38,6 +40,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 import transformers
+
+from ..heads import HEADS_ATTR
 
 #: suffix of a saved compiled forward in its compile folder's ``precompiled`` subfolder
 SUFFIX = ".aot"
@@ -90,6 +94,7 @@ def artifact_key(model, shape_key: tuple, kwargs: dict[str, Any]) -> str:
     parts = (
         shape_key,
         sorted(kwargs.items(), key=lambda kv: kv[0]),
+        _structure(model),
         getattr(model.config, "_attn_implementation", None),
         model.training,
         sys.version_info[:3],
@@ -97,6 +102,21 @@ def artifact_key(model, shape_key: tuple, kwargs: dict[str, Any]) -> str:
         transformers.__version__,
     )
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24] + SUFFIX
+
+
+def _structure(model) -> str:
+    """A digest of ``model``'s module tree (its draft heads left out: the forward never runs them, so
+    every drafter shares the base model's graphs): what a saved graph traced through and its guards
+    do not check."""
+    digest, heads = hashlib.sha256(), f"{HEADS_ATTR}."
+    for name, module in model.named_modules():
+        if name != HEADS_ATTR and not name.startswith(heads):
+            digest.update(f"{name}:{type(module).__module__}.{type(module).__qualname__};".encode())
+    for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in tensors:
+            if not name.startswith(heads):
+                digest.update(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return digest.hexdigest()
 
 
 def load(path: Path, model) -> Callable[..., Any] | None:
