@@ -4,7 +4,9 @@ Per held-out prompt (the first ``--prompts`` of each ``data/prompts/unseen-*.jso
 greedy, ``--max-new-tokens``), each round times eager plain ``generate`` (its dynamic cache) and
 plain ``generate`` on the compiled path (:func:`entmtp_hf.decoding.compiled.compiled_generation`: a
 static cache of 512 slots, the forward compiled once; that compile runs before the timing, and its
-seconds are reported), back to back; with ``--entmtp``, also EntMTP with the task's shipped bank
+seconds are reported), back to back, and where the model has CPU kernels (``enable_entmtp``'s default)
+plain ``generate`` on the compiled path inside ``applied_kernels(model)``, its graph multiplying on the
+kernels EntMTP's calls use (``compiled-kernels``); with ``--entmtp``, also EntMTP with the task's shipped bank
 (``load_demo()``'s drafter and banks, code/math/chat -> humaneval/gsm8k/chat) eager and on the same
 compiled path (each tree size's graph compiled in a warm-up call before the timing); with ``--gguf FILE``
 (repeatable), also llama.cpp's plain decoding of that file (``scripts/llamacpp_baseline.py``: the same
@@ -23,11 +25,13 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from entmtp_hf.costs.fingerprint import machine_fingerprint
+from entmtp_hf.cpu_kernels import applied_kernels, kernel_routing
 from entmtp_hf.decoding.compiled import compiled_call, compiled_generation
 from entmtp_hf.demo import config_for, load_demo
 from entmtp_hf.demo.compare import find_mismatch
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
     model, tok, bank_dir = load_demo(precision=args.precision)
     fast = compiled_generation(max_cache_len=512)
     bank = {task: {"entmtp_config": config_for(bank_dir, name)} for task, name in zip(TASKS, BANK_TASKS)}
-    kinds = ["eager", "compiled", *(("entmtp", "entmtp-compiled") if args.entmtp else ())]
+    kinds = ["eager", "compiled", *(("compiled-kernels",) if kernel_routing(model) else ())]
+    kinds += ["entmtp", "entmtp-compiled"] if args.entmtp else []
     engines = {}
     if args.gguf:
         from llamacpp_baseline import load, tokens_per_s
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
         engines = {f"llama.cpp {Path(f).stem}": llm for f, llm in loaded.items()}
 
     def extra(kind: str, task: str) -> dict:
-        return {**(bank[task] if kind.startswith("entmtp") else {}), **(fast if kind.endswith("compiled") else {})}
+        return {**(bank[task] if kind.startswith("entmtp") else {}), **(fast if "compiled" in kind else {})}
 
     greedy = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "min_new_tokens": args.max_new_tokens}
     prompts = [(task, torch.tensor([ids])) for task, ids in held_out_ids(tok, args.prompts)]
@@ -95,9 +100,11 @@ def main(argv: list[str] | None = None) -> dict:
                     speed[task, kind].append(tokens_per_s(engines[kind], ids[0].tolist(), args.max_new_tokens))
                     continue
                 t0 = time.perf_counter()
-                outs[kind] = model.generate(ids, **greedy, **extra(kind, task))[0, ids.shape[1] :]
+                with applied_kernels(model) if kind == "compiled-kernels" else nullcontext():
+                    outs[kind] = model.generate(ids, **greedy, **extra(kind, task))[0, ids.shape[1] :]
                 speed[task, kind].append(len(outs[kind]) / (time.perf_counter() - t0))
-            for kind, reference in (("compiled", "eager"), ("entmtp", "eager"), ("entmtp-compiled", "compiled")):
+            checks = (("compiled", "eager"), ("compiled-kernels", "eager"), ("entmtp", "eager"))
+            for kind, reference in (*checks, ("entmtp-compiled", "compiled")):
                 if kind in outs:
                     with torch.no_grad():
                         differ = find_mismatch(outs[reference].tolist(), outs[kind].tolist(), model, ids[0].tolist())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from tiny import VOCAB, tiny_model
 from transformers import CompileConfig, StaticCache
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
+from entmtp_hf import cpu_kernels as K
 from entmtp_hf.calibration.probe import forward_ms
 from entmtp_hf.decoding import compiled
 from entmtp_hf.decoding.compiled import (
@@ -150,6 +152,39 @@ def test_plain_and_entmtp_generate_compiled_equal_eager_plain_generate(tiny_cach
     monkeypatch.setattr(CompiledForward, "__call__", counted)
     forward_ms(model, model.entmtp_heads, sizes=(1, 2), repeats=1, prefix_len=32)
     assert ran.count((1, 1)) >= 2 and ran.count((1, 2)) >= 2  # a warm-up and a timed round of each size
+
+
+@pytest.mark.skipif(not K.onednn_available(), reason="this torch build has no oneDNN linear")
+def test_compiled_entmtp_multiplies_on_the_cpu_kernels_and_stays_lossless(tiny_cache, tmp_path, monkeypatch):
+    """With the CPU kernels routed (packed oneDNN copies for the decoder, oneDNN for the LM head),
+    compiled EntMTP's graphs multiply on them (the ``entmtp_hf::linear`` operator) and its greedy
+    output equals eager plain ``generate``; compiled plain ``generate``, outside EntMTP's calls,
+    multiplies on ``F.linear``."""
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "onednn") for c in choices})
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    model, heads = copy.deepcopy(model).float(), copy.deepcopy(heads).float()
+    enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1, pack=True)
+    assert K.kernels_of(model).kinds() == ["by row count", "packed"]
+    on_kernels = []  # per product a compiled graph ran: whether the layer's kernels served it
+
+    class Counted(weakref.WeakValueDictionary):
+        def get(self, key, default=None):
+            dispatch = super().get(key, default)
+            on_kernels.append(dispatch is not None and dispatch.owner.active())
+            return dispatch
+
+    monkeypatch.setattr(K, "_DISPATCH_BY_WEIGHT", Counted())
+    config = EntMTPConfig(tree=Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    greedy, fast = dict(max_new_tokens=20, do_sample=False), compiled_generation(max_cache_len=64)
+    eager = model.generate(ids, **greedy)
+    assert torch.equal(model.generate(ids, **greedy, **fast), eager)
+    assert on_kernels and not any(on_kernels)  # plain generate: the operator ran F.linear
+    on_kernels.clear()
+    assert torch.equal(model.generate(ids, **greedy, **fast, entmtp_config=config), eager)
+    assert on_kernels and all(on_kernels)  # EntMTP: every compiled product on the kernels
 
 
 def test_compiled_decoding_as_the_models_default_needs_entmtp_enabled(tiny_cache):

@@ -163,6 +163,58 @@ def test_a_dispatcher_runs_its_kernels_only_inside_applied_and_only_on_the_weigh
 
 
 @ONEDNN
+def test_a_compiled_graph_multiplies_on_the_kernels_where_an_eager_call_would():
+    """In a traced graph a routed layer is one ``entmtp_hf::linear`` operator that runs the layer's
+    dispatcher when the graph runs: its packed copy inside ``applied``, ``F.linear`` outside, on the
+    weight as it is now; a weight the dispatcher's layer no longer holds runs ``F.linear``."""
+    layer = torch.nn.Linear(16, 8)
+    routes = K._Routes({layer: ([K.PACKED], K._pack(layer.weight))})
+    routes.install()
+    (dispatch,) = routes.dispatches
+    graph = torch.compile(lambda x: layer(x) * 2, backend="aot_eager", fullgraph=True)
+    real, calls = torch.ops.mkldnn._linear_pointwise, []
+
+    def counted(*args):
+        calls.append(args[1] is dispatch.ready[1])
+        return real(*args)
+
+    x = torch.randn(3, 16)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
+        want = torch.nn.functional.linear(x, layer.weight, layer.bias) * 2
+        torch.testing.assert_close(graph(x), want)  # outside applied: F.linear
+        assert calls == []
+        with routes.applied():
+            torch.testing.assert_close(graph(x), want, rtol=1e-5, atol=1e-5)
+        assert calls == [True]  # the packed copy
+        layer.weight.data.mul_(-1.0)  # edited in place after packing
+        with routes.applied():
+            torch.testing.assert_close(graph(x), torch.nn.functional.linear(x, layer.weight, layer.bias) * 2)
+        assert calls == [True, True] and K._DISPATCH_BY_WEIGHT[layer.weight.data_ptr()] is dispatch
+        old = layer.weight
+        layer.weight = torch.nn.Parameter(old.detach() + 1.0)  # the layer holds another weight now
+        with routes.applied():
+            out = torch.ops.entmtp_hf.linear(x, old, layer.bias)  # the old weight's entry no longer serves
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, old, layer.bias))
+        assert calls == [True, True]
+    routes.remove()
+    head = torch.nn.Linear(16, 8, bias=False)  # as an LM head: ``transposed`` gives a transposed view
+    for kernel in ("transposed", "onednn", K.PACKED):  # the operator's declared output is what each kernel gives
+        routes = K._Routes({head: ([kernel], K._pack(head.weight) if kernel == K.PACKED else None)})
+        routes.install()
+        with routes.applied():
+            args = (torch.randn(1, 3, 16), head.weight.detach(), None)
+            torch.library.opcheck(
+                torch.ops.entmtp_hf.linear.default, args, test_utils=("test_schema", "test_faketensor")
+            )
+            assert torch.ops.entmtp_hf.linear(*args).is_contiguous()  # as declared: inductor checks the strides
+        routes.remove()
+    with torch.enable_grad():  # a graph traced for gradients keeps F.linear (the operator has none)
+        torch.compile(lambda x: layer(x), backend="aot_eager")(x).sum().backward()
+    assert layer.weight.grad is not None
+
+
+@ONEDNN
 def test_the_choices_follow_the_measured_times(tiny32, monkeypatch):
     """Synthetic timings: oneDNN faster from two rows on, packing slower, so ``auto`` does not pack."""
 

@@ -10,14 +10,15 @@ What a saved graph may be reused for is this package's :func:`artifact_key`, not
 the graph keeps only its tensor and global-state guards (``keep_portable_guards_unsafe``; its other
 guards name transformers' local classes, which cannot be saved), so everything else a graph is
 specialised to is in the key: the call's non-tensor arguments, the cache's type and length, the
-model's module tree (each module's name and class, each parameter's and buffer's name, shape and
-dtype: a module swapped in with the same weights, or adapters added, would otherwise load the
-graph traced without them), its attention implementation and training mode, the compile options, and the versions of
-Python, torch and transformers; a loaded graph is used only while the source of every function it
-traced (transformers' modelling code, this package's attention) reads as it did. The
-folder (:func:`~entmtp_hf.decoding.compiled.compile_folder`) already separates machines, models,
-dtypes and quantizations. Only graphs whose weights stay inputs are saved: a ``freezing`` compile
-folds the weights into the graph, and a key cannot tell two checkpoints of one architecture apart.
+model's module tree (each module's name and class and any instance ``forward`` with its kernels,
+each parameter's and buffer's name, shape and dtype: a module swapped in with the same weights, or
+adapters added, would otherwise load the graph traced without them), its attention
+implementation and training mode, the compile options, and the versions of Python, torch and
+transformers; a loaded graph is used only while the source of every function it traced
+(transformers' modelling code, this package's attention) reads as it did. The folder
+(:func:`~entmtp_hf.decoding.compiled.compile_folder`) already separates machines, models, dtypes
+and quantizations. Only graphs whose weights stay inputs are saved: a ``freezing`` compile folds
+the weights into the graph, and a key cannot tell two checkpoints of one architecture apart.
 
 The files are pickles written by this package into the user's own cache folder, trusted as
 inductor trusts its caches there; a path from elsewhere is never loaded. A file that fails to load,
@@ -112,6 +113,9 @@ def _structure(model) -> str:
     for name, module in model.named_modules():
         if name != HEADS_ATTR and not name.startswith(heads):
             digest.update(f"{name}:{type(module).__module__}.{type(module).__qualname__};".encode())
+            routed = vars(module).get("forward")  # an instance forward: the CPU kernels' dispatcher, say
+            if routed is not None:
+                digest.update(f"{type(routed).__qualname__}:{getattr(routed, 'kernels', '')};".encode())
     for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, t in tensors:
             if not name.startswith(heads):

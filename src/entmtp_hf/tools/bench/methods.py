@@ -186,8 +186,8 @@ def compiled_kwargs(backend: str = "inductor", *, freezing: bool = False) -> dic
 
 
 def _compiled(method: Method) -> Method:
-    """A compiled method, registered without the measured CPU kernels: its graphs bring their own
-    (the kernels' dispatchers trace as ``F.linear``), so it measures compilation alone."""
+    """A compiled method, registered without the measured CPU kernels (whose dispatchers a graph
+    would call), so it measures compilation alone."""
     return register_method(dataclasses.replace(method, cpu_kernels=False))
 
 
