@@ -349,7 +349,7 @@ class _Dispatch:
     def __getstate__(self) -> dict:
         """Copied or pickled without the packed copy (an opaque oneDNN tensor that neither
         ``deepcopy`` nor pickle can read): the copy packs its own weight at its first call."""
-        return {k: getattr(self, k) for k in self.__slots__ if k != "ready"}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ("ready", "__weakref__")}
 
     def __setstate__(self, state: dict) -> None:
         for k, v in state.items():
