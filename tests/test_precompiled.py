@@ -16,6 +16,7 @@ from tiny import VOCAB, left_padded, tiny_model
 from transformers import CompileConfig
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
+from entmtp_hf import cpu_kernels as K
 from entmtp_hf.decoding import compiled, precompiled
 from entmtp_hf.decoding.compiled import compile_kwargs, compiled_call, compiled_generation
 from entmtp_hf.heads import HEADS_ATTR
@@ -57,6 +58,16 @@ def test_the_key_separates_what_the_saved_guards_do_not_check():
     enabled = copy.deepcopy(model)
     setattr(enabled, HEADS_ATTR, torch.nn.Linear(2, 2))  # a drafter: the forward never runs it
     assert precompiled.artifact_key(enabled, ("shape",), kwargs) == key
+    # CPU kernels: what a routed layer traces as, not its choice per row count (which may flip between runs)
+    routed = copy.deepcopy(model)
+    layer = routed.model.layers[0].mlp.down_proj
+    keys = []
+    for kernels in (["linear", "onednn"], ["onednn", "linear"], ["linear", "linear"]):
+        routes = K._Routes({layer: (kernels, None)})
+        routes.install()
+        keys.append(precompiled.artifact_key(routed, ("shape",), kwargs))
+        routes.remove()
+    assert keys[0] == keys[1] != keys[2] and key not in keys
 
 
 def _saved_sources(code: list[tuple[str, int, int, str]]):

@@ -295,6 +295,14 @@ class _Dispatch:
         self.measured = _form(weight)
         self.ready = (weight.data_ptr(), packed, _checksum(weight)) if packed is not None else None
 
+    @property
+    def traced_as(self) -> str:
+        """What a compiled graph of a float32 forward without gradients calls for this layer: the
+        ``operator`` (``entmtp_hf::linear``) where some row count has a kernel of its own, else
+        ``F.linear``. Not the choice per row count, which may flip between near-equal kernels from
+        one measurement to the next: a saved graph's key holds this, and stays the same."""
+        return "operator" if set(self.kernels) != {"linear"} else "F.linear"
+
     def refresh(self) -> None:
         """Fit the kernels to the weight as it is now (:meth:`_fit`) and file this dispatcher under
         that weight for the compiled graphs' operator."""
@@ -330,7 +338,7 @@ class _Dispatch:
         m, ready = self.module, self.ready
         if torch.compiler.is_compiling():  # one operator the graph calls, which runs this dispatcher
             # float32 only: a bf16 graph is frozen and inductor packs its products for oneDNN itself
-            on_kernels = set(self.kernels) != {"linear"} and m.weight.dtype == torch.float32
+            on_kernels = self.traced_as == "operator" and m.weight.dtype == torch.float32
             on_kernels = on_kernels and not torch.is_grad_enabled()
             return torch.ops.entmtp_hf.linear(x, m.weight, m.bias) if on_kernels else F.linear(x, m.weight, m.bias)
         if ready is None or not self.owner.active():

@@ -10,7 +10,7 @@ What a saved graph may be reused for is this package's :func:`artifact_key`, not
 the graph keeps only its tensor and global-state guards (``keep_portable_guards_unsafe``; its other
 guards name transformers' local classes, which cannot be saved), so everything else a graph is
 specialised to is in the key: the call's non-tensor arguments, the cache's type and length, the
-model's module tree (each module's name and class and any instance ``forward`` with its kernels,
+model's module tree (each module's name and class and any instance ``forward`` with what it traces as,
 each parameter's and buffer's name, shape and dtype: a module swapped in with the same weights, or
 adapters added, would otherwise load the graph traced without them), its attention
 implementation and training mode, the compile options, and the versions of Python, torch and
@@ -115,7 +115,7 @@ def _structure(model) -> str:
             digest.update(f"{name}:{type(module).__module__}.{type(module).__qualname__};".encode())
             routed = vars(module).get("forward")  # an instance forward: the CPU kernels' dispatcher, say
             if routed is not None:
-                digest.update(f"{type(routed).__qualname__}:{getattr(routed, 'kernels', '')};".encode())
+                digest.update(f"{type(routed).__qualname__}:{getattr(routed, 'traced_as', '')};".encode())
     for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, t in tensors:
             if not name.startswith(heads):
