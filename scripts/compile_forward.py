@@ -42,6 +42,7 @@ import tempfile
 import time
 from copy import deepcopy
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import CompileConfig, StaticCache
@@ -91,6 +92,20 @@ def load_model(precision: str):
         raise ValueError(f"unknown precision {precision!r}")
     folder = demo_model_dir()  # the demo model, fetched and converted once
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu", **kwargs).eval()
+
+
+def interleaved(runs: dict[str, tuple[Callable[[], object], Callable[[], object]]], rounds: int, per_round: int):
+    """Seconds of each ``run`` by name, timed in ``rounds`` rounds of ``per_round`` calls each, the
+    names taking turns; each call's ``reset`` (the cache cropped back) runs after it, off the clock."""
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (run, reset) in runs.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - t0)
+                reset()
+    return times
 
 
 def decode_inputs(model, cache_len: int, fill: int) -> tuple[StaticCache, dict]:
@@ -170,14 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(2):
                 r["call"](**r["inputs"])
                 r["cache"].crop(-1)
-        times = {r["route"]: [] for r in routes}
-        for _ in range(args.rounds):
-            for r in routes:
-                for _ in range(args.per_round):
-                    t0 = time.perf_counter()
-                    r["call"](**r["inputs"])
-                    times[r["route"]].append(time.perf_counter() - t0)
-                    r["cache"].crop(-1)
+        runs = {r["route"]: (lambda r=r: r["call"](**r["inputs"]), lambda r=r: r["cache"].crop(-1)) for r in routes}
+        times = interleaved(runs, args.rounds, args.per_round)
     result = {
         "what": "one plain decode forward (1 token, static cache, 4D mask as generate builds it), ms",
         "model": "SmolLM2-135M-Instruct",

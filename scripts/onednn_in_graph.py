@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from compile_forward import decode_inputs
+from compile_forward import decode_inputs, interleaved
 
 from entmtp_hf.costs.fingerprint import machine_fingerprint
 from entmtp_hf.decoding.attention import use_tree_attention
@@ -148,14 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
             for call in routes.values():  # the compiles
                 call(**inputs)
                 cache.crop(-tokens)
-            times = {name: [] for name in routes}
-            for _ in range(args.rounds):
-                for name, call in routes.items():
-                    for _ in range(4):
-                        t0 = time.perf_counter()
-                        call(**inputs)
-                        times[name].append(time.perf_counter() - t0)
-                        cache.crop(-tokens)
+            runs = {name: (lambda c=call: c(**inputs), lambda: cache.crop(-tokens)) for name, call in routes.items()}
+            times = interleaved(runs, args.rounds, 4)
             result["forward_ms"][tokens] = {n: round(1e3 * statistics.median(v), 1) for n, v in times.items()}
             print(f"compiled forward, {tokens} token(s): {result['forward_ms'][tokens]}", flush=True)
         cache, inputs = tree_inputs(model, 1)
