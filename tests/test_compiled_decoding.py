@@ -24,6 +24,7 @@ from entmtp_hf.decoding.compiled import (
     use_compiled_decoding,
 )
 from entmtp_hf.errors import EntMTPError
+from entmtp_hf.gemv import unavailable as gemv_unavailable
 from entmtp_hf.trees.tree import Tree
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -155,18 +156,21 @@ def test_plain_and_entmtp_generate_compiled_equal_eager_plain_generate(tiny_cach
 
 
 @pytest.mark.skipif(not K.onednn_available(), reason="this torch build has no oneDNN linear")
-def test_compiled_entmtp_multiplies_on_the_cpu_kernels_and_stays_lossless(tiny_cache, tmp_path, monkeypatch):
-    """With the CPU kernels routed (packed oneDNN copies for the decoder, oneDNN for the LM head),
-    compiled EntMTP's graphs multiply on them (the ``entmtp_hf::linear`` operator) and its greedy
-    output equals eager plain ``generate``; compiled plain ``generate``, outside EntMTP's calls,
-    multiplies on ``F.linear``."""
+@pytest.mark.parametrize("kernel", ["onednn", "gemv"])
+def test_compiled_entmtp_multiplies_on_the_cpu_kernels_and_stays_lossless(kernel, tiny_cache, tmp_path, monkeypatch):
+    """With the CPU kernels routed (packed oneDNN copies for the decoder and oneDNN for the LM head,
+    or the package's gemv kernel for both), compiled EntMTP's graphs multiply on them (the
+    ``entmtp_hf::linear`` operator) and its greedy output equals eager plain ``generate``; compiled
+    plain ``generate``, outside EntMTP's calls, multiplies on ``F.linear``."""
+    if kernel == "gemv" and gemv_unavailable() is not None:
+        pytest.skip(f"the gemv kernel is off here: {gemv_unavailable()}")
+    monkeypatch.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != kernel) for c in choices})
     monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "onednn") for c in choices})
     model, heads = tiny_cache("llama", "hydra", "mlp")
     model, heads = copy.deepcopy(model).float(), copy.deepcopy(heads).float()
-    enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1, pack=True)
-    assert K.kernels_of(model).kinds() == ["by row count", "packed"]
+    enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1, pack=kernel == "onednn")
+    assert K.kernels_of(model).kinds() == ["by row count", "packed" if kernel == "onednn" else "gemv"]
     on_kernels = []  # per product a compiled graph ran: whether the layer's kernels served it
 
     class Counted(weakref.WeakValueDictionary):

@@ -199,7 +199,8 @@ def test_a_compiled_graph_multiplies_on_the_kernels_where_an_eager_call_would():
         assert calls == [True, True]
     routes.remove()
     head = torch.nn.Linear(16, 8, bias=False)  # as an LM head: ``transposed`` gives a transposed view
-    for kernel in ("transposed", "onednn", K.PACKED):  # the operator's declared output is what each kernel gives
+    kernels = ("transposed", "onednn", K.PACKED) + (("gemv",) if K._works("gemv", head.weight) else ())
+    for kernel in kernels:  # the operator's declared output is what each kernel gives
         routes = K._Routes({head: ([kernel], K._pack(head.weight) if kernel == K.PACKED else None)})
         routes.install()
         with routes.applied():
@@ -294,6 +295,44 @@ def test_a_weight_edited_after_enabling_is_multiplied_as_it_is_now(packed32, edi
             assert ready is None  # computed on each access: F.linear
         else:  # packed from the weight as it is now
             assert ready[0] == m.weight.data_ptr() and ready[1] is not None and ready[2] == K._checksum(m.weight)
+
+
+@pytest.mark.skipif(K._gemv.unavailable() is not None, reason="the gemv kernel is off here")
+def test_on_the_gemv_kernel_everywhere_greedy_output_stays_plain_generates(monkeypatch):
+    """The package's kernel for the decoder, the LM head and the heads' drafting: lossless on a
+    63-node tree (products of up to 64 rows), and a weight swapped for a transposed view of the same
+    shape (which the kernel does not take) runs ``F.linear``."""
+    monkeypatch.setattr(K, "_timed_median", _fastest("gemv"))
+    model = tiny_model(seed=7).float()
+    torch.manual_seed(7)
+    heads = HydraHeads.for_model(model, num_heads=4, arch="mlp", use_base_lm_head=True)
+    enable_entmtp(model, heads, rows=(1, 2, 4, 8), repeats=1)
+    kernels = K.kernels_of(model)
+    assert kernels.kinds() == ["by row count", "gemv"] and heads.lm_kernel == "gemv"
+    assert set(kernels.decoder.values()) == set(kernels.lm_head.values()) == {"gemv"}
+    ids = _ids(6, 7)
+    assert _lossless(model, ids)
+    layer = next(m for m in _decoder_linears(model) if m.in_features == m.out_features)
+    layer.weight.data = layer.weight.data.t().contiguous().t()  # the same values, column-major
+    assert not layer.weight.is_contiguous() and _lossless(model, ids)
+    assert vars(layer)["forward"].ready is None
+
+
+@pytest.mark.skipif(K._gemv.unavailable() is not None, reason="the gemv kernel is off here")
+def test_a_bfloat16_model_gets_the_gemv_kernel_even_where_onednn_takes_no_bfloat16(monkeypatch):
+    """Some CPUs (an AMD EPYC Zen 2) have no oneDNN bfloat16 primitive; the package's kernel reads
+    bfloat16 weights anyway, so a bfloat16 model's EntMTP calls run on it and decode plain
+    bfloat16 ``generate``'s tokens."""
+    monkeypatch.setattr(K, "_timed_median", _fastest("gemv"))
+    real = K._works
+    monkeypatch.setattr(K, "_works", lambda layout, w: layout != "onednn" and real(layout, w))
+    model = tiny_model(seed=8).to(torch.bfloat16)
+    torch.manual_seed(8)
+    heads = HydraHeads.for_model(model, num_heads=4, arch="mlp", use_base_lm_head=True)
+    enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1, pack=False)
+    kernels = K.kernels_of(model)
+    assert kernels.active and kernels.kinds() == ["by row count", "gemv"], kernels.reason
+    assert _lossless(model, _ids(6, 8))
 
 
 @ONEDNN
@@ -478,9 +517,14 @@ def test_cost_tables_are_keyed_by_the_kernels_the_layers_run_on(tiny32, tmp_path
     keys = {default}
     with K.onednn_linears(model):  # a reference for plain decoding: not what EntMTP calls run on
         assert model_key(model, heads) == default
-    with CPUKernels(model, heads, rows=(1, 2), pack=True, repeats=1):
+    with CPUKernels(model, heads, rows=(1, 2), pack=True, gemv=False, repeats=1):
         assert K.kernel_routing(model) == ["by row count", "packed"]
         keys.add(model_key(model, heads))
+    with monkeypatch.context() as m:  # the package's own kernel measured fastest everywhere
+        m.setattr(K, "_timed_median", _fastest("gemv"))
+        with CPUKernels(model, heads, rows=(1, 2), pack=False, repeats=1):
+            assert K.kernel_routing(model) == ["by row count", "gemv"]
+            keys.add(model_key(model, heads))
     with monkeypatch.context() as m:  # oneDNN measured faster from two rows on: dense kernels, no packing
         m.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "onednn") for c in choices})
         with CPUKernels(model, heads, rows=(1, 2), pack=False, repeats=1) as kernels:
@@ -492,7 +536,7 @@ def test_cost_tables_are_keyed_by_the_kernels_the_layers_run_on(tiny32, tmp_path
         ):  # other choices (the LM head only), same kinds
             assert K.kernel_routing(model) == ["by row count"]
             assert model_key(model, heads) == dispatched  # a near-tie flipping does not measure again
-    assert len(keys | {dispatched}) == 3
+    assert len(keys | {dispatched}) == 4
     assert model_key(model, heads) == default  # removed: the default path's key again
     calls = []
 

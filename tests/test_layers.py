@@ -17,7 +17,7 @@ PACKAGE = "entmtp_hf"
 
 #: bottom first; a module belongs to the layer of the longest prefix that names it
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("errors", "validation", "files", "paths", "hub", "cpu_kernels")),
+    ("base", ("errors", "validation", "files", "paths", "hub", "gemv", "cpu_kernels")),
     ("topology", ("trees",)),
     ("scheduling", ("scheduling",)),
     ("costs", ("costs",)),

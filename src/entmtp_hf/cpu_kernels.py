@@ -6,9 +6,10 @@ how a CPU's BLAS treats a few rows differs from machine to machine: on some CPUs
 several plain steps), on others it is the fastest kernel at every row count.
 
 :class:`CPUKernels` measures, for one model (and its heads) on this machine, which product is
-fastest at each row count: MKL (``F.linear``), oneDNN's linear on the plain weight, or oneDNN's
-linear on a packed copy of the weight (``pack``); for the LM head also ``(W @ h.T).T``; for the
-heads' one-row products MKL or oneDNN. ``enable_entmtp`` measures them by default on a CPU
+fastest at each row count: MKL (``F.linear``), oneDNN's linear on the plain weight, oneDNN's
+linear on a packed copy of the weight (``pack``) or, for float32 and bfloat16 on a CPU with AVX2, the package's
+own few-row product (:mod:`entmtp_hf.gemv`, ``gemv``); for the LM head also ``(W @ h.T).T``; for
+the heads' one-row products MKL, oneDNN or ``gemv``. ``enable_entmtp`` measures them by default on a CPU
 model (seconds, said once) and installs them (:func:`kernels_of`): each routed ``nn.Linear``
 gets a dispatcher as its instance ``forward`` that runs ``F.linear`` exactly as before except
 inside :meth:`CPUKernels.applied`, which every EntMTP call on the model (and the cost probe)
@@ -62,11 +63,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
+from . import gemv as _gemv
+
 log = logging.getLogger(__name__)
 
-DENSE_KERNELS = ("linear", "onednn")
+DENSE_KERNELS = ("linear", "onednn", "gemv")
 PACKED = "packed"
-HEAD_LAYOUTS = ("linear", "transposed", "onednn")
+HEAD_LAYOUTS = ("linear", "transposed", "onednn", "gemv")
 #: row counts measured by default: plain steps, small trees, larger trees, a prompt's prefill
 DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 16, 64)
 PACK_CHOICES = (True, False, "auto")
@@ -97,9 +100,15 @@ def _onednn_takes(weight: torch.Tensor) -> bool:
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
     """``x [N, in] @ weight[out, in].T (+ bias)``: by ``F.linear`` (``linear``), as ``(W @ x.T).T``
-    (``transposed``) or by oneDNN's linear on the plain weight (``onednn``, CPU float only)."""
+    (``transposed``), by oneDNN's linear on the plain weight (``onednn``, CPU float only) or by the
+    package's few-row kernel (``gemv``: float32 or bfloat16, a contiguous weight; ``F.linear`` where a gradient
+    is wanted, which the kernel does not compute)."""
     if layout == "linear":
         return F.linear(x, weight, bias)
+    if layout == "gemv":
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return F.linear(x, weight, bias)
+        return _gemv.gemv(x, weight, bias)
     if layout == "transposed":
         out = torch.mm(weight, x.t()).t()
         return out + bias if bias is not None else out
@@ -113,11 +122,18 @@ def fitted_layout(layout: str, weight: torch.Tensor | None) -> str:
     model later moved to another dtype or device (the heads' drafting kernel, read per call)."""
     if weight is None or (layout == "onednn" and not _onednn_takes(weight)):
         return "linear"
+    if layout == "gemv" and not _works("gemv", weight):
+        return "linear"
     return layout
 
 
 def _works(layout: str, weight: torch.Tensor) -> bool:
-    """Whether ``layout`` runs on this weight here (some CPUs lack oneDNN's bf16 primitives)."""
+    """Whether ``layout`` runs on this weight here (some CPUs lack oneDNN's bf16 primitives; the
+    ``gemv`` kernel takes contiguous float32 and bfloat16 weights on an x86-64 CPU with AVX2, once built)."""
+    if layout == "gemv":
+        w = weight.detach()
+        if not (_gemv.takes(w[:1], w, None) and _gemv.unavailable() is None):
+            return False
     try:
         project(torch.zeros(2, weight.shape[1], dtype=weight.dtype), weight, None, layout)
         return True
@@ -319,6 +335,9 @@ class _Dispatch:
         if parametrize.is_parametrized(m, "weight") or _form(m.weight) != self.measured:
             self.ready = None
             return
+        if "gemv" in self.kernels and not m.weight.is_contiguous():  # a view the kernel would not take
+            self.ready = None
+            return
         weight, ready = m.weight, self.ready
         if ready is None and not all(_works(k, weight) for k in set(self.kernels) - {"linear", PACKED}):
             return  # not on this machine (a model unpickled elsewhere, say): F.linear
@@ -393,7 +412,9 @@ class CPUKernels:
     ``rows``: the row counts to measure (a product of more rows uses the largest's choice);
     ``pack``: ``"auto"`` (a packed copy where it measures faster and fits
     :data:`PACK_MEMORY_SHARE` of the free memory), ``True`` (packed at every row count) or
-    ``False``; ``repeats``: interleaved timing rounds. Measuring takes a few seconds, once, and is
+    ``False``; ``gemv``: whether the package's own few-row kernel is a candidate (float32 and bfloat16 on an
+    x86-64 CPU with AVX2; built once per machine at first use, :mod:`entmtp_hf.gemv`);
+    ``repeats``: interleaved timing rounds. Measuring takes a few seconds, once, and is
     logged. :meth:`install` attaches the choices to the model for its EntMTP calls,
     :meth:`remove` takes them off; :meth:`applied` runs any block on them. A model on another
     device or in another dtype, or a torch without oneDNN, gets none (:attr:`active` is False,
@@ -401,14 +422,21 @@ class CPUKernels:
     """
 
     def __init__(
-        self, model, heads=None, *, rows: Sequence[int] = DEFAULT_ROWS, pack: bool | str = "auto", repeats: int = 3
+        self,
+        model,
+        heads=None,
+        *,
+        rows: Sequence[int] = DEFAULT_ROWS,
+        pack: bool | str = "auto",
+        gemv: bool = True,
+        repeats: int = 3,
     ) -> None:
         if pack not in PACK_CHOICES:
             raise ValueError(f"pack must be one of {PACK_CHOICES}, got {pack!r}")
         rows = sorted(set(rows))
         if not rows or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in rows) or repeats < 1:
             raise ValueError(f"rows must be positive integers and repeats >= 1, got {rows} and {repeats}")
-        self.model, self.heads, self.rows = model, heads, rows
+        self.model, self.heads, self.rows, self.gemv = model, heads, rows, bool(gemv)
         self.decoder: dict[int, str] = {}
         self.lm_head: dict[int, str] = {}
         self.drafting = "linear"
@@ -432,21 +460,27 @@ class CPUKernels:
         return PACKED in self.decoder.values()
 
     def kinds(self) -> list[str]:
-        """``"by row count"`` where some layer is routed, and ``"packed"`` where a packed copy is;
-        empty where every measured choice is ``F.linear`` (the default path's costs)."""
+        """``"by row count"`` where some layer is routed, ``"packed"`` where a packed copy is and
+        ``"gemv"`` where the package's kernel is; empty where every measured choice is ``F.linear``
+        (the default path's costs)."""
         dispatches = self._routes.dispatches
         if not dispatches:
             return []
-        return ["by row count"] + (["packed"] if any(PACKED in d.kernels for d in dispatches) else [])
+        used = {k for d in dispatches for k in d.kernels}
+        return ["by row count"] + [k for k in (PACKED, "gemv") if k in used]
 
     def _unavailable(self) -> str | None:
         head = self.model.get_output_embeddings()
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
             return "the model is not on the CPU"
+        if not _onednn_takes(weight):
+            return f"no kernel here takes {weight.dtype} weights"
+        if self.gemv and _works("gemv", weight):
+            return None
         if not onednn_available():
             return "this torch build has no oneDNN linear"
-        if not _onednn_takes(weight) or not _works("onednn", weight):
+        if not _works("onednn", weight):
             return f"oneDNN's linear does not take {weight.dtype} weights on this CPU"
         return None
 
@@ -458,7 +492,7 @@ class CPUKernels:
     def _measure(self, pack: bool | str, repeats: int) -> None:
         layers = self._layers()
         packed = self._packed_copies(layers, pack)
-        choices = DENSE_KERNELS + ((PACKED,) if packed else ())
+        choices = tuple(self._dense(layers[0].weight) if layers else ("linear",)) + ((PACKED,) if packed else ())
         times = {r: _timed_median(self._decoder_pass(layers, packed, r), choices, repeats) for r in self.rows}
         if pack is True and packed:
             self.decoder = dict.fromkeys(self.rows, PACKED)
@@ -467,7 +501,7 @@ class CPUKernels:
         table, keep = _by_rows(self.decoder), packed if self.packed else {}
         tables = {m: (table, keep.get(id(m.weight))) for m in layers}
         head = self.model.get_output_embeddings()
-        layouts = [lay for lay in HEAD_LAYOUTS if _works(lay, head.weight)]
+        layouts = [lay for lay in HEAD_LAYOUTS if (self.gemv or lay != "gemv") and _works(lay, head.weight)]
         self.lm_head = {r: self._fastest_head(head, r, layouts, repeats) for r in self.rows}
         if _linears([head]):
             tables[head] = (_by_rows(self.lm_head), None)
@@ -534,8 +568,13 @@ class CPUKernels:
             for (w, b), x in zip(weights, inputs):
                 project(x, w, b, kernel)
 
-        times = _timed_median(draft_pass, DENSE_KERNELS, repeats)
-        return min(DENSE_KERNELS, key=times.get)
+        kernels = self._dense(*(w for w, _ in weights))
+        times = _timed_median(draft_pass, kernels, repeats)
+        return min(kernels, key=times.get)
+
+    def _dense(self, *weights: torch.Tensor) -> list[str]:
+        """The plain-weight kernels to measure on these weights: those that run on every one of them."""
+        return [k for k in DENSE_KERNELS if (self.gemv or k != "gemv") and all(_works(k, w) for w in weights)]
 
     # ------------------------------------------------------------------ using them
     def applied(self):

@@ -1,0 +1,142 @@
+"""The demo model's products by kernel, and its compiled forward on the kernels EntMTP measures.
+
+Two measurements of the demo model (fp32, ``--threads`` threads), each interleaved over rounds, medians:
+
+* **products**: every ``nn.Linear`` of the decoder and the LM head back to back, as one forward runs
+  them, at 1, 2, 3, 4, 6, 8 and 16 rows, by kernel: MKL (``F.linear``), oneDNN's linear on the plain
+  weight and on a copy packed for 4 rows (where this CPU packs that dtype), and the package's few-row
+  kernel (:mod:`entmtp_hf.gemv`); in float32 and in bfloat16, beside the weights' bytes over the read
+  bandwidth this process measures (the bound);
+* **forward**: the package's compiled forward (:mod:`entmtp_hf.decoding.compiled`) at 1-4 tokens on a
+  static cache of 512 slots (300 filled), on ``F.linear`` (outside EntMTP's calls), on the kernels
+  measured without the package's kernel, and on the kernels measured with it (the default).
+
+    python scripts/product_kernels.py --out runs/product-kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import ExitStack
+from copy import deepcopy
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from compile_forward import interleaved
+from onednn_in_graph import tree_inputs
+
+from entmtp_hf import gemv
+from entmtp_hf.costs.fingerprint import machine_fingerprint
+from entmtp_hf.cpu_kernels import CPUKernels
+from entmtp_hf.decoding.attention import use_tree_attention
+from entmtp_hf.decoding.compiled import compiled_call
+from entmtp_hf.tools.checkpoint import write_json
+from entmtp_hf.tools.models import load_base_model
+from entmtp_hf.tools.profile import read_bandwidth
+
+KERNELS = ("mkl", "onednn", "packed-4", "gemv")
+ROWS = (1, 2, 3, 4, 6, 8, 16)
+
+
+def products_ms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str, float]:
+    """Median ms of all ``weights``' products at ``rows`` rows, per kernel, interleaved."""
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 4) for w in weights]
+    except RuntimeError:  # no packed primitive for this dtype here
+        packed = []
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(weights[0].dtype) for w in weights}
+
+    def run(kernel: str) -> float:
+        t0 = time.perf_counter()
+        for i, w in enumerate(weights):
+            x = xs[w.shape[1]]
+            if kernel == "mkl":
+                F.linear(x, w)
+            elif kernel == "onednn":
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            elif kernel == "packed-4":
+                torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
+            else:
+                gemv.gemv(x, w)
+        return time.perf_counter() - t0
+
+    kernels = []
+    for k in KERNELS:  # those this CPU runs for this dtype
+        try:
+            run(k)
+            kernels.append(k)
+        except (RuntimeError, IndexError):
+            pass
+    times = {k: [] for k in kernels}
+    for _ in range(rounds + 1):
+        for k in kernels:
+            times[k].append(run(k))
+    return {k: round(1e3 * statistics.median(v[1:]), 1) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if gemv.unavailable() is not None:
+        raise SystemExit(f"the package's kernel is off here: {gemv.unavailable()}")
+    model, _ = load_base_model(precision="fp32")
+    weights = [m.weight.detach() for m in model.model.modules() if type(m) is torch.nn.Linear]
+    weights.append(model.lm_head.weight.detach())
+    gbs = read_bandwidth() / 1e9
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    result = {
+        "what": "demo model, fp32: products by kernel, compiled forwards by kernel set, ms (interleaved medians)",
+        "processor": machine_fingerprint(torch.device("cpu"), torch.float32).processor,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "read_gb_per_s": round(gbs, 1),
+        "bound_ms": {"fp32": round(1e3 * nbytes / (gbs * 1e9), 1), "bf16": round(0.5e3 * nbytes / (gbs * 1e9), 1)},
+        "products_ms": {"fp32": {}, "bf16": {}},
+        "forward_ms": {},
+    }
+    print(f"weights {nbytes / 1e6:.0f} MB, read at {gbs:.1f} GB/s: bound {result['bound_ms']} ms", flush=True)
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        typed = [w.to(dtype) for w in weights]
+        for rows in ROWS:
+            result["products_ms"][precision][rows] = products_ms(typed, rows, args.rounds)
+            print(f"products, {precision}, {rows} row(s): {result['products_ms'][precision][rows]}", flush=True)
+        del typed
+    use_tree_attention(model)
+    models = {"F.linear": model, "kernels without gemv": deepcopy(model), "kernels": deepcopy(model)}
+    kernels = {
+        "kernels without gemv": CPUKernels(models["kernels without gemv"], gemv=False).install(),
+        "kernels": CPUKernels(models["kernels"]).install(),
+    }
+    for name, k in kernels.items():
+        result[f"{name}: chosen"] = k.describe()
+        print(f"{name}: {k.describe()}", flush=True)
+    calls = {name: compiled_call(m, None) for name, m in models.items()}
+
+    with torch.no_grad(), ExitStack() as stack:
+        for k in kernels.values():  # entered once, as a generate call does (each entry checks the weights)
+            stack.enter_context(k.applied())
+        for tokens in args.tokens:
+            cache, inputs = tree_inputs(model, tokens)
+            runs = {}
+            for name, call in calls.items():
+                call(**inputs)  # the compile (or the saved graph's load)
+                cache.crop(-tokens)
+                runs[name] = (lambda c=call: c(**inputs), lambda: cache.crop(-tokens))
+            times = interleaved(runs, args.rounds, 4)
+            result["forward_ms"][tokens] = {n: round(1e3 * statistics.median(v), 1) for n, v in times.items()}
+            print(f"compiled forward, {tokens} token(s): {result['forward_ms'][tokens]}", flush=True)
+    if args.out:
+        write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

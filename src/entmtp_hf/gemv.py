@@ -1,0 +1,159 @@
+"""The package's own product for a few rows (``gemv``): float32 or bfloat16 weights, AVX2 + FMA,
+built once per machine.
+
+A decode step multiplies one row (a plain step) or a few (a small tree's nodes) by every weight of
+the model, so it is bound by reading the weights. MKL and oneDNN are built for many rows: on a
+2-core AMD EPYC Zen 2 (AVX2, 32.8 GB/s) all of the demo model's products at one row took 45.3 ms
+on MKL (``F.linear``) and 31.7 ms on oneDNN against the 16.4 ms its weights take to read; this
+kernel, which multiplies each weight row into every input row while it is in registers, took
+19.2 ms at one row and 23.9 at three (``scripts/product_kernels.py``). It is one more candidate for
+:class:`~entmtp_hf.cpu_kernels.CPUKernels`, which measures it beside the others and uses it only
+at the row counts where it is fastest on this machine.
+
+bfloat16 weights are widened to float32 in registers (a bfloat16 is a float32's upper half), so
+they are read at half the bytes on CPUs without bfloat16 instructions too; sums are float32 and the
+output is rounded to bfloat16 once. Its output row ``i`` depends only on input row ``i`` (the sums
+run in the same order whatever the number of rows), so a tree's verification product equals the
+one-token product bit for bit.
+
+The C++ source (``csrc/gemv.cpp``) is compiled at first use with torch's extension builder (a C++
+compiler and ninja; about half a minute, announced) into the user cache folder, keyed by the
+source, the flags and the torch version, and loaded from there by later processes. Where it cannot
+be built or run (not x86-64 with AVX2, no compiler) :func:`unavailable` says why and the other
+kernels are used.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")  # OpenMP: torch's parallel_for splits the columns over its threads
+DTYPES = (torch.float32, torch.bfloat16)
+#: the CPU capabilities (``torch.backends.cpu.get_cpu_capability()``) that include AVX2 and FMA
+CAPABLE = ("AVX2", "AVX512")
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether :func:`gemv` computes ``F.linear(x, weight, bias)`` for these tensors: plain CPU tensors
+    all float32 or all bfloat16, a contiguous weight (a transposed view would be copied per call), no
+    gradient wanted."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    if not plain or weight.dtype not in DTYPES:
+        return False
+    if any(t.dtype != weight.dtype or t.device.type != "cpu" for t in tensors):
+        return False
+    if weight.dim() != 2 or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the kernel (check :func:`takes` and :func:`unavailable` first)."""
+    kernel, why = _built()
+    if kernel is None:
+        raise RuntimeError(f"the gemv kernel is not available: {why}")
+    return kernel(x, weight, bias)
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run here (None: it can; the first call builds or loads it)."""
+    return _built()[1]
+
+
+def _not_here() -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    if torch.backends.cpu.get_cpu_capability() not in CAPABLE:
+        return f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++ or $CXX) to build it with"
+    return None
+
+
+def build_dir() -> Path:
+    """Where the built kernel lives: per source, flags and torch / Python version."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_dir() / "kernels" / f"gemv-{key}-torch{torch.__version__.replace('+', '-')}-{py}"
+
+
+@functools.lru_cache(maxsize=None)
+def _built() -> tuple[Callable | None, str | None]:
+    """The kernel, built or loaded once per process, or None and why not."""
+    why = _not_here()
+    if why is not None:
+        return None, why
+    from torch.utils import cpp_extension
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    fresh = not any(folder.glob("*.so"))
+    if fresh:
+        print("entmtp-hf: building the CPU's few-row product kernel (once per machine, ~30 s) ...", file=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        with _ninja_on_path():
+            module = cpp_extension.load(
+                name="entmtp_hf_gemv",
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=False,
+            )
+        kernel = module.gemv
+        _check(kernel)
+    except Exception as e:  # a failed build or a wrong result: the other kernels serve
+        last = (str(e).strip().splitlines() or [""])[-1]
+        why = f"could not build or run it in {folder} ({type(e).__name__}: {last})"
+        log.warning("entmtp-hf: the gemv kernel is off: %s", why)
+        return None, why
+    if fresh:
+        print(f"entmtp-hf: built it in {time.perf_counter() - t0:.0f} s ({folder})", file=sys.stderr)
+    return kernel, None
+
+
+class _ninja_on_path:
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package installs it into the
+    environment's bin folder, which PATH need not hold when Python is started by its full path."""
+
+    def __enter__(self) -> None:
+        self.saved = os.environ.get("PATH", "")
+        if shutil.which("ninja") is None:
+            try:
+                import ninja
+
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + self.saved
+            except ImportError:
+                pass
+
+    def __exit__(self, *exc) -> None:
+        os.environ["PATH"] = self.saved
+
+
+def _check(kernel: Callable) -> None:
+    """The built kernel against ``F.linear`` on odd shapes (column and depth tails, 1-5 rows, bias)."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(7, 13, generator=g), torch.randn(7, generator=g)
+    for rows in range(1, 6):
+        x = torch.randn(rows, 13, generator=g)
+        for bias in (None, b):
+            if not torch.allclose(kernel(x, w, bias), torch.nn.functional.linear(x, w, bias), atol=1e-5):
+                raise RuntimeError(f"wrong products at {rows} rows")

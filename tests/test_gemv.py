@@ -1,0 +1,150 @@
+"""The package's few-row kernel: F.linear's products, row by row the same whatever the row count,
+built once per machine, and out of the way (with the reason said) where it cannot be built."""
+
+import platform
+import shutil
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import tiny_model
+
+import entmtp_hf.cpu_kernels as K
+import entmtp_hf.gemv as G
+from entmtp_hf import CPUKernels
+
+BUILDS_HERE = platform.machine().lower() in ("x86_64", "amd64") and shutil.which("c++") is not None
+NEEDS_IT = pytest.mark.skipif(G.unavailable() is not None, reason=f"the gemv kernel is off here: {G.unavailable()}")
+
+
+@pytest.fixture
+def rebuilt(monkeypatch, tmp_path):
+    """A fresh build attempt into an empty folder (the process's built kernel restored after)."""
+    monkeypatch.setattr(G, "build_dir", lambda: tmp_path / "kernel")
+    G._built.cache_clear()
+    yield
+    G._built.cache_clear()
+
+
+def test_an_x86_machine_with_a_compiler_builds_it():
+    """CI's machines are such: there the kernel must build and pass its own check."""
+    if BUILDS_HERE and torch.backends.cpu.get_cpu_capability() in G.CAPABLE:
+        assert G.unavailable() is None
+
+
+@NEEDS_IT
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", [(1, 8), (4, 16), (7, 13), (9, 576), (130, 40), (261, 3)])
+def test_it_computes_f_linears_product(n, k, bias):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        x = torch.randn(rows, k, generator=g)
+        torch.testing.assert_close(G.gemv(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 3, 2 * k, generator=g)[..., ::2]  # batched and strided, as a view
+    torch.testing.assert_close(G.gemv(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert G.gemv(x, w, b).shape == (2, 3, n)
+
+
+@NEEDS_IT
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_comes_out_the_same_whatever_rows_share_the_call(dtype):
+    """A tree's verification products equal the one-token products bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(67, 45, generator=g), torch.randn(67, generator=g), torch.randn(9, 45, generator=g)
+    w, b, x = w.to(dtype), b.to(dtype), x.to(dtype)
+    alone = torch.cat([G.gemv(x[i : i + 1], w, b) for i in range(9)])
+    for rows in range(1, 10):
+        assert torch.equal(G.gemv(x[:rows], w, b), alone[:rows])
+
+
+def test_it_takes_only_what_it_computes_right():
+    w, x = torch.randn(8, 16), torch.randn(2, 16)
+    assert G.takes(x, w, None) and G.takes(x, w, torch.randn(8))
+    assert G.takes(x.bfloat16(), w.bfloat16(), None)
+    assert not G.takes(x.double(), w.double(), None)  # float32 and bfloat16 only
+    assert not G.takes(x.half(), w.half(), None)
+    assert not G.takes(x, w.bfloat16(), None)  # one dtype throughout
+    assert not G.takes(x, w, torch.randn(8).bfloat16())
+    assert not G.takes(torch.randn(2, 8), torch.randn(16, 8).t(), None)  # a transposed view: copied per call
+    assert not G.takes(x, torch.nn.Parameter(w), None)  # a gradient wanted: F.linear computes it
+    with torch.no_grad():
+        assert G.takes(x, torch.nn.Parameter(w), None)
+
+
+@NEEDS_IT
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_bfloat16_weights_are_summed_in_float32_and_rounded_once(rows):
+    """bfloat16 in and out, as ``F.linear`` on bfloat16 gives: the float32 product of the same
+    values rounded to bfloat16, here within one bfloat16 step of it."""
+    g = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(130, 77, generator=g), torch.randn(130, generator=g), torch.randn(rows, 77, generator=g)
+    w, b, x = w.bfloat16(), b.bfloat16(), x.bfloat16()
+    out = G.gemv(x, w, b)
+    exact = F.linear(x.float(), w.float(), b.float())
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+
+
+@NEEDS_IT
+def test_where_a_gradient_is_wanted_the_layout_runs_f_linear():
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    K.project(torch.randn(2, 16), w, None, "gemv").sum().backward()
+    assert w.grad is not None
+
+
+def test_where_it_cannot_be_built_it_says_why_and_the_other_kernels_serve(rebuilt, monkeypatch):
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError("Error building extension 'entmtp_hf_gemv'\nc++: fatal error")
+
+    monkeypatch.setattr(G, "_not_here", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    why = G.unavailable()
+    assert why.startswith("could not build or run it in ") and "c++: fatal error" in why
+    with pytest.raises(RuntimeError, match="not available"):
+        G.gemv(torch.randn(1, 4), torch.randn(2, 4))
+    assert not K._works("gemv", torch.randn(2, 4)) and K.fitted_layout("gemv", torch.randn(2, 4)) == "linear"
+    seen = []
+
+    def timed(run, choices, repeats):
+        seen.append(choices)
+        return dict.fromkeys(choices, 1.0)
+
+    monkeypatch.setattr(K, "_timed_median", timed)
+    CPUKernels(tiny_model(seed=1).float(), rows=(1, 2), repeats=1)
+    assert seen and not any("gemv" in c for c in seen)
+
+
+def test_a_build_that_computes_wrong_products_is_not_used(rebuilt, monkeypatch):
+    from torch.utils import cpp_extension
+
+    wrong = types.SimpleNamespace(gemv=lambda x, w, b: torch.zeros(*x.shape[:-1], w.shape[0]))
+    monkeypatch.setattr(G, "_not_here", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: wrong)
+    assert "wrong products" in G.unavailable()
+
+
+def test_off_where_the_cpu_cannot_run_it(rebuilt, monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert G.unavailable() == "not an x86-64 CPU (aarch64)"
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    G._built.cache_clear()
+    assert "no AVX2" in G.unavailable()
+
+
+@NEEDS_IT
+def test_a_second_process_loads_the_built_kernel_without_building(tmp_path):
+    """The build is kept in the user cache folder, keyed by source, flags, torch and Python."""
+    import subprocess
+    import sys
+
+    code = "import entmtp_hf.gemv as G; print(G.unavailable(), G.build_dir())"
+    env = {**__import__("os").environ}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[0] == "None", out.stderr[-2000:]
+    assert "building" not in out.stderr and out.stdout.split()[1] == str(G.build_dir())
