@@ -14,7 +14,9 @@ token ids, greedy) in the same rotation, so that both are timed under the same l
 (``--out``) the median tokens/s per task and method, the ratios of compiled EntMTP to each of the others,
 and whether each output equals its own plain decoding's (eager for eager, compiled for compiled) token for
 token: where not, the first differing position and the model's logit gap there between the two tokens
-(a near-zero gap is a tie that rounding decides, as bf16 and int8 weights make more likely).
+(a near-zero gap is a tie that rounding decides, as bf16 and int8 weights make more likely). ``--calibrate``
+measures the step costs (eager, on the model's CPU kernels) before the timing, so the banks rank their trees
+on this machine's costs rather than as stored; the per-call compiled path reads the same table.
 
     python scripts/compile_generate.py --precision fp32 --out docs/results/compile-forward/xeon-generate-fp32.json
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from entmtp_hf.calibration import calibrate
 from entmtp_hf.costs.fingerprint import machine_fingerprint
 from entmtp_hf.cpu_kernels import applied_kernels, kernel_routing
 from entmtp_hf.decoding.compiled import compiled_call, compiled_generation
@@ -64,10 +67,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--entmtp", action="store_true", help="also EntMTP with the shipped banks, eager and compiled")
     ap.add_argument("--gguf", type=Path, action="append", default=[], help="also llama.cpp on this GGUF file")
+    ap.add_argument("--calibrate", action="store_true", help="rank the banks' trees on costs measured first")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok, bank_dir = load_demo(precision=args.precision)
+    if args.calibrate:
+        calibrate(model, refresh=True)
     fast = compiled_generation(max_cache_len=512)
     bank = {task: {"entmtp_config": config_for(bank_dir, name)} for task, name in zip(TASKS, BANK_TASKS)}
     kinds = ["eager", "compiled", *(("compiled-kernels",) if kernel_routing(model) else ())]
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "prompts_per_task": args.prompts,
         "rounds": args.rounds,
+        "calibrated": args.calibrate,
         "compile_s": round(compile_s, 1),
         "graphs_compiled": [[what, round(s, 1)] for what, s in compiles],
         "gguf": [f.name for f in args.gguf],
