@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--no-products", action="store_true", help="the compiled forwards only")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         "forward_ms": {},
     }
     print(f"weights {nbytes / 1e6:.0f} MB, read at {gbs:.1f} GB/s: bound {result['bound_ms']} ms", flush=True)
-    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for precision, dtype in () if args.no_products else (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         typed = [w.to(dtype) for w in weights]
         for rows in ROWS:
             result["products_ms"][precision][rows] = products_ms(typed, rows, args.rounds)

@@ -163,6 +163,24 @@ def test_a_dispatcher_runs_its_kernels_only_inside_applied_and_only_on_the_weigh
 
 
 @ONEDNN
+def test_a_weight_parametrized_or_replaced_inside_a_call_runs_f_linear_on_it():
+    """The dispatcher reads the layer's tensors directly (no attribute lookup per product); a weight
+    parametrized or swapped after the call began is multiplied as the layer now computes it."""
+    layer = torch.nn.Linear(16, 8)
+    routes = K._Routes({layer: (["linear", "onednn", "onednn"], None)})
+    routes.install()
+    x = torch.randn(2, 16)
+    with torch.no_grad(), routes.applied():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        layer.weight = torch.nn.Parameter(layer.weight.detach() * 2.0)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        parametrize.register_parametrization(layer, "weight", _Scaled())
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert torch.equal(torch.ops.entmtp_hf.linear(x, layer.weight, layer.bias), layer(x))
+    routes.remove()
+
+
+@ONEDNN
 def test_a_compiled_graph_multiplies_on_the_kernels_where_an_eager_call_would():
     """In a traced graph a routed layer is one ``entmtp_hf::linear`` operator that runs the layer's
     dispatcher when the graph runs: its packed copy inside ``applied``, ``F.linear`` outside, on the

@@ -217,9 +217,14 @@ def _graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)`` on the measured kernel of the layer holding ``weight``, where its
     dispatcher may serve this call (see :data:`_DISPATCH_BY_WEIGHT`); ``F.linear`` otherwise."""
     dispatch = _DISPATCH_BY_WEIGHT.get(weight.data_ptr())
-    if dispatch is None or _storage(dispatch.module.weight) != _storage(weight):
+    if dispatch is None:
         return F.linear(x, weight, bias)
-    if _storage(dispatch.module.bias) != _storage(bias):
+    params = dispatch.module._parameters  # not the attribute: a parametrized weight is not there (F.linear)
+    held, held_bias = params.get("weight"), params.get("bias")
+    # the very tensors the layer holds (a graph's inputs are), else the same storage and layout
+    if held is not weight and _storage(held) != _storage(weight):
+        return F.linear(x, weight, bias)
+    if held_bias is not bias and _storage(held_bias) != _storage(bias):
         return F.linear(x, weight, bias)
     return dispatch(x).contiguous()  # the layer's own product (``transposed`` returns a transposed view)
 
@@ -362,15 +367,21 @@ class _Dispatch:
             return torch.ops.entmtp_hf.linear(x, m.weight, m.bias) if on_kernels else F.linear(x, m.weight, m.bias)
         if ready is None or not self.owner.active():
             return F.linear(x, m.weight, m.bias)
+        params = m._parameters  # read directly: nn.Module's attribute lookup costs microseconds per product
+        weight, bias = params.get("weight"), params.get("bias")
+        if weight is None:  # parametrized since this call began
+            return F.linear(x, m.weight, m.bias)
         rows = x.numel() // x.shape[-1]
         kernel = self.kernels[min(rows, len(self.kernels) - 1)]
-        if kernel == "linear" or rows == 0 or m.weight.data_ptr() != ready[0]:
-            return F.linear(x, m.weight, m.bias)
+        if kernel == "linear" or rows == 0 or weight.data_ptr() != ready[0]:
+            return F.linear(x, weight, bias)
+        if kernel == "gemv" and not torch.is_grad_enabled():  # any leading shape, as F.linear
+            return _gemv.gemv(x, weight, bias)
         flat = x.reshape(rows, x.shape[-1])
         if kernel == PACKED:
-            out = torch.ops.mkldnn._linear_pointwise(flat, ready[1], m.bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(flat, ready[1], bias, "none", [], "")
         else:
-            out = project(flat, m.weight, m.bias, kernel)
+            out = project(flat, weight, bias, kernel)
         return out.reshape(*x.shape[:-1], -1)
 
     def __getstate__(self) -> dict:
