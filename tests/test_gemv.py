@@ -119,6 +119,15 @@ def test_where_it_cannot_be_built_it_says_why_and_the_other_kernels_serve(rebuil
     assert seen and not any("gemv" in c for c in seen)
 
 
+def test_a_cache_folder_that_cannot_be_written_turns_it_off_with_the_folder_named(rebuilt, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(G, "build_dir", lambda: blocker / "kernel")
+    monkeypatch.setattr(G, "_not_here", lambda: None)
+    why = G.unavailable()
+    assert why.startswith(f"could not build or run it in {blocker / 'kernel'}")
+
+
 def test_a_build_that_computes_wrong_products_is_not_used(rebuilt, monkeypatch):
     from torch.utils import cpp_extension
 

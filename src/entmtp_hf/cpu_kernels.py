@@ -525,7 +525,7 @@ class CPUKernels:
     def _packed_copies(self, layers: list[torch.nn.Linear], pack: bool | str) -> dict[int, torch.Tensor]:
         """Packed copies of the decoder's weights to measure (and keep where chosen), if asked for,
         available on this CPU and dtype, and within :data:`PACK_MEMORY_SHARE` of the free memory."""
-        if pack is False or not layers:
+        if pack is False or not layers or not onednn_available():
             return {}
         size, free = sum(m.weight.numel() * m.weight.element_size() for m in layers), _available_bytes()
         if pack == "auto" and free is not None and size > PACK_MEMORY_SHARE * free:

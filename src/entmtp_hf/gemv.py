@@ -103,12 +103,12 @@ def _built() -> tuple[Callable | None, str | None]:
     from torch.utils import cpp_extension
 
     folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     fresh = not any(folder.glob("*.so"))
     if fresh:
         print("entmtp-hf: building the CPU's few-row product kernel (once per machine, ~30 s) ...", file=sys.stderr)
     t0 = time.perf_counter()
-    try:
+    try:  # a folder that cannot be written, a failed build or a wrong result: the other kernels serve
+        folder.mkdir(parents=True, exist_ok=True)
         with _ninja_on_path():
             module = cpp_extension.load(
                 name="entmtp_hf_gemv",
@@ -120,7 +120,7 @@ def _built() -> tuple[Callable | None, str | None]:
             )
         kernel = module.gemv
         _check(kernel)
-    except Exception as e:  # a failed build or a wrong result: the other kernels serve
+    except Exception as e:
         last = (str(e).strip().splitlines() or [""])[-1]
         why = f"could not build or run it in {folder} ({type(e).__name__}: {last})"
         log.warning("entmtp-hf: the gemv kernel is off: %s", why)
