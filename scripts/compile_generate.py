@@ -8,7 +8,8 @@ seconds are reported), back to back, and where the model has CPU kernels (``enab
 plain ``generate`` on the compiled path inside ``applied_kernels(model)``, its graph multiplying on the
 kernels EntMTP's calls use (``compiled-kernels``); with ``--entmtp``, also EntMTP with the task's shipped bank
 (``load_demo()``'s drafter and banks, code/math/chat -> humaneval/gsm8k/chat) eager and on the same
-compiled path (each tree size's graph compiled in a warm-up call before the timing); with ``--gguf FILE``
+compiled path (every graph its timed calls take compiled in a warm-up before the timing: the same greedy
+call, since a step may fall back to a one-token verification, a graph of its own); with ``--gguf FILE``
 (repeatable), also llama.cpp's plain decoding of that file (``scripts/llamacpp_baseline.py``: the same
 token ids, greedy) in the same rotation, so that both are timed under the same load. Prints and saves
 (``--out``) the median tokens/s per task and method, the ratios of compiled EntMTP to each of the others,
@@ -92,8 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [(task, torch.tensor([ids])) for task, ids in held_out_ids(tok, args.prompts)]
     t0 = time.perf_counter()
     model.generate(prompts[0][1], max_new_tokens=2, do_sample=False, **fast)  # compiles plain decoding's graph
-    for task, ids in prompts if args.entmtp else ():  # and every tree size the banks' plans verify
-        model.generate(ids, max_new_tokens=2, do_sample=False, **extra("entmtp-compiled", task))
+    for task, ids in prompts if args.entmtp else ():  # and every graph EntMTP's timed calls take: greedy, the
+        model.generate(ids, **greedy, **extra("entmtp-compiled", task))  # same steps (a fallback to one token too)
     compile_s = time.perf_counter() - t0
     methods = kinds + list(engines)
     speed = {(task, kind): [] for task in TASKS for kind in methods}
