@@ -24,6 +24,7 @@ import tempfile
 import time
 from copy import deepcopy
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,36 +36,41 @@ from entmtp_hf.decoding.compiled import compiled_call
 from entmtp_hf.tools.checkpoint import write_json
 from entmtp_hf.tools.models import load_base_model
 
-KERNELS = ("mkl", "onednn", "packed-1", "packed-4", "x@WT", "W@xT")
+
+def back_to_back_ms(
+    weights: list[torch.Tensor], rows: int, rounds: int, kernels: dict[str, Callable[[int, torch.Tensor], Any]]
+) -> dict[str, float]:
+    """Median ms of all ``weights``' products at ``rows`` rows back to back, per kernel, interleaved
+    (each kernel a function of the weight's index and the input rows)."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(weights[0].dtype) for w in weights}
+
+    def run(product: Callable[[int, torch.Tensor], Any]) -> float:
+        t0 = time.perf_counter()
+        for i, w in enumerate(weights):
+            product(i, xs[w.shape[1]])
+        return time.perf_counter() - t0
+
+    times = {k: [] for k in kernels}
+    for _ in range(rounds + 1):
+        for k, product in kernels.items():
+            times[k].append(run(product))
+    return {k: round(1e3 * statistics.median(v[1:]), 1) for k, v in times.items()}
 
 
 def products_ms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str, float]:
-    """Median ms of all ``weights``' products at ``rows`` rows, per kernel, interleaved."""
+    """Median ms of all ``weights``' products at ``rows`` rows, per kernel (MKL, oneDNN, packed, transposed)."""
     packed = {r: [torch.ops.mkldnn._reorder_linear_weight(w, r) for w in weights] for r in (1, 4)}
     transposed = [w.t().contiguous() for w in weights]
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-
-    def run(kernel: str) -> float:
-        t0 = time.perf_counter()
-        for i, w in enumerate(weights):
-            x = xs[w.shape[1]]
-            if kernel == "mkl":
-                F.linear(x, w)
-            elif kernel == "onednn":
-                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-            elif kernel.startswith("packed"):
-                torch.ops.mkldnn._linear_pointwise(x, packed[int(kernel[-1])][i], None, "none", [], "")
-            elif kernel == "x@WT":
-                torch.mm(x, transposed[i])
-            else:
-                torch.mm(w, x.t())
-        return time.perf_counter() - t0
-
-    times = {k: [] for k in KERNELS}
-    for _ in range(rounds + 1):
-        for k in KERNELS:
-            times[k].append(run(k))
-    return {k: round(1e3 * statistics.median(v[1:]), 1) for k, v in times.items()}
+    onednn = torch.ops.mkldnn._linear_pointwise
+    kernels = {
+        "mkl": lambda i, x: F.linear(x, weights[i]),
+        "onednn": lambda i, x: onednn(x, weights[i], None, "none", [], ""),
+        "packed-1": lambda i, x: onednn(x, packed[1][i], None, "none", [], ""),
+        "packed-4": lambda i, x: onednn(x, packed[4][i], None, "none", [], ""),
+        "x@WT": lambda i, x: torch.mm(x, transposed[i]),
+        "W@xT": lambda i, x: torch.mm(weights[i], x.t()),
+    }
+    return back_to_back_ms(weights, rows, rounds, kernels)
 
 
 def with_packed_products(model) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """The demo model's products by kernel, and its compiled forward on the kernels EntMTP measures.
 
-Two measurements of the demo model (fp32, ``--threads`` threads), each interleaved over rounds, medians:
+Two measurements of the demo model (``--threads`` threads), each interleaved over rounds, medians:
 
 * **products**: every ``nn.Linear`` of the decoder and the LM head back to back, as one forward runs
   them, at 1, 2, 3, 4, 6, 8 and 16 rows, by kernel: MKL (``F.linear``), oneDNN's linear on the plain
@@ -9,16 +9,18 @@ Two measurements of the demo model (fp32, ``--threads`` threads), each interleav
   bandwidth this process measures (the bound);
 * **forward**: the package's compiled forward (:mod:`entmtp_hf.decoding.compiled`) at 1-4 tokens on a
   static cache of 512 slots (300 filled), on ``F.linear`` (outside EntMTP's calls), on the kernels
-  measured without the package's kernel, and on the kernels measured with it (the default).
+  measured without the package's kernel, and on the kernels measured with it (the default), in
+  ``--precision`` (a bfloat16 model whose products are not routed compiles frozen: its ``F.linear``
+  row is inductor's own products).
 
     python scripts/product_kernels.py --out runs/product-kernels.json
+    python scripts/product_kernels.py --no-products --precision bf16 --tokens 1 3 --out runs/product-kernels-bf16.json
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from contextlib import ExitStack
 from copy import deepcopy
 from pathlib import Path
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from compile_forward import interleaved
-from onednn_in_graph import tree_inputs
+from onednn_in_graph import back_to_back_ms, tree_inputs
 
 from entmtp_hf import gemv
 from entmtp_hf.costs.fingerprint import machine_fingerprint
@@ -42,59 +44,51 @@ ROWS = (1, 2, 3, 4, 6, 8, 16)
 
 
 def products_ms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str, float]:
-    """Median ms of all ``weights``' products at ``rows`` rows, per kernel, interleaved."""
+    """Median ms of all ``weights``' products at ``rows`` rows, per kernel of :data:`KERNELS` this
+    CPU runs for their dtype, interleaved."""
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 4) for w in weights]
     except RuntimeError:  # no packed primitive for this dtype here
         packed = []
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(weights[0].dtype) for w in weights}
-
-    def run(kernel: str) -> float:
-        t0 = time.perf_counter()
-        for i, w in enumerate(weights):
-            x = xs[w.shape[1]]
-            if kernel == "mkl":
-                F.linear(x, w)
-            elif kernel == "onednn":
-                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-            elif kernel == "packed-4":
-                torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
-            else:
-                gemv.gemv(x, w)
-        return time.perf_counter() - t0
-
-    kernels = []
-    for k in KERNELS:  # those this CPU runs for this dtype
+    onednn = torch.ops.mkldnn._linear_pointwise
+    products = {
+        "mkl": lambda i, x: F.linear(x, weights[i]),
+        "onednn": lambda i, x: onednn(x, weights[i], None, "none", [], ""),
+        "packed-4": lambda i, x: onednn(x, packed[i], None, "none", [], ""),
+        "gemv": lambda i, x: gemv.gemv(x, weights[i]),
+    }
+    x = torch.randn(rows, weights[0].shape[1]).to(weights[0].dtype)
+    runs = {}
+    for name in KERNELS:
         try:
-            run(k)
-            kernels.append(k)
-        except (RuntimeError, IndexError):
+            products[name](0, x)
+            runs[name] = products[name]
+        except (RuntimeError, IndexError):  # not for this dtype on this CPU
             pass
-    times = {k: [] for k in kernels}
-    for _ in range(rounds + 1):
-        for k in kernels:
-            times[k].append(run(k))
-    return {k: round(1e3 * statistics.median(v[1:]), 1) for k, v in times.items()}
+    return back_to_back_ms(weights, rows, rounds, runs)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 3, 4], help="of the compiled forwards (none: none)")
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="of the products")
     ap.add_argument("--no-products", action="store_true", help="the compiled forwards only")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="of the compiled forwards")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if gemv.unavailable() is not None:
         raise SystemExit(f"the package's kernel is off here: {gemv.unavailable()}")
-    model, _ = load_base_model(precision="fp32")
-    weights = [m.weight.detach() for m in model.model.modules() if type(m) is torch.nn.Linear]
-    weights.append(model.lm_head.weight.detach())
+    model, _ = load_base_model(precision=args.precision)
+    weights = [m.weight.detach().float() for m in model.model.modules() if type(m) is torch.nn.Linear]
+    weights.append(model.lm_head.weight.detach().float())
     gbs = read_bandwidth() / 1e9
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     result = {
-        "what": "demo model, fp32: products by kernel, compiled forwards by kernel set, ms (interleaved medians)",
+        "what": "demo model: products by kernel, compiled forwards by kernel set, ms (interleaved medians)",
+        "forward_precision": args.precision,
         "processor": machine_fingerprint(torch.device("cpu"), torch.float32).processor,
         "threads": args.threads,
         "torch": torch.__version__,
@@ -106,10 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"weights {nbytes / 1e6:.0f} MB, read at {gbs:.1f} GB/s: bound {result['bound_ms']} ms", flush=True)
     for precision, dtype in () if args.no_products else (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         typed = [w.to(dtype) for w in weights]
-        for rows in ROWS:
+        for rows in args.rows:
             result["products_ms"][precision][rows] = products_ms(typed, rows, args.rounds)
             print(f"products, {precision}, {rows} row(s): {result['products_ms'][precision][rows]}", flush=True)
         del typed
+    if not args.tokens:  # the products only
+        if args.out:
+            write_json(args.out, result)
+        return result
     use_tree_attention(model)
     models = {"F.linear": model, "kernels without gemv": deepcopy(model), "kernels": deepcopy(model)}
     kernels = {

@@ -32,7 +32,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 def test_transformers_defaults_become_static_shapes_and_the_cpu_options():
     """On a CPU: no CUDA-graph mode; float32 graphs unfrozen (a second process reuses inductor's caches),
-    other dtypes frozen (their weights prepacked)."""
+    other dtypes frozen (their weights prepacked) unless the CPU kernels route their products (whose
+    graph operator needs the weights as inputs)."""
     assert compile_kwargs(None, CPU) == {
         "backend": "inductor",
         "fullgraph": False,
@@ -42,6 +43,7 @@ def test_transformers_defaults_become_static_shapes_and_the_cpu_options():
     }
     assert compile_kwargs(CompileConfig(), CPU) == compile_kwargs(None, CPU)
     assert compile_kwargs(None, CPU, torch.bfloat16)["options"] == {"freezing": True}
+    assert compile_kwargs(None, CPU, torch.bfloat16, routed=True)["options"] == {}
     assert compile_kwargs(None, CUDA, torch.bfloat16) == compile_kwargs(None, CUDA)
     # CUDA keeps transformers' CUDA-graph mode, with static shapes
     assert compile_kwargs(None, CUDA) == {

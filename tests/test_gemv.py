@@ -99,7 +99,7 @@ def test_where_it_cannot_be_built_it_says_why_and_the_other_kernels_serve(rebuil
     from torch.utils import cpp_extension
 
     def broken(**kwargs):
-        raise RuntimeError("Error building extension 'entmtp_hf_gemv'\nc++: fatal error")
+        raise RuntimeError("Error building extension 'entmtp_hf_cpu'\nc++: fatal error")
 
     monkeypatch.setattr(G, "_not_here", lambda: None)
     monkeypatch.setattr(cpp_extension, "load", broken)

@@ -36,7 +36,9 @@ and uses it only where that dispatcher's layer holds this very weight and its mo
 :meth:`CPUKernels.applied` in this thread; anywhere else it runs ``F.linear``. So a compiled EntMTP
 call multiplies on the measured kernels as an eager one does (on a 2-core AMD EPYC Zen 2 a compiled
 3-token forward of the demo model took 49.8 ms on them against 92.9 ms on MKL), and a graph traced
-with the kernels stays correct in any call.
+with the kernels stays correct in any call. The operator needs the weights as graph inputs, so a
+routed model's bfloat16 forward compiles without inductor's ``freezing``
+(:func:`~entmtp_hf.decoding.compiled.default_options`).
 
 Why instance forwards and not a :class:`~torch.overrides.TorchFunctionMode` or module hooks:
 on the demo model (2-core AMD EPYC, fp32) a mode that sees every torch call added 8-10 ms to a
@@ -318,7 +320,7 @@ class _Dispatch:
 
     @property
     def traced_as(self) -> str:
-        """What a compiled graph of a float32 forward without gradients calls for this layer: the
+        """What a compiled graph of a forward without gradients calls for this layer: the
         ``operator`` (``entmtp_hf::linear``) where some row count has a kernel of its own, else
         ``F.linear``. Not the choice per row count, which may flip between near-equal kernels from
         one measurement to the next: a saved graph's key holds this, and stays the same."""
@@ -361,9 +363,7 @@ class _Dispatch:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m, ready = self.module, self.ready
         if torch.compiler.is_compiling():  # one operator the graph calls, which runs this dispatcher
-            # float32 only: a bf16 graph is frozen and inductor packs its products for oneDNN itself
-            on_kernels = self.traced_as == "operator" and m.weight.dtype == torch.float32
-            on_kernels = on_kernels and not torch.is_grad_enabled()
+            on_kernels = self.traced_as == "operator" and not torch.is_grad_enabled()
             return torch.ops.entmtp_hf.linear(x, m.weight, m.bias) if on_kernels else F.linear(x, m.weight, m.bias)
         if ready is None or not self.owner.active():
             return F.linear(x, m.weight, m.bias)

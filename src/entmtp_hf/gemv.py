@@ -3,10 +3,11 @@ built once per machine.
 
 A decode step multiplies one row (a plain step) or a few (a small tree's nodes) by every weight of
 the model, so it is bound by reading the weights. MKL and oneDNN are built for many rows: on a
-2-core AMD EPYC Zen 2 (AVX2, 32.8 GB/s) all of the demo model's products at one row took 45.3 ms
-on MKL (``F.linear``) and 31.7 ms on oneDNN against the 16.4 ms its weights take to read; this
-kernel, which multiplies each weight row into every input row while it is in registers, took
-19.2 ms at one row and 23.9 at three (``scripts/product_kernels.py``). It is one more candidate for
+2-core AMD EPYC Zen 2 (AVX2, 32.5 GB/s) all of the demo model's products at one row took 43.7 ms
+on MKL (``F.linear``) and 30.8 ms on oneDNN against the 16.6 ms its weights take to read; this
+kernel, which multiplies each weight row into every input row while it is in registers (fetching
+the rows ahead), took 18.9 ms at one row and 21.4 at three, 13.8 ms in bfloat16
+(``scripts/product_kernels.py``). It is one more candidate for
 :class:`~entmtp_hf.cpu_kernels.CPUKernels`, which measures it beside the others and uses it only
 at the row counts where it is fastest on this machine.
 
@@ -16,11 +17,12 @@ output is rounded to bfloat16 once. Its output row ``i`` depends only on input r
 run in the same order whatever the number of rows), so a tree's verification product equals the
 one-token product bit for bit.
 
-The C++ source (``csrc/gemv.cpp``) is compiled at first use with torch's extension builder (a C++
-compiler and ninja; about half a minute, announced) into the user cache folder, keyed by the
-source, the flags and the torch version, and loaded from there by later processes. Where it cannot
-be built or run (not x86-64 with AVX2, no compiler) :func:`unavailable` says why and the other
-kernels are used.
+The C++ sources (``csrc/gemv.cpp``, and ``csrc/attention.cpp``: the decode attention compiled
+graphs run, :func:`~entmtp_hf.decoding.attention.graph_attention`) are compiled into one extension
+at first use with torch's extension builder (a C++ compiler and ninja; about 40 s, announced) in
+the user cache folder, keyed by the sources, the flags and the torch version, and loaded from there
+by later processes. Where it cannot be built or run (not x86-64 with AVX2, no compiler)
+:func:`unavailable` says why and the other kernels (and ``sdpa``) are used.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from types import ModuleType
 
 import torch
 
@@ -42,7 +44,11 @@ from .paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
+CSRC = Path(__file__).with_name("csrc")
+#: the extension's sources: the few-row product, the decode attention
+#: (:func:`~entmtp_hf.decoding.attention.grouped_tree_attention` runs it in compiled graphs) and the module
+SOURCES = tuple(CSRC / name for name in ("gemv.cpp", "attention.cpp", "module.cpp"))
+HEADERS = (CSRC / "simd.h",)  # what the sources include: part of the build's key
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")  # OpenMP: torch's parallel_for splits the columns over its threads
 DTYPES = (torch.float32, torch.bfloat16)
 #: the CPU capabilities (``torch.backends.cpu.get_cpu_capability()``) that include AVX2 and FMA
@@ -66,10 +72,15 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on the kernel (check :func:`takes` and :func:`unavailable` first)."""
-    kernel, why = _built()
-    if kernel is None:
-        raise RuntimeError(f"the gemv kernel is not available: {why}")
-    return kernel(x, weight, bias)
+    return extension().gemv(x, weight, bias)
+
+
+def extension():
+    """The built extension (``gemv``, ``decode_attention``); raises where it cannot run here."""
+    module, why = _built()
+    if module is None:
+        raise RuntimeError(f"the package's CPU kernels are not available: {why}")
+    return module
 
 
 def unavailable() -> str | None:
@@ -89,14 +100,15 @@ def _not_here() -> str | None:
 
 def build_dir() -> Path:
     """Where the built kernel lives: per source, flags and torch / Python version."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    key = hashlib.sha256(code + " ".join(CFLAGS).encode()).hexdigest()[:12]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     return cache_dir() / "kernels" / f"gemv-{key}-torch{torch.__version__.replace('+', '-')}-{py}"
 
 
 @functools.lru_cache(maxsize=None)
-def _built() -> tuple[Callable | None, str | None]:
-    """The kernel, built or loaded once per process, or None and why not."""
+def _built() -> tuple[ModuleType | None, str | None]:
+    """The extension, built or loaded once per process, or None and why not."""
     why = _not_here()
     if why is not None:
         return None, why
@@ -105,21 +117,21 @@ def _built() -> tuple[Callable | None, str | None]:
     folder = build_dir()
     fresh = not any(folder.glob("*.so"))
     if fresh:
-        print("entmtp-hf: building the CPU's few-row product kernel (once per machine, ~30 s) ...", file=sys.stderr)
+        what = "few-row product, decode attention; once per machine, ~40 s"
+        print(f"entmtp-hf: building the package's CPU kernels ({what}) ...", file=sys.stderr)
     t0 = time.perf_counter()
     try:  # a folder that cannot be written, a failed build or a wrong result: the other kernels serve
         folder.mkdir(parents=True, exist_ok=True)
         with _ninja_on_path():
             module = cpp_extension.load(
-                name="entmtp_hf_gemv",
-                sources=[str(SOURCE)],
+                name="entmtp_hf_cpu",
+                sources=[str(p) for p in SOURCES],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(folder),
                 verbose=False,
             )
-        kernel = module.gemv
-        _check(kernel)
+        _check(module)
     except Exception as e:
         last = (str(e).strip().splitlines() or [""])[-1]
         why = f"could not build or run it in {folder} ({type(e).__name__}: {last})"
@@ -127,7 +139,7 @@ def _built() -> tuple[Callable | None, str | None]:
         return None, why
     if fresh:
         print(f"entmtp-hf: built it in {time.perf_counter() - t0:.0f} s ({folder})", file=sys.stderr)
-    return kernel, None
+    return module, None
 
 
 class _ninja_on_path:
@@ -148,12 +160,24 @@ class _ninja_on_path:
         os.environ["PATH"] = self.saved
 
 
-def _check(kernel: Callable) -> None:
-    """The built kernel against ``F.linear`` on odd shapes (column and depth tails, 1-5 rows, bias)."""
+def _check(module: ModuleType) -> None:
+    """The built kernels against torch on odd shapes: products (column and depth tails, 1-5 rows,
+    bias) against ``F.linear``, attention (3 query heads on one key/value head, a masked key, a
+    key count off the groups of four) against ``F.scaled_dot_product_attention``."""
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(7, 13, generator=g), torch.randn(7, generator=g)
     for rows in range(1, 6):
         x = torch.randn(rows, 13, generator=g)
         for bias in (None, b):
-            if not torch.allclose(kernel(x, w, bias), torch.nn.functional.linear(x, w, bias), atol=1e-5):
+            if not torch.allclose(module.gemv(x, w, bias), torch.nn.functional.linear(x, w, bias), atol=1e-5):
                 raise RuntimeError(f"wrong products at {rows} rows")
+    q, k, v = (
+        torch.randn(1, 3, 2, 16, generator=g),
+        torch.randn(1, 1, 5, 16, generator=g),
+        torch.randn(1, 1, 5, 16, generator=g),
+    )
+    mask = torch.zeros(1, 1, 2, 5)
+    mask[..., 3] = torch.finfo(torch.float32).min
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if not torch.allclose(module.decode_attention(q, k, v, mask, 0.25), want.transpose(1, 2), atol=1e-5):
+        raise RuntimeError("wrong attention")

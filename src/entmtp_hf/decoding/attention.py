@@ -47,6 +47,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .. import gemv as _gemv
 from ..errors import EntMTPError
 from ..trees.tree import TreeBuffers
 
@@ -162,20 +163,67 @@ def grouped_tree_attention(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``sdpa`` keeping grouped key/value heads grouped on CPU: a verified tree, any compiled decode forward."""
+    """``sdpa`` keeping grouped key/value heads grouped on CPU: a verified tree, any compiled decode
+    forward (there on the package's decode attention where it runs, :func:`graph_attention`)."""
     groups = getattr(module, "num_key_value_groups", 1)
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and dropout == 0.0
     # a compiled graph is a decode forward (the prefill stays eager), a tree's or plain decoding's; the
     # context variable is not traceable: checked only outside compiled code
-    decoding = torch.compiler.is_compiling() or (_VERIFYING.get() and query.shape[2] > 1)
-    if groups > 1 and plain and decoding and attention_mask is not None and query.device.type == "cpu":
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
-        )
-        return out.transpose(1, 2).contiguous(), None
+    compiled = torch.compiler.is_compiling()
+    decoding = compiled or (_VERIFYING.get() and query.shape[2] > 1)
+    if plain and decoding and attention_mask is not None and query.device.type == "cpu":
+        if compiled and _kernel_takes(query, key, value) and graph_attention() == KERNEL:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return torch.ops.entmtp_hf.decode_attention(query, key, value, attention_mask, scale), None
+        if groups > 1:
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+            )
+            return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
     )
+
+
+#: what :func:`graph_attention` names the package's decode attention
+KERNEL = "entmtp_hf::decode_attention"
+
+
+@torch.compiler.assume_constant_result  # asked while tracing: a constant of the graph, not a break
+def graph_attention() -> str:
+    """What a compiled CPU decode forward attends with: the package's decode attention
+    (:data:`KERNEL`, ``csrc/attention.cpp``: one layer of the demo model at one token took 23 us in
+    float32 and 32 us in bfloat16 where PyTorch's flash kernel took 59 and 332 us) where the package's
+    CPU kernels are built here, else ``sdpa``. Part of a saved graph's key."""
+    return KERNEL if _gemv.unavailable() is None else "sdpa"
+
+
+#: the most query tokens the decode attention takes: it reads a head's keys once per query row, and
+#: past ~8 tokens of the demo model's 3 query heads per key/value head the flash kernel was faster
+KERNEL_MAX_TOKENS = 8
+
+
+def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    if query.shape[2] > KERNEL_MAX_TOKENS:
+        return False
+    same = query.dtype == key.dtype == value.dtype and query.dtype in (torch.float32, torch.bfloat16)
+    grouped = query.shape[1] % key.shape[1] == 0 and query.shape[-1] % 8 == 0
+    return same and grouped and key.stride(-1) == 1 and value.stride(-1) == 1
+
+
+@torch.library.custom_op(KERNEL, mutates_args=())
+def _decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of ``query`` [B, H, T, D] over ``key`` / ``value`` [B, kvH, S, D] under ``mask``
+    (additive, or boolean: True attends), as [B, T, H, D]."""
+    return _gemv.extension().decode_attention(query, key, value, mask, scale)
+
+
+@_decode_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    b, h, t, d = query.shape
+    return query.new_empty(b, t, h, d)
 
 
 AttentionInterface.register(ATTENTION_NAME, grouped_tree_attention)

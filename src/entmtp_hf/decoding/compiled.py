@@ -44,22 +44,26 @@ from tqdm.auto import tqdm
 from transformers import CompileConfig
 
 from ..costs.fingerprint import machine_fingerprint, quantization_of
+from ..cpu_kernels import kernel_routing
 from ..errors import EntMTPError
 from ..paths import cache_dir
 from . import precompiled
 
 
-def default_options(device: torch.device, dtype: torch.dtype) -> dict[str, Any] | None:
+def default_options(device: torch.device, dtype: torch.dtype, *, routed: bool = False) -> dict[str, Any] | None:
     """inductor options where the user's config sets none (None: transformers' mode stays). On a CPU a
     float32 model compiles without ``freezing``: on the demo model a frozen forward was no faster
     (33.2 against 32.8 ms) and cost twice the first compile (72 against 36 s) and more than twice a
-    second process's (21 against 9 s: freezing compiles past inductor's AOTAutograd cache); other
-    dtypes freeze (the weights folded into the graph, prepacked for oneDNN's bf16 and int8 kernels;
-    not measured without it). ``cpp_wrapper`` (the graph's kernels called from C++) is left to the
-    user: 7% per forward there, two minutes of C++ compilation per graph on two cores."""
+    second process's (21 against 9 s: freezing compiles past inductor's AOTAutograd cache). Other
+    dtypes freeze (the weights folded into the graph, prepacked for oneDNN's bf16 and int8 kernels)
+    unless ``routed``: the model's products run the CPU kernels' graph operator, which finds its
+    layer by the weight it is given and so needs the weights as graph inputs (a bfloat16 forward of
+    the demo model on a Zen 2 EPYC: see docs/performance.md). ``cpp_wrapper`` (the graph's kernels
+    called from C++) is left to the user: 7% per forward there, two minutes of C++ compilation per
+    graph on two cores."""
     if device.type != "cpu":
         return None
-    return {} if dtype == torch.float32 else {"freezing": True}
+    return {} if dtype == torch.float32 or routed else {"freezing": True}
 
 
 #: attribute of a model that holds its compiled forwards, by their ``torch.compile`` keywords
@@ -67,17 +71,18 @@ _COMPILED_ATTR = "_entmtp_compiled_calls"
 
 
 def compile_kwargs(
-    config: CompileConfig | None, device: torch.device, dtype: torch.dtype = torch.float32
+    config: CompileConfig | None, device: torch.device, dtype: torch.dtype = torch.float32, *, routed: bool = False
 ) -> dict[str, Any]:
-    """``torch.compile`` keywords for ``config`` on ``device`` (a model in ``dtype``): its backend,
-    ``fullgraph``, and its ``dynamic``, ``mode`` and ``options`` where it changed transformers'
-    defaults; else static shapes (``dynamic=False``) and, where :func:`default_options` has some,
-    those options (torch takes a mode or options, not both) in place of the CUDA-graph mode."""
+    """``torch.compile`` keywords for ``config`` on ``device`` (a model in ``dtype``, its products
+    ``routed`` through the CPU kernels or not): its backend, ``fullgraph``, and its ``dynamic``,
+    ``mode`` and ``options`` where it changed transformers' defaults; else static shapes
+    (``dynamic=False``) and, where :func:`default_options` has some, those options (torch takes a
+    mode or options, not both) in place of the CUDA-graph mode."""
     config = config or CompileConfig()
     default = CompileConfig()
     kwargs = {"backend": config.backend, "fullgraph": config.fullgraph}
     kwargs["dynamic"] = False if config.dynamic is None else config.dynamic
-    options = default_options(device, dtype)
+    options = default_options(device, dtype, routed=routed)
     if config.options is not None:
         kwargs |= {"mode": None, "options": dict(config.options)}
     elif config.mode == default.mode and options is not None and config.backend == "inductor":
@@ -254,7 +259,7 @@ class CompiledForward:
 def compiled_call(model, config: CompileConfig | None = None) -> Callable[..., Any]:
     """``model``'s forward compiled with :func:`compile_kwargs` of ``config`` (one
     :class:`CompiledForward` per model and keywords, reused by every later call)."""
-    kwargs = compile_kwargs(config, next(model.parameters()).device, model.dtype)
+    kwargs = compile_kwargs(config, next(model.parameters()).device, model.dtype, routed=bool(kernel_routing(model)))
     calls = vars(model).setdefault(_COMPILED_ATTR, {})
     token = json.dumps(kwargs, sort_keys=True, default=repr)
     if calls.get(token) is None:

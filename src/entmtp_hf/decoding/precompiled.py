@@ -43,6 +43,7 @@ import torch
 import transformers
 
 from ..heads import HEADS_ATTR
+from .attention import graph_attention
 
 #: suffix of a saved compiled forward in its compile folder's ``precompiled`` subfolder
 SUFFIX = ".aot"
@@ -97,6 +98,7 @@ def artifact_key(model, shape_key: tuple, kwargs: dict[str, Any]) -> str:
         sorted(kwargs.items(), key=lambda kv: kv[0]),
         _structure(model),
         getattr(model.config, "_attn_implementation", None),
+        graph_attention() if next(model.parameters()).device.type == "cpu" else "sdpa",
         model.training,
         sys.version_info[:3],
         torch.__version__,

@@ -1,0 +1,146 @@
+"""The package's decode attention (``csrc/attention.cpp``, ``entmtp_hf::decode_attention``): what
+``F.scaled_dot_product_attention`` computes, each query row on its own (a tree's rows equal one-token
+calls bit for bit), and what compiled CPU decode forwards attend with where it is built."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import VOCAB
+
+from entmtp_hf import EntMTPConfig, enable_entmtp
+from entmtp_hf import cpu_kernels as K
+from entmtp_hf import gemv as G
+from entmtp_hf.decoding import attention as A
+from entmtp_hf.decoding import precompiled
+from entmtp_hf.decoding.compiled import compiled_generation
+from entmtp_hf.trees.tree import Tree
+
+pytestmark = pytest.mark.skipif(G.unavailable() is not None, reason=f"the CPU kernels are off here: {G.unavailable()}")
+
+
+def _inputs(b, h, kvh, t, s, d, dtype, seed=0, boolean=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, t, d, generator=g).to(dtype)
+    k, v = (torch.randn(b, kvh, s, d, generator=g).to(dtype) for _ in range(2))
+    attend = torch.rand(b, 1, t, s, generator=g) < 0.7  # a tree's pattern: holes anywhere
+    attend[..., 0] = True
+    mask = attend if boolean else torch.zeros(b, 1, t, s, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+    return q, k, v, mask
+
+
+def _reference(q, k, v, mask, scale):
+    mask = mask if mask.dtype == torch.bool else mask.float()
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 2)])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("d", [64, 24, 128])
+@pytest.mark.parametrize("boolean", [False, True])
+def test_float32_attention_is_sdpas(heads, tokens, d, boolean):
+    h, kvh = heads
+    q, k, v, mask = _inputs(2, h, kvh, tokens, 37, d, torch.float32, boolean=boolean)
+    out = G.extension().decode_attention(q, k, v, mask, d**-0.5)
+    assert out.shape == (2, tokens, h, d) and out.dtype == torch.float32
+    torch.testing.assert_close(out, _reference(q, k, v, mask, d**-0.5), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_bfloat16_attention_sums_in_float32_and_rounds_once(tokens):
+    q, k, v, mask = _inputs(1, 9, 3, tokens, 300, 64, torch.bfloat16, seed=1)
+    out = G.extension().decode_attention(q, k, v, mask, 0.125)
+    assert out.dtype == torch.bfloat16
+    want = _reference(q, k, v, mask, 0.125).to(torch.bfloat16)  # float32 of the same bf16 inputs, rounded once
+    assert (out.float() - want.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * want.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_query_row_is_computed_on_its_own(dtype):
+    """A tree's rows equal one-token calls bit for bit, whatever else shares the call (the invariant
+    that keeps compiled verification equal to compiled plain decoding)."""
+    q, k, v, mask = _inputs(2, 9, 3, 6, 513, 64, dtype, seed=2)
+    ext = G.extension()
+    whole = ext.decode_attention(q, k, v, mask, 0.125)
+    rows = [ext.decode_attention(q[:, :, i : i + 1], k, v, mask[:, :, i : i + 1], 0.125) for i in range(6)]
+    rows = torch.cat(rows, 1)
+    assert torch.equal(whole, rows)
+
+
+def test_masked_keys_are_left_out_and_a_fully_masked_row_follows_the_formula():
+    q, k, v, mask = _inputs(1, 4, 2, 2, 40, 16, torch.float32, seed=3)
+    mask[..., 20:] = torch.finfo(torch.float32).min
+    ext = G.extension()
+    cut = ext.decode_attention(q, k[:, :, :20], v[:, :, :20], mask[..., :20], 0.25)
+    torch.testing.assert_close(ext.decode_attention(q, k, v, mask, 0.25), cut, atol=1e-6, rtol=1e-6)
+    mask[:, :, 1] = torch.finfo(torch.float32).min  # every key of the second row masked
+    out = ext.decode_attention(q, k, v, mask, 0.25)
+    torch.testing.assert_close(out, _reference(q, k, v, mask, 0.25), atol=2e-6, rtol=1e-5)
+
+
+def test_the_op_checks_its_inputs():
+    q, k, v, mask = _inputs(1, 4, 2, 1, 8, 16, torch.float32)
+    ext = G.extension()
+    with pytest.raises(RuntimeError, match="multiple of key/value heads"):
+        ext.decode_attention(q[:, :3], k, v, mask, 0.25)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ext.decode_attention(q, k.double(), v, mask, 0.25)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ext.decode_attention(q[..., :12], k[..., :12], v[..., :12], mask, 0.25)
+
+
+def test_compiled_graphs_take_it_for_a_few_tokens_where_it_is_built(monkeypatch):
+    q, k, v, _ = _inputs(1, 4, 2, 3, 8, 16, torch.float32)
+    assert A.graph_attention() == A.KERNEL and A._kernel_takes(q, k, v)
+    assert not A._kernel_takes(q.double(), k.double(), v.double())  # float64 stays on sdpa
+    assert not A._kernel_takes(q[..., :12], k[..., :12], v[..., :12])
+    assert not A._kernel_takes(torch.zeros(1, 4, A.KERNEL_MAX_TOKENS + 1, 16), k, v)
+    monkeypatch.setattr(G, "unavailable", lambda: "no compiler")
+    assert A.graph_attention() == "sdpa"
+
+
+def test_a_saved_graphs_key_holds_what_it_attends_with(tiny_cache, monkeypatch):
+    model, _ = tiny_cache("llama", "hydra", "mlp")
+    key = precompiled.artifact_key(model, (), {})
+    monkeypatch.setattr(precompiled, "graph_attention", lambda: "sdpa")
+    assert precompiled.artifact_key(model, (), {}) != key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_decoding_attends_with_the_kernel_and_stays_lossless(dtype, tiny_cache, tmp_path, monkeypatch):
+    """Compiled plain decoding and compiled EntMTP on the same kernels (gemv products, the decode
+    attention) give the same greedy tokens, in float32 and bfloat16 (whose compiled graphs now keep
+    the weights as inputs for the products' operator), and every compiled attention ran the kernel."""
+    monkeypatch.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "gemv") for c in choices})
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    calls = []
+    real = G.extension()
+
+    class Counting:
+        gemv = staticmethod(real.gemv)
+
+        @staticmethod
+        def decode_attention(*args):
+            calls.append(args[0].shape[2])
+            return real.decode_attention(*args)
+
+    monkeypatch.setattr(G, "extension", lambda: Counting)
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    model, heads = copy.deepcopy(model).to(dtype), copy.deepcopy(heads).to(dtype)
+    enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1, pack=False)
+    assert "gemv" in K.kernels_of(model).kinds()
+    config = EntMTPConfig(tree=Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    greedy, fast = dict(max_new_tokens=20, do_sample=False), compiled_generation(max_cache_len=64)
+    with K.kernels_of(model).applied():
+        plain = model.generate(ids, **greedy, **fast)
+    assert calls and set(calls) == {1}
+    calls.clear()
+    assert torch.equal(model.generate(ids, **greedy, **fast, entmtp_config=config), plain)
+    assert calls and max(calls) > 1  # the trees' verification attended with the kernel too
