@@ -137,6 +137,18 @@ def test_a_build_that_computes_wrong_products_is_not_used(rebuilt, monkeypatch):
     assert "wrong products" in G.unavailable()
 
 
+def test_a_build_whose_attention_is_wrong_is_not_used(rebuilt, monkeypatch):
+    from torch.utils import cpp_extension
+
+    def shifted(q, k, v, mask, scale):
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+
+    wrong = types.SimpleNamespace(gemv=torch.nn.functional.linear, decode_attention=shifted)
+    monkeypatch.setattr(G, "_not_here", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: wrong)
+    assert "wrong attention" in G.unavailable()
+
+
 def test_off_where_the_cpu_cannot_run_it(rebuilt, monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     assert G.unavailable() == "not an x86-64 CPU (aarch64)"

@@ -72,6 +72,7 @@ def test_the_wheel_installs_and_decodes_away_from_the_checkout(tmp_path, demo_co
     assert "banks/shipped/smollm2-135m-cpu/gsm8k.safetensors" in packaged
     assert "demo/assets/smollm2-135m-hydra/model.safetensors" in packaged
     assert "tools/metrics/perplexity/perplexity.py" in packaged
+    assert {"csrc/gemv.cpp", "csrc/attention.cpp", "csrc/module.cpp", "csrc/simd.h"} <= packaged
     assert {
         "tools/data/sets/gsm8k/test.jsonl",
         "tools/data/sets/gsm8k/LICENSE",
