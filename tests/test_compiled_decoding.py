@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from op_calls import extension_calls
 from tiny import VOCAB, tiny_model
 from transformers import CompileConfig, StaticCache
 
@@ -161,9 +162,10 @@ def test_plain_and_entmtp_generate_compiled_equal_eager_plain_generate(tiny_cach
 @pytest.mark.parametrize("kernel", ["onednn", "gemv"])
 def test_compiled_entmtp_multiplies_on_the_cpu_kernels_and_stays_lossless(kernel, tiny_cache, tmp_path, monkeypatch):
     """With the CPU kernels routed (packed oneDNN copies for the decoder and oneDNN for the LM head,
-    or the package's gemv kernel for both), compiled EntMTP's graphs multiply on them (the
-    ``entmtp_hf::linear`` operator) and its greedy output equals eager plain ``generate``; compiled
-    plain ``generate``, outside EntMTP's calls, multiplies on ``F.linear``."""
+    or the package's gemv kernel for both), compiled EntMTP's graphs multiply on them and its greedy
+    output equals eager plain ``generate``. Packed copies run through the ``entmtp_hf::linear``
+    operator, inside EntMTP's calls only (compiled plain ``generate`` outside them: ``F.linear``);
+    gemv is the extension's operator, which a graph calls in every call."""
     if kernel == "gemv" and gemv_unavailable() is not None:
         pytest.skip(f"the gemv kernel is off here: {gemv_unavailable()}")
     monkeypatch.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != kernel) for c in choices})
@@ -173,7 +175,7 @@ def test_compiled_entmtp_multiplies_on_the_cpu_kernels_and_stays_lossless(kernel
     model, heads = copy.deepcopy(model).float(), copy.deepcopy(heads).float()
     enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1, pack=kernel == "onednn")
     assert K.kernels_of(model).kinds() == ["by row count", "packed" if kernel == "onednn" else "gemv"]
-    on_kernels = []  # per product a compiled graph ran: whether the layer's kernels served it
+    on_kernels = []  # per product a compiled graph ran through the Python operator: whether the layer's kernels served it
 
     class Counted(weakref.WeakValueDictionary):
         def get(self, key, default=None):
@@ -186,11 +188,19 @@ def test_compiled_entmtp_multiplies_on_the_cpu_kernels_and_stays_lossless(kernel
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     greedy, fast = dict(max_new_tokens=20, do_sample=False), compiled_generation(max_cache_len=64)
     eager = model.generate(ids, **greedy)
-    assert torch.equal(model.generate(ids, **greedy, **fast), eager)
-    assert on_kernels and not any(on_kernels)  # plain generate: the operator ran F.linear
-    on_kernels.clear()
-    assert torch.equal(model.generate(ids, **greedy, **fast, entmtp_config=config), eager)
-    assert on_kernels and all(on_kernels)  # EntMTP: every compiled product on the kernels
+    plain, plain_calls = extension_calls(lambda: model.generate(ids, **greedy, **fast))
+    plain_on_kernels, on_kernels[:] = list(on_kernels), []
+    out, entmtp_calls = extension_calls(lambda: model.generate(ids, **greedy, **fast, entmtp_config=config))
+    assert torch.equal(plain, eager) and torch.equal(out, eager)
+    products = 7 * model.config.num_hidden_layers + 1  # a forward's: per layer q, k, v, o, gate, up, down; the LM head
+    if kernel == "onednn":
+        assert len(plain_on_kernels) >= products and not any(plain_on_kernels)  # plain generate: F.linear
+        assert len(on_kernels) >= products and all(on_kernels)  # EntMTP: every compiled product on the copies
+        assert "gemv" not in plain_calls | entmtp_calls
+    else:
+        assert plain_on_kernels == on_kernels == []  # no product through the Python operator
+        assert len(plain_calls["gemv"]) >= products and {x[-2] for x in plain_calls["gemv"]} == {1}
+        assert max(x[-2] for x in entmtp_calls["gemv"]) > 1  # the trees' verification on the kernel too
 
 
 def test_compiled_decoding_as_the_models_default_needs_entmtp_enabled(tiny_cache):

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from op_calls import extension_calls
 from tiny import VOCAB
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
@@ -51,8 +52,9 @@ def test_float32_attention_is_sdpas(heads, tokens, d, boolean):
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_bfloat16_attention_sums_in_float32_and_rounds_once(tokens):
-    q, k, v, mask = _inputs(1, 9, 3, tokens, 300, 64, torch.bfloat16, seed=1)
+@pytest.mark.parametrize("boolean", [False, True])
+def test_bfloat16_attention_sums_in_float32_and_rounds_once(tokens, boolean):
+    q, k, v, mask = _inputs(1, 9, 3, tokens, 300, 64, torch.bfloat16, seed=1, boolean=boolean)
     out = G.extension().decode_attention(q, k, v, mask, 0.125)
     assert out.dtype == torch.bfloat16
     want = _reference(q, k, v, mask, 0.125).to(torch.bfloat16)  # float32 of the same bf16 inputs, rounded once
@@ -82,6 +84,34 @@ def test_masked_keys_are_left_out_and_a_fully_masked_row_follows_the_formula():
     torch.testing.assert_close(out, _reference(q, k, v, mask, 0.25), atol=2e-6, rtol=1e-5)
 
 
+def test_a_mask_per_head_and_batch_row_is_read_where_it_lies():
+    """A mask of [B, H, T, S] (not shared over heads), and a float32 mask of a bf16 call."""
+    q, k, v, _ = _inputs(2, 4, 2, 3, 21, 16, torch.float32, seed=4)
+    attend = torch.rand(2, 4, 3, 21, generator=torch.Generator().manual_seed(5)) < 0.6
+    attend[..., 0] = True
+    out = G.extension().decode_attention(q, k, v, attend, 0.25)
+    torch.testing.assert_close(out, _reference(q, k, v, attend, 0.25), atol=2e-6, rtol=1e-5)
+    additive = torch.zeros(2, 4, 3, 21).masked_fill(~attend, torch.finfo(torch.float32).min)
+    b16 = [t.bfloat16() for t in (q, k, v)]
+    assert torch.equal(G.extension().decode_attention(*b16, additive, 0.25), G.extension().decode_attention(*b16, attend, 0.25))
+
+
+def test_the_compiled_graphs_operators_declare_what_they_compute():
+    """The operators a compiled graph calls (``entmtp_hf_cpu::gemv``, ``entmtp_hf_cpu::decode_attention``):
+    their schemas and shape functions agree with their kernels; the product falls back to
+    ``F.linear`` on what the kernel does not take."""
+    q, k, v, mask = _inputs(1, 9, 3, 2, 40, 64, torch.bfloat16, boolean=True)
+    ops = torch.ops.entmtp_hf_cpu
+    torch.library.opcheck(ops.decode_attention.default, (q, k, v, mask, 0.125), test_utils=("test_schema", "test_faketensor"))
+    g = torch.Generator().manual_seed(6)
+    x, w, b = torch.randn(1, 3, 24, generator=g), torch.randn(10, 24, generator=g), torch.randn(10, generator=g)
+    for args in ((x, w, b), (x.bfloat16(), w.bfloat16(), None)):
+        torch.library.opcheck(ops.gemv.default, args, test_utils=("test_schema", "test_faketensor"))
+        torch.testing.assert_close(ops.gemv(*args), F.linear(*args), atol=1e-2, rtol=1e-2)
+    for args in ((x.double(), w.double(), b.double()), (x, w.t().contiguous().t(), None)):  # float64, a strided weight
+        assert torch.equal(ops.gemv(*args), F.linear(*args))
+
+
 def test_the_op_checks_its_inputs():
     q, k, v, mask = _inputs(1, 4, 2, 1, 8, 16, torch.float32)
     ext = G.extension()
@@ -89,6 +119,8 @@ def test_the_op_checks_its_inputs():
         ext.decode_attention(q[:, :3], k, v, mask, 0.25)
     with pytest.raises(RuntimeError, match="one dtype"):
         ext.decode_attention(q, k.double(), v, mask, 0.25)
+    with pytest.raises(RuntimeError, match="mask must be"):
+        ext.decode_attention(q, k, v, mask[..., :5], 0.25)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         ext.decode_attention(q[..., :12], k[..., :12], v[..., :12], mask, 0.25)
 
@@ -113,25 +145,14 @@ def test_a_saved_graphs_key_holds_what_it_attends_with(tiny_cache, monkeypatch):
 @pytest.mark.slow
 def test_compiled_bf16_decoding_attends_with_the_kernel_and_stays_lossless(tiny_cache, tmp_path, monkeypatch):
     """Compiled plain decoding and compiled EntMTP of a bfloat16 model on the same kernels (gemv
-    products, whose graph operator needs the weights as inputs: the graphs are not frozen; the decode
-    attention) give the same greedy tokens, and every compiled attention ran the kernel (float32:
-    ``test_compiled_decoding``, against eager plain ``generate``)."""
+    products, the graphs unfrozen; the decode attention), both called by the graphs as the extension's
+    operators, give the same greedy tokens; a graph's products run the kernel chosen for its row count
+    in every call, inside an EntMTP call or not (float32: ``test_compiled_decoding``, against eager
+    plain ``generate``)."""
     dtype = torch.bfloat16
     monkeypatch.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "gemv") for c in choices})
     monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    calls = []
-    real = G.extension()
-
-    class Counting:
-        gemv = staticmethod(real.gemv)
-
-        @staticmethod
-        def decode_attention(*args):
-            calls.append(args[0].shape[2])
-            return real.decode_attention(*args)
-
-    monkeypatch.setattr(G, "extension", lambda: Counting)
     model, heads = tiny_cache("llama", "hydra", "mlp")
     model, heads = copy.deepcopy(model).to(dtype), copy.deepcopy(heads).to(dtype)
     enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1, pack=False)
@@ -140,8 +161,13 @@ def test_compiled_bf16_decoding_attends_with_the_kernel_and_stays_lossless(tiny_
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
     greedy, fast = dict(max_new_tokens=20, do_sample=False), compiled_generation(max_cache_len=64)
     with K.kernels_of(model).applied():
-        plain = model.generate(ids, **greedy, **fast)
-    assert calls and set(calls) == {1}
-    calls.clear()
-    assert torch.equal(model.generate(ids, **greedy, **fast, entmtp_config=config), plain)
-    assert calls and max(calls) > 1  # the trees' verification attended with the kernel too
+        plain, calls = extension_calls(lambda: model.generate(ids, **greedy, **fast))
+    layers = model.config.num_hidden_layers
+    assert {q[2] for q in calls["decode_attention"]} == {1} and len(calls["decode_attention"]) >= layers
+    assert {x[-2] for x in calls["gemv"]} == {1} and len(calls["gemv"]) >= 7 * layers  # every product
+    again, calls = extension_calls(lambda: model.generate(ids, **greedy, **fast))  # outside an EntMTP call
+    assert torch.equal(again, plain) and len(calls["gemv"]) >= 7 * layers
+    out, calls = extension_calls(lambda: model.generate(ids, **greedy, **fast, entmtp_config=config))
+    assert torch.equal(out, plain)
+    assert max(q[2] for q in calls["decode_attention"]) > 1  # the trees' verification attended with the kernel
+    assert max(x[-2] for x in calls["gemv"]) > 1  # and multiplied on it

@@ -29,16 +29,21 @@ the model: ``copy.deepcopy`` and pickling (``torch.save(model)``) carry the choi
 packs its own weights at its first call.
 
 In a compiled graph (``torch.compile`` of the model's forward, the package's compiled decoding) a
-routed layer's product is one operator, ``entmtp_hf::linear`` (:func:`_graph_linear`), which runs
-the layer's dispatcher when the graph runs: a packed oneDNN tensor cannot be a graph input, so the
-operator finds the dispatcher by the weight's address (:data:`_DISPATCH_BY_WEIGHT`, weak references)
-and uses it only where that dispatcher's layer holds this very weight and its model is inside
-:meth:`CPUKernels.applied` in this thread; anywhere else it runs ``F.linear``. So a compiled EntMTP
-call multiplies on the measured kernels as an eager one does (on a 2-core AMD EPYC Zen 2 a compiled
-3-token forward of the demo model took 49.8 ms on them against 92.9 ms on MKL), and a graph traced
-with the kernels stays correct in any call. The operator needs the weights as graph inputs, so a
-routed model's bfloat16 forward compiles without inductor's ``freezing``
-(:func:`~entmtp_hf.decoding.compiled.default_options`).
+routed layer's product is one operator, chosen when the graph is traced for its row count
+(:meth:`_Dispatch.graph_kernel`). Where the layer's kernel at that count is the package's own, the
+graph calls the extension's ``entmtp_hf_cpu::gemv`` on the weight it is given, through the
+dispatcher with no Python in between (about 8 us per product against 15 through a Python operator,
+211 products per forward of the demo model), in every call of that graph: it reads the weight as
+the graph receives it, so it is never stale. Any other routed choice is ``entmtp_hf::linear``
+(:func:`_graph_linear`), which runs the layer's dispatcher when the graph runs: a packed oneDNN
+tensor cannot be a graph input, so the operator finds the dispatcher by the weight's address
+(:data:`_DISPATCH_BY_WEIGHT`, weak references) and uses it only where that dispatcher's layer holds
+this very weight and its model is inside :meth:`CPUKernels.applied` in this thread; anywhere else
+it runs ``F.linear``. So a compiled EntMTP call multiplies on the measured kernels as an eager one
+does (on a 2-core AMD EPYC Zen 2 a compiled 3-token forward of the demo model took 49.8 ms on them
+against 92.9 ms on MKL), and a graph traced with the kernels stays correct in any call. Both need
+the weights as graph inputs, so a routed model's bfloat16 forward compiles without inductor's
+``freezing`` (:func:`~entmtp_hf.decoding.compiled.default_options`).
 
 Why instance forwards and not a :class:`~torch.overrides.TorchFunctionMode` or module hooks:
 on the demo model (2-core AMD EPYC, fp32) a mode that sees every torch call added 8-10 ms to a
@@ -318,13 +323,17 @@ class _Dispatch:
         self.measured = _form(weight)
         self.ready = (weight.data_ptr(), packed, _checksum(weight)) if packed is not None else None
 
-    @property
-    def traced_as(self) -> str:
-        """What a compiled graph of a forward without gradients calls for this layer: the
-        ``operator`` (``entmtp_hf::linear``) where some row count has a kernel of its own, else
-        ``F.linear``. Not the choice per row count, which may flip between near-equal kernels from
-        one measurement to the next: a saved graph's key holds this, and stays the same."""
-        return "operator" if set(self.kernels) != {"linear"} else "F.linear"
+    def graph_kernel(self, rows: int) -> str:
+        """What a compiled graph of ``rows`` rows, without gradients, calls for this layer: ``gemv``
+        (the extension's operator ``entmtp_hf_cpu::gemv``, called from the graph with no Python in
+        between) where the layer's kernel at that row count is the package's own, the ``operator``
+        (``entmtp_hf::linear``, which runs this dispatcher) where some row count has another kernel of
+        its own, else ``F.linear``. A saved graph's key holds it for the graph's row count."""
+        if set(self.kernels) == {"linear"}:
+            return "F.linear"
+        if self.kernels[min(rows, len(self.kernels) - 1)] == "gemv" and _gemv.graph_operator():
+            return "gemv"
+        return "operator"
 
     def refresh(self) -> None:
         """Fit the kernels to the weight as it is now (:meth:`_fit`) and file this dispatcher under
@@ -362,9 +371,13 @@ class _Dispatch:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m, ready = self.module, self.ready
-        if torch.compiler.is_compiling():  # one operator the graph calls, which runs this dispatcher
-            on_kernels = self.traced_as == "operator" and not torch.is_grad_enabled()
-            return torch.ops.entmtp_hf.linear(x, m.weight, m.bias) if on_kernels else F.linear(x, m.weight, m.bias)
+        if torch.compiler.is_compiling():  # one operator the graph calls (:meth:`graph_kernel`)
+            kind = "F.linear" if torch.is_grad_enabled() else self.graph_kernel(x.numel() // x.shape[-1])
+            if kind == "gemv":
+                return torch.ops.entmtp_hf_cpu.gemv(x, m.weight, m.bias)
+            if kind == "operator":
+                return torch.ops.entmtp_hf.linear(x, m.weight, m.bias)
+            return F.linear(x, m.weight, m.bias)
         if ready is None or not self.owner.active():
             return F.linear(x, m.weight, m.bias)
         params = m._parameters  # read directly: nn.Module's attribute lookup costs microseconds per product

@@ -21,8 +21,11 @@ The C++ sources (``csrc/gemv.cpp``, and ``csrc/attention.cpp``: the decode atten
 graphs run, :func:`~entmtp_hf.decoding.attention.graph_attention`) are compiled into one extension
 at first use with torch's extension builder (a C++ compiler and ninja; about 40 s, announced) in
 the user cache folder, keyed by the sources, the flags and the torch version, and loaded from there
-by later processes. Where it cannot be built or run (not x86-64 with AVX2, no compiler)
-:func:`unavailable` says why and the other kernels (and ``sdpa``) are used.
+by later processes. The extension gives eager calls Python functions and compiled graphs two
+operators, ``entmtp_hf_cpu::gemv`` and ``entmtp_hf_cpu::decode_attention`` (``csrc/module.cpp``),
+which a graph calls through the dispatcher with no Python in between. Where it cannot be built or
+run (not x86-64 with AVX2, no compiler) :func:`unavailable` says why and the other kernels (and
+``sdpa``) are used.
 """
 
 from __future__ import annotations
@@ -73,6 +76,13 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on the kernel (check :func:`takes` and :func:`unavailable` first)."""
     return extension().gemv(x, weight, bias)
+
+
+@torch.compiler.assume_constant_result  # asked while tracing: a constant of the graph, not a break
+def graph_operator() -> bool:
+    """Whether compiled graphs may call the kernel as the extension's operator (``entmtp_hf_cpu::gemv``,
+    registered when the extension loads): it is built, or can be, here."""
+    return unavailable() is None
 
 
 def extension():

@@ -20,11 +20,18 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr float kMasked = -1e38f;
+
+// A mask entry read as it is stored: additive float32, or boolean (True attends; False adds -inf).
+inline bool attends(float m) { return m > kMasked; }
+inline bool attends(bool m) { return m; }
+inline float added(float m) { return m; }
+inline float added(bool m) { return m ? 0.f : -std::numeric_limits<float>::infinity(); }
 
 using entmtp_simd::horizontal_sum;
 using entmtp_simd::load8;
@@ -68,16 +75,16 @@ inline __m128 dot4(const float* q, const T* k0, const T* k1, const T* k2, const 
 
 // One query row: out[D] = softmax(q . k[s] * scale + mask[s]) @ v, over S keys at strides ks, vs
 // (D a multiple of 8).
-template <typename T>
-void one_row(const float* q, const T* k, const T* v, int64_t ks, int64_t vs, const float* mask, int64_t S,
+template <typename T, typename M>
+void one_row(const float* q, const T* k, const T* v, int64_t ks, int64_t vs, const M* mask, int64_t S,
              int64_t D, float scale, float* scores, float* out) {
   constexpr float ninf = -std::numeric_limits<float>::infinity();
   bool any = false;
-  for (int64_t s = 0; s < S && !any; ++s) any = mask[s] > kMasked;
+  for (int64_t s = 0; s < S && !any; ++s) any = attends(mask[s]);
   float top = ninf;
   for (int64_t s = 0; s < S; s += 4) {
     bool needed = !any;
-    for (int64_t j = s; j < std::min(S, s + 4); ++j) needed = needed || mask[j] > kMasked;
+    for (int64_t j = s; j < std::min(S, s + 4); ++j) needed = needed || attends(mask[j]);
     if (!needed) {
       for (int64_t j = s; j < std::min(S, s + 4); ++j) scores[j] = ninf;
       continue;
@@ -87,7 +94,7 @@ void one_row(const float* q, const T* k, const T* v, int64_t ks, int64_t vs, con
     float four[4];
     _mm_storeu_ps(four, dot4(q, kr[0], kr[1], kr[2], kr[3], D));
     for (int64_t j = s; j < std::min(S, s + 4); ++j) {
-      scores[j] = any && !(mask[j] > kMasked) ? ninf : four[j - s] * scale + mask[j];
+      scores[j] = any && !attends(mask[j]) ? ninf : four[j - s] * scale + added(mask[j]);
       top = std::max(top, scores[j]);
     }
   }
@@ -127,18 +134,32 @@ void one_row(const float* q, const T* k, const T* v, int64_t ks, int64_t vs, con
   }
 }
 
-template <typename T>
-void all_rows(const float* q, const T* k, const T* v, const float* mask, float* out, int64_t B, int64_t H,
-              int64_t kvH, int64_t T_, int64_t S, int64_t D, const int64_t* kst, const int64_t* vst,
-              const int64_t* mst, float scale) {
+// Every query row of q [B, H, T, D] (contiguous; bfloat16 rows widened one at a time) into out
+// [B, T, H, D] in q's dtype, the rows split over torch's threads.
+template <typename T, typename M>
+void all_rows(const T* q, const T* k, const T* v, const M* mask, T* out, int64_t B, int64_t H, int64_t kvH,
+              int64_t T_, int64_t S, int64_t D, const int64_t* kst, const int64_t* vst, const int64_t* mst,
+              float scale) {
   const int64_t groups = H / kvH;
   at::parallel_for(0, B * H * T_, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(S);
+    std::vector<float> scores(S), row(std::is_same<T, float>::value ? 0 : 2 * D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / (H * T_), h = (i / T_) % H, t = i % T_, kv = h / groups;
-      one_row(q + i * D, k + b * kst[0] + kv * kst[1], v + b * vst[0] + kv * vst[1], kst[2], vst[2],
-              mask + b * mst[0] + h * mst[1] + t * mst[2], S, D, scale, scores.data(),
-              out + ((b * T_ + t) * H + h) * D);
+      T* o = out + ((b * T_ + t) * H + h) * D;
+      const float* qf;
+      float* of;
+      if constexpr (std::is_same<T, float>::value) {
+        qf = q + i * D;
+        of = o;
+      } else {
+        for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(q[i * D + d]);
+        qf = row.data();
+        of = row.data() + D;
+      }
+      one_row(qf, k + b * kst[0] + kv * kst[1], v + b * vst[0] + kv * vst[1], kst[2], vst[2],
+              mask + b * mst[0] + h * mst[1] + t * mst[2], S, D, scale, scores.data(), of);
+      if constexpr (!std::is_same<T, float>::value)
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(of[d]);
     }
   });
 }
@@ -161,24 +182,31 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   TORCH_CHECK(kvH > 0 && H % kvH == 0, "decode_attention: query heads must be a multiple of key/value heads");
   TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "decode_attention: k, v need unit stride over D");
   TORCH_CHECK(D % 8 == 0, "decode_attention: the head size must be a multiple of 8");
-  const auto q32 = query.to(at::kFloat).contiguous();
-  auto m32 = mask.scalar_type() == at::kBool
-                 ? torch::zeros(mask.sizes(), mask.options().dtype(at::kFloat))
-                       .masked_fill_(mask.logical_not(), -std::numeric_limits<float>::infinity())
-                 : mask.to(at::kFloat);
-  m32 = m32.expand({B, H, T_, S});
-  if (m32.stride(3) != 1) m32 = m32.contiguous();
-  auto out = torch::empty({B, T_, H, D}, q32.options());
+  TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == at::kFloat || mask.scalar_type() == dtype,
+              "decode_attention: a boolean, float32 or the query's dtype mask");
+  TORCH_CHECK(mask.size(3) == S && mask.size(2) == T_ && (mask.size(0) == 1 || mask.size(0) == B) &&
+                  (mask.size(1) == 1 || mask.size(1) == H),
+              "decode_attention: the mask must be [B or 1, H or 1, T, S]");
+  const auto q = query.contiguous();
+  // a boolean or float32 mask read as stored (no copy); another float dtype widened once
+  auto m = mask.scalar_type() == at::kBool ? mask : mask.to(at::kFloat);
+  if (m.stride(3) != 1) m = m.contiguous();
+  auto out = torch::empty({B, T_, H, D}, q.options());
   const int64_t kst[3] = {key.stride(0), key.stride(1), key.stride(2)};
   const int64_t vst[3] = {value.stride(0), value.stride(1), value.stride(2)};
-  const int64_t mst[3] = {m32.stride(0), m32.stride(1), m32.stride(2)};
+  // a size-1 batch or head dimension of the mask is shared: stride 0
+  const int64_t mst[3] = {m.size(0) == 1 ? 0 : m.stride(0), m.size(1) == 1 ? 0 : m.stride(1), m.stride(2)};
   const float sc = static_cast<float>(scale);
-  if (dtype == at::kFloat) {
-    all_rows(q32.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), m32.data_ptr<float>(),
-             out.data_ptr<float>(), B, H, kvH, T_, S, D, kst, vst, mst, sc);
-  } else {
-    all_rows(q32.data_ptr<float>(), key.data_ptr<c10::BFloat16>(), value.data_ptr<c10::BFloat16>(),
-             m32.data_ptr<float>(), out.data_ptr<float>(), B, H, kvH, T_, S, D, kst, vst, mst, sc);
-  }
-  return dtype == at::kFloat ? out : out.to(dtype);
+  const auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+    if (m.scalar_type() == at::kBool)
+      all_rows(qp, kp, vp, m.data_ptr<bool>(), op, B, H, kvH, T_, S, D, kst, vst, mst, sc);
+    else
+      all_rows(qp, kp, vp, m.data_ptr<float>(), op, B, H, kvH, T_, S, D, kst, vst, mst, sc);
+  };
+  if (dtype == at::kFloat)
+    run(q.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run(q.data_ptr<c10::BFloat16>(), key.data_ptr<c10::BFloat16>(), value.data_ptr<c10::BFloat16>(),
+        out.data_ptr<c10::BFloat16>());
+  return out;
 }

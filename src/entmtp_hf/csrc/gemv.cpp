@@ -1,12 +1,17 @@
 // y = x @ W.T (+ b) for a few rows of x, AVX2 + FMA, float32 or bfloat16 weights (bfloat16 widened
 // to float32 in registers: a bfloat16 is a float32's upper half), float32 sums: each weight row is
-// read from memory once and multiplied into every row of x while it is in registers, so a product
-// of a few rows costs about what reading W costs (a decode step is bound by reading the weights).
+// read from memory once and multiplied into every row of x while it is in registers (or L1), so a
+// product of a few rows costs about what reading W costs (a decode step is bound by reading the
+// weights). Two layouts, each the faster for its dtype on a Zen 2 EPYC: float32 multiplies four
+// weight rows at a time into up to four rows of x (tiles_range); bfloat16 reads each thread's share
+// of W as one sequential stream, a row at a time (stream_range).
 //
 // Invariant: an output element's value depends only on its own row of x, the weight row and the
-// bias (8-lane partial sums over k in order, then a fixed horizontal sum, then the tail), never on
-// how many rows share the call: a tree's verification product equals the one-token product row
-// for row, bit for bit.
+// bias, summed in one fixed order per dtype (float32: 8-lane partial sums over k in order, a fixed
+// horizontal sum, the tail; bfloat16: four 8-lane partial sums over k in steps of 32, the rest of k
+// in eights into the first, a fixed combination and horizontal sum, the tail), never on how many
+// rows share the call: a tree's verification product equals the one-token product row for row, bit
+// for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -23,10 +28,73 @@ using entmtp_simd::horizontal_sum;
 using entmtp_simd::load8;
 using entmtp_simd::scalar;
 
-// Weight rows fetched ahead of the four being multiplied: each row is a short stream (a few KB), and
-// the hardware prefetcher loses it at every row's end; fetching the rows eight ahead (non-temporal:
-// they are read once) kept bfloat16 weights at 20-22 GB/s against 14-18 without, and three float32
-// rows at 25-27 against 22-24. One float32 row keeps up without it (and ran ~10% slower with it).
+// How far ahead of a bfloat16 stream the weights are fetched (non-temporal: they are read once). A
+// thread's rows are one sequential stream, but a decode step reads ~200 matrices of 0.1-3 MB, and the
+// hardware prefetcher ramps up again on each: fetching 1 KB ahead took all of the demo model's
+// bfloat16 products at one row from 13.8 to 10.5 ms on a Zen 2 EPYC (tiles_range's layout, float32's,
+// had been used for both dtypes). In float32 the same stream was slower than the tiles at every row
+// count (22.7 against 18.9 ms at one row, 28.6 against 21.5 at four).
+constexpr int64_t kAheadBytes = 1024;
+
+// The dot products of one weight row wn [K] with G rows of x (row stride K) into out[G], in the
+// order the invariant states; `fetch`: fetch the stream ahead, up to `end`.
+template <int G, typename W>
+inline void row_dots(const float* x, const W* wn, int64_t K, bool fetch, const W* end, float* out) {
+  constexpr int64_t ahead = kAheadBytes / static_cast<int64_t>(sizeof(W));
+  constexpr int64_t lines = 32 * static_cast<int64_t>(sizeof(W)) / 64;  // cache lines per step of 32
+  __m256 a[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
+  const int64_t K32 = K - K % 32, K8 = K - K % 8;
+  for (int64_t k = 0; k < K32; k += 32) {
+    if (fetch && wn + k + ahead < end)
+      for (int64_t l = 0; l < lines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(wn + k + ahead + l * (64 / sizeof(W))), _MM_HINT_NTA);
+    const __m256 w0 = load8(wn + k), w1 = load8(wn + k + 8), w2 = load8(wn + k + 16), w3 = load8(wn + k + 24);
+    for (int g = 0; g < G; ++g) {
+      const float* xg = x + g * K + k;
+      a[g][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg), a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), a[g][1]);
+      a[g][2] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), a[g][2]);
+      a[g][3] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), a[g][3]);
+    }
+  }
+  for (int64_t k = K32; k < K8; k += 8) {
+    const __m256 wv = load8(wn + k);
+    for (int g = 0; g < G; ++g) a[g][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + g * K + k), a[g][0]);
+  }
+  for (int g = 0; g < G; ++g) {
+    float s = horizontal_sum(_mm256_add_ps(_mm256_add_ps(a[g][0], a[g][1]), _mm256_add_ps(a[g][2], a[g][3])));
+    for (int64_t k = K8; k < K; ++k) s += scalar(wn[k]) * x[g * K + k];
+    out[g] = s;
+  }
+}
+
+// bfloat16: columns [n0, n1) for all M rows of x, a weight row at a time, multiplied into the rows
+// of x two at a time (the row stays in L1 for the later pairs: W is read from memory once whatever M
+// is; widening it again per pair measured faster than keeping a float32 copy of it).
+template <typename W>
+void stream_range(const float* x, const W* w, const float* b, W* y, int64_t M, int64_t K, int64_t N,
+                  int64_t n0, int64_t n1) {
+  const W* end = w + n1 * K;
+  float out[2];
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* wn = w + n * K;
+    for (int64_t m = 0; m < M; m += 2) {
+      const int g = M - m >= 2 ? 2 : 1;
+      if (g == 2)
+        row_dots<2>(x + m * K, wn, K, m == 0, end, out);
+      else
+        row_dots<1>(x + m * K, wn, K, m == 0, end, out);
+      for (int i = 0; i < g; ++i) y[(m + i) * N + n] = static_cast<W>(b ? out[i] + b[n] : out[i]);  // rounded once
+    }
+  }
+}
+
+// float32 weight rows fetched ahead of the four being multiplied: each row is a short stream (a few
+// KB), and the hardware prefetcher loses it at every row's end; fetching the rows eight ahead
+// (non-temporal: they are read once) kept three float32 rows at 25-27 GB/s against 22-24 without.
+// One float32 row keeps up without it (and ran ~10% slower with it).
 constexpr int64_t kAheadRows = 8;
 template <typename W, int M>
 constexpr bool fetches_ahead() {
@@ -79,11 +147,11 @@ void rows_block(const float* x, const W* w, const float* b, W* y, int64_t K, int
   }
 }
 
-// Columns [n0, n1) for all M rows, four rows of x at a time. Over four rows the columns go in tiles
+// float32: columns [n0, n1) for all M rows, four rows of x at a time. Over four rows the columns go in tiles
 // of about 128 KB of weights, which stay in the core's L2 cache while each group of rows passes
 // over them: the weights are read from memory once whatever M is.
 template <typename W>
-void rows_range(const float* x, const W* w, const float* b, W* y, int64_t M, int64_t K, int64_t N,
+void tiles_range(const float* x, const W* w, const float* b, W* y, int64_t M, int64_t K, int64_t N,
                 int64_t n0, int64_t n1) {
   const int64_t per_tile = 131072 / (static_cast<int64_t>(sizeof(W)) * std::max<int64_t>(K, 1));
   const int64_t tile = M <= 4 ? n1 - n0 : std::max<int64_t>(4, per_tile / 4 * 4);
@@ -143,13 +211,14 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c1
   }
   auto y = torch::empty({M, N}, xs.options());
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-  // the columns in blocks of four across torch's threads; 16 blocks at least per task
+  // the columns in contiguous ranges across torch's threads, in blocks of four (float32's tiles), 64
+  // columns at least per task
   at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
     if (dtype == at::kFloat) {
-      rows_range(xp, weight.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N, n0, n1);
+      tiles_range(xp, weight.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N, n0, n1);
     } else {
-      rows_range(xp, weight.data_ptr<c10::BFloat16>(), bp, y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
+      stream_range(xp, weight.data_ptr<c10::BFloat16>(), bp, y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
     }
   });
   auto shape = x.sizes().vec();

@@ -1,12 +1,65 @@
-// The package's CPU kernels as one Python extension (built by entmtp_hf.gemv).
+// The package's CPU kernels as one extension (built by entmtp_hf.gemv): Python functions for eager
+// calls, and operators (entmtp_hf_cpu::gemv, entmtp_hf_cpu::decode_attention) that compiled graphs
+// call through the dispatcher, with no Python between the graph and the kernel.
 #include <torch/extension.h>
+#include <torch/library.h>
 
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const torch::Tensor& mask, double scale);
 
+namespace {
+
+// Whether gemv computes at::linear(x, weight, bias) for these tensors (the checks gemv makes, as a
+// test rather than an error).
+bool gemv_takes(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  const auto dtype = weight.scalar_type();
+  if (!x.device().is_cpu() || !weight.device().is_cpu()) return false;
+  if ((dtype != at::kFloat && dtype != at::kBFloat16) || x.scalar_type() != dtype) return false;
+  if (weight.dim() != 2 || !weight.is_contiguous() || x.dim() < 1 || x.size(-1) != weight.size(1)) return false;
+  if (bias.has_value() && bias->defined())
+    return bias->device().is_cpu() && bias->scalar_type() == dtype && bias->numel() == weight.size(0);
+  return true;
+}
+
+// A graph's product: gemv where it takes the tensors it is given, at::linear otherwise (a graph
+// traced for one weight may be called with another: it stays F.linear's product either way).
+torch::Tensor graph_gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  if (!gemv_takes(x, weight, bias)) return at::linear(x, weight, bias);
+  return gemv(x, weight, bias);
+}
+
+torch::Tensor gemv_meta(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  auto shape = x.sizes().vec();
+  shape.back() = weight.size(0);
+  return at::empty(shape, x.options());
+}
+
+torch::Tensor decode_attention_meta(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                                    const torch::Tensor& mask, double scale) {
+  return at::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "x @ weight.T + bias for a few rows, float32 or bfloat16 weights, float32 sums");
   m.def("decode_attention", &decode_attention,
         "attention of a few queries over a key/value cache, grouped heads in place, float32 sums");
+}
+
+TORCH_LIBRARY(entmtp_hf_cpu, m) {
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(entmtp_hf_cpu, CPU, m) {
+  m.impl("gemv", &graph_gemv);
+  m.impl("decode_attention", &decode_attention);
+}
+
+// shapes only: what tracing (fake tensors) runs
+TORCH_LIBRARY_IMPL(entmtp_hf_cpu, Meta, m) {
+  m.impl("gemv", &gemv_meta);
+  m.impl("decode_attention", &decode_attention_meta);
 }

@@ -174,7 +174,7 @@ def grouped_tree_attention(
     if plain and decoding and attention_mask is not None and query.device.type == "cpu":
         if compiled and _kernel_takes(query, key, value) and graph_attention() == KERNEL:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return torch.ops.entmtp_hf.decode_attention(query, key, value, attention_mask, scale), None
+            return torch.ops.entmtp_hf_cpu.decode_attention(query, key, value, attention_mask, scale), None
         if groups > 1:
             out = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
@@ -185,8 +185,9 @@ def grouped_tree_attention(
     )
 
 
-#: what :func:`graph_attention` names the package's decode attention
-KERNEL = "entmtp_hf::decode_attention"
+#: what :func:`graph_attention` names the package's decode attention: an operator of the package's CPU
+#: extension (``csrc/module.cpp``), which the graph calls through the dispatcher, no Python in between
+KERNEL = "entmtp_hf_cpu::decode_attention"
 
 
 @torch.compiler.assume_constant_result  # asked while tracing: a constant of the graph, not a break
@@ -209,21 +210,6 @@ def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
     same = query.dtype == key.dtype == value.dtype and query.dtype in (torch.float32, torch.bfloat16)
     grouped = query.shape[1] % key.shape[1] == 0 and query.shape[-1] % 8 == 0
     return same and grouped and key.stride(-1) == 1 and value.stride(-1) == 1
-
-
-@torch.library.custom_op(KERNEL, mutates_args=())
-def _decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention of ``query`` [B, H, T, D] over ``key`` / ``value`` [B, kvH, S, D] under ``mask``
-    (additive, or boolean: True attends), as [B, T, H, D]."""
-    return _gemv.extension().decode_attention(query, key, value, mask, scale)
-
-
-@_decode_attention.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    b, h, t, d = query.shape
-    return query.new_empty(b, t, h, d)
 
 
 AttentionInterface.register(ATTENTION_NAME, grouped_tree_attention)

@@ -96,7 +96,7 @@ def artifact_key(model, shape_key: tuple, kwargs: dict[str, Any]) -> str:
     parts = (
         shape_key,
         sorted(kwargs.items(), key=lambda kv: kv[0]),
-        _structure(model),
+        _structure(model, _rows(shape_key)),
         getattr(model.config, "_attn_implementation", None),
         graph_attention() if next(model.parameters()).device.type == "cpu" else "sdpa",
         model.training,
@@ -107,17 +107,32 @@ def artifact_key(model, shape_key: tuple, kwargs: dict[str, Any]) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24] + SUFFIX
 
 
-def _structure(model) -> str:
+def _rows(shape_key: tuple) -> int:
+    """The rows a forward of ``shape_key`` multiplies: batch x tokens of its ids or embeddings, wherever
+    the key nests them (0 if it has neither)."""
+    for part in shape_key:
+        if not isinstance(part, tuple):
+            continue
+        if len(part) == 3 and part[0] in ("input_ids", "inputs_embeds") and isinstance(part[1], tuple):
+            return part[1][0] * part[1][1] if len(part[1]) >= 2 else 0
+        rows = _rows(part)
+        if rows:
+            return rows
+    return 0
+
+
+def _structure(model, rows: int) -> str:
     """A digest of ``model``'s module tree (its draft heads left out: the forward never runs them, so
-    every drafter shares the base model's graphs): what a saved graph traced through and its guards
-    do not check."""
+    every drafter shares the base model's graphs), with what each routed layer traces as at ``rows``
+    rows: what a saved graph traced through and its guards do not check."""
     digest, heads = hashlib.sha256(), f"{HEADS_ATTR}."
     for name, module in model.named_modules():
         if name != HEADS_ATTR and not name.startswith(heads):
             digest.update(f"{name}:{type(module).__module__}.{type(module).__qualname__};".encode())
             routed = vars(module).get("forward")  # an instance forward: the CPU kernels' dispatcher, say
             if routed is not None:
-                digest.update(f"{type(routed).__qualname__}:{getattr(routed, 'traced_as', '')};".encode())
+                traced = routed.graph_kernel(rows) if hasattr(routed, "graph_kernel") else ""
+                digest.update(f"{type(routed).__qualname__}:{traced};".encode())
     for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, t in tensors:
             if not name.startswith(heads):
