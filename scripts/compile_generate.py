@@ -13,10 +13,11 @@ call, since a step may fall back to a one-token verification, a graph of its own
 (repeatable), also llama.cpp's plain decoding of that file (``scripts/llamacpp_baseline.py``: the same
 token ids, greedy) in the same rotation, so that both are timed under the same load. Prints and saves
 (``--out``) the median tokens/s per task and method, the ratios of compiled EntMTP to each of the others,
-and whether each output equals its own plain decoding's token for token (eager EntMTP against eager plain;
-compiled EntMTP against compiled plain on the same kernels, ``compiled-kernels`` where the model has them:
-the same graphs and the same eager prefill): where not, the first differing position and the model's logit gap there between the two tokens
-(a near-zero gap is a tie that rounding decides, as bf16 and int8 weights make more likely). ``--calibrate``
+and whether each output equals its own plain decoding's token for token (eager EntMTP against eager
+plain; compiled EntMTP against compiled plain on the same kernels, ``compiled-kernels`` where the model
+has them: the same graphs and the same eager prefill): where not, the first differing position and the
+model's logit gap there between the two tokens (a near-zero gap is a tie that rounding decides, as bf16
+and int8 weights make more likely). ``--calibrate``
 measures the step costs (eager, on the model's CPU kernels) before the timing, so the banks rank their trees
 on this machine's costs rather than as stored; the per-call compiled path reads the same table.
 

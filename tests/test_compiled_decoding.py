@@ -175,7 +175,7 @@ def test_compiled_entmtp_multiplies_on_the_cpu_kernels_and_stays_lossless(kernel
     model, heads = copy.deepcopy(model).float(), copy.deepcopy(heads).float()
     enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1, pack=kernel == "onednn")
     assert K.kernels_of(model).kinds() == ["by row count", "packed" if kernel == "onednn" else "gemv"]
-    on_kernels = []  # per product a compiled graph ran through the Python operator: whether the layer's kernels served it
+    on_kernels = []  # per product through the Python operator in a compiled graph: whether the kernels served it
 
     class Counted(weakref.WeakValueDictionary):
         def get(self, key, default=None):

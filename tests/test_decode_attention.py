@@ -93,7 +93,9 @@ def test_a_mask_per_head_and_batch_row_is_read_where_it_lies():
     torch.testing.assert_close(out, _reference(q, k, v, attend, 0.25), atol=2e-6, rtol=1e-5)
     additive = torch.zeros(2, 4, 3, 21).masked_fill(~attend, torch.finfo(torch.float32).min)
     b16 = [t.bfloat16() for t in (q, k, v)]
-    assert torch.equal(G.extension().decode_attention(*b16, additive, 0.25), G.extension().decode_attention(*b16, attend, 0.25))
+    assert torch.equal(
+        G.extension().decode_attention(*b16, additive, 0.25), G.extension().decode_attention(*b16, attend, 0.25)
+    )
 
 
 def test_the_compiled_graphs_operators_declare_what_they_compute():
@@ -102,7 +104,9 @@ def test_the_compiled_graphs_operators_declare_what_they_compute():
     ``F.linear`` on what the kernel does not take."""
     q, k, v, mask = _inputs(1, 9, 3, 2, 40, 64, torch.bfloat16, boolean=True)
     ops = torch.ops.entmtp_hf_cpu
-    torch.library.opcheck(ops.decode_attention.default, (q, k, v, mask, 0.125), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        ops.decode_attention.default, (q, k, v, mask, 0.125), test_utils=("test_schema", "test_faketensor")
+    )
     g = torch.Generator().manual_seed(6)
     x, w, b = torch.randn(1, 3, 24, generator=g), torch.randn(10, 24, generator=g), torch.randn(10, generator=g)
     for args in ((x, w, b), (x.bfloat16(), w.bfloat16(), None)):
