@@ -8,12 +8,13 @@ TORCH ?= torch==2.13.0
 .PHONY: test suite test-min test-engines lint demo venv clean
 
 # torch first: the CPU build of this version lies on local disk; a bare `torch`
-# requirement with nothing installed would pull a multi-GB CUDA build.
+# requirement with nothing installed would pull a multi-GB CUDA build. The `quant` extra
+# (torchao, which brings no dependencies) so that the int8 weight-only path is tested too.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[demo,tools,train,test]"
+	$(BIN)/pip install -q -e ".[demo,tools,train,test,quant]"
 	touch $(STAMP)
 
 venv: $(STAMP)

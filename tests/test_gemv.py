@@ -89,6 +89,34 @@ def test_bfloat16_weights_are_summed_in_float32_and_rounded_once(rows):
 
 
 @NEEDS_IT
+@pytest.mark.parametrize("k", [13, 40, 576])
+def test_int8_weights_with_a_scale_per_row_multiply_in_float32(k):
+    """``x @ (qdata * scale).T + bias`` (int8 weight-only quantization's product), float32 sums, for
+    float32 and bfloat16 rows; each row the same whatever the row count."""
+    g = torch.Generator().manual_seed(k)
+    qdata = torch.randint(-127, 128, (37, k), generator=g, dtype=torch.int8)
+    scale, bias = torch.rand(37, 1, generator=g) / 64, torch.randn(37, generator=g)
+    weight = qdata.double() * scale.double()
+    ext = G.extension()
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, k, generator=g)
+        exact = F.linear(x.double(), weight, bias.double())
+        torch.testing.assert_close(ext.gemv_int8(x, qdata, scale, bias).double(), exact, atol=1e-4, rtol=1e-5)
+        out = ext.gemv_int8(x.bfloat16(), qdata, scale, bias.bfloat16())
+        exact = F.linear(x.bfloat16().double(), weight, bias.bfloat16().double())
+        assert out.dtype == torch.bfloat16 and ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    x = torch.randn(2, 3, k, generator=g).bfloat16()
+    whole = ext.gemv_int8(x, qdata, scale, None)
+    assert whole.shape == (2, 3, 37)
+    rows = [ext.gemv_int8(x[i : i + 1, j : j + 1], qdata, scale, None) for i in range(2) for j in range(3)]
+    assert torch.equal(whole.reshape(6, 37), torch.cat(rows).reshape(6, 37))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.gemv_int8(x, qdata.t().contiguous().t(), scale, None)
+    with pytest.raises(RuntimeError, match="one float per row"):
+        ext.gemv_int8(x, qdata, scale[:5], None)
+
+
+@NEEDS_IT
 def test_where_a_gradient_is_wanted_the_layout_runs_f_linear():
     w = torch.nn.Parameter(torch.randn(8, 16))
     K.project(torch.randn(2, 16), w, None, "gemv").sum().backward()
@@ -147,6 +175,21 @@ def test_a_build_whose_attention_is_wrong_is_not_used(rebuilt, monkeypatch):
     monkeypatch.setattr(G, "_not_here", lambda: None)
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: wrong)
     assert "wrong attention" in G.unavailable()
+
+
+def test_a_build_whose_int8_products_are_wrong_is_not_used(rebuilt, monkeypatch):
+    from torch.utils import cpp_extension
+
+    def attention(q, k, v, mask, scale):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)
+
+    def zeros(x, qdata, scale, bias):
+        return torch.zeros(*x.shape[:-1], qdata.shape[0])
+
+    wrong = types.SimpleNamespace(gemv=F.linear, decode_attention=attention, gemv_int8=zeros)
+    monkeypatch.setattr(G, "_not_here", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: wrong)
+    assert "wrong int8 products" in G.unavailable()
 
 
 def test_off_where_the_cpu_cannot_run_it(rebuilt, monkeypatch):

@@ -7,10 +7,14 @@ import copy
 
 import pytest
 import torch
+from op_calls import extension_calls
 from tiny import VOCAB
 from transformers import AutoModelForCausalLM
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
+from entmtp_hf import cpu_kernels as K
+from entmtp_hf import gemv as G
+from entmtp_hf.decoding.compiled import compiled_generation
 from entmtp_hf.tools.models import PRECISIONS, load_base_model, precision_kwargs
 from entmtp_hf.trees.tree import Tree
 
@@ -28,7 +32,7 @@ def test_float_precisions_are_dtypes_and_an_unknown_one_is_named():
 def test_int8_weight_only_verifies_losslessly(tiny_cache, tmp_path):
     """torchao's int8 weight-only linear layers loaded the Hugging Face way (``TorchAoConfig``), here with
     float32 activations: EntMTP's greedy output equals plain greedy ``generate`` on the same quantized model,
-    and the CPU kernels leave the quantized layers to their own kernels."""
+    whichever kernel this machine's measurement gives the quantized layers (torchao's or the package's)."""
     pytest.importorskip("torchao", reason="int8 needs torchao: pip install 'entmtp-hf[quant]'")
     model, heads = tiny_cache("llama", "hydra", "mlp")
     copy.deepcopy(model).float().save_pretrained(tmp_path)  # the shared float64 model stays as it is
@@ -44,3 +48,34 @@ def test_int8_weight_only_verifies_losslessly(tiny_cache, tmp_path):
     out = quantized.generate(ids, **greedy, entmtp_config=config, return_dict_in_generate=True)
     assert torch.equal(out.sequences, quantized.generate(ids, **greedy))
     assert out.entmtp_stats["mean_accept_length"] > 1
+
+
+@pytest.mark.skipif(G.unavailable() is not None, reason=f"the package's CPU kernels are off here: {G.unavailable()}")
+def test_int8_weight_only_layers_multiply_on_the_package_kernel_eager_and_compiled(tiny_cache, tmp_path, monkeypatch):
+    """Where the CPU kernels choose ``gemv`` for torchao's int8 weight-only layers (bf16 activations, the
+    LM head left in bf16, as ``precision="int8"`` loads them), eager calls multiply on the package's
+    int8 kernel and compiled graphs call it as ``entmtp_hf_cpu::gemv_int8`` on the layers' int8 values
+    and scales; EntMTP's greedy output equals plain ``generate`` on the same kernels, eager and compiled."""
+    pytest.importorskip("torchao", reason="int8 needs torchao: pip install 'entmtp-hf[quant]'")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    monkeypatch.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "gemv") for c in choices})
+    monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    model, heads = tiny_cache("llama", "hydra", "mlp")
+    model, heads = copy.deepcopy(model).to(torch.bfloat16), copy.deepcopy(heads).to(torch.bfloat16)
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: type(m) is torch.nn.Linear and fqn != "lm_head")
+    assert G.int8_parts(model.model.layers[0].mlp.down_proj.weight) is not None
+    enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1)
+    assert set(K.kernels_of(model).decoder.values()) == {"gemv"}
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    greedy, fast = dict(max_new_tokens=20, do_sample=False), compiled_generation(max_cache_len=64)
+    config = EntMTPConfig(tree=Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices)
+    with K.kernels_of(model).applied():
+        eager = model.generate(ids, **greedy)
+    assert torch.equal(model.generate(ids, **greedy, entmtp_config=config), eager)
+    with K.kernels_of(model).applied():
+        plain, calls = extension_calls(lambda: model.generate(ids, **greedy, **fast))
+    assert len(calls["gemv_int8"]) >= 7 * model.config.num_hidden_layers and {x[-2] for x in calls["gemv_int8"]} == {1}
+    out, calls = extension_calls(lambda: model.generate(ids, **greedy, **fast, entmtp_config=config))
+    assert torch.equal(out, plain) and max(x[-2] for x in calls["gemv_int8"]) > 1

@@ -17,6 +17,7 @@ from transformers import CompileConfig
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
 from entmtp_hf import cpu_kernels as K
+from entmtp_hf import gemv as G
 from entmtp_hf.decoding import compiled, precompiled
 from entmtp_hf.decoding.compiled import compile_kwargs, compiled_call, compiled_generation
 from entmtp_hf.heads import HEADS_ATTR
@@ -58,16 +59,21 @@ def test_the_key_separates_what_the_saved_guards_do_not_check():
     enabled = copy.deepcopy(model)
     setattr(enabled, HEADS_ATTR, torch.nn.Linear(2, 2))  # a drafter: the forward never runs it
     assert precompiled.artifact_key(enabled, ("shape",), kwargs) == key
-    # CPU kernels: what a routed layer traces as, not its choice per row count (which may flip between runs)
+    # CPU kernels: what a routed layer traces as at the graph's row count (batch x tokens), not its
+    # choice at other counts (which may flip between runs, and which the graph never runs)
     routed = copy.deepcopy(model)
     layer = routed.model.layers[0].mlp.down_proj
+    one_row = (compiled._shape_key({"input_ids": torch.zeros(1, 1, dtype=torch.long)}), False)
     keys = []
-    for kernels in (["linear", "onednn"], ["onednn", "linear"], ["linear", "linear"]):
-        routes = K._Routes({layer: (kernels, None)})
+    kernels = (["linear", "onednn", "onednn"], ["linear", "onednn", "linear"], ["linear", "linear", "onednn"])
+    for table in kernels + ((["linear", "gemv"],) if G.graph_operator() else ()):
+        routes = K._Routes({layer: (table, None)})
         routes.install()
-        keys.append(precompiled.artifact_key(routed, ("shape",), kwargs))
+        keys.append(precompiled.artifact_key(routed, one_row, kwargs))
         routes.remove()
-    assert keys[0] == keys[1] != keys[2] and key not in keys
+    assert keys[0] == keys[1] != keys[2] and precompiled.artifact_key(model, one_row, kwargs) not in keys
+    assert len(keys) == 3 or keys[3] not in keys[:3]  # the extension's operator: a graph of its own
+    assert precompiled._rows(one_row) == 1
 
 
 def _saved_sources(code: list[tuple[str, int, int, str]]):

@@ -105,6 +105,19 @@ def _onednn_takes(weight: torch.Tensor) -> bool:
     return plain and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
 
 
+def _routable(weight: torch.Tensor) -> bool:
+    """Whether some kernel here may take this weight: a plain CPU float one (:func:`_onednn_takes`) or
+    an int8 weight-only one, which only ``gemv`` takes (:func:`~entmtp_hf.gemv.int8_parts`)."""
+    return _onednn_takes(weight) or (_gemv.int8_parts(weight) is not None and weight.device.type == "cpu")
+
+
+def _address(weight: torch.Tensor) -> int:
+    """Where a weight's values lie: its own storage, or an int8 weight's values (a tensor subclass
+    has no storage of its own)."""
+    parts = _gemv.int8_parts(weight)
+    return (parts[0] if parts is not None else weight).data_ptr()
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
     """``x [N, in] @ weight[out, in].T (+ bias)``: by ``F.linear`` (``linear``), as ``(W @ x.T).T``
     (``transposed``), by oneDNN's linear on the plain weight (``onednn``, CPU float only) or by the
@@ -137,9 +150,11 @@ def fitted_layout(layout: str, weight: torch.Tensor | None) -> str:
 def _works(layout: str, weight: torch.Tensor) -> bool:
     """Whether ``layout`` runs on this weight here (some CPUs lack oneDNN's bf16 primitives; the
     ``gemv`` kernel takes contiguous float32 and bfloat16 weights on an x86-64 CPU with AVX2, once built)."""
+    if layout == "onednn" and not _onednn_takes(weight):
+        return False
     if layout == "gemv":
-        w = weight.detach()
-        if not (_gemv.takes(w[:1], w, None) and _gemv.unavailable() is None):
+        x = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
+        if not (_gemv.takes(x, weight.detach(), None) and _gemv.unavailable() is None):
             return False
     try:
         project(torch.zeros(2, weight.shape[1], dtype=weight.dtype), weight, None, layout)
@@ -156,7 +171,7 @@ def _linears(modules: Iterable[torch.nn.Module], exclude: torch.nn.Module | None
         for m in modules
         if type(m) is torch.nn.Linear
         and m is not exclude
-        and _onednn_takes(m.weight)
+        and _routable(m.weight)
         and isinstance(vars(m).get("forward"), (type(None), _Dispatch))
     ]
 
@@ -325,22 +340,22 @@ class _Dispatch:
 
     def graph_kernel(self, rows: int) -> str:
         """What a compiled graph of ``rows`` rows, without gradients, calls for this layer: ``gemv``
-        (the extension's operator ``entmtp_hf_cpu::gemv``, called from the graph with no Python in
-        between) where the layer's kernel at that row count is the package's own, the ``operator``
-        (``entmtp_hf::linear``, which runs this dispatcher) where some row count has another kernel of
-        its own, else ``F.linear``. A saved graph's key holds it for the graph's row count."""
-        if set(self.kernels) == {"linear"}:
+        (the extension's operator, called from the graph with no Python in between:
+        :func:`~entmtp_hf.gemv.graph_gemv`) where the layer's kernel at that row count is the package's
+        own, ``F.linear`` where it is ``F.linear``, else the ``operator`` (``entmtp_hf::linear``, which
+        runs this dispatcher: a packed copy cannot be a graph input). A saved graph's key holds it for
+        the graph's row count."""
+        kernel = self.kernels[min(rows, len(self.kernels) - 1)]
+        if kernel == "linear":
             return "F.linear"
-        if self.kernels[min(rows, len(self.kernels) - 1)] == "gemv" and _gemv.graph_operator():
-            return "gemv"
-        return "operator"
+        return "gemv" if kernel == "gemv" and _gemv.graph_operator() else "operator"
 
     def refresh(self) -> None:
         """Fit the kernels to the weight as it is now (:meth:`_fit`) and file this dispatcher under
         that weight for the compiled graphs' operator."""
         self._fit()
         if self.ready is not None:
-            _DISPATCH_BY_WEIGHT[self.module.weight.data_ptr()] = self
+            _DISPATCH_BY_WEIGHT[_address(self.module.weight)] = self
 
     def _fit(self) -> None:
         """Fit the kernels to the weight as it is now: ``F.linear`` for a weight of another shape,
@@ -358,7 +373,7 @@ class _Dispatch:
         if ready is None and not all(_works(k, weight) for k in set(self.kernels) - {"linear", PACKED}):
             return  # not on this machine (a model unpickled elsewhere, say): F.linear
         if PACKED not in self.kernels:
-            self.ready = (weight.data_ptr(), None, None)
+            self.ready = (_address(weight), None, None)
             return
         checksum = _checksum(weight)
         if ready is not None and ready[1] is not None and ready[2] == checksum:
@@ -374,7 +389,7 @@ class _Dispatch:
         if torch.compiler.is_compiling():  # one operator the graph calls (:meth:`graph_kernel`)
             kind = "F.linear" if torch.is_grad_enabled() else self.graph_kernel(x.numel() // x.shape[-1])
             if kind == "gemv":
-                return torch.ops.entmtp_hf_cpu.gemv(x, m.weight, m.bias)
+                return _gemv.graph_gemv(x, m.weight, m.bias)
             if kind == "operator":
                 return torch.ops.entmtp_hf.linear(x, m.weight, m.bias)
             return F.linear(x, m.weight, m.bias)
@@ -386,7 +401,7 @@ class _Dispatch:
             return F.linear(x, m.weight, m.bias)
         rows = x.numel() // x.shape[-1]
         kernel = self.kernels[min(rows, len(self.kernels) - 1)]
-        if kernel == "linear" or rows == 0 or weight.data_ptr() != ready[0]:
+        if kernel == "linear" or rows == 0 or _address(weight) != ready[0]:
             return F.linear(x, weight, bias)
         if kernel == "gemv" and not torch.is_grad_enabled():  # any leading shape, as F.linear
             return _gemv.gemv(x, weight, bias)
@@ -539,6 +554,8 @@ class CPUKernels:
         """Packed copies of the decoder's weights to measure (and keep where chosen), if asked for,
         available on this CPU and dtype, and within :data:`PACK_MEMORY_SHARE` of the free memory."""
         if pack is False or not layers or not onednn_available():
+            return {}
+        if any(_gemv.int8_parts(m.weight) is not None for m in layers):  # oneDNN packs no int8 weight-only layer
             return {}
         size, free = sum(m.weight.numel() * m.weight.element_size() for m in layers), _available_bytes()
         if pack == "auto" and free is not None and size > PACK_MEMORY_SHARE * free:

@@ -42,6 +42,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from .paths import cache_dir
 
@@ -58,24 +59,63 @@ DTYPES = (torch.float32, torch.bfloat16)
 CAPABLE = ("AVX2", "AVX512")
 
 
+def int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(qdata, scale)`` of an int8 weight-only weight quantized per row, as torchao's ``Int8Tensor``
+    holds it (``Int8WeightOnlyConfig()``: a scale per output row, activations left in floating point);
+    None for any other weight. Its zero point, which torchao's weight-only product does not apply, is
+    checked by :func:`takes` (all zeros: symmetric)."""
+    if type(weight).__name__ != "Int8Tensor":
+        return None
+    qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    if not isinstance(qdata, torch.Tensor) or not isinstance(scale, torch.Tensor) or qdata.dtype != torch.int8:
+        return None
+    if any(getattr(weight, name, None) is not None for name in ("act_quant_kwargs", "act_pre_scale")):
+        return None
+    per_row = qdata.dim() == 2 and list(getattr(weight, "block_size", ())) == [1, qdata.shape[1]]
+    return (qdata, scale) if per_row and scale.numel() == qdata.shape[0] else None
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`gemv` computes ``F.linear(x, weight, bias)`` for these tensors: plain CPU tensors
-    all float32 or all bfloat16, a contiguous weight (a transposed view would be copied per call), no
-    gradient wanted."""
+    all float32 or all bfloat16, a contiguous weight (a transposed view would be copied per call), or
+    a float32 or bfloat16 ``x`` with an int8 weight-only weight (:func:`int8_parts`, its int8 values
+    contiguous); no gradient wanted."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    parts = int8_parts(weight)
+    if parts is not None:
+        qdata, scale = parts
+        inputs = (x,) if bias is None else (x, bias)
+        plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in inputs)
+        floats = x.dtype in DTYPES and (bias is None or bias.dtype == x.dtype)
+        on_cpu = all(t.device.type == "cpu" for t in (*inputs, qdata, scale))
+        zero = getattr(weight, "zero_point", None)
+        symmetric = zero is None or not bool(zero.any())
+        return plain and floats and on_cpu and symmetric and qdata.is_contiguous()
     plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
     if not plain or weight.dtype not in DTYPES:
         return False
     if any(t.dtype != weight.dtype or t.device.type != "cpu" for t in tensors):
         return False
-    if weight.dim() != 2 or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
-        return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    return weight.dim() == 2 and weight.is_contiguous() and (bias is None or bias.is_contiguous())
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on the kernel (check :func:`takes` and :func:`unavailable` first)."""
+    parts = int8_parts(weight)
+    if parts is not None:
+        return extension().gemv_int8(x, parts[0], parts[1], bias)
     return extension().gemv(x, weight, bias)
+
+
+def graph_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`gemv` as a compiled graph calls it: the extension's operator (``entmtp_hf_cpu::gemv``,
+    ``entmtp_hf_cpu::gemv_int8`` on an int8 weight's values and scales), through the dispatcher."""
+    parts = int8_parts(weight)
+    if parts is not None:
+        return torch.ops.entmtp_hf_cpu.gemv_int8(x, parts[0], parts[1], bias)
+    return torch.ops.entmtp_hf_cpu.gemv(x, weight, bias)
 
 
 @torch.compiler.assume_constant_result  # asked while tracing: a constant of the graph, not a break
@@ -172,14 +212,15 @@ class _ninja_on_path:
 
 def _check(module: ModuleType) -> None:
     """The built kernels against torch on odd shapes: products (column and depth tails, 1-5 rows,
-    bias) against ``F.linear``, attention (3 query heads on one key/value head, a masked key, a
-    key count off the groups of four) against ``F.scaled_dot_product_attention``."""
+    bias; float32, and int8 weights with a scale per row) against ``F.linear``, attention (3 query
+    heads on one key/value head, a masked key, a key count off the groups of four) against
+    ``F.scaled_dot_product_attention``."""
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(7, 13, generator=g), torch.randn(7, generator=g)
     for rows in range(1, 6):
         x = torch.randn(rows, 13, generator=g)
         for bias in (None, b):
-            if not torch.allclose(module.gemv(x, w, bias), torch.nn.functional.linear(x, w, bias), atol=1e-5):
+            if not torch.allclose(module.gemv(x, w, bias), F.linear(x, w, bias), atol=1e-5):
                 raise RuntimeError(f"wrong products at {rows} rows")
     q, k, v = (
         torch.randn(1, 3, 2, 16, generator=g),
@@ -188,6 +229,10 @@ def _check(module: ModuleType) -> None:
     )
     mask = torch.zeros(1, 1, 2, 5)
     mask[..., 3] = torch.finfo(torch.float32).min
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if not torch.allclose(module.decode_attention(q, k, v, mask, 0.25), want.transpose(1, 2), atol=1e-5):
         raise RuntimeError("wrong attention")
+    qdata = torch.randint(-127, 128, (7, 37), generator=g, dtype=torch.int8)
+    scale, x = torch.rand(7, generator=g) / 64, torch.randn(3, 37, generator=g)
+    if not torch.allclose(module.gemv_int8(x, qdata, scale, b), F.linear(x, qdata * scale[:, None], b), atol=1e-5):
+        raise RuntimeError("wrong int8 products")

@@ -41,15 +41,15 @@ constexpr int64_t kAheadBytes = 1024;
 template <int G, typename W>
 inline void row_dots(const float* x, const W* wn, int64_t K, bool fetch, const W* end, float* out) {
   constexpr int64_t ahead = kAheadBytes / static_cast<int64_t>(sizeof(W));
-  constexpr int64_t lines = 32 * static_cast<int64_t>(sizeof(W)) / 64;  // cache lines per step of 32
+  constexpr int64_t per_line = 64 / static_cast<int64_t>(sizeof(W));  // weights per cache line
   __m256 a[G][4];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
   const int64_t K32 = K - K % 32, K8 = K - K % 8;
   for (int64_t k = 0; k < K32; k += 32) {
-    if (fetch && wn + k + ahead < end)
-      for (int64_t l = 0; l < lines; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(wn + k + ahead + l * (64 / sizeof(W))), _MM_HINT_NTA);
+    if (fetch && wn + k + ahead < end)  // each line of the step once (an int8 line spans two steps)
+      for (int64_t e = k; e < k + 32; e += per_line)
+        if (e % per_line == 0) _mm_prefetch(reinterpret_cast<const char*>(wn + e + ahead), _MM_HINT_NTA);
     const __m256 w0 = load8(wn + k), w1 = load8(wn + k + 8), w2 = load8(wn + k + 16), w3 = load8(wn + k + 24);
     for (int g = 0; g < G; ++g) {
       const float* xg = x + g * K + k;
@@ -70,12 +70,13 @@ inline void row_dots(const float* x, const W* wn, int64_t K, bool fetch, const W
   }
 }
 
-// bfloat16: columns [n0, n1) for all M rows of x, a weight row at a time, multiplied into the rows
-// of x two at a time (the row stays in L1 for the later pairs: W is read from memory once whatever M
-// is; widening it again per pair measured faster than keeping a float32 copy of it).
-template <typename W>
-void stream_range(const float* x, const W* w, const float* b, W* y, int64_t M, int64_t K, int64_t N,
-                  int64_t n0, int64_t n1) {
+// bfloat16 and int8: columns [n0, n1) for all M rows of x, a weight row at a time, multiplied into
+// the rows of x two at a time (the row stays in L1 for the later pairs: W is read from memory once
+// whatever M is; widening it again per pair measured faster than keeping a float32 copy of it). An
+// int8 row's sums are multiplied by its scale; then the bias; the output rounded once to Y.
+template <typename W, typename Y>
+void stream_range(const float* x, const W* w, const float* scale, const float* b, Y* y, int64_t M, int64_t K,
+                  int64_t N, int64_t n0, int64_t n1) {
   const W* end = w + n1 * K;
   float out[2];
   for (int64_t n = n0; n < n1; ++n) {
@@ -86,7 +87,10 @@ void stream_range(const float* x, const W* w, const float* b, W* y, int64_t M, i
         row_dots<2>(x + m * K, wn, K, m == 0, end, out);
       else
         row_dots<1>(x + m * K, wn, K, m == 0, end, out);
-      for (int i = 0; i < g; ++i) y[(m + i) * N + n] = static_cast<W>(b ? out[i] + b[n] : out[i]);  // rounded once
+      for (int i = 0; i < g; ++i) {
+        float v = scale ? out[i] * scale[n] : out[i];
+        y[(m + i) * N + n] = static_cast<Y>(b ? v + b[n] : v);
+      }
     }
   }
 }
@@ -183,6 +187,19 @@ void tiles_range(const float* x, const W* w, const float* b, W* y, int64_t M, in
 
 // x [..., K] and weight [N, K] (contiguous) both float32 or both bfloat16, bias [N] of that dtype
 // or None -> [..., N] of that dtype.
+namespace {
+
+// The rows of xs (contiguous float32 or bfloat16) as float32: xs's own data, or widened into `keep`.
+const float* as_float(const torch::Tensor& xs, std::vector<float>& keep) {
+  if (xs.scalar_type() == at::kFloat) return xs.data_ptr<float>();
+  keep.resize(xs.numel());
+  const c10::BFloat16* xb = xs.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < xs.numel(); ++i) keep[i] = static_cast<float>(xb[i]);
+  return keep.data();
+}
+
+}  // namespace
+
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gemv: CPU tensors only");
   const auto dtype = weight.scalar_type();
@@ -200,15 +217,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c1
   const auto xs = x.reshape({-1, K}).contiguous();
   const int64_t M = xs.size(0);
   std::vector<float> widened;
-  const float* xp;
-  if (dtype == at::kFloat) {
-    xp = xs.data_ptr<float>();
-  } else {
-    widened.resize(M * K);
-    const c10::BFloat16* xb = xs.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(xb[i]);
-    xp = widened.data();
-  }
+  const float* xp = as_float(xs, widened);
   auto y = torch::empty({M, N}, xs.options());
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
   // the columns in contiguous ranges across torch's threads, in blocks of four (float32's tiles), 64
@@ -218,7 +227,47 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c1
     if (dtype == at::kFloat) {
       tiles_range(xp, weight.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N, n0, n1);
     } else {
-      stream_range(xp, weight.data_ptr<c10::BFloat16>(), bp, y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
+      stream_range(xp, weight.data_ptr<c10::BFloat16>(), nullptr, bp, y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
+    }
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
+// x [..., K] float32 or bfloat16, qdata [N, K] int8 (contiguous), scale [N] (one per row, any float
+// dtype), bias [N] of x's dtype or None -> [..., N] of x's dtype: x @ (qdata * scale).T + bias, as an
+// int8 weight-only quantization (torchao's Int8Tensor, per row) defines it, float32 sums.
+torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& qdata, const torch::Tensor& scale,
+                        const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && qdata.device().is_cpu() && scale.device().is_cpu(), "gemv_int8: CPU tensors only");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gemv_int8: x must be float32 or bfloat16");
+  TORCH_CHECK(qdata.scalar_type() == at::kChar && qdata.dim() == 2 && qdata.is_contiguous(),
+              "gemv_int8: qdata must be a contiguous [N, K] int8 matrix");
+  const int64_t N = qdata.size(0), K = qdata.size(1);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "gemv_int8: x's last dimension must be the weight's K");
+  TORCH_CHECK(scale.numel() == N && at::isFloatingType(scale.scalar_type()), "gemv_int8: scale must hold one float per row");
+  torch::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->numel() == N, "gemv_int8: bias must be a [N] vector of x's dtype");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  const auto s32 = scale.reshape({N}).to(at::kFloat).contiguous();
+  const auto xs = x.reshape({-1, K}).contiguous();
+  const int64_t M = xs.size(0);
+  std::vector<float> widened;
+  const float* xp = as_float(xs, widened);
+  auto y = torch::empty({M, N}, xs.options());
+  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  const float* sp = s32.data_ptr<float>();
+  const int8_t* wp = qdata.data_ptr<int8_t>();
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
+    if (dtype == at::kFloat) {
+      stream_range(xp, wp, sp, bp, y.data_ptr<float>(), M, K, N, n0, n1);
+    } else {
+      stream_range(xp, wp, sp, bp, y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
     }
   });
   auto shape = x.sizes().vec();

@@ -1,10 +1,12 @@
 // The package's CPU kernels as one extension (built by entmtp_hf.gemv): Python functions for eager
-// calls, and operators (entmtp_hf_cpu::gemv, entmtp_hf_cpu::decode_attention) that compiled graphs
-// call through the dispatcher, with no Python between the graph and the kernel.
+// calls, and operators (entmtp_hf_cpu::gemv, entmtp_hf_cpu::gemv_int8, entmtp_hf_cpu::decode_attention)
+// that compiled graphs call through the dispatcher, with no Python between the graph and the kernel.
 #include <torch/extension.h>
 #include <torch/library.h>
 
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& qdata, const torch::Tensor& scale,
+                        const c10::optional<torch::Tensor>& bias);
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const torch::Tensor& mask, double scale);
 
@@ -35,6 +37,13 @@ torch::Tensor gemv_meta(const torch::Tensor& x, const torch::Tensor& weight, con
   return at::empty(shape, x.options());
 }
 
+torch::Tensor gemv_int8_meta(const torch::Tensor& x, const torch::Tensor& qdata, const torch::Tensor& scale,
+                             const c10::optional<torch::Tensor>& bias) {
+  auto shape = x.sizes().vec();
+  shape.back() = qdata.size(0);
+  return at::empty(shape, x.options());
+}
+
 torch::Tensor decode_attention_meta(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                     const torch::Tensor& mask, double scale) {
   return at::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
@@ -44,22 +53,26 @@ torch::Tensor decode_attention_meta(const torch::Tensor& query, const torch::Ten
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "x @ weight.T + bias for a few rows, float32 or bfloat16 weights, float32 sums");
+  m.def("gemv_int8", &gemv_int8, "x @ (qdata * scale).T + bias for a few rows, int8 weights with a scale per row");
   m.def("decode_attention", &decode_attention,
         "attention of a few queries over a key/value cache, grouped heads in place, float32 sums");
 }
 
 TORCH_LIBRARY(entmtp_hf_cpu, m) {
   m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("gemv_int8(Tensor x, Tensor qdata, Tensor scale, Tensor? bias) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(entmtp_hf_cpu, CPU, m) {
   m.impl("gemv", &graph_gemv);
+  m.impl("gemv_int8", &gemv_int8);
   m.impl("decode_attention", &decode_attention);
 }
 
 // shapes only: what tracing (fake tensors) runs
 TORCH_LIBRARY_IMPL(entmtp_hf_cpu, Meta, m) {
   m.impl("gemv", &gemv_meta);
+  m.impl("gemv_int8", &gemv_int8_meta);
   m.impl("decode_attention", &decode_attention_meta);
 }
