@@ -1,4 +1,4 @@
-"""The package's decode attention (``csrc/attention.cpp``, ``entmtp_hf::decode_attention``): what
+"""The package's decode attention (``csrc/attention.cpp``, ``entmtp_hf_cpu::decode_attention``): what
 ``F.scaled_dot_product_attention`` computes, each query row on its own (a tree's rows equal one-token
 calls bit for bit), and what compiled CPU decode forwards attend with where it is built."""
 

@@ -1,19 +1,20 @@
-"""The package's own product for a few rows (``gemv``): float32 or bfloat16 weights, AVX2 + FMA,
-built once per machine.
+"""The package's own product for a few rows (``gemv``): float32, bfloat16 or int8 weight-only weights,
+AVX2 + FMA, built once per machine.
 
 A decode step multiplies one row (a plain step) or a few (a small tree's nodes) by every weight of
 the model, so it is bound by reading the weights. MKL and oneDNN are built for many rows: on a
 2-core AMD EPYC Zen 2 (AVX2, 32.5 GB/s) all of the demo model's products at one row took 43.7 ms
 on MKL (``F.linear``) and 30.8 ms on oneDNN against the 16.6 ms its weights take to read; this
 kernel, which multiplies each weight row into every input row while it is in registers (fetching
-the rows ahead), took 18.9 ms at one row and 21.4 at three, 13.8 ms in bfloat16
-(``scripts/product_kernels.py``). It is one more candidate for
+the rows ahead), took 18.9 ms at one row and 21.4 at three; in bfloat16, read as one stream per
+thread, 10.6 ms at one row and 14.7 at three (``scripts/product_kernels.py``). It is one more candidate for
 :class:`~entmtp_hf.cpu_kernels.CPUKernels`, which measures it beside the others and uses it only
 at the row counts where it is fastest on this machine.
 
 bfloat16 weights are widened to float32 in registers (a bfloat16 is a float32's upper half), so
 they are read at half the bytes on CPUs without bfloat16 instructions too; sums are float32 and the
-output is rounded to bfloat16 once. Its output row ``i`` depends only on input row ``i`` (the sums
+output is rounded to bfloat16 once. int8 weight-only weights (torchao's ``Int8Tensor`` with a scale
+per row, :func:`int8_parts`) are widened likewise, their float32 sums multiplied by the row's scale. Its output row ``i`` depends only on input row ``i`` (the sums
 run in the same order whatever the number of rows), so a tree's verification product equals the
 one-token product bit for bit.
 
