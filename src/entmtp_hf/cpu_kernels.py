@@ -149,7 +149,8 @@ def fitted_layout(layout: str, weight: torch.Tensor | None) -> str:
 
 def _works(layout: str, weight: torch.Tensor) -> bool:
     """Whether ``layout`` runs on this weight here (some CPUs lack oneDNN's bf16 primitives; the
-    ``gemv`` kernel takes contiguous float32 and bfloat16 weights on an x86-64 CPU with AVX2, once built)."""
+    ``gemv`` kernel takes contiguous float32 and bfloat16 weights, and int8 weight-only ones, on an
+    x86-64 CPU with AVX2, once built)."""
     if layout == "onednn" and not _onednn_takes(weight):
         return False
     if layout == "gemv":
@@ -531,7 +532,8 @@ class CPUKernels:
     def _measure(self, pack: bool | str, repeats: int) -> None:
         layers = self._layers()
         packed = self._packed_copies(layers, pack)
-        choices = tuple(self._dense(layers[0].weight) if layers else ("linear",)) + ((PACKED,) if packed else ())
+        kinds = {(type(m.weight), m.weight.dtype): m.weight for m in layers}.values()  # one weight of each kind
+        choices = tuple(self._dense(*kinds) if layers else ("linear",)) + ((PACKED,) if packed else ())
         times = {r: _timed_median(self._decoder_pass(layers, packed, r), choices, repeats) for r in self.rows}
         if pack is True and packed:
             self.decoder = dict.fromkeys(self.rows, PACKED)
