@@ -14,9 +14,9 @@ at the row counts where it is fastest on this machine.
 bfloat16 weights are widened to float32 in registers (a bfloat16 is a float32's upper half), so
 they are read at half the bytes on CPUs without bfloat16 instructions too; sums are float32 and the
 output is rounded to bfloat16 once. int8 weight-only weights (torchao's ``Int8Tensor`` with a scale
-per row, :func:`int8_parts`) are widened likewise, their float32 sums multiplied by the row's scale. Its output row ``i`` depends only on input row ``i`` (the sums
-run in the same order whatever the number of rows), so a tree's verification product equals the
-one-token product bit for bit.
+per row, :func:`int8_parts`) are widened likewise, their float32 sums multiplied by the row's scale.
+Its output row ``i`` depends only on input row ``i`` (the sums run in the same order whatever the
+number of rows), so a tree's verification product equals the one-token product bit for bit.
 
 The C++ sources (``csrc/gemv.cpp``, and ``csrc/attention.cpp``: the decode attention compiled
 graphs run, :func:`~entmtp_hf.decoding.attention.graph_attention`) are compiled into one extension
