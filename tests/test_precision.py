@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from entmtp_hf import EntMTPConfig, enable_entmtp
 from entmtp_hf import cpu_kernels as K
 from entmtp_hf import gemv as G
+from entmtp_hf.decoding import precompiled
 from entmtp_hf.decoding.compiled import compiled_generation
 from entmtp_hf.tools.models import PRECISIONS, load_base_model, precision_kwargs
 from entmtp_hf.trees.tree import Tree
@@ -68,6 +69,7 @@ def test_int8_weight_only_layers_multiply_on_the_package_kernel_eager_and_compil
     assert G.int8_parts(model.model.layers[0].mlp.down_proj.weight) is not None
     enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1)
     assert set(K.kernels_of(model).decoder.values()) == {"gemv"}
+    assert not precompiled.plain_weights(model)  # compiled the usual way: its guards cannot be saved
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     greedy, fast = dict(max_new_tokens=20, do_sample=False), compiled_generation(max_cache_len=64)
     config = EntMTPConfig(tree=Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices)

@@ -32,6 +32,7 @@ def test_only_graphs_whose_weights_stay_inputs_are_saved():
     assert not precompiled.saves_graphs(compile_kwargs(CompileConfig(mode="max-autotune"), CPU))
     assert not precompiled.saves_graphs(compile_kwargs(CompileConfig(dynamic=True), CPU))
     assert not precompiled.saves_graphs(compile_kwargs(CompileConfig(backend="eager"), CPU))
+    assert precompiled.plain_weights(tiny_model("llama"))
 
 
 def test_the_key_separates_what_the_saved_guards_do_not_check():

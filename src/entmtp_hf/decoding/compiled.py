@@ -184,7 +184,7 @@ class CompiledForward:
         self._model = model
         self._compiled = torch.compile(model.__call__, **kwargs)
         #: whether each shape's graph is saved to (and loaded from) the folder
-        self.saves_graphs = precompiled.saves_graphs(kwargs)
+        self.saves_graphs = precompiled.saves_graphs(kwargs) and precompiled.plain_weights(model)
         self._graphs: dict[tuple, Callable[..., Any]] = {}
         #: seconds the first call of each shape took (compiling, or loading a saved graph), in order
         self.compile_seconds: list[tuple[str, float]] = []

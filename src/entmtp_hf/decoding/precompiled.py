@@ -18,7 +18,8 @@ transformers; a loaded graph is used only while the source of every function it 
 (transformers' modelling code, this package's attention) reads as it did. The folder
 (:func:`~entmtp_hf.decoding.compiled.compile_folder`) already separates machines, models, dtypes
 and quantizations. Only graphs whose weights stay inputs are saved: a ``freezing`` compile folds
-the weights into the graph, and a key cannot tell two checkpoints of one architecture apart.
+the weights into the graph, and a key cannot tell two checkpoints of one architecture apart; and
+only those of models whose weights are plain tensors (:func:`plain_weights`).
 
 The files are pickles written by this package into the user's own cache folder, trusted as
 inductor trusts its caches there; a path from elsewhere is never loaded. A file that fails to load,
@@ -87,6 +88,14 @@ def saves_graphs(kwargs: dict[str, Any]) -> bool:
         and not options.get("freezing")
         and hasattr(torch.compiler, "load_compiled_function")
     )
+
+
+def plain_weights(model) -> bool:
+    """Whether every parameter of ``model`` is a plain tensor. Saving a graph pickles its guards, which
+    builds an empty copy of each weight; torchao's quantized weights (``Int8Tensor``) implement no
+    ``empty_like``, so a graph of theirs would be compiled for nothing before the save failed (and
+    compiled again the usual way): such models are compiled the usual way at once."""
+    return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
 
 
 def artifact_key(model, shape_key: tuple, kwargs: dict[str, Any]) -> str:
