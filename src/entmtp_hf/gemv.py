@@ -22,9 +22,9 @@ The C++ sources (``csrc/gemv.cpp``, and ``csrc/attention.cpp``: the decode atten
 graphs run, :func:`~entmtp_hf.decoding.attention.graph_attention`) are compiled into one extension
 at first use with torch's extension builder (a C++ compiler and ninja; about 40 s, announced) in
 the user cache folder, keyed by the sources, the flags and the torch version, and loaded from there
-by later processes. The extension gives eager calls Python functions and compiled graphs two
-operators, ``entmtp_hf_cpu::gemv`` and ``entmtp_hf_cpu::decode_attention`` (``csrc/module.cpp``),
-which a graph calls through the dispatcher with no Python in between. Where it cannot be built or
+by later processes. The extension gives eager calls Python functions and compiled graphs three
+operators, ``entmtp_hf_cpu::gemv``, ``entmtp_hf_cpu::gemv_int8`` and ``entmtp_hf_cpu::decode_attention``
+(``csrc/module.cpp``), which a graph calls through the dispatcher with no Python in between. Where it cannot be built or
 run (not x86-64 with AVX2, no compiler) :func:`unavailable` says why and the other kernels (and
 ``sdpa``) are used.
 """
