@@ -185,54 +185,75 @@ void tiles_range(const float* x, const W* w, const float* b, W* y, int64_t M, in
 
 }  // namespace
 
-// x [..., K] and weight [N, K] (contiguous) both float32 or both bfloat16, bias [N] of that dtype
-// or None -> [..., N] of that dtype.
 namespace {
 
-// The rows of xs (contiguous float32 or bfloat16) as float32: xs's own data, or widened into `keep`.
-const float* as_float(const torch::Tensor& xs, std::vector<float>& keep) {
-  if (xs.scalar_type() == at::kFloat) return xs.data_ptr<float>();
-  keep.resize(xs.numel());
-  const c10::BFloat16* xb = xs.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < xs.numel(); ++i) keep[i] = static_cast<float>(xb[i]);
-  return keep.data();
-}
-
-}  // namespace
-
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gemv: CPU tensors only");
-  const auto dtype = weight.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gemv: float32 or bfloat16 weights only");
-  TORCH_CHECK(x.scalar_type() == dtype, "gemv: x must have the weight's dtype");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "gemv: weight must be a contiguous [N, K] matrix");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "gemv: x's last dimension must be the weight's K");
+// The frame both products share: x [..., K] widened to float32 rows once (a few rows), the bias as
+// float32, y [M, N] in x's dtype, the columns split over torch's threads in contiguous ranges of
+// blocks of four (float32's tiles; 64 columns at least per task); `range(xp, bp, y, M, n0, n1)`
+// fills columns [n0, n1) of every row. Returns y shaped [..., N].
+template <typename Range>
+torch::Tensor few_rows(const char* name, const torch::Tensor& x, int64_t N, int64_t K,
+                       const c10::optional<torch::Tensor>& bias, Range range) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, name, ": x's last dimension must be the weight's K");
   torch::Tensor b32;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->numel() == N, "gemv: bias must be a [N] vector of the weight's dtype");
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N, name,
+                ": bias must be a [N] vector of x's dtype");
     b32 = bias->to(at::kFloat).contiguous();
   }
-  // x widened to float32 once (a few rows); the output written in the weight's dtype by the kernel
   const auto xs = x.reshape({-1, K}).contiguous();
   const int64_t M = xs.size(0);
   std::vector<float> widened;
-  const float* xp = as_float(xs, widened);
+  const float* xp = xs.scalar_type() == at::kFloat ? xs.data_ptr<float>() : nullptr;
+  if (!xp) {
+    widened.resize(xs.numel());
+    const c10::BFloat16* xb = xs.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < xs.numel(); ++i) widened[i] = static_cast<float>(xb[i]);
+    xp = widened.data();
+  }
   auto y = torch::empty({M, N}, xs.options());
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-  // the columns in contiguous ranges across torch's threads, in blocks of four (float32's tiles), 64
-  // columns at least per task
   at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
-    if (dtype == at::kFloat) {
-      tiles_range(xp, weight.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N, n0, n1);
-    } else {
-      stream_range(xp, weight.data_ptr<c10::BFloat16>(), nullptr, bp, y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
-    }
+    range(xp, bp, y, M, begin * 4, std::min(N, end * 4));
   });
   auto shape = x.sizes().vec();
   shape.back() = N;
   return y.view(shape);
+}
+
+}  // namespace
+
+// Why gemv does not take these tensors, or null where it does: CPU tensors, x and a contiguous
+// [N, K] weight both float32 or both bfloat16 (the graphs' operator asks it to fall back to
+// at::linear; gemv itself refuses with the reason).
+const char* gemv_refusal(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  const auto dtype = weight.scalar_type();
+  if (!x.device().is_cpu() || !weight.device().is_cpu()) return "gemv: CPU tensors only";
+  if (dtype != at::kFloat && dtype != at::kBFloat16) return "gemv: float32 or bfloat16 weights only";
+  if (x.scalar_type() != dtype) return "gemv: x must have the weight's dtype";
+  if (weight.dim() != 2 || !weight.is_contiguous()) return "gemv: weight must be a contiguous [N, K] matrix";
+  if (x.dim() < 1 || x.size(-1) != weight.size(1)) return "gemv: x's last dimension must be the weight's K";
+  if (bias.has_value() && bias->defined() &&
+      (!bias->device().is_cpu() || bias->scalar_type() != dtype || bias->numel() != weight.size(0)))
+    return "gemv: bias must be a [N] vector of the weight's dtype";
+  return nullptr;
+}
+
+// x [..., K] and weight [N, K] (contiguous) both float32 or both bfloat16, bias [N] of that dtype
+// or None -> [..., N] of that dtype.
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  const char* why = gemv_refusal(x, weight, bias);
+  TORCH_CHECK(why == nullptr, why);
+  const bool f32 = weight.scalar_type() == at::kFloat;
+  return few_rows("gemv", x, weight.size(0), weight.size(1), bias,
+                  [&](const float* xp, const float* bp, torch::Tensor& y, int64_t M, int64_t n0, int64_t n1) {
+                    const int64_t N = y.size(1), K = weight.size(1);
+                    if (f32)
+                      tiles_range(xp, weight.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N, n0, n1);
+                    else
+                      stream_range(xp, weight.data_ptr<c10::BFloat16>(), nullptr, bp, y.data_ptr<c10::BFloat16>(), M,
+                                   K, N, n0, n1);
+                  });
 }
 
 // x [..., K] float32 or bfloat16, qdata [N, K] int8 (contiguous), scale [N] (one per row, any float
@@ -241,36 +262,20 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c1
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& qdata, const torch::Tensor& scale,
                         const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && qdata.device().is_cpu() && scale.device().is_cpu(), "gemv_int8: CPU tensors only");
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gemv_int8: x must be float32 or bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "gemv_int8: x must be float32 or bfloat16");
   TORCH_CHECK(qdata.scalar_type() == at::kChar && qdata.dim() == 2 && qdata.is_contiguous(),
               "gemv_int8: qdata must be a contiguous [N, K] int8 matrix");
   const int64_t N = qdata.size(0), K = qdata.size(1);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "gemv_int8: x's last dimension must be the weight's K");
   TORCH_CHECK(scale.numel() == N && at::isFloatingType(scale.scalar_type()), "gemv_int8: scale must hold one float per row");
-  torch::Tensor b32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->numel() == N, "gemv_int8: bias must be a [N] vector of x's dtype");
-    b32 = bias->to(at::kFloat).contiguous();
-  }
   const auto s32 = scale.reshape({N}).to(at::kFloat).contiguous();
-  const auto xs = x.reshape({-1, K}).contiguous();
-  const int64_t M = xs.size(0);
-  std::vector<float> widened;
-  const float* xp = as_float(xs, widened);
-  auto y = torch::empty({M, N}, xs.options());
-  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
   const float* sp = s32.data_ptr<float>();
   const int8_t* wp = qdata.data_ptr<int8_t>();
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * 4, n1 = std::min(N, end * 4);
-    if (dtype == at::kFloat) {
-      stream_range(xp, wp, sp, bp, y.data_ptr<float>(), M, K, N, n0, n1);
-    } else {
-      stream_range(xp, wp, sp, bp, y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
-    }
-  });
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
+  return few_rows("gemv_int8", x, N, K, bias,
+                  [&](const float* xp, const float* bp, torch::Tensor& y, int64_t M, int64_t n0, int64_t n1) {
+                    if (y.scalar_type() == at::kFloat)
+                      stream_range(xp, wp, sp, bp, y.data_ptr<float>(), M, K, N, n0, n1);
+                    else
+                      stream_range(xp, wp, sp, bp, y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
+                  });
 }

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+const char* gemv_refusal(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& qdata, const torch::Tensor& scale,
                         const c10::optional<torch::Tensor>& bias);
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
@@ -12,36 +13,27 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
 
 namespace {
 
-// Whether gemv computes at::linear(x, weight, bias) for these tensors (the checks gemv makes, as a
-// test rather than an error).
-bool gemv_takes(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  const auto dtype = weight.scalar_type();
-  if (!x.device().is_cpu() || !weight.device().is_cpu()) return false;
-  if ((dtype != at::kFloat && dtype != at::kBFloat16) || x.scalar_type() != dtype) return false;
-  if (weight.dim() != 2 || !weight.is_contiguous() || x.dim() < 1 || x.size(-1) != weight.size(1)) return false;
-  if (bias.has_value() && bias->defined())
-    return bias->device().is_cpu() && bias->scalar_type() == dtype && bias->numel() == weight.size(0);
-  return true;
-}
-
 // A graph's product: gemv where it takes the tensors it is given, at::linear otherwise (a graph
 // traced for one weight may be called with another: it stays F.linear's product either way).
 torch::Tensor graph_gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  if (!gemv_takes(x, weight, bias)) return at::linear(x, weight, bias);
+  if (gemv_refusal(x, weight, bias) != nullptr) return at::linear(x, weight, bias);
   return gemv(x, weight, bias);
 }
 
-torch::Tensor gemv_meta(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+// x [..., K] times a weight of N rows -> [..., N] in x's dtype: both products' shape
+torch::Tensor product_shape(const torch::Tensor& x, int64_t N) {
   auto shape = x.sizes().vec();
-  shape.back() = weight.size(0);
+  shape.back() = N;
   return at::empty(shape, x.options());
+}
+
+torch::Tensor gemv_meta(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  return product_shape(x, weight.size(0));
 }
 
 torch::Tensor gemv_int8_meta(const torch::Tensor& x, const torch::Tensor& qdata, const torch::Tensor& scale,
                              const c10::optional<torch::Tensor>& bias) {
-  auto shape = x.sizes().vec();
-  shape.back() = qdata.size(0);
-  return at::empty(shape, x.options());
+  return product_shape(x, qdata.size(0));
 }
 
 torch::Tensor decode_attention_meta(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
