@@ -10,11 +10,13 @@ Two measurements of the demo model (``--threads`` threads), each interleaved ove
 * **forward**: the package's compiled forward (:mod:`entmtp_hf.decoding.compiled`) at 1-4 tokens on a
   static cache of 512 slots (300 filled), on ``F.linear`` (outside EntMTP's calls), on the kernels
   measured without the package's kernel, and on the kernels measured with it (the default), in
-  ``--precision`` (a bfloat16 model whose products are not routed compiles frozen: its ``F.linear``
-  row is inductor's own products).
+  ``--precision`` (a bfloat16 or int8 model whose products are not routed compiles frozen: its
+  ``F.linear`` row is inductor's own products; oneDNN takes no int8 weight-only layer, so int8 has no
+  row without the package's kernel).
 
     python scripts/product_kernels.py --out runs/product-kernels.json
     python scripts/product_kernels.py --no-products --precision bf16 --tokens 1 3 --out runs/product-kernels-bf16.json
+    python scripts/product_kernels.py --no-products --precision int8 --tokens 1 3 --out runs/product-kernels-int8.json
 """
 
 from __future__ import annotations
@@ -68,6 +70,21 @@ def products_ms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str
     return back_to_back_ms(weights, rows, rounds, runs)
 
 
+def dense(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as a plain float32 matrix (an int8 weight-only one dequantized)."""
+    parts = gemv.int8_parts(weight)
+    if parts is not None:
+        return parts[0].float() * parts[1].float().reshape(-1, 1)
+    return weight.detach().float()
+
+
+def held_bytes(weight: torch.Tensor) -> int:
+    """The bytes a forward reads of ``weight`` as the model holds it (an int8 one's values and scales)."""
+    parts = gemv.int8_parts(weight)
+    tensors = parts if parts is not None else (weight,)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
@@ -75,15 +92,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 3, 4], help="of the compiled forwards (none: none)")
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="of the products")
     ap.add_argument("--no-products", action="store_true", help="the compiled forwards only")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="of the compiled forwards")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32", help="of the compiled forwards")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if gemv.unavailable() is not None:
         raise SystemExit(f"the package's kernel is off here: {gemv.unavailable()}")
     model, _ = load_base_model(precision=args.precision)
-    weights = [m.weight.detach().float() for m in model.model.modules() if type(m) is torch.nn.Linear]
-    weights.append(model.lm_head.weight.detach().float())
+    held = [m.weight for m in model.model.modules() if type(m) is torch.nn.Linear] + [model.lm_head.weight]
+    weights = [dense(w) for w in held]
     gbs = read_bandwidth() / 1e9
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     result = {
@@ -93,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": args.threads,
         "torch": torch.__version__,
         "read_gb_per_s": round(gbs, 1),
-        "bound_ms": {"fp32": round(1e3 * nbytes / (gbs * 1e9), 1), "bf16": round(0.5e3 * nbytes / (gbs * 1e9), 1)},
+        "bound_ms": {"fp32": round(1e3 * nbytes / (gbs * 1e9), 1), "bf16": round(0.5e3 * nbytes / (gbs * 1e9), 1)}
+        | ({"int8": round(1e3 * sum(map(held_bytes, held)) / (gbs * 1e9), 1)} if args.precision == "int8" else {}),
         "products_ms": {"fp32": {}, "bf16": {}},
         "forward_ms": {},
     }
@@ -109,11 +127,11 @@ def main(argv: list[str] | None = None) -> dict:
             write_json(args.out, result)
         return result
     use_tree_attention(model)
-    models = {"F.linear": model, "kernels without gemv": deepcopy(model), "kernels": deepcopy(model)}
-    kernels = {
-        "kernels without gemv": CPUKernels(models["kernels without gemv"], gemv=False).install(),
-        "kernels": CPUKernels(models["kernels"]).install(),
-    }
+    models = {"F.linear": model, "kernels": deepcopy(model)}
+    kernels = {"kernels": CPUKernels(models["kernels"]).install()}
+    if args.precision != "int8":  # oneDNN takes no int8 weight-only layer
+        models["kernels without gemv"] = deepcopy(model)
+        kernels["kernels without gemv"] = CPUKernels(models["kernels without gemv"], gemv=False).install()
     for name, k in kernels.items():
         result[f"{name}: chosen"] = k.describe()
         print(f"{name}: {k.describe()}", flush=True)

@@ -15,7 +15,7 @@ from entmtp_hf import EntMTPConfig, enable_entmtp
 from entmtp_hf import cpu_kernels as K
 from entmtp_hf import gemv as G
 from entmtp_hf.decoding import precompiled
-from entmtp_hf.decoding.compiled import compiled_generation
+from entmtp_hf.decoding.compiled import _COMPILED_ATTR, compiled_call, compiled_generation
 from entmtp_hf.tools.models import PRECISIONS, load_base_model, precision_kwargs
 from entmtp_hf.trees.tree import Tree
 
@@ -55,24 +55,25 @@ def test_int8_weight_only_verifies_losslessly(tiny_cache, tmp_path):
 def test_int8_weight_only_layers_multiply_on_the_package_kernel_eager_and_compiled(tiny_cache, tmp_path, monkeypatch):
     """Where the CPU kernels choose ``gemv`` for torchao's int8 weight-only layers (bf16 activations, the
     LM head left in bf16, as ``precision="int8"`` loads them), eager calls multiply on the package's
-    int8 kernel and compiled graphs call it as ``entmtp_hf_cpu::gemv_int8`` on the layers' int8 values
-    and scales; EntMTP's greedy output equals plain ``generate`` on the same kernels, eager and compiled."""
+    int8 kernel and compiled graphs call it as ``entmtp_hf_cpu::gemv_int8`` on the int8 values and
+    scales the layers' dispatchers hold; EntMTP's greedy output equals plain ``generate`` on the same
+    kernels, eager and compiled. The graphs reach no tensor subclass, so they are saved whole: a later
+    process loads them, and a weight replaced after they were traced is the one they multiply by."""
     pytest.importorskip("torchao", reason="int8 needs torchao: pip install 'entmtp-hf[quant]'")
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     monkeypatch.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "gemv") for c in choices})
     monkeypatch.setenv("ENTMTP_HF_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    # int8 graphs are not saved whole, so they go through dynamo's own cache, whose per-function limit the
-    # suite's earlier compiles may have used up (past it dynamo runs the forward eagerly): an empty one
-    torch.compiler.reset()
     model, heads = tiny_cache("llama", "hydra", "mlp")
     model, heads = copy.deepcopy(model).to(torch.bfloat16), copy.deepcopy(heads).to(torch.bfloat16)
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: type(m) is torch.nn.Linear and fqn != "lm_head")
+    int8 = Int8WeightOnlyConfig()
+    quantize_(model, int8, filter_fn=lambda m, fqn: type(m) is torch.nn.Linear and fqn != "lm_head")
     assert G.int8_parts(model.model.layers[0].mlp.down_proj.weight) is not None
+    assert not precompiled.plain_weights(model)  # without the kernels a graph reads the subclass: not saved
     enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1)
     assert set(K.kernels_of(model).decoder.values()) == {"gemv"}
-    assert not precompiled.plain_weights(model)  # compiled the usual way: its guards cannot be saved
+    assert precompiled.plain_weights(model)  # the graphs read the held int8 values and scales
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
     greedy, fast = dict(max_new_tokens=20, do_sample=False), compiled_generation(max_cache_len=64)
     config = EntMTPConfig(tree=Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices)
@@ -84,3 +85,24 @@ def test_int8_weight_only_layers_multiply_on_the_package_kernel_eager_and_compil
     assert len(calls["gemv_int8"]) >= 7 * model.config.num_hidden_layers and {x[-2] for x in calls["gemv_int8"]} == {1}
     out, calls = extension_calls(lambda: model.generate(ids, **greedy, **fast, entmtp_config=config))
     assert torch.equal(out, plain) and max(x[-2] for x in calls["gemv_int8"]) > 1
+    compiled_once = compiled_call(model, fast["compile_config"]).compile_seconds
+    assert compiled_once and all(not what.endswith("loaded") for what, _ in compiled_once)
+
+    # a new process: dynamo and the model's compiled forwards forgotten, every graph loaded from disk
+    vars(model).pop(_COMPILED_ATTR)
+    torch._dynamo.reset()
+    assert torch.equal(model.generate(ids, **greedy, **fast, entmtp_config=config), plain)
+    loaded = compiled_call(model, fast["compile_config"]).compile_seconds
+    assert loaded and {what for what, _ in loaded} <= {f"{what}, loaded" for what, _ in compiled_once}
+
+    # a weight replaced by another tensor: the traced graphs multiply by the new one, as a copy
+    # compiled (here: loaded) after the replacement does
+    layer = model.model.layers[0].mlp.down_proj
+    source = torch.nn.Linear(layer.in_features, layer.out_features, bias=False).to(torch.bfloat16)
+    torch.nn.init.normal_(source.weight, std=2.0)
+    quantize_(source, int8)
+    layer.weight = source.weight
+    replaced = model.generate(ids, **greedy, **fast)
+    fresh = copy.deepcopy(model)
+    with K.kernels_of(fresh).applied():  # entering holds each layer's weight as it is now
+        assert not torch.equal(replaced, plain) and torch.equal(fresh.generate(ids, **greedy, **fast), replaced)

@@ -298,6 +298,12 @@ class _Routes:
             for dispatch in self.dispatches:
                 dispatch.refresh()
 
+    def hold_current(self) -> None:
+        """Hold again the int8 parts of each layer whose weight was replaced since (:meth:`_Dispatch.hold`)."""
+        for dispatch in self.dispatches:
+            if not dispatch.held_current():
+                dispatch.hold()
+
     def install(self) -> None:
         for dispatch in self.dispatches:
             if "forward" not in vars(dispatch.module):
@@ -329,7 +335,7 @@ class _Dispatch:
     still that one (a weight replaced within a call runs ``F.linear``).
     """
 
-    __slots__ = ("module", "kernels", "owner", "pack_rows", "measured", "ready", "__weakref__")
+    __slots__ = ("module", "kernels", "owner", "pack_rows", "measured", "ready", "int8", "int8_of", "__weakref__")
 
     def __init__(
         self, module: torch.nn.Linear, kernels: list[str], owner: _Routes, packed: torch.Tensor | None, pack_rows: int
@@ -338,6 +344,23 @@ class _Dispatch:
         weight = module.weight
         self.measured = _form(weight)
         self.ready = (weight.data_ptr(), packed, _checksum(weight)) if packed is not None else None
+        self.hold()
+
+    def hold(self) -> None:
+        """Hold the int8 values and scales of an int8 weight-only weight as it is now (:attr:`int8`, and
+        the weight they are read from, :attr:`int8_of`; both None for any other weight). A compiled graph
+        reads them from here, not through the weight: a graph that reaches a tensor subclass cannot be
+        saved (its guards would pickle an empty copy of the weight, which torchao's ``Int8Tensor`` does
+        not implement), and one that reaches only plain tensors checks only plain tensors' guards
+        per call. :meth:`held_current` is what keeps them the layer's."""
+        weight = self.module._parameters.get("weight")
+        parts = _gemv.int8_parts(weight) if weight is not None else None
+        self.int8, self.int8_of = (parts, weight) if parts is not None else (None, None)
+
+    def held_current(self) -> bool:
+        """Whether the held int8 parts (if any) are the layer's weight's: False once the weight was
+        replaced by another tensor (values written in place stay the held tensors')."""
+        return self.int8_of is None or self.module._parameters.get("weight") is self.int8_of
 
     def graph_kernel(self, rows: int) -> str:
         """What a compiled graph of ``rows`` rows, without gradients, calls for this layer: ``gemv``
@@ -355,6 +378,7 @@ class _Dispatch:
         """Fit the kernels to the weight as it is now (:meth:`_fit`) and file this dispatcher under
         that weight for the compiled graphs' operator."""
         self._fit()
+        self.hold()
         if self.ready is not None:
             _DISPATCH_BY_WEIGHT[_address(self.module.weight)] = self
 
@@ -389,6 +413,11 @@ class _Dispatch:
         m, ready = self.module, self.ready
         if torch.compiler.is_compiling():  # one operator the graph calls (:meth:`graph_kernel`)
             kind = "F.linear" if torch.is_grad_enabled() else self.graph_kernel(x.numel() // x.shape[-1])
+            if self.int8 is not None and not torch.is_grad_enabled():  # the held values, not the subclass
+                qdata, scale = self.int8
+                if kind == "gemv":
+                    return torch.ops.entmtp_hf_cpu.gemv_int8(x, qdata, scale, m.bias)
+                return _gemv.int8_linear(x, qdata, scale, m.bias)
             if kind == "gemv":
                 return _gemv.graph_gemv(x, m.weight, m.bias)
             if kind == "operator":
@@ -415,7 +444,9 @@ class _Dispatch:
 
     def __getstate__(self) -> dict:
         """Copied or pickled without the packed copy (an opaque oneDNN tensor that neither
-        ``deepcopy`` nor pickle can read): the copy packs its own weight at its first call."""
+        ``deepcopy`` nor pickle can read): the copy packs its own weight at its first call. The held
+        int8 parts travel (a deep copy of the model copies them in one memo with the weight, so the
+        copy holds its own weight's; a saved graph's guards read them)."""
         return {k: getattr(self, k) for k in self.__slots__ if k not in ("ready", "__weakref__")}
 
     def __setstate__(self, state: dict) -> None:
@@ -433,6 +464,24 @@ def applied_kernels(model) -> AbstractContextManager:
     """A block that runs on ``model``'s kernels (:meth:`CPUKernels.applied`), if it has any."""
     kernels = kernels_of(model)
     return kernels.applied() if kernels is not None else nullcontext()
+
+
+def hold_current(model) -> None:
+    """Before a compiled call of ``model``: the int8 parts its graphs read follow any weight replaced
+    since they were held (a ``load_state_dict(..., assign=True)``, say; 211 identity checks on the demo
+    model, microseconds)."""
+    kernels = kernels_of(model)
+    if kernels is not None:
+        kernels._routes.hold_current()
+
+
+def held_weights(model) -> set[int]:
+    """The ids of ``model``'s int8 weights that its compiled graphs never read: they read the values and
+    scales their layers' dispatchers hold (:meth:`_Dispatch.hold`)."""
+    kernels = kernels_of(model)
+    if kernels is None:
+        return set()
+    return {id(d.int8_of) for d in kernels._routes.dispatches if d.int8_of is not None and d.held_current()}
 
 
 def kernel_routing(model) -> list[str]:

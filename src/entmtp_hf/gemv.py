@@ -119,6 +119,14 @@ def graph_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return torch.ops.entmtp_hf_cpu.gemv(x, weight, bias)
 
 
+def int8_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of an int8 weight-only weight given as its values and per-row scales (:func:`int8_parts`),
+    computed as torchao's ``Int8Tensor`` computes it: the product in ``x``'s dtype, then the scales, then
+    the bias."""
+    y = F.linear(x, qdata.to(x.dtype)) * scale.to(x.dtype).flatten()
+    return y if bias is None else y + bias
+
+
 @torch.compiler.assume_constant_result  # asked while tracing: a constant of the graph, not a break
 def graph_operator() -> bool:
     """Whether compiled graphs may call the kernel as the extension's operator (``entmtp_hf_cpu::gemv``,

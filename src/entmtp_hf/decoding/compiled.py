@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from transformers import CompileConfig
 
 from ..costs.fingerprint import machine_fingerprint, quantization_of
-from ..cpu_kernels import kernel_routing
+from ..cpu_kernels import hold_current, kernel_routing
 from ..errors import EntMTPError
 from ..paths import cache_dir
 from . import precompiled
@@ -194,6 +194,7 @@ class CompiledForward:
         self.warned_limit = False
 
     def __call__(self, **kwargs: Any) -> Any:
+        hold_current(self._model)
         key = (_shape_key(kwargs), self._model.training)
         graph = self._graphs.get(key)
         if graph is not None:

@@ -19,7 +19,8 @@ transformers; a loaded graph is used only while the source of every function it 
 (:func:`~entmtp_hf.decoding.compiled.compile_folder`) already separates machines, models, dtypes
 and quantizations. Only graphs whose weights stay inputs are saved: a ``freezing`` compile folds
 the weights into the graph, and a key cannot tell two checkpoints of one architecture apart; and
-only those of models whose weights are plain tensors (:func:`plain_weights`).
+only those whose weights are plain tensors (:func:`plain_weights`; an int8 model's graphs read
+its layers' int8 values and scales as plain tensors where the CPU kernels route them).
 
 The files are pickles written by this package into the user's own cache folder, trusted as
 inductor trusts its caches there; a path from elsewhere is never loaded. A file that fails to load,
@@ -43,6 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 import transformers
 
+from ..cpu_kernels import held_weights
 from ..heads import HEADS_ATTR
 from .attention import graph_attention
 
@@ -91,11 +93,14 @@ def saves_graphs(kwargs: dict[str, Any]) -> bool:
 
 
 def plain_weights(model) -> bool:
-    """Whether every parameter of ``model`` is a plain tensor. Saving a graph pickles its guards, which
-    builds an empty copy of each weight; torchao's quantized weights (``Int8Tensor``) implement no
-    ``empty_like``, so a graph of theirs would be compiled for nothing before the save failed (and
+    """Whether every weight a graph of ``model`` reads is a plain tensor: every parameter is one, or is
+    an int8 weight that the graph reads as the values and scales its layer's CPU kernel holds
+    (:func:`~entmtp_hf.cpu_kernels.held_weights`). Saving a graph pickles its guards, which builds an
+    empty copy of each weight they reach; torchao's quantized weights (``Int8Tensor``) implement no
+    ``empty_like``, so a graph reaching one would be compiled for nothing before the save failed (and
     compiled again the usual way): such models are compiled the usual way at once."""
-    return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
+    held = held_weights(model)
+    return all(type(p) in (torch.Tensor, torch.nn.Parameter) or id(p) in held for p in model.parameters())
 
 
 def artifact_key(model, shape_key: tuple, kwargs: dict[str, Any]) -> str:
@@ -187,11 +192,21 @@ def _kept(model) -> Iterator[None]:
     guards pickles the model, and pickling an EntMTP model takes off transformers' output-capturing
     hooks and their mark (closures, which pickle cannot store; see ``entmtp_hf.integration``):
     without them the next trace would meet transformers installing them under a lock, which
-    dynamo cannot trace."""
+    dynamo cannot trace. The block runs without what the guards' pickler cannot store and no forward
+    reads: the per-module ``extra_repr`` that torchao's ``quantize_`` sets (a method of a
+    ``functools.partial``; only ``repr`` reads it), and the weights' ``.grad`` left by training (the
+    pickler stores a weight's gradient only as a placeholder, which the load then refuses)."""
     before = [(m, dict(m._forward_hooks), dict(vars(m))) for m in model.modules()]
+    grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    for module in model.modules():
+        vars(module).pop("extra_repr", None)
+    for p, _ in grads:
+        p.grad = None
     try:
         yield
     finally:
+        for p, grad in grads:
+            p.grad = grad
         for module, hooks, attrs in before:
             for key, hook in hooks.items():
                 module._forward_hooks.setdefault(key, hook)
