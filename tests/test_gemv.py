@@ -110,6 +110,11 @@ def test_int8_weights_with_a_scale_per_row_multiply_in_float32(k):
     assert whole.shape == (2, 3, 37)
     rows = [ext.gemv_int8(x[i : i + 1, j : j + 1], qdata, scale, None) for i in range(2) for j in range(3)]
     assert torch.equal(whole.reshape(6, 37), torch.cat(rows).reshape(6, 37))
+    # scales read in their own dtype (float32, bfloat16) or converted (float64, a strided view): the same
+    # products as with the float32 values of those scales
+    strided = torch.stack([scale.reshape(-1), scale.reshape(-1)], 1)[:, 0]
+    for scales in (scale.bfloat16(), scale.double(), strided):
+        assert torch.equal(ext.gemv_int8(x, qdata, scales, None), ext.gemv_int8(x, qdata, scales.float(), None))
     with pytest.raises(RuntimeError, match="contiguous"):
         ext.gemv_int8(x, qdata.t().contiguous().t(), scale, None)
     with pytest.raises(RuntimeError, match="one float per row"):

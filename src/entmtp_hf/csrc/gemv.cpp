@@ -74,8 +74,8 @@ inline void row_dots(const float* x, const W* wn, int64_t K, bool fetch, const W
 // the rows of x two at a time (the row stays in L1 for the later pairs: W is read from memory once
 // whatever M is; widening it again per pair measured faster than keeping a float32 copy of it). An
 // int8 row's sums are multiplied by its scale; then the bias; the output rounded once to Y.
-template <typename W, typename Y>
-void stream_range(const float* x, const W* w, const float* scale, const float* b, Y* y, int64_t M, int64_t K,
+template <typename W, typename Y, typename S>
+void stream_range(const float* x, const W* w, const S* scale, const float* b, Y* y, int64_t M, int64_t K,
                   int64_t N, int64_t n0, int64_t n1) {
   const W* end = w + n1 * K;
   float out[2];
@@ -88,7 +88,7 @@ void stream_range(const float* x, const W* w, const float* scale, const float* b
       else
         row_dots<1>(x + m * K, wn, K, m == 0, end, out);
       for (int i = 0; i < g; ++i) {
-        float v = scale ? out[i] * scale[n] : out[i];
+        float v = scale ? out[i] * static_cast<float>(scale[n]) : out[i];
         y[(m + i) * N + n] = static_cast<Y>(b ? v + b[n] : v);
       }
     }
@@ -251,8 +251,8 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c1
                     if (f32)
                       tiles_range(xp, weight.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N, n0, n1);
                     else
-                      stream_range(xp, weight.data_ptr<c10::BFloat16>(), nullptr, bp, y.data_ptr<c10::BFloat16>(), M,
-                                   K, N, n0, n1);
+                      stream_range(xp, weight.data_ptr<c10::BFloat16>(), static_cast<const float*>(nullptr), bp,
+                                   y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
                   });
 }
 
@@ -268,14 +268,20 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& qdata, cons
               "gemv_int8: qdata must be a contiguous [N, K] int8 matrix");
   const int64_t N = qdata.size(0), K = qdata.size(1);
   TORCH_CHECK(scale.numel() == N && at::isFloatingType(scale.scalar_type()), "gemv_int8: scale must hold one float per row");
-  const auto s32 = scale.reshape({N}).to(at::kFloat).contiguous();
-  const float* sp = s32.data_ptr<float>();
+  // the scales read in their own dtype where it is float32 or bfloat16 (a bfloat16 widens exactly):
+  // no conversion allocated per call
+  const bool own = scale.is_contiguous() && (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16);
+  const auto sc = own ? scale : scale.reshape({N}).to(at::kFloat).contiguous();
   const int8_t* wp = qdata.data_ptr<int8_t>();
-  return few_rows("gemv_int8", x, N, K, bias,
-                  [&](const float* xp, const float* bp, torch::Tensor& y, int64_t M, int64_t n0, int64_t n1) {
-                    if (y.scalar_type() == at::kFloat)
-                      stream_range(xp, wp, sp, bp, y.data_ptr<float>(), M, K, N, n0, n1);
-                    else
-                      stream_range(xp, wp, sp, bp, y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
-                  });
+  const auto run = [&](auto* sp) {
+    return few_rows("gemv_int8", x, N, K, bias,
+                    [&](const float* xp, const float* bp, torch::Tensor& y, int64_t M, int64_t n0, int64_t n1) {
+                      if (y.scalar_type() == at::kFloat)
+                        stream_range(xp, wp, sp, bp, y.data_ptr<float>(), M, K, N, n0, n1);
+                      else
+                        stream_range(xp, wp, sp, bp, y.data_ptr<c10::BFloat16>(), M, K, N, n0, n1);
+                    });
+  };
+  if (sc.scalar_type() == at::kBFloat16) return run(static_cast<const c10::BFloat16*>(sc.data_ptr<c10::BFloat16>()));
+  return run(static_cast<const float*>(sc.data_ptr<float>()));
 }
