@@ -80,6 +80,9 @@ def test_int8_weight_only_layers_multiply_on_the_package_kernel_eager_and_compil
     with K.kernels_of(model).applied():
         eager = model.generate(ids, **greedy)
     assert torch.equal(model.generate(ids, **greedy, entmtp_config=config), eager)
+    copied = copy.deepcopy(model)
+    with torch.inference_mode():  # the copy fits its kernels afresh, on weights made outside inference mode
+        assert torch.equal(copied.generate(ids, **greedy, entmtp_config=config), eager)
     with K.kernels_of(model).applied():
         plain, calls = extension_calls(lambda: model.generate(ids, **greedy, **fast))
     assert len(calls["gemv_int8"]) >= 7 * model.config.num_hidden_layers and {x[-2] for x in calls["gemv_int8"]} == {1}

@@ -155,7 +155,9 @@ def _works(layout: str, weight: torch.Tensor) -> bool:
         return False
     if layout == "gemv":
         x = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
-        if not (_gemv.takes(x, weight.detach(), None) and _gemv.unavailable() is None):
+        with torch.no_grad():  # whether it takes the weight, gradients aside (not .detach(): torchao's
+            takes = _gemv.takes(x, weight, None)  # subclass cannot detach inside inference mode)
+        if not (takes and _gemv.unavailable() is None):
             return False
     try:
         project(torch.zeros(2, weight.shape[1], dtype=weight.dtype), weight, None, layout)
