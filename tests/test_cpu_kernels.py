@@ -10,6 +10,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny import VOCAB, tiny_model
 from torch.nn.utils import parametrize
 
@@ -113,6 +114,25 @@ def test_layouts_compute_the_same_product(n, bias, dtype):
     layouts = K.HEAD_LAYOUTS if dtype == torch.float32 else K.HEAD_LAYOUTS[:2]
     for layout in layouts:
         torch.testing.assert_close(K.project(x, w, b, layout), want, rtol=1e-5, atol=1e-5)
+
+
+def test_widened_products_are_float32_products_of_the_widened_weight():
+    """``widened``: a bfloat16 or int8 weight-only weight widened to float32 (into a reused buffer or
+    not: the same values), multiplied in float32, rounded once; float32 weights are ``F.linear``'s."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((5, 24), (7, 24), (7,)))
+    scratch = K.Scratch()
+    out = K.project(x, w, b, "widened", scratch)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, K.project(x, w, b, "widened"))
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    q, scale = torch.randint(-127, 128, (7, 24), generator=g, dtype=torch.int8), torch.rand(7, 1, generator=g)
+    out = K.widened(x, q, scale, b, scratch(q.numel()).view(q.shape))
+    exact = F.linear(x.double(), q.double() * scale.double(), b.double())
+    assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+    assert K._works("widened", w) and not K._works("widened", w.float())
+    first = scratch(10)
+    assert scratch(5).data_ptr() == first.data_ptr() and scratch(1000).numel() == 1000
 
 
 def test_by_rows_fills_the_gaps_with_the_next_measured_count():

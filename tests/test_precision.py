@@ -109,3 +109,17 @@ def test_int8_weight_only_layers_multiply_on_the_package_kernel_eager_and_compil
     fresh = copy.deepcopy(model)
     with K.kernels_of(fresh).applied():  # entering holds each layer's weight as it is now
         assert not torch.equal(replaced, plain) and torch.equal(fresh.generate(ids, **greedy, **fast), replaced)
+
+    # trees on the widened float32 product (a measured choice at many rows): eager and compiled, EntMTP's
+    # output stays plain decoding's on the same kernels
+    widened, real = [], K.widened
+    monkeypatch.setattr(K, "widened", lambda *a: widened.append(1) or real(*a))
+    for d in K.kernels_of(model)._routes.dispatches:
+        if d.int8 is not None:
+            d.kernels = ["gemv", "gemv", "widened"]  # one row on gemv, two and more widened
+    with K.kernels_of(model).applied():
+        eager = model.generate(ids, **greedy)
+    assert torch.equal(model.generate(ids, **greedy, entmtp_config=config), eager) and widened
+    assert torch.equal(
+        model.generate(ids, **greedy, **fast, entmtp_config=config), model.generate(ids, **greedy, **fast)
+    )
