@@ -4,9 +4,11 @@ Two measurements of the demo model (``--threads`` threads), each interleaved ove
 
 * **products**: every ``nn.Linear`` of the decoder and the LM head back to back, as one forward runs
   them, at 1, 2, 3, 4, 6, 8 and 16 rows, by kernel: MKL (``F.linear``), oneDNN's linear on the plain
-  weight and on a copy packed for 4 rows (where this CPU packs that dtype), and the package's few-row
-  kernel (:mod:`entmtp_hf.gemv`); in float32 and in bfloat16, beside the weights' bytes over the read
-  bandwidth this process measures (the bound);
+  weight and on a copy packed for 4 rows (where this CPU packs that dtype), the package's few-row
+  kernel (:mod:`entmtp_hf.gemv`) and, in bfloat16, the float32 product of the widened weight
+  (``widened``); in float32 and in bfloat16, beside the weights' bytes over the read bandwidth this
+  process measures (the bound); with ``--precision int8`` also the decoder's int8 weight-only
+  layers on torchao's product, ``gemv`` and ``widened``;
 * **forward**: the package's compiled forward (:mod:`entmtp_hf.decoding.compiled`) at 1-4 tokens on a
   static cache of 512 slots (300 filled), on ``F.linear`` (outside EntMTP's calls), on the kernels
   measured without the package's kernel, and on the kernels measured with it (the default), in
@@ -17,6 +19,7 @@ Two measurements of the demo model (``--threads`` threads), each interleaved ove
     python scripts/product_kernels.py --out runs/product-kernels.json
     python scripts/product_kernels.py --no-products --precision bf16 --tokens 1 3 --out runs/product-kernels-bf16.json
     python scripts/product_kernels.py --no-products --precision int8 --tokens 1 3 --out runs/product-kernels-int8.json
+    python scripts/product_kernels.py --precision int8 --rows 1 4 16 64 200 --tokens --out runs/prefill-int8.json
 """
 
 from __future__ import annotations
@@ -34,14 +37,14 @@ from onednn_in_graph import back_to_back_ms, tree_inputs
 
 from entmtp_hf import gemv
 from entmtp_hf.costs.fingerprint import machine_fingerprint
-from entmtp_hf.cpu_kernels import CPUKernels
+from entmtp_hf.cpu_kernels import CPUKernels, Scratch, project
 from entmtp_hf.decoding.attention import use_tree_attention
 from entmtp_hf.decoding.compiled import compiled_call
 from entmtp_hf.tools.checkpoint import write_json
 from entmtp_hf.tools.models import load_base_model
 from entmtp_hf.tools.profile import read_bandwidth
 
-KERNELS = ("mkl", "onednn", "packed-4", "gemv")
+KERNELS = ("mkl", "onednn", "packed-4", "gemv", "widened")
 ROWS = (1, 2, 3, 4, 6, 8, 16)
 
 
@@ -58,7 +61,9 @@ def products_ms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str
         "onednn": lambda i, x: onednn(x, weights[i], None, "none", [], ""),
         "packed-4": lambda i, x: onednn(x, packed[i], None, "none", [], ""),
         "gemv": lambda i, x: gemv.gemv(x, weights[i]),
+        "widened": lambda i, x: project(x, weights[i], None, "widened", scratch),
     }
+    scratch = Scratch()
     x = torch.randn(rows, weights[0].shape[1]).to(weights[0].dtype)
     runs = {}
     for name in KERNELS:
@@ -67,6 +72,20 @@ def products_ms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str
             runs[name] = products[name]
         except (RuntimeError, IndexError):  # not for this dtype on this CPU
             pass
+    if weights[0].dtype == torch.float32:
+        runs.pop("widened", None)  # F.linear itself
+    return back_to_back_ms(weights, rows, rounds, runs)
+
+
+def int8_products_ms(weights: list[torch.Tensor], rows: int, rounds: int) -> dict[str, float]:
+    """Median ms of the int8 weight-only ``weights``' products (torchao's ``Int8Tensor``, bf16 rows) at
+    ``rows`` rows: torchao's own product, ``gemv`` and ``widened``, interleaved."""
+    scratch = Scratch()
+    runs = {
+        "torchao": lambda i, x: F.linear(x, weights[i]),
+        "gemv": lambda i, x: gemv.gemv(x, weights[i]),
+        "widened": lambda i, x: project(x, weights[i], None, "widened", scratch),
+    }
     return back_to_back_ms(weights, rows, rounds, runs)
 
 
@@ -112,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         "read_gb_per_s": round(gbs, 1),
         "bound_ms": {"fp32": round(1e3 * nbytes / (gbs * 1e9), 1), "bf16": round(0.5e3 * nbytes / (gbs * 1e9), 1)}
         | ({"int8": round(1e3 * sum(map(held_bytes, held)) / (gbs * 1e9), 1)} if args.precision == "int8" else {}),
-        "products_ms": {"fp32": {}, "bf16": {}},
+        "products_ms": {"fp32": {}, "bf16": {}} | ({"int8": {}} if args.precision == "int8" else {}),
         "forward_ms": {},
     }
     print(f"weights {nbytes / 1e6:.0f} MB, read at {gbs:.1f} GB/s: bound {result['bound_ms']} ms", flush=True)
@@ -122,6 +141,10 @@ def main(argv: list[str] | None = None) -> dict:
             result["products_ms"][precision][rows] = products_ms(typed, rows, args.rounds)
             print(f"products, {precision}, {rows} row(s): {result['products_ms'][precision][rows]}", flush=True)
         del typed
+    int8 = [w for w in held if gemv.int8_parts(w) is not None]
+    for rows in args.rows if int8 and not args.no_products else ():
+        result["products_ms"]["int8"][rows] = int8_products_ms(int8, rows, args.rounds)
+        print(f"products, int8 (the decoder's), {rows} row(s): {result['products_ms']['int8'][rows]}", flush=True)
     if not args.tokens:  # the products only
         if args.out:
             write_json(args.out, result)

@@ -7,8 +7,10 @@ several plain steps), on others it is the fastest kernel at every row count.
 
 :class:`CPUKernels` measures, for one model (and its heads) on this machine, which product is
 fastest at each row count: MKL (``F.linear``), oneDNN's linear on the plain weight, oneDNN's
-linear on a packed copy of the weight (``pack``) or, for float32 and bfloat16 on a CPU with AVX2, the package's
-own few-row product (:mod:`entmtp_hf.gemv`, ``gemv``); for the LM head also ``(W @ h.T).T``; for
+linear on a packed copy of the weight (``pack``), for float32, bfloat16 and int8 weight-only weights on
+a CPU with AVX2 the package's own few-row product (:mod:`entmtp_hf.gemv`, ``gemv``), or for bfloat16
+and int8 the float32 product of the weight widened (``widened``, what many rows such as a prompt's
+prefill run fastest on a CPU without bfloat16 instructions); for the LM head also ``(W @ h.T).T``; for
 the heads' one-row products MKL, oneDNN or ``gemv``. ``enable_entmtp`` measures them by default on a CPU
 model (seconds, said once) and installs them (:func:`kernels_of`): each routed ``nn.Linear``
 gets a dispatcher as its instance ``forward`` that runs ``F.linear`` exactly as before except
