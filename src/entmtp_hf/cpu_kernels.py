@@ -123,7 +123,7 @@ def _address(weight: torch.Tensor) -> int:
 class Scratch:
     """A float32 buffer per thread, grown to the largest request and reused: where :func:`widened`
     widens a weight. A fresh allocation of a few MB per product costs its page faults every call
-    (on the demo model's int8 layers, all of them at 64 rows: 184 ms fresh, 134 ms reused)."""
+    (the demo model's int8 layers at 64 rows took about a third longer with fresh buffers)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -179,8 +179,8 @@ def widened(
     buffer of its shape, where given), then the scales, then the bias, rounded once to ``x``'s dtype.
     Many rows at once (a prompt's prefill) then run MKL's float32 product, which a CPU without
     bfloat16 instructions runs several times faster than its bfloat16 one, and faster than ``gemv``,
-    which widens each weight row again for every two rows of ``x`` (the demo model's int8 layers at
-    200 rows: 339 against 591 ms)."""
+    which widens each weight row again for every few rows of ``x`` (the demo model's int8 layers at
+    200 rows on a 2-core Zen 2 EPYC: 392 against 622 ms)."""
     y = F.linear(x.float(), weight.float() if out is None else out.copy_(weight))
     if scale is not None:
         y = y * scale.float().flatten()
@@ -531,8 +531,8 @@ def applied_kernels(model) -> AbstractContextManager:
 
 def hold_current(model) -> None:
     """Before a compiled call of ``model``: the int8 parts its graphs read follow any weight replaced
-    since they were held (a ``load_state_dict(..., assign=True)``, say; 211 identity checks on the demo
-    model, microseconds)."""
+    since they were held (a ``load_state_dict(..., assign=True)``, say; one identity check per routed
+    layer, tens of microseconds on the demo model)."""
     kernels = kernels_of(model)
     if kernels is not None:
         kernels._routes.hold_current()
