@@ -42,7 +42,7 @@ from entmtp_hf.decoding.attention import use_tree_attention
 from entmtp_hf.decoding.compiled import compiled_call
 from entmtp_hf.tools.checkpoint import write_json
 from entmtp_hf.tools.models import load_base_model
-from entmtp_hf.tools.profile import read_bandwidth
+from entmtp_hf.tools.profile import read_bandwidth, weight_bytes
 
 KERNELS = ("mkl", "onednn", "packed-4", "gemv", "widened")
 ROWS = (1, 2, 3, 4, 6, 8, 16)
@@ -97,13 +97,6 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().float()
 
 
-def held_bytes(weight: torch.Tensor) -> int:
-    """The bytes a forward reads of ``weight`` as the model holds it (an int8 one's values and scales)."""
-    parts = gemv.int8_parts(weight)
-    tensors = parts if parts is not None else (weight,)
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
@@ -130,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "read_gb_per_s": round(gbs, 1),
         "bound_ms": {"fp32": round(1e3 * nbytes / (gbs * 1e9), 1), "bf16": round(0.5e3 * nbytes / (gbs * 1e9), 1)}
-        | ({"int8": round(1e3 * sum(map(held_bytes, held)) / (gbs * 1e9), 1)} if args.precision == "int8" else {}),
+        | ({"int8": round(1e3 * weight_bytes(model) / (gbs * 1e9), 1)} if args.precision == "int8" else {}),
         "products_ms": {"fp32": {}, "bf16": {}} | ({"int8": {}} if args.precision == "int8" else {}),
         "forward_ms": {},
     }
