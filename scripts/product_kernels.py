@@ -14,7 +14,9 @@ Two measurements of the demo model (``--threads`` threads), each interleaved ove
   measured without the package's kernel, and on the kernels measured with it (the default), in
   ``--precision`` (a bfloat16 or int8 model whose products are not routed compiles frozen: its
   ``F.linear`` row is inductor's own products; oneDNN takes no int8 weight-only layer, so int8 has no
-  row without the package's kernel).
+  row without the package's kernel); with ``--compare-options`` also the default's model compiled with
+  inductor's default options instead of the package's (which drop inductor's per-call size checks and
+  group a layer's int8 products of one input: :func:`~entmtp_hf.decoding.compiled.default_options`).
 
     python scripts/product_kernels.py --out runs/product-kernels.json
     python scripts/product_kernels.py --no-products --precision bf16 --tokens 1 3 --out runs/product-kernels-bf16.json
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from compile_forward import interleaved
 from onednn_in_graph import back_to_back_ms, tree_inputs
+from transformers import CompileConfig
 
 from entmtp_hf import gemv
 from entmtp_hf.costs.fingerprint import machine_fingerprint
@@ -105,6 +108,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="of the products")
     ap.add_argument("--no-products", action="store_true", help="the compiled forwards only")
     ap.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32", help="of the compiled forwards")
+    ap.add_argument(
+        "--compare-options",
+        action="store_true",
+        help="also the kernels' forward compiled with inductor's default options (size checks, no product groups)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -152,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
         result[f"{name}: chosen"] = k.describe()
         print(f"{name}: {k.describe()}", flush=True)
     calls = {name: compiled_call(m, None) for name, m in models.items()}
+    if args.compare_options:  # the same model and kernels, compiled with inductor's defaults
+        calls["kernels, inductor's default options"] = compiled_call(models["kernels"], CompileConfig(options={}))
 
     with torch.no_grad(), ExitStack() as stack:
         for k in kernels.values():  # entered once, as a generate call does (each entry checks the weights)

@@ -24,6 +24,7 @@ from entmtp_hf.decoding.compiled import (
     compiled_generation,
     use_compiled_decoding,
 )
+from entmtp_hf.decoding.product_groups import ProductGroups
 from entmtp_hf.errors import EntMTPError
 from entmtp_hf.gemv import unavailable as gemv_unavailable
 from entmtp_hf.trees.tree import Tree
@@ -40,11 +41,12 @@ def test_transformers_defaults_become_static_shapes_and_the_cpu_options():
         "fullgraph": False,
         "dynamic": False,
         "mode": None,
-        "options": {},
+        "options": {"size_asserts": False},
     }
     assert compile_kwargs(CompileConfig(), CPU) == compile_kwargs(None, CPU)
-    assert compile_kwargs(None, CPU, torch.bfloat16)["options"] == {"freezing": True}
-    assert compile_kwargs(None, CPU, torch.bfloat16, routed=True)["options"] == {}
+    assert compile_kwargs(None, CPU, torch.bfloat16)["options"] == {"freezing": True, "size_asserts": False}
+    routed = {"size_asserts": False, "post_grad_custom_post_pass": ProductGroups()}  # int8 products grouped
+    assert compile_kwargs(None, CPU, torch.bfloat16, routed=True)["options"] == routed
     assert compile_kwargs(None, CUDA, torch.bfloat16) == compile_kwargs(None, CUDA)
     # CUDA keeps transformers' CUDA-graph mode, with static shapes
     assert compile_kwargs(None, CUDA) == {

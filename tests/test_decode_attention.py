@@ -71,6 +71,12 @@ def test_each_query_row_is_computed_on_its_own(dtype):
     rows = [ext.decode_attention(q[:, :, i : i + 1], k, v, mask[:, :, i : i + 1], 0.125) for i in range(6)]
     rows = torch.cat(rows, 1)
     assert torch.equal(whole, rows)
+    # nor on the query heads beside it
+    heads = [
+        ext.decode_attention(q[:, h : h + 1], k[:, h // 3 : h // 3 + 1], v[:, h // 3 : h // 3 + 1], mask, 0.125)
+        for h in range(9)
+    ]
+    assert torch.equal(whole, torch.cat(heads, 2))
 
 
 def test_masked_keys_are_left_out_and_a_fully_masked_row_follows_the_formula():

@@ -122,6 +122,70 @@ def test_int8_weights_with_a_scale_per_row_multiply_in_float32(k):
 
 
 @NEEDS_IT
+@pytest.mark.parametrize("k", [40, 576, 600])
+def test_int8_weights_take_bfloat16_rows_in_blocks_of_16_bit_integers(k):
+    """bfloat16 rows meet int8 weights in integers: per block of 64 values a power-of-two scale
+    2^(E-15) (E: the exponent of the block's largest magnitude), so each value is off by at most
+    2^(E-16) and an outlier costs precision in its own block only; a non-finite value makes its
+    row's outputs NaN, as a float product would."""
+    g = torch.Generator().manual_seed(k)
+    qdata = torch.randint(-127, 128, (29, k), generator=g, dtype=torch.int8)
+    qdata[:, 0] = 0  # the outlier below multiplies zeros: the exact product does not see it
+    scale = torch.rand(29, generator=g) / 64
+    weight = qdata.double() * scale.double()[:, None]
+    x = torch.randn(3, k, generator=g)
+    x[1] = x[0]
+    x[1, 0] = 3.0e4  # in the first block of the second row only
+    x[2] *= 1e-3
+    x = x.bfloat16()
+    out = G.extension().gemv_int8(x, qdata, scale, None).double()
+
+    def fixed(rows: torch.Tensor, width: int) -> torch.Tensor:  # the rounding the docstring states
+        parts = []
+        for b in rows.double().split(width, dim=1):
+            unit = torch.exp2(torch.frexp(b.abs().amax(1, keepdim=True))[1].double() - 15)
+            parts.append(torch.round(b / unit) * unit)  # ties to even
+        return torch.cat(parts, 1)
+
+    expected = F.linear(fixed(x, 64), weight)  # then exact sums: only float32's and bfloat16's rounding left
+    assert ((out - expected).abs() <= expected.abs() * 2**-8 + (x.double().abs() @ weight.abs().T) * 2**-20).all()
+    exact = F.linear(x.double(), weight)
+    assert ((out - exact).abs() <= exact.abs() * 2**-7 + 1e-6)[[0, 2]].all()  # no outlier: as good as float32 sums
+    if k > 64:  # one scale for the whole row: the outlier's row would be far off
+        assert ((F.linear(fixed(x, k), weight) - out).abs() > out.abs() * 2**-6)[1].any()
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[0, k - 1] = bad
+        res = G.extension().gemv_int8(y, qdata, scale, None)
+        assert res[0].isnan().all() and torch.equal(res[1:], G.extension().gemv_int8(x[1:], qdata, scale, None))
+
+
+@NEEDS_IT
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_group_of_int8_products_of_one_input_equals_each_product_alone(dtype):
+    """``entmtp_hf_cpu::gemv_int8_group`` (what compiled graphs call for a layer's products of one
+    input): each output bit for bit what ``gemv_int8`` gives for its weight alone, whatever the row
+    count, the weights' sizes (not multiples of four), their scales' dtypes and biases."""
+    g = torch.Generator().manual_seed(11)
+    sizes = (37, 8, 130)
+    qdata = [torch.randint(-127, 128, (n, 96), generator=g, dtype=torch.int8) for n in sizes]
+    scales = [torch.rand(n, generator=g) / 64 for n in sizes]
+    scales[1] = scales[1].bfloat16()
+    biases = [None, torch.randn(8, generator=g).to(dtype), None]
+    group = torch.ops.entmtp_hf_cpu.gemv_int8_group
+    for rows in (1, 3, 5):
+        x = torch.randn(1, rows, 96, generator=g).to(dtype)
+        outs = group(x, qdata, scales, biases)
+        alone = [G.extension().gemv_int8(x, q, s, b) for q, s, b in zip(qdata, scales, biases)]
+        assert len(outs) == 3 and all(o.shape == (1, rows, n) for o, n in zip(outs, sizes))
+        assert all(torch.equal(o, a) for o, a in zip(outs, alone))
+    with pytest.raises(RuntimeError, match="one scale and one bias"):
+        group(x, qdata, scales[:2], biases)
+    with pytest.raises(RuntimeError, match="weight's K"):
+        group(x, [qdata[0], qdata[1][:, :50].contiguous()], scales[:2], biases[:2])
+
+
+@NEEDS_IT
 def test_where_a_gradient_is_wanted_the_layout_runs_f_linear():
     w = torch.nn.Parameter(torch.randn(8, 16))
     K.project(torch.randn(2, 16), w, None, "gemv").sum().backward()

@@ -14,7 +14,12 @@ at the row counts where it is fastest on this machine.
 bfloat16 weights are widened to float32 in registers (a bfloat16 is a float32's upper half), so
 they are read at half the bytes on CPUs without bfloat16 instructions too; sums are float32 and the
 output is rounded to bfloat16 once. int8 weight-only weights (torchao's ``Int8Tensor`` with a scale
-per row, :func:`int8_parts`) are widened likewise, their float32 sums multiplied by the row's scale.
+per row, :func:`int8_parts`) multiply float32 rows widened likewise; bfloat16 rows, the int8 models'
+activations, meet them in integers: each row held as 16-bit integers per block of 64 values with a
+power-of-two scale (exact for every value within 2^8 of its block's largest, a smaller one off by
+at most 2^-15 of that largest), sixteen weights multiplied and added per
+instruction into exact int32 sums, each block's sums scaled into float32 (widening every weight to
+float32 was what bounded int8 products). The sums are multiplied by the row's scale.
 Its output row ``i`` depends only on input row ``i`` (the sums run in the same order whatever the
 number of rows), so a tree's verification product equals the one-token product bit for bit.
 
@@ -22,11 +27,12 @@ The C++ sources (``csrc/gemv.cpp``, and ``csrc/attention.cpp``: the decode atten
 graphs run, :func:`~entmtp_hf.decoding.attention.graph_attention`) are compiled into one extension
 at first use with torch's extension builder (a C++ compiler and ninja; about 40 s, announced) in
 the user cache folder, keyed by the sources, the flags and the torch version, and loaded from there
-by later processes. The extension gives eager calls Python functions and compiled graphs three
-operators, ``entmtp_hf_cpu::gemv``, ``entmtp_hf_cpu::gemv_int8`` and ``entmtp_hf_cpu::decode_attention``
-(``csrc/module.cpp``), which a graph calls through the dispatcher with no Python in between. Where it cannot be built or
-run (not x86-64 with AVX2, no compiler) :func:`unavailable` says why and the other kernels (and
-``sdpa``) are used.
+by later processes. The extension gives eager calls Python functions and compiled graphs four
+operators, ``entmtp_hf_cpu::gemv``, ``entmtp_hf_cpu::gemv_int8``, ``entmtp_hf_cpu::gemv_int8_group`` (a
+layer's int8 products of one input in one call, :mod:`~entmtp_hf.decoding.product_groups`) and
+``entmtp_hf_cpu::decode_attention`` (``csrc/module.cpp``), which a graph calls through the
+dispatcher. Where it cannot be built or run (not x86-64 with AVX2, no compiler) :func:`unavailable`
+says why and the other kernels (and ``sdpa``) are used.
 """
 
 from __future__ import annotations

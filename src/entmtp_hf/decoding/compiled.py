@@ -48,6 +48,7 @@ from ..cpu_kernels import hold_current, kernel_routing
 from ..errors import EntMTPError
 from ..paths import cache_dir
 from . import precompiled
+from .product_groups import ProductGroups
 
 
 def default_options(device: torch.device, dtype: torch.dtype, *, routed: bool = False) -> dict[str, Any] | None:
@@ -60,10 +61,17 @@ def default_options(device: torch.device, dtype: torch.dtype, *, routed: bool = 
     layer by the weight it is given and so needs the weights as graph inputs (a bfloat16 forward of
     the demo model on a Zen 2 EPYC: see docs/performance.md). ``cpp_wrapper`` (the graph's kernels
     called from C++) is left to the user: 7% per forward there, two minutes of C++ compilation per
-    graph on two cores."""
+    graph on two cores. Every CPU graph skips inductor's per-call size and stride checks (its Python
+    wrapper checked every input and operator output per call: 818 checks of ~0.8 us in an int8
+    forward of the demo model, 1.1 ms of 11.9; dynamo's guards check the inputs already, and the
+    package's operators declare their outputs' layout); a routed model's graphs also group a layer's
+    int8 products of one input (:mod:`~entmtp_hf.decoding.product_groups`)."""
     if device.type != "cpu":
         return None
-    return {} if dtype == torch.float32 or routed else {"freezing": True}
+    options: dict[str, Any] = {"size_asserts": False}
+    if routed:  # a layer's int8 products of one input in one call (product_groups)
+        options["post_grad_custom_post_pass"] = ProductGroups()
+    return options if dtype == torch.float32 or routed else {"freezing": True, **options}
 
 
 #: attribute of a model that holds its compiled forwards, by their ``torch.compile`` keywords
