@@ -203,6 +203,44 @@ def test_row_wise_processors_run_once_for_the_whole_tree():
     assert torch.isinf(batched).any() and not torch.equal(batched, logits)
 
 
+def test_minimum_length_processors_apply_to_the_whole_tree_by_depth():
+    """``min_length`` and ``min_new_tokens`` beside row-wise warpers: applied to every node at once,
+    each in its place in the list (a top-k before or after them keeps other tokens), exactly what
+    one call per node with its own path gives; the minimum falls inside the tree."""
+    from transformers.generation.logits_process import (
+        LogitsProcessor,
+        LogitsProcessorList,
+        MinLengthLogitsProcessor,
+        MinNewTokensLengthLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+    )
+
+    from entmtp_hf.decoding.processors import process_tree_scores
+
+    class Identity(LogitsProcessor):  # not a known type: forces one call per node
+        def __call__(self, input_ids, scores):
+            return scores
+
+    buffers = Tree.from_choices(MC_SIM_7B_63).buffers()
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(buffers.num_nodes, 500, generator=g)
+    logits[:, [3, 9]] += 6  # EOS among the top-k: the order of top-k and the minimum matters
+    tokens = torch.randint(0, 500, (buffers.num_nodes,), generator=g)
+    ids = torch.randint(0, 500, (1, 7), generator=g)
+    depths = set(buffers.position_ids.tolist())
+    assert {0, 1, 2, 3} <= depths  # new tokens 2 + depth, text 7 + depth: both minimums inside the tree
+    for processors in (
+        [TopKLogitsWarper(5), MinNewTokensLengthLogitsProcessor(5, 4, [3, 9]), TemperatureLogitsWarper(0.7)],
+        [MinLengthLogitsProcessor(10, 3), TopKLogitsWarper(5)],
+    ):
+        fast = process_tree_scores(LogitsProcessorList(processors), ids, tokens, buffers, logits, row_wise=False)
+        slow = LogitsProcessorList([*processors, Identity()])
+        assert torch.equal(fast, process_tree_scores(slow, ids, tokens, buffers, logits, row_wise=False))
+        short, long = buffers.position_ids == 0, buffers.position_ids == max(depths)
+        assert torch.isinf(fast[short][:, 3]).all() and not torch.isinf(fast[long][:, 3]).any()
+
+
 # ----------------------------------------------------------------------------- sampling
 def target_joint(model, ids, temperature, top_k, length=3):
     """Exact probabilities of every continuation of ``length`` tokens under the warped model."""
