@@ -352,8 +352,8 @@ void tiles_range(const float* x, const W* w, const float* b, W* y, int64_t M, in
 
 namespace {
 
-// The frame every product shares: x [..., K] as [M, K] rows, held for the kernel by `hold(xs, M, K)` once
-// (widened to float32, or fixed16), the bias as float32, y [M, N] in x's dtype, the columns split over
+// The frame of gemv's products: x [..., K] as [M, K] rows, held for the kernel by `hold(xs, M, K)` once
+// (float32_rows), the bias as float32, y [M, N] in x's dtype, the columns split over
 // torch's threads in contiguous ranges of blocks of four (float32's tiles; 64 columns at least per
 // task); `range(held, bp, y, M, n0, n1)` fills columns [n0, n1) of every row of y [..., N].
 template <typename Hold, typename Range>
