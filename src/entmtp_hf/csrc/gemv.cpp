@@ -352,13 +352,30 @@ void tiles_range(const float* x, const W* w, const float* b, W* y, int64_t M, in
 
 namespace {
 
-// The frame of gemv's products: x [..., K] as [M, K] rows, held for the kernel by `hold(xs, M, K)` once
-// (float32_rows), the bias as float32, y [M, N] in x's dtype, the columns split over
+// x's rows as float32: its own data, or a widened bfloat16 copy
+struct Float32Rows {
+  std::vector<float> widened;
+  const float* p;
+};
+Float32Rows float32_rows(const torch::Tensor& xs) {
+  Float32Rows rows;
+  rows.p = xs.scalar_type() == at::kFloat ? xs.data_ptr<float>() : nullptr;
+  if (!rows.p) {
+    rows.widened.resize(xs.numel());
+    const c10::BFloat16* xb = xs.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < xs.numel(); ++i) rows.widened[i] = static_cast<float>(xb[i]);
+    rows.p = rows.widened.data();
+  }
+  return rows;
+}
+
+// The frame of gemv's products: x [..., K] as [M, K] rows, widened to float32 once where
+// they are bfloat16 (float32_rows), the bias as float32, y [M, N] in x's dtype, the columns split over
 // torch's threads in contiguous ranges of blocks of four (float32's tiles; 64 columns at least per
 // task); `range(held, bp, y, M, n0, n1)` fills columns [n0, n1) of every row of y [..., N].
-template <typename Hold, typename Range>
+template <typename Range>
 torch::Tensor few_rows(const char* name, const torch::Tensor& x, int64_t N, int64_t K,
-                       const c10::optional<torch::Tensor>& bias, Hold hold, Range range) {
+                       const c10::optional<torch::Tensor>& bias, Range range) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, name, ": x's last dimension must be the weight's K");
   torch::Tensor b32;
   if (bias.has_value() && bias->defined()) {
@@ -369,7 +386,7 @@ torch::Tensor few_rows(const char* name, const torch::Tensor& x, int64_t N, int6
   // no reshape, view or copy where x is contiguous already (a decode step makes ~200 of these calls)
   const auto xs = x.is_contiguous() ? x : x.contiguous();
   const int64_t M = K > 0 ? xs.numel() / K : 0;
-  const auto held = hold(xs, M, K);
+  const auto held = float32_rows(xs);
   auto shape = x.sizes().vec();
   shape.back() = N;
   auto y = torch::empty(shape, xs.options());
@@ -378,23 +395,6 @@ torch::Tensor few_rows(const char* name, const torch::Tensor& x, int64_t N, int6
     range(held, bp, y, M, begin * 4, std::min(N, end * 4));
   });
   return y;
-}
-
-// x's rows as float32: its own data, or a widened bfloat16 copy
-struct Float32Rows {
-  std::vector<float> widened;
-  const float* p;
-};
-Float32Rows float32_rows(const torch::Tensor& xs, int64_t, int64_t) {
-  Float32Rows rows;
-  rows.p = xs.scalar_type() == at::kFloat ? xs.data_ptr<float>() : nullptr;
-  if (!rows.p) {
-    rows.widened.resize(xs.numel());
-    const c10::BFloat16* xb = xs.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < xs.numel(); ++i) rows.widened[i] = static_cast<float>(xb[i]);
-    rows.p = rows.widened.data();
-  }
-  return rows;
 }
 
 // bfloat16 rows of x as fixed16 (to_fixed16)
@@ -432,7 +432,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& weight, const c1
   const char* why = gemv_refusal(x, weight, bias);
   TORCH_CHECK(why == nullptr, why);
   const bool f32 = weight.scalar_type() == at::kFloat;
-  return few_rows("gemv", x, weight.size(0), weight.size(1), bias, float32_rows,
+  return few_rows("gemv", x, weight.size(0), weight.size(1), bias,
                   [&](const Float32Rows& rows, const float* bp, torch::Tensor& y, int64_t M, int64_t n0, int64_t n1) {
                     const int64_t N = weight.size(0), K = weight.size(1);
                     const float* xp = rows.p;
@@ -519,7 +519,7 @@ std::vector<torch::Tensor> gemv_int8_group(const torch::Tensor& x, const std::ve
   }
   const bool bf16 = xs.scalar_type() == at::kBFloat16;
   const Fixed16Rows fixed = bf16 ? fixed16_rows(xs, M, K) : Fixed16Rows{};
-  const Float32Rows wide = bf16 ? Float32Rows{{}, nullptr} : float32_rows(xs, M, K);
+  const Float32Rows wide = bf16 ? Float32Rows{{}, nullptr} : float32_rows(xs);
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     for (const auto& p : parts) {
       const int64_t b0 = std::max(begin, p.first), b1 = std::min(end, p.first + (p.N + 3) / 4);
