@@ -181,3 +181,39 @@ def test_compiled_bf16_decoding_attends_with_the_kernel_and_stays_lossless(tiny_
     assert torch.equal(out, plain)
     assert max(q[2] for q in calls["decode_attention"]) > 1  # the trees' verification attended with the kernel
     assert max(x[-2] for x in calls["gemv"]) > 1  # and multiplied on it
+
+
+def test_the_drafters_few_query_attention_runs_on_it_and_computes_sdpas():
+    """An EAGLE drafter layer's attention (a few queries, no gradient wanted) runs on the kernel and
+    computes what ``sdpa`` does; training (a gradient wanted) and float64 stay on ``sdpa``."""
+    from types import SimpleNamespace
+
+    from entmtp_hf.heads.eagle import DraftAttention
+
+    config = SimpleNamespace(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    attention = DraftAttention(config, 48)
+    q_tokens, keys = 3, 40
+    x = torch.randn(2, q_tokens, 48)
+    angle = torch.randn(q_tokens, 16)
+    cos, sin = angle.cos(), angle.sin()
+    _, k, v, mask = _inputs(2, 6, 2, q_tokens, keys, 16, torch.float32, seed=4)
+    mask = mask[:, 0]  # the drafter's [B, Q, K]
+
+    def reference() -> torch.Tensor:
+        q = attention.queries(x, cos, sin)
+        return attention.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True))
+
+    with torch.no_grad():
+        out, calls = extension_calls(lambda: attention(x, cos, sin, k, v, mask))
+        want = reference()
+    assert calls.get("decode_attention")
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
+    trained, calls = extension_calls(lambda: attention(x, cos, sin, k, v, mask))
+    assert trained.requires_grad and "decode_attention" not in calls
+    torch.testing.assert_close(trained.detach(), want, atol=2e-6, rtol=1e-5)
+    attention.double()
+    x, cos, sin, k, v, mask = (t.double() for t in (x, cos, sin, k, v, mask))
+    with torch.no_grad():
+        out, calls = extension_calls(lambda: attention(x, cos, sin, k, v, mask))
+        assert "decode_attention" not in calls and torch.equal(out, reference())

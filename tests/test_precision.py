@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from op_calls import extension_calls
-from tiny import VOCAB
+from tiny import VOCAB, tiny_model
 from transformers import AutoModelForCausalLM
 
 from entmtp_hf import EntMTPConfig, enable_entmtp
@@ -16,7 +16,8 @@ from entmtp_hf import cpu_kernels as K
 from entmtp_hf import gemv as G
 from entmtp_hf.decoding import precompiled
 from entmtp_hf.decoding.compiled import _COMPILED_ATTR, compiled_call, compiled_generation
-from entmtp_hf.tools.models import PRECISIONS, load_base_model, precision_kwargs
+from entmtp_hf.heads import HydraHeads
+from entmtp_hf.tools.models import PRECISIONS, int8_output_embeddings, load_base_model, precision_kwargs
 from entmtp_hf.trees.tree import Tree
 
 
@@ -54,7 +55,7 @@ def test_int8_weight_only_verifies_losslessly(tiny_cache, tmp_path):
 @pytest.mark.skipif(G.unavailable() is not None, reason=f"the package's CPU kernels are off here: {G.unavailable()}")
 def test_int8_weight_only_layers_multiply_on_the_package_kernel_eager_and_compiled(tiny_cache, tmp_path, monkeypatch):
     """Where the CPU kernels choose ``gemv`` for torchao's int8 weight-only layers (bf16 activations, the
-    LM head left in bf16, as ``precision="int8"`` loads them), eager calls multiply on the package's
+    LM head left in bf16, as ``TorchAoConfig`` loads them), eager calls multiply on the package's
     int8 kernel and compiled graphs call it as ``entmtp_hf_cpu::gemv_int8`` on the int8 values and
     scales the layers' dispatchers hold; EntMTP's greedy output equals plain ``generate`` on the same
     kernels, eager and compiled. The graphs reach no tensor subclass, so they are saved whole: a later
@@ -126,3 +127,43 @@ def test_int8_weight_only_layers_multiply_on_the_package_kernel_eager_and_compil
     assert torch.equal(
         model.generate(ids, **greedy, **fast, entmtp_config=config), model.generate(ids, **greedy, **fast)
     )
+
+
+@pytest.mark.skipif(G.unavailable() is not None, reason=f"the package's CPU kernels are off here: {G.unavailable()}")
+def test_an_int8_lm_head_is_untied_quantized_and_drafted_from_losslessly(monkeypatch):
+    """``precision="int8"`` quantizes the LM head too (:func:`int8_output_embeddings`, as llama.cpp's Q8_0
+    files hold it): a tied head is untied first and the input embeddings keep their bf16 values. The CPU
+    kernels take the int8 head, heads that draft from the base LM rows multiply by its int8 rows on the
+    package's int8 kernel, and EntMTP's greedy output equals plain ``generate`` on the same kernels."""
+    pytest.importorskip("torchao", reason="int8 needs torchao: pip install 'entmtp-hf[quant]'")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    monkeypatch.setattr(K, "_timed_median", lambda run, choices, repeats: {c: float(c != "gemv") for c in choices})
+    model = tiny_model(seed=5).to(torch.bfloat16)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the demo model's
+    model.config.tie_word_embeddings = True
+    embeddings = model.model.embed_tokens.weight.detach().clone()
+    torch.manual_seed(5)
+    heads = HydraHeads.for_model(model, num_heads=4, arch="mlp", use_base_lm_head=True)
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: type(m) is torch.nn.Linear and fqn != "lm_head")
+    int8_output_embeddings(model)
+    head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert G.int8_parts(head) is not None and not model.config.tie_word_embeddings
+    assert type(embed) is torch.nn.Parameter and torch.equal(embed, embeddings)
+    int8_output_embeddings(model)  # quantized already: left as it is
+    assert model.get_output_embeddings().weight is head
+
+    enable_entmtp(model, heads, rows=(1, 2, 4), repeats=1)
+    kernels = K.kernels_of(model)
+    assert kernels is not None and set(kernels.lm_head.values()) == {"gemv"} and heads.lm_kernel == "gemv"
+    products, real = [], G.gemv
+    monkeypatch.setattr(G, "gemv", lambda x, w, b=None: products.append(w) or real(x, w, b))
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    greedy = dict(max_new_tokens=20, do_sample=False)
+    with kernels.applied():
+        plain = model.generate(ids, **greedy)
+    products.clear()
+    config = EntMTPConfig(tree=Tree.chain(3).union(Tree.from_choices([[1], [2]])).choices)
+    assert torch.equal(model.generate(ids, **greedy, entmtp_config=config), plain)
+    drafted = [w for w in products if w is not head and w.shape == (heads.config.draft_vocab_rows, head.shape[1])]
+    assert drafted and all(G.int8_parts(w) is not None for w in drafted)

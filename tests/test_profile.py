@@ -89,16 +89,32 @@ def test_the_report_shows_the_kernel_reference_and_both_bounds():
     assert "| 4 | 2.20 | 1.10 | 2.00x | 1.40x |" in md
 
 
-def test_the_weights_bytes_count_a_tied_matrix_once():
+class _TinyLM(torch.nn.Module):
+    """Input embeddings and an LM head, found as transformers' models expose them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+
+def test_the_weights_bytes_count_a_tied_matrix_once_and_an_untied_table_not_at_all():
     from entmtp_hf.tools.profile import weight_bytes
 
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
-    model[1].weight = model[0].weight  # tied, as the demo model's LM head is
+    model = _TinyLM()
+    model.head.weight = model.embed.weight  # tied, as the demo model's LM head is
     assert weight_bytes(model) == 10 * 4 * 4
-    model[1].weight = torch.nn.Parameter(torch.zeros(10, 4, dtype=torch.bfloat16))
-    assert weight_bytes(model) == 10 * 4 * 4 + 10 * 4 * 2
+    model.head.weight = torch.nn.Parameter(torch.zeros(10, 4, dtype=torch.bfloat16))
+    assert weight_bytes(model) == 10 * 4 * 2  # a forward reads one row of the untied table per token
     setattr(model, HEADS_ATTR, torch.nn.Linear(4, 4))  # an enabled model's drafter: not the plain forward's
-    assert weight_bytes(model) == 10 * 4 * 4 + 10 * 4 * 2
+    assert weight_bytes(model) == 10 * 4 * 2
+    plain = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    assert weight_bytes(plain) == 10 * 4 * 4 * 2  # no embeddings to tell apart: every weight counts
 
 
 def test_the_physical_bound_is_the_weights_over_the_bandwidth_and_the_report_compares_each_run():

@@ -627,10 +627,10 @@ class CPUKernels:
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
             return "the model is not on the CPU"
-        if not _onednn_takes(weight):
+        if not _routable(weight):
             return f"no kernel here takes {weight.dtype} weights"
-        if self.gemv and _works("gemv", weight):
-            return None
+        if (self.gemv and _works("gemv", weight)) or _gemv.int8_parts(weight) is not None:
+            return None  # an int8 weight-only LM head: gemv, or widened, which runs anywhere
         if not onednn_available():
             return "this torch build has no oneDNN linear"
         if not _works("onednn", weight):

@@ -212,6 +212,24 @@ def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
     return same and grouped and key.stride(-1) == 1 and value.stride(-1) == 1
 
 
+def kernel_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor | None:
+    """Attention of queries [B, H, T, d] over keys and values [B, kvH, S, d] under the additive or
+    boolean ``mask`` [B or 1, H or 1, T, S] on the package's decode attention, as [B, T, H, d]; None
+    where it does not take them (not the CPU, another dtype, more than :data:`KERNEL_MAX_TOKENS`
+    queries, a gradient wanted, the kernels not buildable here; the first call builds them, once per
+    machine). What the drafters' few-query attention runs on (PyTorch's CPU flash kernel spends most
+    of such a call around its little work)."""
+    if query.device.type != "cpu" or not _kernel_takes(query, key, value):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return None  # the kernel computes no gradient
+    if _gemv.unavailable() is not None:
+        return None
+    return torch.ops.entmtp_hf_cpu.decode_attention(query, key, value, mask, scale)
+
+
 AttentionInterface.register(ATTENTION_NAME, grouped_tree_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cpu_kernels import project
+from ..decoding.attention import kernel_attention
 from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, StopFn
 from .config import HeadsConfig
@@ -99,13 +100,14 @@ class DraftAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """Queries from ``x`` [B, Q, in] over ``keys`` / ``values`` [B, kv_heads, K, d] (the queries'
-        own included) under ``mask`` [B, Q, K] (additive)."""
+        own included) under ``mask`` [B, Q, K] (additive); on the package's decode attention where it
+        takes them (:func:`~entmtp_hf.decoding.attention.kernel_attention`)."""
+        q = self.queries(x, cos, sin)
+        out = kernel_attention(q, keys, values, mask[:, None], self.head_dim**-0.5)
+        if out is not None:  # [B, Q, heads, d]
+            return self.o_proj(out.flatten(-2))
         out = F.scaled_dot_product_attention(
-            self.queries(x, cos, sin),
-            keys,
-            values,
-            attn_mask=mask[:, None],
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            q, keys, values, attn_mask=mask[:, None], enable_gqa=self.num_heads != self.num_kv_heads
         )
         return self.merge(out)
 

@@ -194,14 +194,19 @@ def analytic_bound(trees: Sequence[dict], costs: dict[int, float], reference: fl
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the model's parameters and buffers, each storage once (tied embeddings counted once),
-    the draft heads of an enabled model left out: what one plain forward reads at least, as the LM
-    head reads the whole embedding matrix."""
+    """Bytes of the model's parameters and buffers, each storage once, the draft heads of an enabled
+    model left out: what one plain forward reads at least. Tied embeddings count once, as the LM head
+    reads the whole matrix; an untied input embedding table (``precision="int8"``'s, beside its int8
+    LM head) not at all, as a forward reads one row of it per token."""
     heads = getattr(model, HEADS_ATTR, None)
-    drafter = {id(t) for t in [*heads.parameters(), *heads.buffers()]} if isinstance(heads, torch.nn.Module) else set()
+    left_out = {id(t) for t in [*heads.parameters(), *heads.buffers()]} if isinstance(heads, torch.nn.Module) else set()
+    if hasattr(model, "get_input_embeddings") and hasattr(model, "get_output_embeddings"):
+        table = getattr(model.get_input_embeddings(), "weight", None)
+        if table is not None and table is not getattr(model.get_output_embeddings(), "weight", None):
+            left_out.add(id(table))
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
-        if id(t) in drafter:
+        if id(t) in left_out:
             continue
         try:
             key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
