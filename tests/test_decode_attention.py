@@ -137,10 +137,10 @@ def test_the_op_checks_its_inputs():
 
 def test_compiled_graphs_take_it_for_a_few_tokens_where_it_is_built(monkeypatch):
     q, k, v, _ = _inputs(1, 4, 2, 3, 8, 16, torch.float32)
-    assert A.graph_attention() == A.KERNEL and A._kernel_takes(q, k, v)
-    assert not A._kernel_takes(q.double(), k.double(), v.double())  # float64 stays on sdpa
-    assert not A._kernel_takes(q[..., :12], k[..., :12], v[..., :12])
-    assert not A._kernel_takes(torch.zeros(1, 4, A.KERNEL_MAX_TOKENS + 1, 16), k, v)
+    assert A.graph_attention() == A.KERNEL and G.kernel_takes(q, k, v)
+    assert not G.kernel_takes(q.double(), k.double(), v.double())  # float64 stays on sdpa
+    assert not G.kernel_takes(q[..., :12], k[..., :12], v[..., :12])
+    assert not G.kernel_takes(torch.zeros(1, 4, G.KERNEL_MAX_TOKENS + 1, 16), k, v)
     monkeypatch.setattr(G, "unavailable", lambda: "no compiler")
     assert A.graph_attention() == "sdpa"
 

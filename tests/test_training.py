@@ -497,5 +497,39 @@ def test_feature_layers_extend_an_eagle_drafter_at_zero_and_train(tmp_path, mode
             cache=make_cache(tmp_path / "plain" / "data", model),
             measure=False,
         )
-    with pytest.raises(ValueError, match="feature_layers fuse base states into an 'eagle' drafter"):
+    with pytest.raises(ValueError, match="feature_layers name the base states an 'eagle' or 'eagle3' drafter fuses"):
         config(tmp_path, arch="mlp", feature_layers=(0,))
+
+
+def test_an_eagle3_drafter_fuses_the_states_it_is_told_and_exports_them(tmp_path):
+    """``--feature-layers`` on eagle3: the drafter reads those three states (a cache may keep more),
+    trains, and its export names them for the engines; the last layer's output, normed in
+    transformers and unnormed in the engines, and any count but three are refused."""
+    from entmtp_hf.heads import load_heads
+    from entmtp_hf.tools.export_heads import export_heads
+
+    torch.manual_seed(0)
+    deep = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=H,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    ).eval()
+    cache = make_cache(tmp_path / "data", deep, n=6, feature_layers=[0, 1, 2, 3])
+    cfg = config(tmp_path, family="eagle", arch="eagle3", run_name="e3", feature_layers=(3, 0, 1), epochs=1)
+    assert cfg.heads_feature_layers(deep.config) == [0, 1, 3]
+    assert train_heads(cfg, deep, cache=cache, measure=False)["steps"] > 0
+    trained = DraftHeads.from_pretrained(tmp_path / "e3" / "final")
+    assert trained.feature_layers == (0, 1, 3)
+    out = export_heads(trained, "eagle3", tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+    assert load_heads(out).feature_layers == (0, 1, 3)
+    with pytest.raises(ValueError, match=r"inputs of base layers, in \[0, 3\] for this 4-layer model"):
+        config(tmp_path, family="eagle", arch="eagle3", feature_layers=(0, 1, 4)).heads_feature_layers(deep.config)
+    with pytest.raises(ValueError, match="fuses three base states"):
+        config(tmp_path, family="eagle", arch="eagle3", feature_layers=(0, 1))

@@ -251,3 +251,35 @@ def _check(module: ModuleType) -> None:
     scale, x = torch.rand(7, generator=g) / 64, torch.randn(3, 37, generator=g)
     if not torch.allclose(module.gemv_int8(x, qdata, scale, b), F.linear(x, qdata * scale[:, None], b), atol=1e-5):
         raise RuntimeError("wrong int8 products")
+
+
+#: the most query tokens the decode attention takes: it reads a head's keys once per query row, and
+#: past ~8 tokens of the demo model's 3 query heads per key/value head the flash kernel was faster
+KERNEL_MAX_TOKENS = 8
+
+
+def kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the decode attention takes these queries [B, H, T, d], keys and values [B, kvH, S, d]."""
+    if query.shape[2] > KERNEL_MAX_TOKENS:
+        return False
+    same = query.dtype == key.dtype == value.dtype and query.dtype in (torch.float32, torch.bfloat16)
+    grouped = query.shape[1] % key.shape[1] == 0 and query.shape[-1] % 8 == 0
+    return same and grouped and key.stride(-1) == 1 and value.stride(-1) == 1
+
+
+def kernel_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor | None:
+    """Attention of queries [B, H, T, d] over keys and values [B, kvH, S, d] under the additive or
+    boolean ``mask`` [B or 1, H or 1, T, S] on the package's decode attention, as [B, T, H, d]; None
+    where it does not take them (not the CPU, another dtype, more than :data:`KERNEL_MAX_TOKENS`
+    queries, a gradient wanted, the kernels not buildable here; the first call builds them, once per
+    machine). What the drafters' few-query attention runs on (PyTorch's CPU flash kernel spends most
+    of such a call around its little work)."""
+    if query.device.type != "cpu" or not kernel_takes(query, key, value):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return None  # the kernel computes no gradient
+    if unavailable() is not None:
+        return None
+    return torch.ops.entmtp_hf_cpu.decode_attention(query, key, value, mask, scale)

@@ -49,6 +49,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import gemv as _gemv
 from ..errors import EntMTPError
+from ..gemv import kernel_takes
 from ..trees.tree import TreeBuffers
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ def grouped_tree_attention(
     compiled = torch.compiler.is_compiling()
     decoding = compiled or (_VERIFYING.get() and query.shape[2] > 1)
     if plain and decoding and attention_mask is not None and query.device.type == "cpu":
-        if compiled and _kernel_takes(query, key, value) and graph_attention() == KERNEL:
+        if compiled and kernel_takes(query, key, value) and graph_attention() == KERNEL:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return torch.ops.entmtp_hf_cpu.decode_attention(query, key, value, attention_mask, scale), None
         if groups > 1:
@@ -197,37 +198,6 @@ def graph_attention() -> str:
     float32 and 32 us in bfloat16 where PyTorch's flash kernel took 59 and 332 us) where the package's
     CPU kernels are built here, else ``sdpa``. Part of a saved graph's key."""
     return KERNEL if _gemv.unavailable() is None else "sdpa"
-
-
-#: the most query tokens the decode attention takes: it reads a head's keys once per query row, and
-#: past ~8 tokens of the demo model's 3 query heads per key/value head the flash kernel was faster
-KERNEL_MAX_TOKENS = 8
-
-
-def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    if query.shape[2] > KERNEL_MAX_TOKENS:
-        return False
-    same = query.dtype == key.dtype == value.dtype and query.dtype in (torch.float32, torch.bfloat16)
-    grouped = query.shape[1] % key.shape[1] == 0 and query.shape[-1] % 8 == 0
-    return same and grouped and key.stride(-1) == 1 and value.stride(-1) == 1
-
-
-def kernel_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor | None:
-    """Attention of queries [B, H, T, d] over keys and values [B, kvH, S, d] under the additive or
-    boolean ``mask`` [B or 1, H or 1, T, S] on the package's decode attention, as [B, T, H, d]; None
-    where it does not take them (not the CPU, another dtype, more than :data:`KERNEL_MAX_TOKENS`
-    queries, a gradient wanted, the kernels not buildable here; the first call builds them, once per
-    machine). What the drafters' few-query attention runs on (PyTorch's CPU flash kernel spends most
-    of such a call around its little work)."""
-    if query.device.type != "cpu" or not _kernel_takes(query, key, value):
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        return None  # the kernel computes no gradient
-    if _gemv.unavailable() is not None:
-        return None
-    return torch.ops.entmtp_hf_cpu.decode_attention(query, key, value, mask, scale)
 
 
 AttentionInterface.register(ATTENTION_NAME, grouped_tree_attention)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cpu_kernels import project
-from ..decoding.attention import kernel_attention
+from ..gemv import kernel_attention
 from ..trees.tree import TreeBuffers
 from .base import DraftHeads, DraftState, Proposal, StopFn
 from .config import HeadsConfig
@@ -101,7 +101,7 @@ class DraftAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """Queries from ``x`` [B, Q, in] over ``keys`` / ``values`` [B, kv_heads, K, d] (the queries'
         own included) under ``mask`` [B, Q, K] (additive); on the package's decode attention where it
-        takes them (:func:`~entmtp_hf.decoding.attention.kernel_attention`)."""
+        takes them (:func:`~entmtp_hf.gemv.kernel_attention`)."""
         q = self.queries(x, cos, sin)
         out = kernel_attention(q, keys, values, mask[:, None], self.head_dim**-0.5)
         if out is not None:  # [B, Q, heads, d]

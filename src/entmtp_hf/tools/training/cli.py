@@ -21,7 +21,8 @@ _HELP = {
     "layers saved with the model in transformers' native layout (--output is then a model folder)",
     "num_layers": "(hydra) blocks per head, (eagle) decoder layers, (mtp) MTP layers",
     "feature_layers": "(eagle) comma-separated base hidden-state indices (0 = embeddings) fused into the "
-    "drafter's feature besides the last state, e.g. 2,15: their teacher cache keeps them too",
+    "drafter's feature besides the last state, e.g. 2,15; (eagle3) the three fused states, inputs of base "
+    "layers (default: 2, L/2, L-3 of an L-layer model); their teacher cache keeps them too",
     "fuse_lr": "(eagle, --feature-layers) learning rate of the fuse projection (0: --lr); it starts at zero "
     "when added to --init-from heads, so it can take a higher rate than the trained rest",
     "work_dir": "folder of the teacher cache (WORK/data) and runs (WORK/RUN); keep it out of git",

@@ -27,7 +27,8 @@ class TrainConfig:
     arch: str = "mlp"
     num_heads: int = 4
     num_layers: int = 1  # hydra: blocks per head; eagle: decoder layers; mtp: MTP layers
-    feature_layers: tuple[int, ...] = ()  # eagle: base hidden states fused into the feature besides the last
+    #: eagle: base hidden states fused into the feature besides the last; eagle3: the three fused states
+    feature_layers: tuple[int, ...] = ()
     draft_vocab_size: int = 8192
     work_dir: str = "runs/heads"
     run_name: str | None = None
@@ -101,13 +102,18 @@ class TrainConfig:
         self.sources = tuple(self.sources)
         self.feature_layers = tuple(int(i) for i in self.feature_layers)
         if self.feature_layers:
-            if self.arch != "eagle":
+            if self.arch not in ("eagle", "eagle3"):
                 raise ValueError(
-                    f"feature_layers fuse base states into an 'eagle' drafter's feature, not arch {self.arch!r}"
+                    f"feature_layers name the base states an 'eagle' or 'eagle3' drafter fuses, not arch {self.arch!r}"
                 )
             if min(self.feature_layers) < 0 or len(set(self.feature_layers)) != len(self.feature_layers):
                 raise ValueError(
                     f"feature_layers must be distinct hidden-state indices >= 0, got {self.feature_layers}"
+                )
+            if self.arch == "eagle3" and len(self.feature_layers) != 3:
+                raise ValueError(
+                    f"an eagle3 drafter fuses three base states (low, middle, high), got feature_layers "
+                    f"{self.feature_layers}"
                 )
         self.run_name = self.run_name or f"{self.family}-{self.arch}"
 
@@ -119,8 +125,22 @@ class TrainConfig:
         return self.family == "mtp"
 
     def heads_feature_layers(self, base_config) -> list[int] | None:
-        """The base hidden states the trained heads read: ``feature_layers`` then the last one, else
-        the arch's default (``None``: the last alone). The teacher cache keeps all but the last."""
+        """The base hidden states the trained heads read: (eagle) ``feature_layers`` then the last one,
+        (eagle3) the three ``feature_layers`` in ascending order, else the arch's default (``None``: the
+        last alone). The teacher cache keeps all but the last.
+
+        An eagle3 drafter's states are the inputs of base layers, each below the last layer's output:
+        transformers returns that output after the final norm, the engines before it (vLLM's
+        ``eagle_aux_hidden_state_layer_ids``), so a drafter trained on it would not serve there."""
+        if self.arch == "eagle3" and self.feature_layers:
+            depth = base_config.num_hidden_layers
+            if max(self.feature_layers) >= depth:
+                raise ValueError(
+                    f"eagle3 feature_layers must be inputs of base layers, in [0, {depth - 1}] for this "
+                    f"{depth}-layer model, got {self.feature_layers}: its last output is the normed state in "
+                    "transformers and the unnormed one in the engines"
+                )
+            return sorted(self.feature_layers)
         if self.feature_layers:
             return [*self.feature_layers, -1]
         return HEADS_REGISTRY[self.family]._default_feature_layers(base_config, self.arch)

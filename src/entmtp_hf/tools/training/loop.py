@@ -467,7 +467,8 @@ def init_heads_from(cfg: TrainConfig, model) -> DraftHeads:
     c = heads.config
     got = (c.family, c.head_arch, c.num_layers, c.draft_vocab_size, c.use_base_lm_head)
     want = (cfg.family, cfg.arch, cfg.num_layers, cfg.draft_vocab_size, uses_base_lm_head(cfg.arch))
-    fused, given = cfg.heads_feature_layers(_base(model)), c.feature_layers if c.head_arch == "eagle" else None
+    fused = cfg.heads_feature_layers(_base(model))
+    given = c.feature_layers if c.head_arch in ("eagle", "eagle3") else None
     if got != want or c.num_heads > cfg.num_heads or (given is not None and given != fused):
         raise ValueError(
             f"--init-from {cfg.init_from}: heads are {got} with {c.num_heads} heads and feature layers "
