@@ -275,6 +275,18 @@ def test_a_second_drafter_reuses_the_first_runs_teacher_cache(built, tmp_path, m
     assert len(forwards) == 1  # the one sequence recomputed to check the copy comes from this model
 
 
+def test_the_fused_states_are_an_argument_of_the_training_stage_and_checked_first(built):
+    """``--feature-layers`` reaches the training stage's arguments (a finished stage run with other
+    layers is refused); a count or arch it does not fit is refused before the data stage."""
+    opts = bd.options_from_args(_parse([*built["argv"], "--arch", "eagle3", "--feature-layers", "0,1,2"]))
+    assert opts.feature_layers == (0, 1, 2) and opts.stage_args()["train"]["feature_layers"] == (0, 1, 2)
+    assert "feature_layers" not in bd.options_from_args(_parse(built["argv"])).stage_args()["train"]
+    with pytest.raises(ValueError, match="--feature-layers: an eagle3 drafter fuses three base states"):
+        bd.options_from_args(_parse([*built["argv"], "--arch", "eagle3", "--feature-layers", "1,2"]))
+    with pytest.raises(ValueError, match="--feature-layers: feature_layers name the base states an 'eagle'"):
+        bd.options_from_args(_parse([*built["argv"], "--arch", "mlp", "--feature-layers", "1"]))
+
+
 def test_a_model_without_a_shipped_drafter_needs_heads(tmp_path):
     from entmtp_hf.demo import own_drafter
 

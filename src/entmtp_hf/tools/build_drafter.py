@@ -64,6 +64,8 @@ class BuildOptions:
     # train: the drafter (EAGLE-3 by default: the layout the serving engines load)
     arch: str = "eagle3"
     depth: int = 5
+    #: eagle3: the three fused base states (default 2, L/2, L-3); eagle: further states besides the last
+    feature_layers: tuple[int, ...] = ()
     mtp_layers: int = 1
     draft_vocab_size: int = 8192
     train_tokens: int = 800_000
@@ -98,6 +100,14 @@ class BuildOptions:
     def __post_init__(self) -> None:
         self.tasks, self.data_sources = tuple(self.tasks), tuple(self.data_sources)
         self.timed_sizes = tuple(int(n) for n in self.timed_sizes)
+        self.feature_layers = tuple(int(i) for i in self.feature_layers)
+        if self.feature_layers:  # refused now, not after the hours of the data stage
+            from .training.config import TrainConfig
+
+            try:
+                TrainConfig(arch=self.arch, feature_layers=self.feature_layers, tau_prompts=0)
+            except ValueError as e:
+                raise ValueError(f"--feature-layers: {e}") from None
         if not self.tasks:
             raise ValueError("--tasks names no task")
         if self.redo is not None and self.redo not in STAGES:
@@ -153,6 +163,7 @@ class BuildOptions:
                 "tau_prompts",
                 "seed",
                 *(("mtp_layers",) if self.arch == "mtp" else ()),  # runs of the other archs keep their arguments
+                *(("feature_layers",) if self.feature_layers else ()),  # runs with the default layers keep theirs
             ),
             "search": pick(
                 "tasks",
@@ -365,6 +376,7 @@ class _Build:
             arch=o.arch,
             num_heads=o.depth,
             num_layers=o.mtp_layers if o.arch == "mtp" else 1,
+            feature_layers=o.feature_layers,
             draft_vocab_size=o.draft_vocab_size,
             work_dir=str(self.paths.train),
             run_name="drafter",
@@ -696,6 +708,9 @@ _HELP = {
     "them too)",
     "depth": "tokens the drafter drafts ahead (heads, the EAGLE-style drafter's unrolled steps, or the depth of the "
     "trees MTP layers draft, the last layer again beyond their count)",
+    "feature_layers": "comma-separated base hidden-state indices (0 = embeddings) the drafter fuses: with --arch "
+    "eagle3 three inputs of base layers (default 2, L/2, L-3 of an L-layer model, vLLM's default too; the export "
+    "names them for the engines), with --arch eagle further states fused into the last one",
     "mtp_layers": "with --arch mtp: the MTP layers trained (transformers' use_mtp=True drafts one token per layer)",
     "draft_vocab_size": "rows of the drafting vocabulary: the most frequent tokens of the model's answers (--arch mtp: "
     "the layers train over the whole vocabulary, EntMTP drafts over these rows; 0: the whole vocabulary)",
@@ -726,7 +741,7 @@ _HELP = {
     "push_to_hub": "then push the heads to this Hub repo and the banks to REPO-banks",
     "banks_repo": "with --push-to-hub: the banks' Hub repo (default REPO-banks)",
 }
-_LISTS = {"tasks": str, "data_sources": str, "timed_sizes": int}
+_LISTS = {"tasks": str, "data_sources": str, "timed_sizes": int, "feature_layers": int}
 
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
