@@ -38,20 +38,24 @@ from entmtp_hf.tools.training import (
 V, H = 64, 32
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
+def tiny_llama(layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=V,
         hidden_size=H,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
         tie_word_embeddings=True,
     )
-    m = LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    m = tiny_llama()
     with torch.no_grad():
         m.get_output_embeddings().weight.mul_(6.0)  # sharp, position-dependent distributions
     return m
@@ -508,18 +512,7 @@ def test_an_eagle3_drafter_fuses_the_states_it_is_told_and_exports_them(tmp_path
     from entmtp_hf.heads import load_heads
     from entmtp_hf.tools.export_heads import export_heads
 
-    torch.manual_seed(0)
-    deep = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=V,
-            hidden_size=H,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-        )
-    ).eval()
+    deep = tiny_llama(layers=4)
     cache = make_cache(tmp_path / "data", deep, n=6, feature_layers=[0, 1, 2, 3])
     cfg = config(tmp_path, family="eagle", arch="eagle3", run_name="e3", feature_layers=(3, 0, 1), epochs=1)
     assert cfg.heads_feature_layers(deep.config) == [0, 1, 3]
